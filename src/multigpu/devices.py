@@ -1,0 +1,175 @@
+"""What hardware: parse device specifications into an ordered list of replica devices.
+
+Accepted everywhere a set of devices is asked for:
+
+    "cpu:2"               two replicas on the CPU (each its own "device" in every report)
+    "cuda:0,1"            CUDA devices 0 and 1;  "cuda" means every visible CUDA device
+    ["cuda:0", "cuda:1"]  a list of strings, ints (accelerator indices) or torch.device
+    [0, 1]                accelerator indices, as nn.DataParallel's device_ids
+    None                  every visible GPU, else the CPU alone
+
+The first device is the *primary device*: it holds the module's parameters, gathers the
+outputs by default and runs the optimizer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from multigpu.errors import DeviceError
+
+DeviceSpec = str | int | torch.device | Sequence[str | int | torch.device] | None
+
+_SPEC = re.compile(r"^(?P<type>[a-z]+)(?::(?P<rest>[0-9, ]+))?$")
+
+
+@dataclass(frozen=True)
+class ReplicaDevice:
+    """One replica's place: the torch device it computes on and the name reports use.
+
+    Several CPU replicas share ``torch.device("cpu")``; their labels ``cpu:0``, ``cpu:1``
+    keep them apart in tables and figures.
+    """
+
+    device: torch.device
+    label: str
+
+    @property
+    def type(self) -> str:
+        return self.device.type
+
+    def __str__(self) -> str:
+        return self.label
+
+
+def accelerator_type() -> str | None:
+    """The accelerator type visible to this process (``"cuda"``, ``"mps"``, ``"xpu"``), or None."""
+    if torch.cuda.is_available():
+        return "cuda"
+    for name in ("xpu", "mps"):
+        backend = getattr(torch, name, None)
+        if backend is not None and getattr(backend, "is_available", lambda: False)():
+            return name
+    return None
+
+
+def device_count(device_type: str) -> int:
+    """How many devices of ``device_type`` this process can see (1 for cpu and mps)."""
+    if device_type == "cuda":
+        return torch.cuda.device_count()
+    if device_type == "xpu":
+        return torch.xpu.device_count()  # type: ignore[attr-defined]
+    if device_type in ("cpu", "mps"):
+        return 1 if device_type == "cpu" or accelerator_type() == "mps" else 0
+    return 0
+
+
+def parse_devices(spec: DeviceSpec = None) -> list[ReplicaDevice]:
+    """Turn any accepted device specification into the ordered list of replica devices.
+
+    Args:
+        spec: see the module docstring for every accepted form.
+
+    Returns:
+        One :class:`ReplicaDevice` per replica; the first is the primary device.
+
+    Raises:
+        DeviceError: the specification does not parse or names a device that is not there.
+
+    Example:
+        >>> [str(d) for d in parse_devices("cpu:2")]
+        ['cpu:0', 'cpu:1']
+    """
+    if spec is None:
+        accel = accelerator_type()
+        if accel in ("cuda", "xpu"):
+            return _indexed(accel, list(range(device_count(accel))), spec)
+        return [ReplicaDevice(torch.device("cpu"), "cpu")]
+    if isinstance(spec, str):
+        return _parse_string(spec)
+    if isinstance(spec, (int, torch.device)):
+        return parse_devices([spec])
+    if isinstance(spec, Sequence):
+        if len(spec) == 0:
+            raise DeviceError("devices=[] names no device; pass e.g. devices='cpu:2' or device_ids=[0, 1]")
+        return _parse_list(list(spec))
+    raise DeviceError(f"devices={spec!r} is not a device specification; use e.g. 'cpu:2', 'cuda:0,1' or [0, 1]")
+
+
+def _parse_string(spec: str) -> list[ReplicaDevice]:
+    match = _SPEC.match(spec.strip().lower())
+    if match is None:
+        raise DeviceError(
+            f"device string {spec!r} does not parse; use 'cpu', 'cpu:2' (two CPU replicas), "
+            "'cuda', 'cuda:0,1' or a list such as ['cuda:0', 'cuda:1']"
+        )
+    device_type, rest = match["type"], match["rest"]
+    if device_type == "cpu":
+        count = int(rest) if rest else 1
+        if "," in (rest or "") or count < 1:
+            raise DeviceError(f"device string {spec!r}: 'cpu:N' takes a replica count N >= 1, e.g. 'cpu:2'")
+        return _cpu_replicas(count)
+    if rest is None:
+        return _indexed(device_type, list(range(device_count(device_type))), spec)
+    indices = [int(part) for part in rest.split(",") if part.strip()]
+    return _indexed(device_type, indices, spec)
+
+
+def _parse_list(items: list[str | int | torch.device]) -> list[ReplicaDevice]:
+    out: list[ReplicaDevice] = []
+    cpu_count = 0
+    for item in items:
+        if isinstance(item, int):
+            accel = accelerator_type()
+            if accel is None:
+                raise DeviceError(
+                    f"device index {item} names an accelerator, but none is visible to this process; "
+                    f"use devices='cpu:{len(items)}' for {len(items)} replicas on the CPU"
+                )
+            out.extend(_indexed(accel, [item], items))
+            continue
+        device = item if isinstance(item, torch.device) else _to_device(item)
+        if device.type == "cpu":
+            out.append(ReplicaDevice(torch.device("cpu"), f"cpu:{cpu_count}"))
+            cpu_count += 1
+        else:
+            out.extend(_indexed(device.type, [device.index or 0], items))
+    if cpu_count == 1 and len(out) == 1:
+        return [ReplicaDevice(torch.device("cpu"), "cpu")]
+    return out
+
+
+def _to_device(text: str) -> torch.device:
+    try:
+        return torch.device(text)
+    except (RuntimeError, ValueError) as exc:
+        raise DeviceError(f"device {text!r} does not parse ({exc}); use e.g. 'cuda:0' or 'cpu'") from exc
+
+
+def _cpu_replicas(count: int) -> list[ReplicaDevice]:
+    if count == 1:
+        return [ReplicaDevice(torch.device("cpu"), "cpu")]
+    return [ReplicaDevice(torch.device("cpu"), f"cpu:{i}") for i in range(count)]
+
+
+def _indexed(device_type: str, indices: list[int], spec: object) -> list[ReplicaDevice]:
+    available = device_count(device_type)
+    if not indices:
+        raise DeviceError(
+            f"devices={spec!r} found no visible {device_type} device; "
+            "use devices='cpu:2' to run replicas on the CPU"
+        )
+    for index in indices:
+        if index < 0 or index >= available:
+            raise DeviceError(
+                f"{device_type}:{index} (from devices={spec!r}) does not exist: this process sees "
+                f"{available} {device_type} device(s); pick indices below {available} "
+                "or use devices='cpu:2' to run on the CPU"
+            )
+    if len(set(indices)) != len(indices):
+        raise DeviceError(f"devices={spec!r} names a device twice; list each {device_type} device once")
+    return [ReplicaDevice(torch.device(device_type, i), f"{device_type}:{i}") for i in indices]

@@ -1,0 +1,31 @@
+"""Typed errors for user input. Every message names the value and says how to fix it."""
+
+from __future__ import annotations
+
+
+class MultigpuError(Exception):
+    """Base class of every error multigpu raises on purpose."""
+
+
+class DeviceError(MultigpuError, ValueError):
+    """A device specification that does not parse or names hardware that is not there."""
+
+
+class PlacementError(MultigpuError, ValueError):
+    """A module or tensor that is not where the engine needs it."""
+
+
+class ScatterError(MultigpuError, ValueError):
+    """Inputs that cannot be split into chunks (empty batch, batch sizes that disagree)."""
+
+
+class GatherError(MultigpuError, ValueError):
+    """Replica outputs that cannot be put back together."""
+
+
+class ConfigError(MultigpuError, ValueError):
+    """An option with a value outside what it accepts."""
+
+
+class CheckpointError(MultigpuError, RuntimeError):
+    """A checkpoint that cannot be written or does not match the model."""

@@ -1,0 +1,77 @@
+"""Move tensors between replica devices: scatter, broadcast, reduce-add.
+
+One interface for every device type. CUDA uses torch's coalesced primitives
+(``torch.cuda.comm``: one kernel launch per bucket instead of one per tensor); other devices
+use plain ``Tensor.to``. Copies to the device a tensor is already on are free: they return
+the tensor itself (or a view of it), which is what makes CPU replicas cost no copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def _all_cuda(devices: Sequence[torch.device]) -> bool:
+    return all(d.type == "cuda" for d in devices)
+
+
+def scatter(tensor: torch.Tensor, sizes: Sequence[int], devices: Sequence[torch.device], dim: int) -> list[torch.Tensor]:
+    """Split ``tensor`` on ``dim`` into ``sizes`` and place chunk i on ``devices[i]`` (differentiable)."""
+    chunks = tensor.split(list(sizes), dim)
+    return [chunk.to(device, non_blocking=True) for chunk, device in zip(chunks, devices)]
+
+
+def broadcast(tensor: torch.Tensor, devices: Sequence[torch.device]) -> list[torch.Tensor]:
+    """The same tensor on every device in ``devices`` (differentiable)."""
+    return [tensor.to(device, non_blocking=True) for device in devices]
+
+
+def broadcast_detached(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device]) -> list[list[torch.Tensor]]:
+    """Detached copies of ``tensors`` on each device, sharing storage where the device is the same.
+
+    Returns:
+        ``copies[i][j]`` is tensor j on device i.
+    """
+    if not tensors:
+        return [[] for _ in devices]
+    if len(devices) > 1 and _all_cuda(devices) and all(t.device == devices[0] for t in tensors):
+        from torch.cuda import comm as cuda_comm
+
+        unique = list(dict.fromkeys(devices))
+        copies = cuda_comm.broadcast_coalesced([t.detach() for t in tensors], unique)
+        by_device = dict(zip(unique, copies))
+        return [list(by_device[d]) for d in devices]
+    return [[t.detach().to(device) for t in tensors] for device in devices]
+
+
+def reduce_add(per_replica: Sequence[Sequence[torch.Tensor | None]], destination: torch.device) -> list[torch.Tensor | None]:
+    """Sum each tensor position across replicas onto ``destination``.
+
+    Args:
+        per_replica: ``per_replica[i][j]`` is replica i's tensor j (None: that replica has none).
+        destination: where the sums go (the primary device).
+
+    Returns:
+        One sum per position, or None where no replica had a tensor. The replicas' tensors are
+        consumed: the first one found may be summed into in place.
+    """
+    width = len(per_replica[0])
+    dense = all(t is not None for row in per_replica for t in row)
+    devices = [row[0].device for row in per_replica if row and row[0] is not None]
+    if dense and width and len(set(devices)) == len(per_replica) and _all_cuda(devices):
+        from torch.cuda import comm as cuda_comm
+
+        return list(cuda_comm.reduce_add_coalesced(per_replica, destination=destination.index))  # type: ignore[arg-type]
+    sums: list[torch.Tensor | None] = []
+    for j in range(width):
+        present = [t for t in (row[j] for row in per_replica) if t is not None]
+        if not present:
+            sums.append(None)
+            continue
+        total = present[0].to(destination)
+        for tensor in present[1:]:
+            total.add_(tensor.to(destination))
+        sums.append(total)
+    return sums

@@ -1,0 +1,160 @@
+"""Scatter inputs into per-replica chunks and gather replica outputs back, on any device.
+
+Scatter splits every tensor on ``dim`` with the same chunk sizes; tensors without that dim
+(scalars) and non-tensors are shared by every replica. Gather concatenates tensors on ``dim``
+on the output device, combines 0-dim outputs (a per-replica loss) by the scalar rule, and keeps
+container types. Both are plain differentiable tensor ops: the gradient of a gathered output
+flows back to the replica that produced it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+
+from multigpu.devices import ReplicaDevice
+from multigpu.errors import GatherError, ScatterError
+from multigpu.parallel import comm
+from multigpu.parallel.structure import iter_tensors, map_leaves, zip_leaves
+
+ScalarRule = Literal["mean", "sum", "stack"]
+
+
+def batch_size(inputs: Any, dim: int) -> int | None:
+    """The size of ``dim`` shared by every scatterable tensor in ``inputs`` (None: nothing to split).
+
+    Raises:
+        ScatterError: two tensors disagree on the size of ``dim``, or the batch is empty.
+    """
+    found: tuple[int, str] | None = None
+
+    def check(leaf: Any, path: str) -> None:
+        nonlocal found
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() <= dim:
+            return
+        size = leaf.size(dim)
+        if found is None:
+            found = (size, path)
+        elif size != found[0]:
+            raise ScatterError(
+                f"inputs disagree on the batch size along dim {dim}: input{found[1]} has {found[0]}, "
+                f"input{path} has {size} (shape {tuple(leaf.shape)}); pass tensors of the same batch "
+                "size, or give the shared tensor fewer dims than `dim` so every replica gets all of it"
+            )
+
+    map_leaves(check, inputs)
+    if found is None:
+        return None
+    if found[0] == 0:
+        raise ScatterError(
+            f"input{found[1]} has an empty batch (size 0 along dim {dim}); skip empty batches "
+            "before calling the model, e.g. DataLoader(..., drop_last=True)"
+        )
+    return found[0]
+
+
+def even_chunk_sizes(batch: int, replicas: int) -> list[int]:
+    """Split ``batch`` over ``replicas`` as evenly as possible, the first replicas taking the remainder.
+
+    A batch smaller than the number of replicas leaves the last replicas with 0 (they do not run).
+
+    Example:
+        >>> even_chunk_sizes(65, 2), even_chunk_sizes(3, 4)
+        ([33, 32], [1, 1, 1, 0])
+    """
+    base, extra = divmod(batch, replicas)
+    return [base + (1 if i < extra else 0) for i in range(replicas)]
+
+
+def scatter(
+    inputs: Any, chunk_sizes: Sequence[int], devices: Sequence[ReplicaDevice], dim: int
+) -> list[Any]:
+    """Split ``inputs`` into one structure per replica (only replicas with a non-zero chunk).
+
+    Args:
+        inputs: any nesting of tuples, lists, dicts, namedtuples and dataclasses.
+        chunk_sizes: one size per device in ``devices``; zeros are skipped.
+        devices: the replica devices, aligned with ``chunk_sizes``.
+        dim: the batch dimension.
+
+    Returns:
+        A list with one structure per active replica, its tensors on that replica's device.
+    """
+    active = [(size, dev) for size, dev in zip(chunk_sizes, devices) if size > 0]
+    sizes = [size for size, _ in active]
+    targets = [dev.device for _, dev in active]
+    pieces: dict[int, list[torch.Tensor]] = {}
+    for tensor in iter_tensors(inputs):
+        if id(tensor) in pieces:
+            continue
+        if tensor.dim() > dim:
+            pieces[id(tensor)] = comm.scatter(tensor, sizes, targets, dim)
+        else:
+            pieces[id(tensor)] = comm.broadcast(tensor, targets)
+
+    def take(i: int) -> Any:
+        return map_leaves(lambda leaf, _: pieces[id(leaf)][i] if isinstance(leaf, torch.Tensor) else leaf, inputs)
+
+    return [take(i) for i in range(len(active))]
+
+
+def gather(
+    outputs: Sequence[Any],
+    chunk_sizes: Sequence[int],
+    target: torch.device,
+    dim: int,
+    scalar_rule: ScalarRule = "mean",
+) -> Any:
+    """Combine the replica outputs into one structure on ``target``.
+
+    Tensors are concatenated on ``dim``. 0-dim tensors (a loss each replica computed on its
+    chunk) follow ``scalar_rule``: ``"mean"`` weights each by its chunk size, which equals a
+    mean-reduced loss over the whole batch; ``"sum"`` adds them (sum-reduced losses);
+    ``"stack"`` returns the vector of per-replica values as nn.DataParallel does. ``None``
+    stays ``None``; other non-tensors are kept when every replica agrees, else listed per replica.
+    """
+    if len(outputs) == 1:
+        return map_leaves(lambda leaf, _: _move(leaf, target), outputs[0])
+    weights = torch.tensor(chunk_sizes, dtype=torch.float64) / float(sum(chunk_sizes))
+
+    def combine(leaves: list[Any], path: str) -> Any:
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if not tensors:
+            return leaves[0] if all(_same(leaves[0], leaf) for leaf in leaves) else list(leaves)
+        if len(tensors) != len(leaves):
+            raise GatherError(f"output{path} is a tensor on some replicas and not on others; return the same types")
+        moved = [t.to(target) for t in tensors]
+        if moved[0].dim() == 0:
+            return _combine_scalars(moved, weights, scalar_rule)
+        if moved[0].dim() <= dim:
+            raise GatherError(
+                f"output{path} has shape {tuple(moved[0].shape)}, too few dims to gather on dim {dim}; "
+                "return a batch-shaped tensor or a 0-dim scalar"
+            )
+        return torch.cat(moved, dim)
+
+    return zip_leaves(combine, outputs)
+
+
+def _combine_scalars(values: list[torch.Tensor], weights: torch.Tensor, rule: ScalarRule) -> torch.Tensor:
+    stacked = torch.stack(values)
+    if rule == "stack":
+        return stacked
+    if rule == "sum":
+        return stacked.sum()
+    if not stacked.is_floating_point():
+        stacked = stacked.double()
+    return (stacked * weights.to(device=stacked.device, dtype=stacked.dtype)).sum()
+
+
+def _move(leaf: Any, target: torch.device) -> Any:
+    return leaf.to(target) if isinstance(leaf, torch.Tensor) else leaf
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a is b or a == b)
+    except Exception:  # objects whose == is not a plain bool (arrays): treat as different
+        return False

@@ -1,0 +1,1 @@
+"""Measure: step phases, per-device memory, bytes moved, bandwidth probes."""
