@@ -24,6 +24,7 @@ from multigpu.errors import DeviceError
 
 DeviceSpec = str | int | torch.device | Sequence[str | int | torch.device] | None
 
+_TYPES = ("cpu", "cuda", "xpu", "mps")
 _SPEC = re.compile(r"^(?P<type>[a-z]+)(?::(?P<rest>[0-9, ]+))?$")
 
 
@@ -108,9 +109,14 @@ def _parse_string(spec: str) -> list[ReplicaDevice]:
             "'cuda', 'cuda:0,1' or a list such as ['cuda:0', 'cuda:1']"
         )
     device_type, rest = match["type"], match["rest"]
+    if device_type not in _TYPES:
+        raise DeviceError(
+            f"device string {spec!r} does not parse: {device_type!r} is not one of {', '.join(_TYPES)}; "
+            "use e.g. 'cpu:2' or 'cuda:0,1'"
+        )
     if device_type == "cpu":
-        count = int(rest) if rest else 1
-        if "," in (rest or "") or count < 1:
+        count = int(rest) if rest and "," not in rest else (1 if not rest else 0)
+        if count < 1:
             raise DeviceError(f"device string {spec!r}: 'cpu:N' takes a replica count N >= 1, e.g. 'cpu:2'")
         return _cpu_replicas(count)
     if rest is None:
