@@ -1,0 +1,90 @@
+"""One training run of the demo: the same seed, data order and global batch for every strategy."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from multigpu.demo.data import Digits
+from multigpu.demo.model import build_cnn
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Knobs shared by every run of the demo."""
+
+    epochs: int = 20  # passes over the 1,437 training images
+    batch_size: int = 128  # the global batch: split across the replicas
+    lr: float = 0.02  # SGD learning rate (momentum 0.9); larger rates turn float rounding into visible drift
+    seed: int = 0  # model initialisation and data order
+
+
+@dataclass
+class RunResult:
+    """What one run produced: its loss curve, accuracy, speed and final weights."""
+
+    name: str
+    losses: list[float] = field(default_factory=list)
+    accuracy: float = 0.0
+    samples_per_s: float = 0.0
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def train_run(
+    name: str,
+    wrap: Callable[[nn.Module], nn.Module],
+    data: Digits,
+    config: TrainConfig,
+    on_step: Callable[[], None] = lambda: None,
+) -> RunResult:
+    """Train ``wrap(build_cnn())`` and evaluate it on the test split.
+
+    Args:
+        name: the run's name in tables and figures.
+        wrap: turns the bare model into the one to train (identity, DataParallel, ...).
+        data: the digits.
+        config: epochs, batch, learning rate and seed.
+        on_step: called after every optimizer step (progress bars).
+    """
+    torch.manual_seed(config.seed)
+    bare = build_cnn()
+    model = wrap(bare)
+    optimizer = torch.optim.SGD(bare.parameters(), lr=config.lr, momentum=0.9)
+    order = torch.Generator().manual_seed(config.seed)
+    result = RunResult(name)
+    samples, elapsed = 0, 0.0
+    for _ in range(config.epochs):
+        perm = torch.randperm(len(data.train_y), generator=order)
+        for start in range(0, len(perm), config.batch_size):
+            idx = perm[start : start + config.batch_size]
+            began = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(model(data.train_x[idx]), data.train_y[idx])
+            loss.backward()
+            optimizer.step()
+            elapsed += time.perf_counter() - began
+            samples += len(idx)
+            result.losses.append(float(loss.detach()))
+            on_step()
+    model.eval()
+    with torch.no_grad():
+        predicted = model(data.test_x).argmax(dim=1)
+    result.accuracy = float((predicted == data.test_y).float().mean())
+    result.samples_per_s = samples / elapsed
+    result.state = {k: v.detach().clone() for k, v in bare.state_dict().items()}
+    return result
+
+
+def steps_per_run(data: Digits, config: TrainConfig) -> int:
+    """Optimizer steps in one run (for progress bars)."""
+    return config.epochs * -(-len(data.train_y) // config.batch_size)
+
+
+def max_weight_difference(a: RunResult, b: RunResult) -> float:
+    """The largest absolute difference between two runs' final weights."""
+    return max(float((a.state[k] - b.state[k]).abs().max()) for k in a.state)
