@@ -9,6 +9,7 @@ and global batch; print a table and write the loss curves as a PNG.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         for name, _, wrap in plans:
             task = progress.add_task(name, total=steps_per_run(data, config))
             runs.append(
-                train_run(name, wrap, _on(data, primary), config, on_step=lambda t=task: progress.advance(t))
+                train_run(name, wrap, _on(data, primary), config, on_step=partial(progress.advance, task))
             )
     console.print(_table(runs, [p[1] for p in plans]))
     figure = plot_losses(runs, args.out / "loss_curves.png")

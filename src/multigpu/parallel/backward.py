@@ -81,6 +81,9 @@ class _ReplicaBoundary(torch.autograd.Function):
     def forward(ctx: Any, plan: BackwardPlan, n_sources: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.plan = plan
         ctx.n_sources = n_sources
+        # Outputs nobody differentiates (a replica's logits when only its loss is used) get None,
+        # not an output-sized tensor of zeros.
+        ctx.set_materialize_grads(False)
         return tuple(t.view_as(t) for t in tensors[n_sources:])
 
     @staticmethod

@@ -75,13 +75,14 @@ def proportional_sizes(batch: int, weights: Sequence[float]) -> list[int]:
     return sizes
 
 
-def build_policy(chunk_sizes: Sequence[float] | None, replicas: int) -> ChunkPolicy:
+def build_policy(chunk_sizes: Sequence[float] | str | None, replicas: int) -> ChunkPolicy:
     """Validate ``chunk_sizes`` as given to DataParallel and build its policy."""
     if chunk_sizes is None:
         return ChunkPolicy(None, replicas)
     if isinstance(chunk_sizes, str) or not isinstance(chunk_sizes, Sequence):
         raise ConfigError(
-            f"chunk_sizes={chunk_sizes!r} is not a list; pass sizes like [24, 40], weights like [0.4, 0.6], or None"
+            f"chunk_sizes={chunk_sizes!r} is not a list; pass sizes like [24, 40], weights like [0.4, 0.6], "
+            "'auto', or None"
         )
     try:
         values = tuple(float(v) if isinstance(v, float) else int(v) for v in chunk_sizes)

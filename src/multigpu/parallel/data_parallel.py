@@ -8,7 +8,8 @@ batch. What it keeps from nn.DataParallel and what it fixes is listed in the REA
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from itertools import chain
 from typing import Any
 
@@ -19,6 +20,7 @@ from multigpu.checkpoint.keys import strip_prefixes
 from multigpu.devices import DeviceSpec, ReplicaDevice, parse_devices
 from multigpu.errors import ConfigError, PlacementError
 from multigpu.parallel import backward
+from multigpu.parallel.balance import AutoBalancer, BalancePlan
 from multigpu.parallel.chunks import build_policy
 from multigpu.parallel.parallel_apply import parallel_apply
 from multigpu.parallel.replicate import replicate
@@ -41,10 +43,19 @@ class DataParallel(nn.Module):
         devices: any devices instead of ``device_ids``: ``"cpu:2"``, ``"cuda:0,1"``,
             ``["cuda:0", "cuda:1"]``. Default (neither given): every visible GPU, else the CPU.
         chunk_sizes: how to split the batch: ``None`` (even), ints summing to the batch
-            (``[24, 40]``) or float weights (``[0.4, 0.6]``).
-        scalar_outputs: how 0-dim outputs (a loss per replica) combine: ``"mean"`` weights by
-            chunk size (equals a mean-reduced loss over the batch), ``"sum"``, or ``"stack"``
-            (nn.DataParallel's vector of per-replica values).
+            (``[24, 40]``), float weights (``[0.4, 0.6]``) or ``"auto"`` (equal peak memory,
+            see :mod:`multigpu.parallel.balance`).
+        loss_fn: compute the loss on the replicas: call ``model(x, target=y)``; each replica
+            applies ``loss_fn(output, target)`` to its chunk, only the scalar losses travel to
+            the primary, and the call returns the whole-batch loss. The replicas' outputs stay on
+            their devices in ``model.replica_outputs``.
+        loss_reduction: ``"mean"`` or ``"sum"``: how the replica losses combine (default: the
+            ``reduction`` attribute of ``loss_fn``, else ``"mean"``, weighted by chunk size).
+        gather_outputs: ``False`` gathers only 0-dim outputs (a loss the model computes itself)
+            and leaves every other output on its replica (``model.replica_outputs``); the
+            returned structure holds None in their place.
+        scalar_outputs: how 0-dim outputs combine: ``"mean"`` weights by chunk size (equals a
+            mean-reduced loss over the batch), ``"sum"``, or ``"stack"`` (nn.DataParallel's vector).
         parallel_backward: run each replica's backward in its own thread (needed for CPU
             replicas to overlap). ``False`` uses the autograd engine's own path, which supports
             ``create_graph=True``.
@@ -63,7 +74,10 @@ class DataParallel(nn.Module):
         dim: int = 0,
         *,
         devices: DeviceSpec = None,
-        chunk_sizes: Sequence[float] | None = None,
+        chunk_sizes: Sequence[float] | str | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        loss_reduction: ScalarRule | None = None,
+        gather_outputs: bool = True,
         scalar_outputs: ScalarRule = "mean",
         parallel_backward: bool = True,
     ) -> None:
@@ -80,35 +94,48 @@ class DataParallel(nn.Module):
         self.src_device_obj = self.replica_devices[0].device
         self.output_device = _output_device(output_device, self.src_device_obj)
         self.dim = dim
-        self.chunk_policy = build_policy(chunk_sizes, len(self.replica_devices))
+        auto = isinstance(chunk_sizes, str) and chunk_sizes == "auto"
+        self.chunk_policy = build_policy(None if auto else chunk_sizes, len(self.replica_devices))
+        self.balancer = AutoBalancer(self.replica_devices, module) if auto else None
+        self.loss_fn = loss_fn
+        self.loss_reduction: ScalarRule = _loss_reduction(loss_fn, loss_reduction)
+        self.gather_outputs = gather_outputs
         self.scalar_outputs: ScalarRule = scalar_outputs
         self.parallel_backward = parallel_backward
+        self.replica_outputs: list[Any] = []
         self._register_state_dict_hook(_drop_module_prefix)
         self._register_load_state_dict_pre_hook(_add_module_prefix)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if len(self.replica_devices) == 1:
+        target = self._pop_target(kwargs)
+        if len(self.replica_devices) == 1 and self.loss_fn is None and self.gather_outputs:
             return self.module(*inputs, **kwargs)
         self._check_placement()
-        batch = batch_size((inputs, kwargs), self.dim)
+        batch = batch_size((inputs, kwargs, target), self.dim)
         if batch is None:  # nothing to split: the primary replica runs alone, like nn.DataParallel
-            return self.module(*inputs, **kwargs)
-        sizes = self.chunk_policy.sizes(batch)
+            sizes = [1] + [0] * (len(self.replica_devices) - 1)
+            return self._combine([self._run_one(self.module, inputs, kwargs, target)], sizes[:1])
+        return self._step(inputs, kwargs, target, self._chunk_sizes(batch, inputs, kwargs, target))
+
+    @property
+    def balance_plans(self) -> dict[int, BalancePlan]:
+        """The auto-balance plans made so far, by batch size (empty unless ``chunk_sizes="auto"``)."""
+        return dict(self.balancer.plans) if self.balancer else {}
+
+    def _step(self, inputs: Any, kwargs: dict[str, Any], target: Any, sizes: list[int]) -> Any:
         active = [dev for dev, size in zip(self.replica_devices, sizes) if size > 0]
-        with phase("scatter", nbytes=_nbytes((inputs, kwargs))):
-            chunks = scatter((inputs, kwargs), sizes, self.replica_devices, self.dim)
-        active_sizes = [s for s in sizes if s > 0]
-        if len(active) == 1:
+        with phase("scatter", nbytes=_nbytes((inputs, kwargs, target))):
+            chunks = scatter((inputs, kwargs, target), sizes, self.replica_devices, self.dim)
+        if active == self.replica_devices[:1]:  # one chunk, on the primary: no replica needed
             with phase("forward", active[0].label):
-                outputs = [self.module(*chunks[0][0], **chunks[0][1])]
+                outputs = [self._run_one(self.module, *chunks[0])]
         elif self.parallel_backward and self._needs_grad(inputs, kwargs):
             outputs = self._forward_parallel_backward(chunks, active)
         else:
             with phase("replicate", nbytes=self._param_bytes(len(active))):
                 replicas = replicate(self.module, [d.device for d in active], detach=False)
-            outputs = parallel_apply(_forward_fn(replicas.modules, chunks, active), active)
-        with phase("gather", nbytes=_nbytes(outputs)):
-            return gather(outputs, active_sizes, self.output_device, self.dim, self.scalar_outputs)
+            outputs = parallel_apply(self._replica_fn(replicas.modules, chunks, active), active)
+        return self._combine(outputs, [s for s in sizes if s > 0])
 
     def _forward_parallel_backward(self, chunks: list[Any], active: list[ReplicaDevice]) -> list[Any]:
         with phase("replicate", nbytes=self._param_bytes(len(active))):
@@ -121,7 +148,7 @@ class DataParallel(nn.Module):
             leaves: list[torch.Tensor] = []
             leaf_chunks.append(map_leaves(lambda leaf, _: _as_leaf(leaf, sources, leaves), chunk))
             input_leaves.append(leaves)
-        outputs = parallel_apply(_forward_fn(replicas.modules, leaf_chunks, active), active)
+        outputs = parallel_apply(self._replica_fn(replicas.modules, leaf_chunks, active), active)
         graphs = [
             backward.ReplicaGraph(
                 outputs=[t for t in iter_tensors(out) if t.requires_grad],
@@ -130,19 +157,74 @@ class DataParallel(nn.Module):
             )
             for i, out in enumerate(outputs)
         ]
-        plan = backward.BackwardPlan(
-            graphs=graphs,
-            devices=active,
-            primary=self.src_device_obj,
-            params=[replicas.params[j] for j in trainable],
-        )
         if not any(g.outputs for g in graphs):
             return outputs
+        plan = backward.BackwardPlan(graphs, active, self.src_device_obj, [replicas.params[j] for j in trainable])
         connected = iter(backward.connect(plan, sources))
         return [
             map_leaves(lambda t, _: next(connected) if isinstance(t, torch.Tensor) and t.requires_grad else t, out)
             for out in outputs
         ]
+
+    def _replica_fn(self, modules: list[nn.Module], chunks: list[Any], devices: list[ReplicaDevice]) -> Any:
+        def run(i: int) -> Any:
+            with phase("forward", devices[i].label):
+                return self._run_one(modules[i], *chunks[i])
+
+        return run
+
+    def _run_one(self, module: nn.Module, inputs: Any, kwargs: dict[str, Any], target: Any) -> Any:
+        """One replica's work: forward, and the loss of its chunk when DataParallel owns the loss."""
+        output = module(*inputs, **kwargs)
+        if self.loss_fn is None:
+            return output
+        return (self.loss_fn(output, target), output)
+
+    def _combine(self, outputs: list[Any], sizes: list[int]) -> Any:
+        """Gather what travels to the primary; keep the rest on the replicas."""
+        if self.loss_fn is not None:
+            self.replica_outputs = [_detached(out) for _, out in outputs]
+            outputs = [loss for loss, _ in outputs]
+            rule = self.loss_reduction
+        elif not self.gather_outputs:
+            self.replica_outputs = [_detached(out) for out in outputs]
+            outputs = [map_leaves(_scalar_or_none, out) for out in outputs]
+            rule = self.scalar_outputs
+        else:
+            rule = self.scalar_outputs
+        with phase("gather", nbytes=_nbytes(outputs)):
+            return gather(outputs, sizes, self.output_device, self.dim, rule)
+
+    def _chunk_sizes(self, batch: int, inputs: Any, kwargs: dict[str, Any], target: Any) -> list[int]:
+        if self.balancer is not None:
+            probe = partial(self._probe_step, inputs, kwargs, target)
+            planned = self.balancer.sizes(batch, probe, self)
+            if planned is not None:
+                return planned
+        return self.chunk_policy.sizes(batch)
+
+    def _probe_step(self, inputs: Any, kwargs: dict[str, Any], target: Any, sizes: list[int]) -> None:
+        """Forward and backward of the real batch for the auto-balance probe (see balance.py)."""
+        result = self._step(_detached(inputs), _detached(kwargs), target, sizes)
+        scalars = [t for t in iter_tensors(result) if t.dim() == 0 and t.requires_grad]
+        if scalars:
+            loss = torch.stack([s.float() for s in scalars]).sum()
+        else:  # the user's criterion runs on the gathered outputs: stand in for it
+            outs = [t for t in iter_tensors(result) if t.requires_grad and t.is_floating_point()]
+            if not outs:
+                return
+            loss = torch.stack([(t * t).sum().float() for t in outs]).sum()
+        loss.backward()
+
+    def _pop_target(self, kwargs: dict[str, Any]) -> Any:
+        if self.loss_fn is None:
+            return None
+        if "target" not in kwargs:
+            raise ConfigError(
+                "DataParallel(loss_fn=...) computes the loss on the replicas and needs the targets: "
+                "call model(inputs, target=targets)"
+            )
+        return kwargs.pop("target")
 
     def _param_bytes(self, replicas: int) -> int:
         """Bytes the parameter broadcast moves: every parameter to every replica (0 when not profiling)."""
@@ -171,20 +253,31 @@ class DataParallel(nn.Module):
         return f"devices=[{labels}], output_device={self.output_device}, dim={self.dim}"
 
 
+def _loss_reduction(loss_fn: Any, given: ScalarRule | None) -> ScalarRule:
+    reduction = given or getattr(loss_fn, "reduction", None) or "mean"
+    if reduction not in ("mean", "sum"):
+        raise ConfigError(
+            f"loss reduction {reduction!r} cannot be combined across replicas; use a criterion with "
+            "reduction='mean' or 'sum', or pass loss_reduction='mean'/'sum'"
+        )
+    return reduction  # type: ignore[no-any-return]
+
+
+def _detached(out: Any) -> Any:
+    return map_leaves(lambda t, _: t.detach() if isinstance(t, torch.Tensor) else t, out)
+
+
+def _scalar_or_none(leaf: Any, _: str) -> Any:
+    if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+        return None
+    return leaf
+
+
 def _nbytes(obj: Any) -> int:
     """Bytes of every tensor in ``obj`` (0 when not profiling: counting costs a walk)."""
     if not phases.active():
         return 0
     return sum(t.numel() * t.element_size() for t in iter_tensors(obj))
-
-
-def _forward_fn(modules: list[nn.Module], chunks: list[Any], devices: list[ReplicaDevice]) -> Any:
-    def run(i: int) -> Any:
-        args, kwargs = chunks[i]
-        with phase("forward", devices[i].label):
-            return modules[i](*args, **kwargs)
-
-    return run
 
 
 def _as_leaf(leaf: Any, sources: list[torch.Tensor], leaves: list[torch.Tensor]) -> Any:

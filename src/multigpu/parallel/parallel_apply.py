@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from multigpu.devices import ReplicaDevice
+from multigpu.profiling.memory import replica_scope
 
 T = TypeVar("T")
 
@@ -72,11 +73,11 @@ def parallel_apply(
     """
     state = ThreadState.capture([d.type for d in devices])
     if len(devices) == 1:
-        with _device_context(devices[0].device):
+        with _device_context(devices[0].device), replica_scope(devices[0]):
             return [_run_named(fn, 0, devices[0], what)]
 
     def task(i: int) -> T:
-        with state.entered(), _device_context(devices[i].device):
+        with state.entered(), _device_context(devices[i].device), replica_scope(devices[i]):
             return fn(i)
 
     # CPU replicas share the process's intra-op pool (torch.set_num_threads is process-wide).

@@ -117,7 +117,6 @@ def gather(
     """
     if len(outputs) == 1:
         return map_leaves(lambda leaf, _: _move(leaf, target), outputs[0])
-    weights = torch.tensor(chunk_sizes, dtype=torch.float64) / float(sum(chunk_sizes))
 
     def combine(leaves: list[Any], path: str) -> Any:
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
@@ -127,7 +126,7 @@ def gather(
             raise GatherError(f"output{path} is a tensor on some replicas and not on others; return the same types")
         moved = [t.to(target) for t in tensors]
         if moved[0].dim() == 0:
-            return _combine_scalars(moved, weights, scalar_rule)
+            return _combine_scalars(moved, chunk_sizes, scalar_rule)
         if moved[0].dim() <= dim:
             raise GatherError(
                 f"output{path} has shape {tuple(moved[0].shape)}, too few dims to gather on dim {dim}; "
@@ -138,7 +137,7 @@ def gather(
     return zip_leaves(combine, outputs)
 
 
-def _combine_scalars(values: list[torch.Tensor], weights: torch.Tensor, rule: ScalarRule) -> torch.Tensor:
+def _combine_scalars(values: list[torch.Tensor], chunk_sizes: Sequence[int], rule: ScalarRule) -> torch.Tensor:
     stacked = torch.stack(values)
     if rule == "stack":
         return stacked
@@ -146,7 +145,8 @@ def _combine_scalars(values: list[torch.Tensor], weights: torch.Tensor, rule: Sc
         return stacked.sum()
     if not stacked.is_floating_point():
         stacked = stacked.double()
-    return (stacked * weights.to(device=stacked.device, dtype=stacked.dtype)).sum()
+    weights = torch.tensor(chunk_sizes, dtype=stacked.dtype, device=stacked.device) / sum(chunk_sizes)
+    return (stacked * weights).sum()
 
 
 def _move(leaf: Any, target: torch.device) -> Any:

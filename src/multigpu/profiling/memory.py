@@ -1,0 +1,237 @@
+"""Per-device memory accounting for one training step, on CPU replicas as on CUDA.
+
+CUDA devices: the allocator's statistics (``memory_allocated`` at the start, ``max_memory_allocated``
+over the step). CPU devices: every replica runs in its own thread, so an allocation tracker (a
+``TorchDispatchMode``, which is thread-local) entered in each replica thread sees exactly the
+storages that replica's forward and backward create; a finalizer on each storage sees it freed.
+That makes DataParallel's primary-device imbalance measurable without GPUs.
+
+What each figure of a :class:`DeviceMemory` includes:
+
+* ``resident``: bytes the device holds when the step starts: the parameters (every replica holds
+  a copy; CPU replicas share the primary's storage, and the figure counts the copy a separate
+  device would hold), plus, on the primary, gradients and optimizer state left from earlier steps;
+* ``activations``: peak bytes allocated by the replica's forward and backward (activations, tensors
+  saved for backward, the replica's gradient buffers before they are summed);
+* ``gathered``: primary only: peak bytes allocated on the calling thread outside replica work:
+  gathered outputs, the loss and its backward, the gradient reduction and the optimizer step;
+* ``peak``: ``resident`` plus the peak of everything allocated during the step (on the primary,
+  activations and gathered counted together at the same instant).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from multigpu.devices import ReplicaDevice
+from multigpu.parallel.structure import iter_tensors
+
+_CATEGORIES = ("activations", "gathered")
+
+
+@dataclass
+class DeviceMemory:
+    """Peak memory of one device over one step, in bytes (see the module docstring)."""
+
+    label: str
+    resident: int
+    activations: int
+    gathered: int
+    peak: int
+    source: str  # "allocation tracker" (CPU) or "CUDA allocator"
+
+
+@dataclass
+class _Ledger:
+    """Live bytes per category of one device, and their peak; updated from several threads."""
+
+    current: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_CATEGORIES, 0))
+    peak_total: int = 0
+    peak_by_category: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_CATEGORIES, 0))
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def alloc(self, category: str, nbytes: int) -> None:
+        with self.lock:
+            self.current[category] += nbytes
+            self.peak_by_category[category] = max(self.peak_by_category[category], self.current[category])
+            self.peak_total = max(self.peak_total, sum(self.current.values()))
+
+    def free(self, category: str, nbytes: int) -> None:
+        with self.lock:
+            self.current[category] -= nbytes
+
+
+class _Tracker(TorchDispatchMode):
+    """Counts the storages that ops run on this thread create, until each is freed."""
+
+    def __init__(self, ledger: _Ledger, category: str, device: torch.device) -> None:
+        super().__init__()
+        self.ledger = ledger
+        self.category = category
+        self.device = device
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {_key(t) for t in iter_tensors((args, kwargs))}
+        for tensor in iter_tensors(out):
+            if tensor.device.type != self.device.type or tensor.device.type == "meta":
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key in inputs or key in self.seen:
+                continue
+            nbytes = storage.nbytes()
+            self.seen.add(key)
+            self.ledger.alloc(self.category, nbytes)
+            weakref.finalize(storage, self._freed, key, self.category, nbytes)
+        return out
+
+    def _freed(self, key: int, category: str, nbytes: int) -> None:
+        self.seen.discard(key)
+        self.ledger.free(category, nbytes)
+
+
+def _key(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
+        return -1
+
+
+_active: MemoryTracker | None = None
+
+
+@contextlib.contextmanager
+def replica_scope(device: ReplicaDevice) -> Iterator[None]:
+    """Called by the engine around each replica's work; counts it for that device when tracking."""
+    tracker = _active
+    if tracker is None:
+        yield
+        return
+    with tracker._scope(device):
+        yield
+
+
+class MemoryTracker:
+    """Measures per-device peak memory over the steps run inside :func:`track_memory`."""
+
+    def __init__(self, devices: list[ReplicaDevice], model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.devices = devices
+        self.ledgers = {d.label: _Ledger() for d in devices}
+        self.resident = _resident_bytes(devices, model, optimizer)
+        self.caller = threading.get_ident()
+        self._caller_trackers: list[_Tracker] = []
+
+    @contextlib.contextmanager
+    def _scope(self, device: ReplicaDevice) -> Iterator[None]:
+        if device.type == "cuda":
+            yield
+            return
+        if threading.get_ident() == self.caller and self._caller_trackers:
+            tracker = self._caller_trackers[-1]  # replica 0 on the calling thread: same tracker, other category
+            previous, tracker.category = tracker.category, "activations"
+            try:
+                yield
+            finally:
+                tracker.category = previous
+            return
+        with _Tracker(self.ledgers[device.label], "activations", device.device):
+            yield
+
+    def results(self) -> list[DeviceMemory]:
+        """One :class:`DeviceMemory` per device, the primary first."""
+        out = []
+        for device in self.devices:
+            resident = self.resident[device.label]
+            if device.type == "cuda":
+                peak = torch.cuda.max_memory_allocated(device.device)
+                out.append(DeviceMemory(device.label, resident, peak - resident, 0, peak, "CUDA allocator"))
+                continue
+            ledger = self.ledgers[device.label]
+            out.append(
+                DeviceMemory(
+                    device.label,
+                    resident,
+                    ledger.peak_by_category["activations"],
+                    ledger.peak_by_category["gathered"],
+                    resident + ledger.peak_total,
+                    "allocation tracker",
+                )
+            )
+        return out
+
+    def primary_ratio(self) -> float:
+        """Primary peak over the largest peak among the other devices (1.0 is balanced)."""
+        peaks = [m.peak for m in self.results()]
+        return peaks[0] / max(peaks[1:]) if len(peaks) > 1 and max(peaks[1:]) > 0 else 1.0
+
+
+@contextlib.contextmanager
+def track_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[MemoryTracker]:
+    """Measure per-device peak memory of the training step(s) run inside the block.
+
+    Args:
+        model: a :class:`multigpu.DataParallel` (one figure per replica device) or a bare module.
+        optimizer: counted as resident state on the primary when given.
+
+    Returns:
+        The tracker; read ``tracker.results()`` after the block.
+
+    Example:
+        >>> with track_memory(model, optimizer) as mem:      # doctest: +SKIP
+        ...     loss = model(x, target=y); loss.backward(); optimizer.step()
+        >>> [m.peak for m in mem.results()]                   # doctest: +SKIP
+    """
+    global _active
+    devices = _devices_of(model)
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device.device)
+    tracker = MemoryTracker(devices, model, optimizer)
+    primary = devices[0]
+    caller = _Tracker(tracker.ledgers[primary.label], "gathered", primary.device)
+    tracker._caller_trackers.append(caller)
+    previous, _active = _active, tracker
+    try:
+        if primary.type == "cuda":
+            yield tracker
+        else:
+            with caller:
+                yield tracker
+    finally:
+        _active = previous
+
+
+def _devices_of(model: nn.Module) -> list[ReplicaDevice]:
+    devices = getattr(model, "replica_devices", None)
+    if devices:
+        return list(devices)
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    return [ReplicaDevice(device, str(device))]
+
+
+def _resident_bytes(
+    devices: list[ReplicaDevice], model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, int]:
+    params = list(model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    state_bytes = 0
+    if optimizer is not None:
+        state_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in iter_tensors(dict(s)))
+    resident = {d.label: param_bytes for d in devices}
+    resident[devices[0].label] += grad_bytes + state_bytes
+    if devices[0].type == "cuda":
+        resident[devices[0].label] = torch.cuda.memory_allocated(devices[0].device)
+    return resident
