@@ -67,10 +67,15 @@ def test_models_that_return_their_own_loss_keep_outputs_on_the_replicas() -> Non
     assert [o.logits.shape[0] for o in model.replica_outputs] == [3, 2]
 
 
-def test_loss_fn_needs_targets_and_a_combinable_reduction() -> None:
-    model = multigpu.DataParallel(mlp(), devices="cpu:2", loss_fn=nn.CrossEntropyLoss())
-    with pytest.raises(ConfigError, match=r"needs the targets: call model\(inputs, target=targets\)"):
-        model(torch.randn(4, 8))
+def test_loss_fn_without_targets_returns_the_outputs_for_inference() -> None:
+    net, ref = twin(mlp)
+    model = multigpu.DataParallel(net, devices="cpu:2", loss_fn=nn.CrossEntropyLoss()).eval()
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x))
+
+
+def test_loss_fn_needs_a_combinable_reduction() -> None:
     with pytest.raises(ConfigError, match=r"loss reduction 'none' cannot be combined"):
         multigpu.DataParallel(mlp(), devices="cpu:2", loss_fn=nn.CrossEntropyLoss(reduction="none"))
 

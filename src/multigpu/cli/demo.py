@@ -9,17 +9,19 @@ and global batch; print a table and write the loss curves as a PNG.
 from __future__ import annotations
 
 import argparse
+import sys
 from functools import partial
 from pathlib import Path
 
 import torch
+from torch import nn
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from multigpu.demo.data import load_digits
-from multigpu.demo.figures import plot_losses
-from multigpu.demo.train import RunResult, TrainConfig, max_weight_difference, steps_per_run, train_run
+from multigpu.demo.figures import plot_losses, plot_memory
+from multigpu.demo.train import Plan, RunResult, TrainConfig, max_weight_difference, steps_per_run, train_run
 from multigpu.devices import accelerator_type
 from multigpu.parallel import DataParallel
 
@@ -43,54 +45,65 @@ def default_devices() -> str:
     return "cuda" if accelerator_type() == "cuda" and torch.cuda.device_count() > 1 else "cpu:2"
 
 
+def build_plans(devices: str, primary: str) -> list[Plan]:
+    """The runs of the demo: the one-device oracle, standard DataParallel, balanced DataParallel."""
+    criterion = nn.CrossEntropyLoss()
+    return [
+        Plan("one device", primary, lambda m: m.to(primary)),
+        Plan("DataParallel", devices, lambda m: DataParallel(m.to(primary), devices=devices)),
+        Plan(
+            "DataParallel, balanced",
+            devices,
+            lambda m: DataParallel(m.to(primary), devices=devices, loss_fn=criterion, chunk_sizes="auto"),
+            loss_on_replicas=True,
+        ),
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)
     devices = args.devices or default_devices()
     primary = "cuda:0" if devices.startswith("cuda") else "cpu"
     config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
-    data = load_digits(seed=args.seed)
-    plans = [
-        ("one device", primary, lambda m: m.to(primary)),
-        (f"DataParallel {devices}", devices, lambda m: DataParallel(m.to(primary), devices=devices)),
-    ]
+    data = load_digits(seed=args.seed).to(primary)
+    plans = build_plans(devices, primary)
     console.print(
         f"[bold]multigpu demo[/]: digits CNN, {len(data.train_y)} train / {len(data.test_y)} test images, "
-        f"global batch {config.batch_size}, {config.epochs} epochs"
+        f"global batch {config.batch_size}, {config.epochs} epochs, devices {devices}"
     )
     runs: list[RunResult] = []
     with Progress(
         TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as progress:
-        for name, _, wrap in plans:
-            task = progress.add_task(name, total=steps_per_run(data, config))
-            runs.append(
-                train_run(name, wrap, _on(data, primary), config, on_step=partial(progress.advance, task))
-            )
-    console.print(_table(runs, [p[1] for p in plans]))
-    figure = plot_losses(runs, args.out / "loss_curves.png")
-    console.print(f"loss curves: {figure}")
+        for plan in plans:
+            task = progress.add_task(plan.name, total=steps_per_run(data, config))
+            runs.append(train_run(plan, data, config, on_step=partial(progress.advance, task)))
+    console.print(_table(runs, plans))
+    for figure in (plot_losses(runs, args.out / "loss_curves.png"), plot_memory(runs, args.out / "memory.png")):
+        console.print(f"wrote {figure}")
     return 0
 
 
-def _on(data, device: str):  # type: ignore[no-untyped-def]
-    from multigpu.demo.data import Digits
-
-    return Digits(*(t.to(device) for t in (data.train_x, data.train_y, data.test_x, data.test_y)))
-
-
-def _table(runs: list[RunResult], devices: list[str]) -> Table:
-    table = Table(title="Same seed, same global batch: one device vs DataParallel")
-    for column in ("run", "devices", "test accuracy", "samples/s", "final loss", "max |Δw| vs one device"):
+def _table(runs: list[RunResult], plans: list[Plan]) -> Table:
+    table = Table(
+        title="Same seed, same global batch: one device vs DataParallel",
+        caption="max |Δw|: largest difference from the one-device run's final weights; "
+        "memory: peak of one step on the primary over the largest other device",
+    )
+    columns = ("run", "devices", "accuracy", "samples/s", "final loss", "max |Δw|", "memory primary/other")
+    for column in columns:
         text = column in ("run", "devices")
         table.add_column(column, justify="left" if text else "right", no_wrap=text)
-    for result, device in zip(runs, devices):
-        diff = max_weight_difference(result, runs[0])
+    for result, plan in zip(runs, plans):
+        peaks = [m.peak for m in result.memory]
+        ratio = f"{peaks[0] / max(peaks[1:]):.2f}" if len(peaks) > 1 else "—"
         table.add_row(
             result.name,
-            device,
+            plan.devices,
             f"{result.accuracy:.1%}",
             f"{result.samples_per_s:,.0f}",
             f"{result.losses[-1]:.4f}",
-            "—" if result is runs[0] else f"{diff:.1e}",
+            "—" if result is runs[0] else f"{max_weight_difference(result, runs[0]):.1e}",
+            ratio,
         )
     return table

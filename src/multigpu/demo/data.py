@@ -16,6 +16,10 @@ class Digits:
     test_x: torch.Tensor
     test_y: torch.Tensor
 
+    def to(self, device: str | torch.device) -> Digits:
+        """The same data on ``device``."""
+        return Digits(*(t.to(device) for t in (self.train_x, self.train_y, self.test_x, self.test_y)))
+
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Digits:
     """Load the digits and split them with a fixed permutation (the same split on every rank)."""

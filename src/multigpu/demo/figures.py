@@ -30,3 +30,25 @@ def plot_losses(runs: Sequence[RunResult], path: Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def plot_memory(runs: Sequence[RunResult], path: Path) -> Path:
+    """Peak memory per device of one training step, one group of bars per device, one bar per run."""
+    runs = [r for r in runs if len(r.memory) > 1]
+    labels = [m.label for m in runs[0].memory]
+    width = 0.8 / len(runs)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    for i, run in enumerate(runs):
+        xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(labels))]
+        ax.bar(xs, [m.peak / 2**20 for m in run.memory], width, label=run.name)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_xlabel("device (the first is the primary)")
+    ax.set_ylabel("peak memory in one step (MiB)")
+    ax.set_title("Per-device peak memory: standard vs balanced DataParallel")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -11,6 +11,7 @@ from torch import nn
 
 from multigpu.demo.data import Digits
 from multigpu.demo.model import build_cnn
+from multigpu.profiling.memory import DeviceMemory, track_memory
 
 
 @dataclass(kw_only=True)
@@ -23,6 +24,16 @@ class TrainConfig:
     seed: int = 0  # model initialisation and data order
 
 
+@dataclass(frozen=True)
+class Plan:
+    """One run of the demo: its name, devices, and how to wrap the bare model."""
+
+    name: str
+    devices: str
+    wrap: Callable[[nn.Module], nn.Module]
+    loss_on_replicas: bool = False  # the wrapper computes the loss: call model(x, target=y)
+
+
 @dataclass
 class RunResult:
     """What one run produced: its loss curve, accuracy, speed and final weights."""
@@ -32,45 +43,46 @@ class RunResult:
     accuracy: float = 0.0
     samples_per_s: float = 0.0
     state: dict[str, torch.Tensor] = field(default_factory=dict)
-    extra: dict[str, float] = field(default_factory=dict)
+    memory: list[DeviceMemory] = field(default_factory=list)  # one measured step, per device
 
 
 def train_run(
-    name: str,
-    wrap: Callable[[nn.Module], nn.Module],
-    data: Digits,
-    config: TrainConfig,
-    on_step: Callable[[], None] = lambda: None,
+    plan: Plan, data: Digits, config: TrainConfig, on_step: Callable[[], None] = lambda: None
 ) -> RunResult:
-    """Train ``wrap(build_cnn())`` and evaluate it on the test split.
+    """Train ``plan.wrap(build_cnn())``, measure one step's memory, evaluate on the test split.
 
     Args:
-        name: the run's name in tables and figures.
-        wrap: turns the bare model into the one to train (identity, DataParallel, ...).
+        plan: the run's name, devices and wrapper.
         data: the digits.
         config: epochs, batch, learning rate and seed.
         on_step: called after every optimizer step (progress bars).
     """
     torch.manual_seed(config.seed)
     bare = build_cnn()
-    model = wrap(bare)
+    model = plan.wrap(bare)
     optimizer = torch.optim.SGD(bare.parameters(), lr=config.lr, momentum=0.9)
     order = torch.Generator().manual_seed(config.seed)
-    result = RunResult(name)
+    result = RunResult(plan.name)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(x, target=y) if plan.loss_on_replicas else nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
     samples, elapsed = 0, 0.0
     for _ in range(config.epochs):
         perm = torch.randperm(len(data.train_y), generator=order)
         for start in range(0, len(perm), config.batch_size):
             idx = perm[start : start + config.batch_size]
             began = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(model(data.train_x[idx]), data.train_y[idx])
-            loss.backward()
-            optimizer.step()
+            loss = step(data.train_x[idx], data.train_y[idx])
             elapsed += time.perf_counter() - began
             samples += len(idx)
-            result.losses.append(float(loss.detach()))
+            result.losses.append(float(loss))
             on_step()
+    result.memory = _measure_step(model, optimizer, lambda: step(data.train_x[:config.batch_size], data.train_y[:config.batch_size]))
     model.eval()
     with torch.no_grad():
         predicted = model(data.test_x).argmax(dim=1)
@@ -78,6 +90,15 @@ def train_run(
     result.samples_per_s = samples / elapsed
     result.state = {k: v.detach().clone() for k, v in bare.state_dict().items()}
     return result
+
+
+def _measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], object]) -> list[DeviceMemory]:
+    """Per-device peak memory of one more step, after training (its update is undone)."""
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with track_memory(model, optimizer) as memory:
+        step()
+    model.load_state_dict(saved)
+    return memory.results()
 
 
 def steps_per_run(data: Digits, config: TrainConfig) -> int:

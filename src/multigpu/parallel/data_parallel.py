@@ -48,7 +48,8 @@ class DataParallel(nn.Module):
         loss_fn: compute the loss on the replicas: call ``model(x, target=y)``; each replica
             applies ``loss_fn(output, target)`` to its chunk, only the scalar losses travel to
             the primary, and the call returns the whole-batch loss. The replicas' outputs stay on
-            their devices in ``model.replica_outputs``.
+            their devices in ``model.replica_outputs``. Without ``target=`` (inference) the
+            call returns the gathered outputs as usual.
         loss_reduction: ``"mean"`` or ``"sum"``: how the replica losses combine (default: the
             ``reduction`` attribute of ``loss_fn``, else ``"mean"``, weighted by chunk size).
         gather_outputs: ``False`` gathers only 0-dim outputs (a loss the model computes itself)
@@ -108,13 +109,14 @@ class DataParallel(nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         target = self._pop_target(kwargs)
-        if len(self.replica_devices) == 1 and self.loss_fn is None and self.gather_outputs:
+        owns_loss = target is not None
+        if len(self.replica_devices) == 1 and not owns_loss and self.gather_outputs:
             return self.module(*inputs, **kwargs)
         self._check_placement()
         batch = batch_size((inputs, kwargs, target), self.dim)
         if batch is None:  # nothing to split: the primary replica runs alone, like nn.DataParallel
             sizes = [1] + [0] * (len(self.replica_devices) - 1)
-            return self._combine([self._run_one(self.module, inputs, kwargs, target)], sizes[:1])
+            return self._combine([self._run_one(self.module, inputs, kwargs, target)], sizes[:1], owns_loss)
         return self._step(inputs, kwargs, target, self._chunk_sizes(batch, inputs, kwargs, target))
 
     @property
@@ -135,7 +137,7 @@ class DataParallel(nn.Module):
             with phase("replicate", nbytes=self._param_bytes(len(active))):
                 replicas = replicate(self.module, [d.device for d in active], detach=False)
             outputs = parallel_apply(self._replica_fn(replicas.modules, chunks, active), active)
-        return self._combine(outputs, [s for s in sizes if s > 0])
+        return self._combine(outputs, [s for s in sizes if s > 0], target is not None)
 
     def _forward_parallel_backward(self, chunks: list[Any], active: list[ReplicaDevice]) -> list[Any]:
         with phase("replicate", nbytes=self._param_bytes(len(active))):
@@ -176,13 +178,13 @@ class DataParallel(nn.Module):
     def _run_one(self, module: nn.Module, inputs: Any, kwargs: dict[str, Any], target: Any) -> Any:
         """One replica's work: forward, and the loss of its chunk when DataParallel owns the loss."""
         output = module(*inputs, **kwargs)
-        if self.loss_fn is None:
+        if self.loss_fn is None or target is None:
             return output
         return (self.loss_fn(output, target), output)
 
-    def _combine(self, outputs: list[Any], sizes: list[int]) -> Any:
+    def _combine(self, outputs: list[Any], sizes: list[int], owns_loss: bool) -> Any:
         """Gather what travels to the primary; keep the rest on the replicas."""
-        if self.loss_fn is not None:
+        if owns_loss:
             self.replica_outputs = [_detached(out) for _, out in outputs]
             outputs = [loss for loss, _ in outputs]
             rule = self.loss_reduction
@@ -217,14 +219,10 @@ class DataParallel(nn.Module):
         loss.backward()
 
     def _pop_target(self, kwargs: dict[str, Any]) -> Any:
+        """The targets of ``model(x, target=y)`` when DataParallel owns the loss; None otherwise."""
         if self.loss_fn is None:
             return None
-        if "target" not in kwargs:
-            raise ConfigError(
-                "DataParallel(loss_fn=...) computes the loss on the replicas and needs the targets: "
-                "call model(inputs, target=targets)"
-            )
-        return kwargs.pop("target")
+        return kwargs.pop("target", None)
 
     def _param_bytes(self, replicas: int) -> int:
         """Bytes the parameter broadcast moves: every parameter to every replica (0 when not profiling)."""
