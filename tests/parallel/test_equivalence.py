@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -126,3 +127,14 @@ def test_higher_order_gradients_on_the_engine_path() -> None:
         g.pow(2).sum().backward()
         grads.append(params[0].grad)
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_unsupported_backward_modes_name_the_fix() -> None:
+    model = multigpu.DataParallel(mlp(), devices="cpu:2")
+    loss = model(torch.randn(4, 8)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"a second time \(retain_graph=True\).*parallel_backward=False"):
+        loss.backward()
+    loss = model(torch.randn(4, 8)).sum()
+    with pytest.raises(RuntimeError, match=r"create_graph=True.*parallel_backward=False"):
+        torch.autograd.grad(loss, list(model.parameters())[0], create_graph=True)

@@ -88,7 +88,14 @@ class _ReplicaBoundary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *output_grads: torch.Tensor | None) -> tuple[Any, ...]:
-        plan: BackwardPlan = ctx.plan
+        plan: BackwardPlan | None = ctx.plan
+        if plan is None or torch.is_grad_enabled():
+            raise RuntimeError(
+                "backward ran through DataParallel's parallel backward "
+                + ("a second time (retain_graph=True)" if plan is None else "with create_graph=True")
+                + ", which it does not support; build the model with "
+                "multigpu.DataParallel(..., parallel_backward=False) for higher-order or repeated backward"
+            )
         ctx.plan = None  # free the replica graphs as soon as they have run
         source_grads = plan.run(output_grads)
         return (None, None, *source_grads, *([None] * len(output_grads)))
