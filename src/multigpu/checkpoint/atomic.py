@@ -214,8 +214,25 @@ def _remove_quietly(path: Path) -> None:
 def _explain_os_errors(final: Path) -> Iterator[None]:
     try:
         yield
-    except OSError as exc:
-        raise CheckpointError(_explain(exc, final)) from exc
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        cause = _os_error_in_chain(exc)
+        if cause is None:
+            raise
+        raise CheckpointError(_explain(cause, final)) from exc
+
+
+def _os_error_in_chain(exc: BaseException | None) -> OSError | None:
+    # Writers wrap the OSError of a failed write: torch.save's zip writer raises a RuntimeError
+    # while closing, with the OSError as its context.
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
 
 
 def _explain(exc: OSError, final: Path) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -135,7 +136,20 @@ def write_tensors(
     header["format"] = "pt"
     if aliases:
         header[_ALIASES_KEY] = json.dumps(aliases)
-    return atomic_write_path(path, lambda tmp: safetensors.torch.save_file(unique, str(tmp), header))
+    return atomic_write_path(path, lambda tmp: _save_safetensors(unique, tmp, header))
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, header: dict[str, str]) -> None:
+    try:
+        safetensors.torch.save_file(tensors, str(path), header)
+    except safetensors.SafetensorError as exc:
+        # The Rust writer reports I/O failures (full disk, size limit) as text: recover the errno
+        # so the caller can explain them like any other OSError.
+        found = re.search(r"(?:code: |os error )(\d+)", str(exc))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from exc
 
 
 def _torch_save(obj: Any, f: BinaryIO) -> None:
