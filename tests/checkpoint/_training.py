@@ -11,8 +11,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -20,12 +22,26 @@ BATCH = 32
 BATCHES_PER_EPOCH = 4
 
 
+# Worker processes read the digits from a file the test wrote (importing scikit-learn in every
+# worker would cost seconds per process start).
+DATA_FILE: Path | None = None
+
+
 @lru_cache(maxsize=1)
 def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    if DATA_FILE is not None:
+        saved = safetensors.torch.load_file(str(DATA_FILE))
+        return saved["x"], saved["y"]
     from sklearn.datasets import load_digits
 
     data = load_digits()
     return torch.tensor(data.data, dtype=torch.float32) / 16.0, torch.tensor(data.target)
+
+
+def write_digits(path: Path) -> Path:
+    x, y = digits()
+    safetensors.torch.save_file({"x": x, "y": y}, str(path))
+    return path
 
 
 def build_model() -> nn.Module:
