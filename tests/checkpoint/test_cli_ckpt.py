@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,31 @@ def test_unsafe_files_are_refused_with_the_flag_to_use(tmp_path: Path, capsys: p
 def test_a_folder_without_checkpoints_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ckpt", "inspect", str(tmp_path)]) == 1
     assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_public_surface_is_a_decision() -> None:
+    assert sorted(ckpt.__all__) == sorted([
+        "WRAPPER_PREFIXES", "Checkpointer", "CollectiveTimeoutError", "PeerExitedError", "Resumed",
+        "clean_state_dict", "explain_collective_failures", "find_latest", "find_prefixes", "load", "save",
+        "strip_prefixes", "unwrap",
+    ])  # fmt: skip
+    from multigpu.cli import ckpt as command
+    from multigpu.cli.main import build_parser
+
+    parser = build_parser()
+    assert command.HELP
+    flags = {
+        action: sorted(o for a in sub._actions for o in a.option_strings)  # noqa: SLF001
+        for action, sub in _subparsers(_subparsers(parser)["ckpt"]).items()
+    }
+    assert flags == {
+        "inspect": sorted(["--allow-unsafe-pickle", "--max-keys", "-h", "--help"]),
+        "convert": sorted(["--to", "--keep-prefixes", "--strip-prefix", "--allow-unsafe-pickle", "-h", "--help"]),
+    }
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:  # noqa: SLF001
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            return dict(action.choices)
+    return {}
