@@ -133,3 +133,13 @@ def test_unsafe_state_file_is_refused_unless_allowed(tmp_path: Path) -> None:
 
 class _Marker:
     pass
+
+
+@pytest.mark.cuda
+def test_cuda_random_state_is_saved_and_restored(tmp_path: Path) -> None:
+    checkpointer = ckpt.Checkpointer(folder=tmp_path)
+    checkpointer.save(step=1, model=nn.Linear(2, 2))
+    expected = torch.rand(4, device="cuda")
+    torch.cuda.manual_seed_all(123)
+    checkpointer.resume(model=nn.Linear(2, 2))
+    assert torch.equal(torch.rand(4, device="cuda"), expected)
