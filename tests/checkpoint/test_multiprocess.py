@@ -140,6 +140,24 @@ def test_a_hanging_collective_times_out_and_names_the_likely_cause(tmp_path: Pat
     assert 3 <= seconds < 3 + 10
 
 
+def test_a_failed_save_on_rank_0_fails_every_rank_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    run = _start(tmp_path, "save", "--fault", "disk-full", "--fault-rank", "0", "--fault-step", "2")
+    code, output, gone_at = _finish(run)
+    seconds = gone_at - run.event("failed")["time"]
+    print(f"\n[fault timing] rank 0's save hit a full disk -> every process gone: {seconds:.2f} s")
+    assert code != 0
+    assert re.search(r"\[rank0\]: multigpu.errors.CheckpointError: could not write checkpoint .*step-00000003", output)
+    assert re.search(
+        r"\[rank1\]: multigpu.errors.CheckpointError: rank 0 failed saving checkpoint .*step-00000003, so no "
+        r"checkpoint was written: CheckpointError: could not write",
+        output,
+    ), output[-3000:]
+    assert ckpt.find_latest(run.folder) == run.folder / "step-00000002"
+    with pytest.warns(RuntimeWarning, match=r"saved at world_size=2"):
+        assert ckpt.Checkpointer(folder=run.folder).resume(model=tr.build_model()) is not None
+    assert seconds < 10
+
+
 def test_a_killed_worker_restarts_resumes_and_ends_with_the_uninterrupted_weights(tmp_path: Path) -> None:
     reference = _start(tmp_path, "reference")
     code, output, _ = _finish(reference)

@@ -6,7 +6,8 @@
 
 Every step saves a full checkpoint through multigpu's Checkpointer; a (re)started run resumes
 from the latest one. ``--fault`` injects one failure: ``raise`` an exception, ``hang`` (stop
-calling collectives), or ``kill`` (SIGKILL itself, first attempt only, for --max-restarts).
+calling collectives), ``kill`` (SIGKILL itself, first attempt only, for --max-restarts), or
+``disk-full`` (the file-size limit of the rank drops to 1 KiB before that step's save).
 ``--timeout-s`` is the timeout of the training collectives (DDP's process group). Each process records its pid, and the
 faulty one the time of its failure, under EVENTS, so the test can time the teardown.
 """
@@ -17,6 +18,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -40,7 +42,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="final weights (safetensors)")
     parser.add_argument("--data", type=Path, required=True, help="the digits, as written by write_digits")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--fault", choices=["none", "raise", "hang", "kill"], default="none")
+    parser.add_argument("--fault", choices=["none", "raise", "hang", "kill", "disk-full"], default="none")
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=30.0, help="timeout of the training collectives")
@@ -72,6 +74,11 @@ def forbid_writes_to(folder: Path) -> None:
 
 def maybe_fail(args: argparse.Namespace, rank: int, step: int, attempt: int) -> None:
     if args.fault == "none" or rank != args.fault_rank or step != args.fault_step:
+        return
+    if args.fault == "disk-full":
+        # Writes past 1 KiB now fail as on a full disk (Python ignores SIGXFSZ: write gets EFBIG).
+        record_event(args.events, "failed", {"rank": rank, "step": step, "fault": args.fault})
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         return
     if args.fault == "kill" and attempt > 0:
         return
