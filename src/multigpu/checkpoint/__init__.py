@@ -1,5 +1,26 @@
 """Checkpoints that load anywhere: clean keys, unwrapping, atomic saves, full training state."""
 
-from multigpu.checkpoint.keys import clean_state_dict, unwrap
+from multigpu.checkpoint.failures import (
+    CollectiveTimeoutError,
+    PeerExitedError,
+    explain_collective_failures,
+)
+from multigpu.checkpoint.keys import WRAPPER_PREFIXES, clean_state_dict, find_prefixes, strip_prefixes, unwrap
+from multigpu.checkpoint.state import Checkpointer, Resumed, find_latest
+from multigpu.checkpoint.weights import load, save
 
-__all__ = ["clean_state_dict", "unwrap"]
+__all__ = [
+    "WRAPPER_PREFIXES",
+    "Checkpointer",
+    "CollectiveTimeoutError",
+    "PeerExitedError",
+    "Resumed",
+    "clean_state_dict",
+    "explain_collective_failures",
+    "find_latest",
+    "find_prefixes",
+    "load",
+    "save",
+    "strip_prefixes",
+    "unwrap",
+]

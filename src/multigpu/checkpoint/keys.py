@@ -9,7 +9,7 @@ save bare keys, and everything that loads accepts keys with or without these pre
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 from torch import nn
@@ -64,3 +64,18 @@ def unwrap(model: nn.Module) -> nn.Module:
 def _is_wrapper(model: nn.Module) -> bool:
     # A wrapper registers exactly one child, under "module" (DataParallel, DDP, multigpu's DataParallel).
     return list(model._modules) == ["module"]
+
+
+def find_prefixes(keys: Iterable[str]) -> dict[str, int]:
+    """How many ``keys`` start with each wrapper prefix chain (``"module."``, ``"module._orig_mod."``).
+
+    Example:
+        >>> find_prefixes(["module.fc.weight", "module.fc.bias", "head.bias"])
+        {'module.': 2}
+    """
+    counts: dict[str, int] = {}
+    for key in keys:
+        prefix = key[: len(key) - len(strip_prefixes(key))]
+        if prefix:
+            counts[prefix] = counts.get(prefix, 0) + 1
+    return counts

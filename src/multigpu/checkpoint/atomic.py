@@ -1,0 +1,257 @@
+"""Atomic writes: a file or a folder appears under its final name complete, or not at all.
+
+The recipe (POSIX): write into a temporary name in the *same* folder (so the rename never crosses
+file systems), flush and ``fsync`` the data, ``os.replace`` it onto the final name (atomic), then
+``fsync`` the folder so the rename itself survives a power cut. A process killed at any point
+leaves either the previous file or the new one under the final name; at worst a temporary entry
+remains, and temporary names start with ``.`` and contain ``.tmp-`` so nothing that looks for
+checkpoints picks them up (``remove_stale_temporaries`` deletes them).
+
+Errors while writing (full disk, file-size limit, read-only or unwritable folder) become a
+:class:`~multigpu.errors.CheckpointError` naming the path and the fix; the temporary entry is
+removed and the previous file is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import socket
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from multigpu.errors import CheckpointError
+
+TEMP_MARKER = ".tmp-"
+
+_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_PERMISSION_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def temporary_name(final: Path) -> Path:
+    """A unique hidden sibling of ``final`` that checkpoint discovery ignores.
+
+    The name holds the host and process id so a later run can tell whose leftover it is.
+    """
+    host = socket.gethostname().replace(".", "_")
+    return final.with_name(f".{final.name}{TEMP_MARKER}{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def is_temporary(path: Path) -> bool:
+    """Whether ``path`` is a temporary or discarded entry written by this module."""
+    return path.name.startswith(".") and TEMP_MARKER in path.name
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make the entries of ``folder`` (renames, new files) durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    """Flush the data of a file that something else (e.g. a Rust writer) has written and closed."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_file(final: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> Path:
+    """Write a file through ``write(fileobj)`` so that ``final`` is either the old or the new file.
+
+    Args:
+        final: where the file should end up; its folder must exist.
+        write: called with a binary file object open on the temporary file.
+
+    Returns:
+        The final path.
+
+    Raises:
+        CheckpointError: the disk is full, a size limit was hit, or the folder is not writable;
+            the previous file under ``final`` is unchanged.
+
+    Example:
+        >>> import tempfile
+        >>> p = atomic_write_file(Path(tempfile.mkdtemp()) / "x.bin", lambda f: f.write(b"hi"))
+        >>> p.read_bytes()
+        b'hi'
+    """
+    final = Path(final)
+    with _explain_os_errors(final):
+        tmp = temporary_name(final)
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+        fsync_folder(final.parent)
+    return final
+
+
+def atomic_write_path(final: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
+    """Like :func:`atomic_write_file` for writers that want a path (``write(temporary_path)``)."""
+    final = Path(final)
+    with _explain_os_errors(final):
+        tmp = temporary_name(final)
+        try:
+            write(tmp)
+            fsync_file(tmp)
+            os.replace(tmp, final)
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+        fsync_folder(final.parent)
+    return final
+
+
+@contextlib.contextmanager
+def atomic_folder(final: str | os.PathLike[str]) -> Iterator[Path]:
+    """Build a folder under a temporary name; on success it replaces ``final`` in one rename.
+
+    Files written inside the yielded folder should be synced (see :func:`fsync_file`); the
+    folder itself is synced here before the rename.
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> with atomic_folder(root / "step-1") as tmp:
+        ...     _ = (tmp / "a.txt").write_text("a")
+        >>> sorted(p.name for p in root.iterdir())
+        ['step-1']
+    """
+    final = Path(final)
+    tmp = temporary_name(final)
+    with _explain_os_errors(final):
+        try:
+            tmp.mkdir()
+            yield tmp
+            fsync_folder(tmp)
+            _replace_folder(tmp, final)
+        except BaseException:
+            remove_tree(tmp)
+            raise
+        fsync_folder(final.parent)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a folder so that no half-deleted folder ever sits under a name discovery would pick.
+
+    The folder is first renamed to a temporary name (atomic), then deleted.
+    """
+    if not path.exists():
+        return
+    doomed = path if is_temporary(path) else temporary_name(path)
+    if doomed != path:
+        os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Delete temporary entries in ``folder`` left by processes of this host that are gone.
+
+    Returns:
+        The entries that were removed.
+    """
+    removed = []
+    host = socket.gethostname().replace(".", "_")
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        if not is_temporary(entry):
+            continue
+        # Name: .<final name>.tmp-<host>-<pid>-<random>; the host may itself contain dashes.
+        parts = entry.name.split(TEMP_MARKER, 1)[1].rsplit("-", 2)
+        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
+            continue
+        if _pid_alive(int(parts[1])):
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            _remove_quietly(entry)
+        removed.append(entry)
+    return removed
+
+
+def _replace_folder(tmp: Path, final: Path) -> None:
+    # A folder cannot be renamed onto a non-empty folder: move the old one aside first. Between the
+    # two renames neither name exists, so discovery falls back to the previous step; never to a
+    # half-written one.
+    if final.exists():
+        remove_tree(final)
+    os.replace(tmp, final)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink()
+
+
+@contextlib.contextmanager
+def _explain_os_errors(final: Path) -> Iterator[None]:
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        cause = _os_error_in_chain(exc)
+        if cause is None:
+            raise
+        raise CheckpointError(_explain(cause, final)) from exc
+
+
+def _os_error_in_chain(exc: BaseException | None) -> OSError | None:
+    # Writers wrap the OSError of a failed write: torch.save's zip writer raises a RuntimeError
+    # while closing, with the OSError as its context.
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
+def _explain(exc: OSError, final: Path) -> str:
+    folder = final.parent
+    if exc.errno in _SPACE_ERRNOS:
+        return (
+            f"could not write checkpoint {str(final)!r}: {exc.strerror} (errno {exc.errno}). The disk "
+            f"holding {str(folder)!r} is full or a file-size/quota limit was hit. The previous "
+            "checkpoint is unchanged. Free space there, lower keep_last, or save to another folder."
+        )
+    if exc.errno in _PERMISSION_ERRNOS:
+        return (
+            f"could not write checkpoint {str(final)!r}: the folder {str(folder)!r} is not writable "
+            f"({exc.strerror}). The previous checkpoint is unchanged. Fix the folder's permissions "
+            "or save to a folder this process may write to."
+        )
+    if exc.errno == errno.ENOENT and not folder.exists():
+        return (
+            f"could not write checkpoint {str(final)!r}: the folder {str(folder)!r} does not exist. "
+            "Create it first (mkdir -p) or pick an existing folder."
+        )
+    return f"could not write checkpoint {str(final)!r}: {exc}. The previous checkpoint is unchanged."

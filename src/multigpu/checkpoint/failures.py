@@ -1,0 +1,87 @@
+"""Turn the low-level errors of a broken collective into messages that name the likely cause.
+
+When one rank stops calling a collective (it crashed, hangs, or took another code path), the
+others block inside it until the process group's timeout (``init_process_group(timeout=...)``)
+expires and then see a backend error such as gloo's "Timed out waiting 2000ms for recv
+operation to complete". :func:`explain_collective_failures` re-raises such errors as
+:class:`CollectiveTimeoutError` or :class:`PeerExitedError` saying what probably happened and
+what to change. The timeout itself is the process group's: set it where the group is created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+
+from multigpu.errors import MultigpuError
+
+_TIMEOUT = re.compile(r"timed? ?out|timeout|deadline", re.IGNORECASE)
+_TIMEOUT_MS = re.compile(r"(\d+)\s*ms", re.IGNORECASE)
+_PEER_GONE = re.compile(
+    r"connection (closed|reset) by peer|broken pipe|connection refused|socket closed|\bEOF\b",
+    re.IGNORECASE,
+)
+
+
+class CollectiveTimeoutError(MultigpuError, RuntimeError):
+    """A collective did not complete within the process group's timeout."""
+
+
+class PeerExitedError(MultigpuError, RuntimeError):
+    """Another rank went away while this one waited in a collective."""
+
+
+@contextlib.contextmanager
+def explain_collective_failures(operation: str) -> Iterator[None]:
+    """Re-raise a timed-out or broken collective inside the block with its likely cause.
+
+    Args:
+        operation: what the block does, in words ("all_reduce of the gradients", "checkpoint save").
+
+    Every rank may use it; it adds no communication.
+
+    Example:
+        >>> with explain_collective_failures("the loss all_reduce"):
+        ...     pass
+    """
+    try:
+        yield
+    except MultigpuError:
+        raise
+    except RuntimeError as exc:
+        text = str(exc)
+        if _TIMEOUT.search(text):
+            raise CollectiveTimeoutError(_timeout_message(operation, text)) from exc
+        if _PEER_GONE.search(text):
+            raise PeerExitedError(_peer_message(operation)) from exc
+        raise
+
+
+def _where() -> str:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return f"rank {dist.get_rank()} of world_size {dist.get_world_size()}"
+    return "this process"
+
+
+def _timeout_message(operation: str, text: str) -> str:
+    found = _TIMEOUT_MS.search(text)
+    after = f" after {int(found.group(1)) / 1000:g} s" if found else ""
+    return (
+        f"{operation} on {_where()} timed out{after}: the other ranks never joined the collective. "
+        "Likely cause: another rank stopped calling it -- it crashed, is stuck (deadlock, endless "
+        "loop, slow I/O), or took a different code path (a collective or save inside "
+        "'if rank == 0'). Fix: make every rank call the same collectives in the same order; if a "
+        "step legitimately takes longer, raise the process group timeout "
+        "(init_process_group(timeout=...)). Backend said: " + text.strip().splitlines()[-1]
+    )
+
+
+def _peer_message(operation: str) -> str:
+    return (
+        f"{operation} on {_where()} failed because another rank exited (crashed or was killed) "
+        "while this one waited for it. Look for the first failing rank's traceback above; this "
+        "error is a consequence, not the cause."
+    )

@@ -1,0 +1,194 @@
+"""Save and load a model's weights: clean keys, atomic writes, mismatches explained.
+
+    multigpu.save(model, "net.safetensors")   # DataParallel / DDP / torch.compile: bare keys
+    multigpu.load(model, "net.safetensors")   # also accepts files with module. / _orig_mod. keys
+
+safetensors is the default format; a ``.pt``/``.pth``/``.bin`` suffix (or ``format="torch"``)
+writes torch's format. Loading never runs code from the file (see :mod:`formats`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from multigpu.checkpoint.formats import Format, read_tensors, write_tensors
+from multigpu.checkpoint.keys import clean_state_dict, unwrap
+from multigpu.checkpoint.ranks import run_on_main
+from multigpu.errors import CheckpointError
+
+_SHOWN = 6  # keys listed per category in a mismatch message
+
+
+def save(
+    model: nn.Module | Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    *,
+    format: Format | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
+    """Write the weights of ``model`` (or a state dict) to ``path``, atomically, with bare keys.
+
+    Args:
+        model: a module, wrapped or not, or a state dict.
+        path: the file to write; its folder must exist.
+        format: ``"safetensors"`` or ``"torch"``; by default from the suffix, safetensors otherwise.
+        metadata: strings stored in the safetensors header (ignored for torch format).
+
+    Returns:
+        The path written.
+
+    Raises:
+        CheckpointError: the file could not be written (full disk, unwritable folder); any
+            previous file at ``path`` is unchanged.
+
+    Under a process group with several ranks every rank must call it: rank 0 writes, the
+    others wait until the file is complete.
+
+    Example:
+        >>> import tempfile
+        >>> p = save(nn.DataParallel(nn.Linear(2, 1)), Path(tempfile.mkdtemp()) / "w.safetensors")
+        >>> sorted(read_tensors(p)[0])
+        ['bias', 'weight']
+    """
+    state = unwrap(model).state_dict() if isinstance(model, nn.Module) else model
+    tensors = clean_state_dict(state)
+    written = run_on_main(lambda: write_tensors(tensors, path, format=format, metadata=metadata), f"saving {path}")
+    return Path(written) if written is not None else Path(path)
+
+
+def load(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    strip: Sequence[str] = (),
+    allow_unsafe_pickle: bool = False,
+) -> nn.Module:
+    """Load weights from ``path`` into ``model`` (wrapped or not); keys may carry wrapper prefixes.
+
+    Args:
+        model: the module to fill; a DataParallel/DDP/compiled wrapper is unwrapped.
+        path: a safetensors or torch file (format detected from its bytes).
+        strict: raise when keys or shapes differ; with ``False`` load the keys that match.
+        strip: extra key prefixes to remove (e.g. ``("model.",)`` for a Lightning checkpoint).
+        allow_unsafe_pickle: allow torch files that need arbitrary unpickling. Only for files
+            you trust.
+
+    Returns:
+        ``model``, for chaining.
+
+    Raises:
+        CheckpointError: keys or shapes differ (``strict``); the message lists the missing,
+            unexpected and shape-different keys and the likely cause.
+
+    Any rank may call it; it does not communicate.
+
+    Example:
+        >>> import tempfile
+        >>> p = save(nn.Linear(2, 1), Path(tempfile.mkdtemp()) / "w.safetensors")
+        >>> load(nn.DataParallel(nn.Linear(2, 1)), p).__class__.__name__
+        'DataParallel'
+    """
+    tensors, _ = read_tensors(path, allow_unsafe_pickle=allow_unsafe_pickle)
+    load_tensors(model, tensors, strict=strict, strip=strip, source=str(path))
+    return model
+
+
+def load_tensors(
+    model: nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    strict: bool = True,
+    strip: Sequence[str] = (),
+    source: str = "the state dict",
+) -> None:
+    """Copy ``tensors`` into ``model`` after checking keys and shapes (see :func:`load`)."""
+    bare = unwrap(model)
+    found = _strip_extra(clean_state_dict(tensors), strip)
+    expected = bare.state_dict()
+    problem = describe_mismatch(expected, found)
+    if problem and strict:
+        raise CheckpointError(f"{source} does not match {type(bare).__name__}: {problem}")
+    usable = {k: v for k, v in found.items() if k in expected and v.shape == expected[k].shape}
+    bare.load_state_dict(usable, strict=False)
+
+
+def describe_mismatch(expected: Mapping[str, torch.Tensor], found: Mapping[str, torch.Tensor]) -> str:
+    """Missing, unexpected and shape-different keys with the likely cause; ``""`` when they match."""
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    shapes = [
+        f"{k}: file {tuple(found[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in expected
+        if k in found and found[k].shape != expected[k].shape
+    ]
+    if not (missing or unexpected or shapes):
+        return ""
+    parts = [
+        _listing("missing", missing),
+        _listing("unexpected", unexpected),
+        _listing("shape differs", shapes),
+    ]
+    listing = "; ".join(p for p in parts if p)
+    return f"{listing}. Likely cause: {_likely_cause(list(expected), list(found), missing, unexpected, shapes)}"
+
+
+def _listing(label: str, items: list[str]) -> str:
+    if not items:
+        return ""
+    more = f" (+{len(items) - _SHOWN} more)" if len(items) > _SHOWN else ""
+    return f"{len(items)} {label}: {', '.join(items[:_SHOWN])}{more}"
+
+
+def _likely_cause(
+    expected: list[str], found: list[str], missing: list[str], unexpected: list[str], shapes: list[str]
+) -> str:
+    prefix = _common_extra_prefix(found, expected)
+    if prefix:
+        return (
+            f"the file's keys carry the prefix {prefix!r} the model does not have; load with "
+            f"strip=({prefix!r},) or convert the file (multigpu ckpt convert --strip-prefix {prefix})."
+        )
+    prefix = _common_extra_prefix(expected, found)
+    if prefix:
+        return (
+            f"the model's keys carry the prefix {prefix!r}: the file holds only a part of it; load "
+            f"into that submodule ({prefix.rstrip('.')})."
+        )
+    if shapes and not missing and not unexpected:
+        return "the same architecture with different sizes (e.g. another number of classes or width)."
+    common = len(set(expected) & set(found))
+    if common < max(1, len(expected) // 2):
+        return f"a different model: only {common} of the model's {len(expected)} keys are in the file."
+    return "a different version of the model (layers added, removed or renamed); strict=False loads the rest."
+
+
+def _common_extra_prefix(longer: list[str], shorter: list[str]) -> str:
+    # The first dotted component shared by every key of ``longer`` whose removal yields ``shorter``.
+    if not longer or not shorter:
+        return ""
+    heads = {k.split(".", 1)[0] for k in longer}
+    if len(heads) != 1 or "." not in longer[0]:
+        return ""
+    prefix = heads.pop() + "."
+    stripped = {k[len(prefix) :] for k in longer}
+    return prefix if len(stripped & set(shorter)) >= max(1, len(shorter) // 2) else ""
+
+
+def _strip_extra(tensors: OrderedDict[str, torch.Tensor], strip: Sequence[str]) -> OrderedDict[str, torch.Tensor]:
+    if not strip:
+        return tensors
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for key, value in tensors.items():
+        for prefix in strip:
+            if key.startswith(prefix):
+                key = key[len(prefix) :]
+                break
+        out[key] = value
+    return out

@@ -1,0 +1,123 @@
+"""Inspect a checkpoint, or convert it between formats with clean keys.
+
+    multigpu ckpt inspect runs/a                     # latest step of a Checkpointer folder
+    multigpu ckpt inspect model.safetensors          # keys, shapes, dtypes, size, step, prefixes
+    multigpu ckpt convert old.pt new.safetensors     # torch -> safetensors, module./_orig_mod. stripped
+    multigpu ckpt convert a.safetensors a.pt --strip-prefix model.
+
+Files are read without executing code: a torch file that needs arbitrary unpickling is refused
+unless --allow-unsafe-pickle is given (only for files you trust).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.table import Table
+
+from multigpu.checkpoint.formats import FORMATS, read_tensors, write_tensors
+from multigpu.checkpoint.summary import Summary, summarize, weights_file
+from multigpu.checkpoint.keys import clean_state_dict
+from multigpu.errors import MultigpuError
+
+HELP = "inspect a checkpoint (keys, shapes, step, format) or convert it between formats"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    inspect = actions.add_parser(
+        "inspect",
+        help="list keys, shapes, dtypes, sizes, saved step, format and wrapper prefixes",
+        description="Describe a weights file, a step-N checkpoint folder, or a Checkpointer folder (its latest step).",
+    )
+    inspect.add_argument("path", help="weights file (.safetensors, .pt, ...), step folder, or checkpoint folder")
+    inspect.add_argument("--max-keys", type=int, default=40, help="tensors to list (0 lists all; default 40)")
+    _add_unsafe_flag(inspect)
+    convert = actions.add_parser(
+        "convert",
+        help="rewrite a checkpoint's weights: strip wrapper prefixes, torch format <-> safetensors",
+        description="Read IN's tensors, clean their keys, and write them atomically to OUT.",
+    )
+    convert.add_argument("input", metavar="IN", help="weights file, step folder, or checkpoint folder")
+    convert.add_argument("output", metavar="OUT", help="file to write (format from its suffix unless --to)")
+    convert.add_argument("--to", choices=FORMATS, help="output format (default: .pt/.pth/.bin -> torch, else safetensors)")
+    convert.add_argument(
+        "--keep-prefixes", action="store_true", help="keep module./_orig_mod. wrapper prefixes (default: strip them)"
+    )
+    convert.add_argument(
+        "--strip-prefix",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="also remove this key prefix, e.g. 'model.' (repeatable)",
+    )
+    _add_unsafe_flag(convert)
+
+
+def _add_unsafe_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--allow-unsafe-pickle",
+        action="store_true",
+        help="read torch files that need arbitrary unpickling; this can run code from the file: trusted files only",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    try:
+        if args.action == "inspect":
+            _print_summary(console, summarize(args.path, allow_unsafe_pickle=args.allow_unsafe_pickle), args.max_keys)
+        else:
+            _convert(console, args)
+    except MultigpuError as exc:
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 1
+    return 0
+
+
+def _convert(console: Console, args: argparse.Namespace) -> None:
+    source = weights_file(args.input)
+    tensors, metadata = read_tensors(source, allow_unsafe_pickle=args.allow_unsafe_pickle)
+    if not args.keep_prefixes:
+        tensors = clean_state_dict(tensors)
+    for prefix in args.strip_prefix:
+        tensors = type(tensors)((k[len(prefix) :] if k.startswith(prefix) else k, v) for k, v in tensors.items())
+    written = write_tensors(tensors, args.output, format=args.to, metadata=metadata)
+    console.print(f"wrote {len(tensors)} tensors from {source} to {written}", highlight=False)
+
+
+def _print_summary(console: Console, summary: Summary, max_keys: int) -> None:
+    facts = Table(show_header=False, box=None)
+    facts.add_column(style="bold")
+    facts.add_column(overflow="fold")  # long paths wrap instead of being cut
+    facts.add_row("file", str(summary.path))
+    facts.add_row("format", summary.format)
+    facts.add_row("size on disk", _bytes(summary.size_on_disk))
+    facts.add_row("tensors", f"{len(summary.tensors)} ({_bytes(summary.tensor_bytes)})")
+    facts.add_row("saved step", "-" if summary.step is None else str(summary.step))
+    prefixes = ", ".join(f"{p} ({n} keys)" for p, n in summary.prefixes.items())
+    facts.add_row("wrapper prefixes", prefixes or "none")
+    for name, value in summary.training_state.items():
+        if name != "step":
+            facts.add_row(name, str(value))
+    console.print(facts)
+    shown = summary.tensors if max_keys <= 0 else summary.tensors[:max_keys]
+    table = Table(title="tensors")
+    for column, justify in (("key", "left"), ("shape", "left"), ("dtype", "left"), ("size", "right")):
+        table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for t in shown:
+        table.add_row(t.key, str(list(t.shape)), t.dtype, _bytes(t.nbytes))
+    if len(shown) < len(summary.tensors):
+        table.caption = f"{len(summary.tensors) - len(shown)} more; --max-keys 0 lists all"
+    console.print(table)
+
+
+def _bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+

@@ -1,0 +1,104 @@
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import multigpu.checkpoint as ckpt
+from multigpu.checkpoint.formats import detect_format, read_tensors
+from multigpu.cli.main import main
+
+
+def _dp_file(tmp_path: Path) -> tuple[Path, nn.Module]:
+    net = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    torch.save(nn.DataParallel(net).state_dict(), tmp_path / "dp.pt")
+    return tmp_path / "dp.pt", net
+
+
+def test_inspect_shows_keys_shapes_format_and_prefixes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = _dp_file(tmp_path)
+    assert main(["ckpt", "inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "module. (4 keys)" in out
+    assert "module.0.weight" in out and "[3, 4]" in out and "float32" in out
+    assert "4 (92 B)" in out  # 12 + 3 + 6 + 2 floats
+
+
+def test_inspect_a_checkpointer_folder_shows_its_latest_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = nn.Linear(3, 2)
+    checkpointer = ckpt.Checkpointer(folder=tmp_path)
+    for step in (5, 9):
+        checkpointer.save(step=step, model=model, epoch=2, data_position={"batch": 4})
+    assert main(["ckpt", "inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "step-00000009" in out and "safetensors" in out
+    assert "saved step        9" in out and "{'batch': 4}" in out and "none" in out
+
+
+def test_convert_torch_to_safetensors_strips_prefixes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, net = _dp_file(tmp_path)
+    out = tmp_path / "clean.safetensors"
+    assert main(["ckpt", "convert", str(path), str(out)]) == 0
+    assert detect_format(out) == "safetensors"
+    assert sorted(read_tensors(out)[0]) == sorted(net.state_dict())
+    back = tmp_path / "back.bin"
+    assert main(["ckpt", "convert", str(out), str(back), "--to", "torch"]) == 0
+    loaded = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    loaded.load_state_dict(torch.load(back, weights_only=True))  # plain torch reads it
+    assert torch.equal(loaded[0].weight, net[0].weight)
+    assert "wrote 4 tensors" in capsys.readouterr().out
+
+
+def test_convert_strips_an_extra_prefix(tmp_path: Path) -> None:
+    ckpt.save({"model.fc.weight": torch.ones(2)}, tmp_path / "a.safetensors")
+    assert main(["ckpt", "convert", str(tmp_path / "a.safetensors"), str(tmp_path / "b.pt"), "--strip-prefix", "model."]) == 0
+    assert list(read_tensors(tmp_path / "b.pt")[0]) == ["fc.weight"]
+
+
+class _Evil:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (print, ("code ran",))
+
+
+def test_unsafe_files_are_refused_with_the_flag_to_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch.save({"w": torch.ones(1), "x": _Evil()}, tmp_path / "evil.pt")
+    assert main(["ckpt", "inspect", str(tmp_path / "evil.pt")]) == 1
+    captured = capsys.readouterr()
+    assert "needs arbitrary unpickling" in captured.err and "--allow-unsafe-pickle" in captured.err
+    assert "code ran" not in captured.out
+
+
+def test_a_folder_without_checkpoints_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ckpt", "inspect", str(tmp_path)]) == 1
+    assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_public_surface_is_a_decision() -> None:
+    assert sorted(ckpt.__all__) == sorted([
+        "WRAPPER_PREFIXES", "Checkpointer", "CollectiveTimeoutError", "PeerExitedError", "Resumed",
+        "clean_state_dict", "explain_collective_failures", "find_latest", "find_prefixes", "load", "save",
+        "strip_prefixes", "unwrap",
+    ])  # fmt: skip
+    from multigpu.cli import ckpt as command
+    from multigpu.cli.main import build_parser
+
+    parser = build_parser()
+    assert command.HELP
+    flags = {
+        action: sorted(o for a in sub._actions for o in a.option_strings)  # noqa: SLF001
+        for action, sub in _subparsers(_subparsers(parser)["ckpt"]).items()
+    }
+    assert flags == {
+        "inspect": sorted(["--allow-unsafe-pickle", "--max-keys", "-h", "--help"]),
+        "convert": sorted(["--to", "--keep-prefixes", "--strip-prefix", "--allow-unsafe-pickle", "-h", "--help"]),
+    }
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:  # noqa: SLF001
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            return dict(action.choices)
+    return {}

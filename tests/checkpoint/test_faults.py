@@ -1,0 +1,173 @@
+"""Faults during a save: killed mid-write, disk full, folder not writable. The previous checkpoint survives."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import multigpu.checkpoint as ckpt
+from multigpu.checkpoint.atomic import is_temporary
+from multigpu.errors import CheckpointError
+
+WORKER = Path(__file__).parent / "workers" / "save_until_killed.py"
+
+
+def _kill_during_second_save(mode: str, folder: Path) -> list[Path]:
+    child = subprocess.Popen(
+        [sys.executable, str(WORKER), mode, str(folder)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "saved 1"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            leftovers = [p for p in folder.iterdir() if is_temporary(p)]
+            if leftovers:
+                os.kill(child.pid, signal.SIGKILL)  # no cleanup handler can run
+                child.wait(timeout=10)
+                return leftovers
+            time.sleep(0.001)
+        raise AssertionError("the second save never started")
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+
+
+def test_sigkill_during_a_weights_save_leaves_the_previous_file(tmp_path: Path) -> None:
+    leftovers = _kill_during_second_save("weights", tmp_path)
+    assert any(p.exists() for p in leftovers), "the kill must land in the middle of the save"
+    model = nn.Linear(4096, 4096)
+    ckpt.load(model, tmp_path / "model.safetensors")
+    assert bool((model.weight == 1.0).all())  # the first save, whole
+
+
+def test_sigkill_during_a_state_save_leaves_the_previous_step_as_latest(tmp_path: Path) -> None:
+    leftovers = _kill_during_second_save("state", tmp_path)
+    assert any(p.exists() for p in leftovers), "the kill must land in the middle of the save"
+    checkpointer = ckpt.Checkpointer(folder=tmp_path, keep_last=2)
+    assert checkpointer.latest() == tmp_path / "step-00000001"
+    model = nn.Linear(4096, 4096)
+    resumed = checkpointer.resume(model=model)
+    assert resumed is not None and resumed.step == 1 and bool((model.weight == 1.0).all())
+    # The next save clears what the killed process left behind.
+    checkpointer.save(step=2, model=model)
+    assert not any(p.exists() for p in leftovers)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def _previous_then_big(folder: Path) -> tuple[ckpt.Checkpointer, nn.Module]:
+    checkpointer = ckpt.Checkpointer(folder=folder, keep_last=2)
+    small = nn.Linear(512, 512)  # 1 MiB
+    checkpointer.save(step=1, model=small)
+    ckpt.save(small, folder / "weights.safetensors")
+    return checkpointer, small
+
+
+def _assert_previous_intact(folder: Path, checkpointer: ckpt.Checkpointer, small: nn.Module) -> None:
+    assert checkpointer.latest() == folder / "step-00000001"
+    again = nn.Linear(512, 512)
+    assert checkpointer.resume(model=again) is not None
+    assert torch.equal(again.weight, small.weight)
+    ckpt.load(again, folder / "weights.safetensors")
+    assert torch.equal(again.weight, small.weight)
+    assert not [p for p in folder.iterdir() if is_temporary(p)]
+
+
+@contextlib.contextmanager
+def _file_size_limit(limit: int) -> Iterator[None]:
+    # The kernel refuses writes past `limit` bytes with EFBIG, exactly where a full disk refuses
+    # them with ENOSPC: half-way through the file. (Python ignores SIGXFSZ, so write() fails.)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_size_limit_hit_mid_save_raises_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    checkpointer, small = _previous_then_big(tmp_path)
+    big = nn.Linear(512, 4096)  # 8 MiB
+    with _file_size_limit(2 << 20):
+        with pytest.raises(CheckpointError, match=r"is full or a file-size/quota limit was hit.*previous checkpoint is unchanged"):
+            checkpointer.save(step=2, model=big)
+        with pytest.raises(CheckpointError, match=r"weights\.safetensors.*full or a file-size"):
+            ckpt.save(big, tmp_path / "weights.safetensors")
+        with pytest.raises(CheckpointError, match=r"weights\.pt.*full or a file-size"):
+            ckpt.save(big, tmp_path / "weights.pt")
+    _assert_previous_intact(tmp_path, checkpointer, small)
+
+
+@pytest.fixture
+def small_tmpfs() -> Iterator[Path]:
+    """A real 4 MiB file system (tmpfs); skipped where this process may not mount one."""
+    mount_point = Path(tempfile.mkdtemp())
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)], capture_output=True, timeout=10
+    ) if shutil.which("mount") and os.geteuid() == 0 else None
+    if done is None or done.returncode != 0:
+        mount_point.rmdir()
+        pytest.skip("mounting a small tmpfs needs root and mount permission")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True, timeout=10)
+        mount_point.rmdir()
+
+
+def test_full_disk_raises_and_keeps_the_previous_checkpoint(small_tmpfs: Path) -> None:
+    checkpointer, small = _previous_then_big(small_tmpfs)
+    with pytest.raises(CheckpointError, match=r"No space left on device.*is full"):
+        checkpointer.save(step=2, model=nn.Linear(512, 2048))  # 4 MiB on a disk with ~2 MiB free
+    _assert_previous_intact(small_tmpfs, checkpointer, small)
+
+
+@contextlib.contextmanager
+def _unprivileged() -> Iterator[None]:
+    # root ignores folder permissions; act as 'nobody' for the save so they apply (in CI, as a
+    # normal user, this is a no-op).
+    if os.geteuid() != 0:
+        yield
+        return
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+def test_unwritable_folder_raises_and_keeps_the_previous_checkpoint() -> None:
+    root = Path(tempfile.mkdtemp())
+    try:
+        root.chmod(0o755)
+        folder = root / "ckpt"
+        folder.mkdir()
+        checkpointer, small = _previous_then_big(folder)
+        folder.chmod(0o555)
+        with _unprivileged():
+            with pytest.raises(CheckpointError, match=r"folder '.*ckpt' is not writable.*previous checkpoint is unchanged"):
+                checkpointer.save(step=2, model=small)
+            with pytest.raises(CheckpointError, match=r"folder '.*ckpt' is not writable"):
+                ckpt.save(small, folder / "weights.safetensors")
+        folder.chmod(0o755)
+        _assert_previous_intact(folder, checkpointer, small)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_missing_folder_is_named(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"folder '.*nowhere' does not exist"):
+        ckpt.save(nn.Linear(2, 2), tmp_path / "nowhere" / "w.safetensors")
