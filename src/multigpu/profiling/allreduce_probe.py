@@ -22,7 +22,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from multigpu.errors import ConfigError
-from multigpu.profiling.bandwidth import BandwidthPoint, calibrate_iters, time_per_op
+from multigpu.profiling.bandwidth import BandwidthPoint, iters_for, time_per_op
+
+_MAX_ITERS = 20  # per timed loop, as nccl-tests' default -n 20: small messages cost ~0.1-1 ms each on gloo
 
 
 def default_backend() -> str:
@@ -99,12 +101,10 @@ def _worker(rank: int, world_size: int, backend: str, port: int, sizes: list[int
         seconds = []
         for size in sizes:
             tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
-            run = lambda: dist.all_reduce(tensor)  # noqa: E731
-            # every rank must run the same number of collectives: agree on the slowest rank's count
-            iters = torch.tensor([calibrate_iters(run, sync)], device=device)
-            dist.all_reduce(iters, op=dist.ReduceOp.MIN)
             dist.barrier()
-            seconds.append(time_per_op(run, sync, iters=int(iters.item()), repeats=repeats))
+            # the count depends on the size only: every rank runs the same number of collectives
+            iters = iters_for(size, max_iters=_MAX_ITERS)
+            seconds.append(time_per_op(lambda: dist.all_reduce(tensor), sync, iters=iters, repeats=repeats))
         Path(out, f"rank{rank}.json").write_text(json.dumps(seconds))
     finally:
         dist.destroy_process_group()

@@ -85,28 +85,20 @@ def message_sizes(min_bytes: int = DEFAULT_MIN_BYTES, max_bytes: int = DEFAULT_M
     return sizes
 
 
-def calibrate_iters(fn: Callable[[], object], sync: Callable[[], None], *, target_s: float = 0.02) -> int:
-    """How many back-to-back calls of ``fn`` take about ``target_s`` (runs a warm-up, then doubling loops)."""
-    fn()
-    sync()  # warm-up: first-touch of the buffers, kernel selection
-    count = 1
-    while True:
-        start = time.perf_counter()
-        for _ in range(count):
-            fn()
-        sync()
-        elapsed = time.perf_counter() - start
-        if elapsed >= target_s / 8 or count >= 10_000:
-            return max(1, min(10_000, int(count * target_s / max(elapsed, 1e-9))))
-        count *= 2
+def iters_for(nbytes: int, *, window_bytes: int = 64 * MiB, max_iters: int = 2000) -> int:
+    """Operations per timed loop: enough to move ``window_bytes`` (at least 1, at most ``max_iters``).
 
-
-def time_per_op(fn: Callable[[], object], sync: Callable[[], None], *, iters: int | None = None, repeats: int = 5) -> float:
-    """Seconds per call of ``fn``: median over ``repeats`` of loops of ``iters`` back-to-back calls.
-
-    ``iters`` None calibrates a loop of ~20 ms; collectives pass the count all ranks agreed on.
+    A fixed count per size (as nccl-tests' ``-n``) rather than a time target: every rank of a
+    collective runs the same number, and a hand-written loop of the same bytes measures the same
+    window (benchmarks/bandwidth_check.py).
     """
-    iters = calibrate_iters(fn, sync) if iters is None else iters
+    return max(1, min(max_iters, window_bytes // max(1, nbytes)))
+
+
+def time_per_op(fn: Callable[[], object], sync: Callable[[], None], *, iters: int, repeats: int = 5) -> float:
+    """Seconds per call of ``fn``: median over ``repeats`` of loops of ``iters`` back-to-back calls."""
+    fn()
+    sync()  # warm-up: first touch of the buffers, kernel selection
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -147,7 +139,8 @@ def probe_copy(src_device: torch.device, dst_device: torch.device, nbytes: int, 
     pin = torch.cuda.is_available() and "cuda" in (src_device.type, dst_device.type)
     src = _buffer(nbytes, src_device, pin)
     dst = _buffer(nbytes, dst_device, pin)
-    seconds = time_per_op(lambda: dst.copy_(src, non_blocking=pin), synchronizer([src_device, dst_device]), repeats=repeats)
+    sync = synchronizer([src_device, dst_device])
+    seconds = time_per_op(lambda: dst.copy_(src, non_blocking=pin), sync, iters=iters_for(nbytes), repeats=repeats)
     return BandwidthPoint(probe=f"copy {_name(src_device)}->{_name(dst_device)}", kind="copy", nbytes=nbytes, seconds=seconds)
 
 
@@ -164,12 +157,13 @@ def probe_dp_pattern(devices: Sequence[ReplicaDevice], nbytes: int, *, repeats: 
     points, notes = [], []
     source = _buffer(nbytes, primary, False)
     if any(d != primary for d in torch_devices[1:]):
-        seconds = time_per_op(lambda: comm.broadcast_detached([source], torch_devices), sync, repeats=repeats)
+        broadcast = lambda: comm.broadcast_detached([source], torch_devices)  # noqa: E731
+        seconds = time_per_op(broadcast, sync, iters=iters_for(nbytes), repeats=repeats)
         points.append(BandwidthPoint(probe=f"broadcast {devices[0].label}->x{n}", kind="broadcast", nbytes=nbytes, seconds=seconds, ranks=n))
     else:
         notes.append(f"broadcast to {n} replicas on {primary}: shared storage, no bytes move (not probed)")
     grads = [[_buffer(nbytes, d, False)] for d in torch_devices]
-    seconds = time_per_op(lambda: comm.reduce_add(grads, primary), sync, repeats=repeats)
+    seconds = time_per_op(lambda: comm.reduce_add(grads, primary), sync, iters=iters_for(nbytes), repeats=repeats)
     points.append(BandwidthPoint(probe=f"reduce x{n}->{devices[0].label}", kind="reduce", nbytes=nbytes, seconds=seconds, ranks=n))
     return points, notes
 

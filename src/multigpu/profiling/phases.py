@@ -41,15 +41,34 @@ def active() -> bool:
     return _listener is not None
 
 
-@contextlib.contextmanager
-def phase(name: str, device: str | None = None, nbytes: int = 0) -> Iterator[None]:
-    """Mark one phase of a step; ``nbytes`` is what the phase moved between devices."""
+class _Phase:
+    """One listened-to phase: ``begin`` on enter, ``end`` on exit (also when the block raises)."""
+
+    __slots__ = ("_listener", "_name", "_device", "_nbytes", "_token")
+
+    def __init__(self, listener: PhaseListener, name: str, device: str | None, nbytes: int) -> None:
+        self._listener, self._name, self._device, self._nbytes = listener, name, device, nbytes
+
+    def __enter__(self) -> None:
+        self._token = self._listener.begin(self._name, self._device)
+
+    def __exit__(self, *_: object) -> None:
+        self._listener.end(self._token, self._nbytes)
+
+
+# Shared by every phase while nobody listens: no generator or object is built per call, which
+# keeps the idle cost of a mark at one global read and one function call (benchmarks/profile_overhead.py).
+_IDLE: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+
+
+def phase(name: str, device: str | None = None, nbytes: int = 0) -> contextlib.AbstractContextManager[None]:
+    """Mark one phase of a step; ``nbytes`` is what the phase moved between devices.
+
+    Example:
+        >>> with phase("scatter", "cpu:0", nbytes=4096):
+        ...     pass
+    """
     listener = _listener
     if listener is None:
-        yield
-        return
-    token = listener.begin(name, device)
-    try:
-        yield
-    finally:
-        listener.end(token, nbytes)
+        return _IDLE
+    return _Phase(listener, name, device, nbytes)
