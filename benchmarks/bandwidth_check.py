@@ -6,15 +6,14 @@
 For each size, in the same run and alternating round by round: the probe behind the command
 (:func:`multigpu.profiling.bandwidth.probe_copy`) and a plain loop written here from scratch
 (``dst.copy_(src)`` N times between two ``perf_counter`` reads, N fixed per size so a loop
-copies 64 MiB; five loops per round). Each side reports its median (the probe: of its rounds;
-the loop: of all its timed loops), so both use short windows and a median on a busy machine;
-the table gives both in GB/s (1e9 B/s) and their ratio.
+copies 64 MiB; five loops per round). Each side reports its best loop over all rounds (the
+probe's own figure is its fastest loop, as STREAM reports; the plain side is held to the same
+rule), and the table gives both in GB/s (1e9 B/s) and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -48,7 +47,7 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     cpu = torch.device("cpu")
-    title = f"cpu->cpu copy, {torch.get_num_threads()} torch thread(s): probe vs plain loop (median of {args.rounds} alternating rounds)"
+    title = f"cpu->cpu copy, {torch.get_num_threads()} torch thread(s): probe vs plain loop (best of {args.rounds} alternating rounds)"
     table = Table(title=title)
     for column in ("size", "probe GB/s", "plain loop GB/s", "probe / plain", "within 10%"):
         table.add_column(column, justify="right")
@@ -57,14 +56,14 @@ def main() -> None:
         loops = max(1, min(2000, (64 * 2**20) // nbytes))  # ~64 MiB copied per timed loop
         probe, plain = [], []
         for _ in range(args.rounds):
-            probe.append(probe_copy(cpu, cpu, nbytes, repeats=3).algbw)
+            probe.append(probe_copy(cpu, cpu, nbytes, repeats=5).algbw)
             plain += plain_copy_gbps(nbytes, loops)
-        ratio = statistics.median(probe) / statistics.median(plain)
+        ratio = max(probe) / max(plain)
         ok = abs(ratio - 1) <= 0.10
         table.add_row(
             format_bytes(nbytes),
-            f"{statistics.median(probe):.2f}",
-            f"{statistics.median(plain):.2f}",
+            f"{max(probe):.2f}",
+            f"{max(plain):.2f}",
             f"{ratio:.3f}",
             "[green]yes[/green]" if ok else "[red]no[/red]",
         )

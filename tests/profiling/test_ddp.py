@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rich.console import Console
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from multigpu.errors import ConfigError
 from multigpu.profiling.ddp import DDPProfile, RankProfile, _union_length, profile_ddp
-from multigpu.report.figures import ddp_figure
-from multigpu.report.tables import ddp_table
+from multigpu.report.folder import write_ddp_report
 from tests.conftest import free_port
 
 STEPS, WARMUP, SLOW_RANK, DELAY_S = 4, 1, 1, 0.08
@@ -89,12 +89,11 @@ def test_slow_rank_is_named_and_the_other_waits_in_all_reduce(ddp_profile: DDPPr
 
 @pytest.mark.multiprocess
 def test_ddp_report_renders(ddp_profile: DDPProfile, tmp_path: Path) -> None:
-    from rich.console import Console
-
     console = Console(record=True, width=140)
-    console.print(ddp_table(ddp_profile))
-    assert f"rank {SLOW_RANK}" in console.export_text()
-    assert ddp_figure(ddp_profile, tmp_path / "ddp.png").stat().st_size > 1000
+    files = write_ddp_report(tmp_path, ddp_profile, console=console)
+    assert f"straggler: rank {SLOW_RANK}" in console.export_text()
+    assert DDPProfile.from_json(files[0].read_text()) == ddp_profile
+    assert files[1].name == "ddp.png" and files[1].stat().st_size > 1000
 
 
 def test_union_counts_overlapping_buckets_once() -> None:

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="processes in the all-reduce (default 2)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="all-reduce backend (default: nccl on GPUs, else gloo)")
     parser.add_argument("--no-all-reduce", action="store_true", help="skip the multi-process all-reduce probe")
-    parser.add_argument("--repeats", type=int, default=5, help="timed loops per point; the median is kept (default 5)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed loops per point; the fastest is kept (default 5)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the all-reduce processes are stopped")
     parser.add_argument("--out", default="bandwidth-out", help="folder for bandwidth.png and bandwidth.json")
 

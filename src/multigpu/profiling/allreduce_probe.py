@@ -47,7 +47,7 @@ def probe_all_reduce(
         world_size: processes to start (with nccl: at most the number of GPUs).
         backend: ``"gloo"`` or ``"nccl"``; None picks :func:`default_backend`.
         timeout_s: the whole probe is stopped (processes killed) after this long.
-        repeats: timed loops per size; the median loop is kept.
+        repeats: timed loops per size; the fastest loop is kept.
 
     Returns:
         One point per size, ``kind="all-reduce"``, ``ranks=world_size``.

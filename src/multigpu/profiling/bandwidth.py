@@ -9,7 +9,6 @@ lives in :mod:`multigpu.profiling.allreduce_probe`.
 from __future__ import annotations
 
 import re
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ class BandwidthPoint:
     probe: str  # what moved, e.g. "copy cpu->cpu", "all-reduce gloo x2"
     kind: str  # "copy", "broadcast", "reduce", "all-reduce"
     nbytes: int  # message size per rank (nccl-tests' "size")
-    seconds: float  # per operation (median over repeats)
+    seconds: float  # per operation (fastest of the timed loops)
     ranks: int = 1
 
     @property
@@ -96,7 +95,12 @@ def iters_for(nbytes: int, *, window_bytes: int = 64 * MiB, max_iters: int = 200
 
 
 def time_per_op(fn: Callable[[], object], sync: Callable[[], None], *, iters: int, repeats: int = 5) -> float:
-    """Seconds per call of ``fn``: median over ``repeats`` of loops of ``iters`` back-to-back calls."""
+    """Seconds per call of ``fn``: the fastest of ``repeats`` loops of ``iters`` back-to-back calls.
+
+    The fastest loop, as STREAM reports its best rate: on a shared machine a loop that another
+    process interrupts is slower by the interruption, never faster, so the minimum is the
+    reproducible estimate of what the hardware gives (the median swings between modes).
+    """
     fn()
     sync()  # warm-up: first touch of the buffers, kernel selection
     samples = []
@@ -106,7 +110,7 @@ def time_per_op(fn: Callable[[], object], sync: Callable[[], None], *, iters: in
             fn()
         sync()  # sync point: the loop's last operation must have finished
         samples.append((time.perf_counter() - start) / iters)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def synchronizer(devices: Sequence[torch.device]) -> Callable[[], None]:
@@ -194,7 +198,7 @@ def probe_local(
     Args:
         sizes: message sizes in bytes (see :func:`message_sizes`).
         devices: the replicas for the broadcast/reduce pattern, primary first.
-        repeats: timed loops per point (the median is kept).
+        repeats: timed loops per point (the fastest is kept).
         progress: called with a short description after each point.
 
     Returns:

@@ -81,12 +81,12 @@ class StepProfile:
         return statistics.median(s.wall_s for s in self.steps) if self.steps else 0.0
 
     def median_other_s(self, device: str) -> float:
-        """Median step time on ``device`` outside every named phase (never negative)."""
-        if not self.steps:
-            return 0.0
-        return statistics.median(
-            max(0.0, s.wall_s - sum(p.seconds for p in s.phases if p.device == device)) for s in self.steps
-        )
+        """Median step time minus the medians of ``device``'s phases (never negative).
+
+        Defined on medians so that a device's phases plus "other" add up to the median step.
+        """
+        named = sum(self.median_seconds(name, device) for name in self.phase_names())
+        return max(0.0, self.median_step_s() - named)
 
     def comm_stats(self) -> list[PhaseStat]:
         """Every communication phase of every step (for bandwidth against message size)."""

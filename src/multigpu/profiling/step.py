@@ -160,7 +160,7 @@ class StepProfiler:
         ]
         for label in {p.device for s in steps for p in s.phases} - set(devices):
             devices.append(label)
-        timing = "cuda events" if self._primary_cuda is not None else "host clock"
+        timing = "cuda events" if any(clock.cuda_device(label) for label in devices) else "host clock"
         meta = {"torch": torch.__version__, "warmup": self.config.warmup, "memory": self.memory is not None}
         return StepProfile(devices=devices or [primary], steps=steps, timing=timing, meta=meta)
 

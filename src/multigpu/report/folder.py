@@ -8,6 +8,8 @@ Layout of ``DIR`` after :func:`write_profile_report`:
     memory.png       peak memory per device (when a memory source was given)
     bandwidth.png    probe curves, with this run's communication phases as points
     bandwidth.json   the probe points (when probes ran)
+
+and of ``DIR`` after :func:`write_ddp_report`: ddp.json and ddp.png (busy and all-reduce time per rank).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from rich.console import Console, RenderableType
 
 from multigpu.profiling.bandwidth import BandwidthPoint
+from multigpu.profiling.ddp import DDPProfile
 from multigpu.profiling.records import StepProfile
 from multigpu.report import figures, tables
 
@@ -68,6 +71,20 @@ def write_profile_report(
     if bandwidth:
         written.append(write_bandwidth_json(bandwidth, out / "bandwidth.json"))
     return written
+
+
+def write_ddp_report(out_dir: str | Path, profile: DDPProfile, *, console: Console | None = None) -> list[Path]:
+    """Print the per-rank table and write ``ddp.json`` and ``ddp.png`` (call on one rank, e.g. rank 0).
+
+    Example:
+        >>> profile = prof.gather()                      # every rank
+        >>> if rank == 0: write_ddp_report("profile-out", profile)  # doctest: +SKIP
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (console or Console()).print(tables.ddp_table(profile))
+    (out / "ddp.json").write_text(profile.to_json())
+    return [out / "ddp.json", figures.ddp_figure(profile, out / "ddp.png")]
 
 
 def write_bandwidth_json(points: Sequence[BandwidthPoint], path: str | Path) -> Path:
