@@ -71,6 +71,14 @@ def test_profile_of_a_script_that_never_steps_explains(tmp_path: Path, capsys: p
     assert "finished before a step was kept (warm-up 1): a step ends at each optimizer.step()" in capsys.readouterr().err
 
 
+def test_profile_reports_a_script_that_exits_by_itself(tmp_path: Path) -> None:
+    short = tmp_path / "short.py"
+    short.write_text(TRAIN.replace('Path(sys.argv[2]).write_text("finished")', "sys.exit(0)"))
+    out = tmp_path / "r"
+    assert main(["profile", "--steps", "50", "--no-probe", "--out", str(out), str(short), "3", "unused"]) == 0
+    assert len(json.loads((out / "profile.json").read_text())["steps"]) == 2  # 3 steps, 1 warm-up
+
+
 def test_profile_of_a_missing_script_explains(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["profile", str(tmp_path / "nope.py")]) == 2
     assert "is not a file; give the path of your training script" in capsys.readouterr().err

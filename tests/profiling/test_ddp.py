@@ -110,3 +110,45 @@ def test_straggler_threshold_below_one_is_rejected() -> None:
     profile = DDPProfile(backend="gloo", ranks=[RankProfile(0, [1.0], [0.5], [4], [1])])
     with pytest.raises(ConfigError, match=r"threshold=0.5 must be >= 1.0"):
         profile.straggler(threshold=0.5)
+
+
+def _cuda_worker(rank: int, world_size: int, port: int, out: str) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    try:
+        model = DistributedDataParallel(_net().cuda(), device_ids=[rank])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(16, 32, device="cuda"), torch.randint(0, 4, (16,), device="cuda")
+        with profile_ddp(model, optimizer=opt, warmup=WARMUP) as prof:
+            for _ in range(WARMUP + STEPS):
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        profile = prof.gather()
+        if rank == 0:
+            Path(out).write_text(profile.to_json())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.multiprocess
+def test_ddp_profile_on_cuda_with_nccl_uses_events(tmp_path: Path) -> None:
+    world_size = min(2, torch.cuda.device_count())
+    out = tmp_path / "profile.json"
+    context = mp.start_processes(_cuda_worker, args=(world_size, free_port(), str(out)), nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                pytest.fail("CUDA DDP workers did not finish in 120 s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    profile = DDPProfile.from_json(out.read_text())
+    grad_bytes = sum(p.numel() * p.element_size() for p in _net().parameters())
+    assert profile.backend == "nccl" and len(profile.ranks) == world_size
+    for rank in profile.ranks:
+        assert rank.allreduce_bytes == [grad_bytes] * STEPS
+        assert all(0 < a <= s for a, s in zip(rank.allreduce_s, rank.step_s))

@@ -82,6 +82,9 @@ def _profile_script(args: argparse.Namespace) -> tuple[StepProfile, Any]:
             _run_as_main(script, args.args)
         except _StopScript:
             pass
+        except SystemExit as exc:  # the script ended itself (sys.exit): report what ran, unless it failed
+            if exc.code not in (None, 0):
+                raise
     profile = profiler.profile()
     if not profile.steps:
         raise ConfigError(
