@@ -48,3 +48,12 @@ def test_listeners_nest_and_restore() -> None:
         with phases.phase("reduce"):
             pass
     assert [h[0] for h in inner.heard] == ["gather"] and [h[0] for h in outer.heard] == ["reduce"]
+
+
+def test_fan_out_feeds_every_listener_in_nested_order() -> None:
+    first, second = _Recorder(), _Recorder()
+    with phases.listening(phases.fan_out(first, second)):
+        with phases.phase("reduce", "cpu:0", nbytes=16):
+            pass
+    assert first.heard == second.heard == [("reduce", "cpu:0", 16)]
+    assert phases.fan_out(first) is first

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import pytest
@@ -131,6 +132,33 @@ def test_memory_source_is_read_and_reset_every_step() -> None:
     assert [s.peak_bytes["cpu:0"] for s in profile.steps] == [3001, 3002]
     assert profile.peak_bytes() == {"cpu:0": 3002, "cpu:1": 1000}
     assert source.resets == 3
+
+
+class _ThreadPeaks(_FixedPeaks):
+    """A memory source that is also a phase listener: it learns which thread runs which replica."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: dict[str, set[int]] = {}
+
+    def begin(self, name: str, device: str | None) -> object:
+        if name in ("forward", "backward") and device is not None:
+            self.threads.setdefault(device, set()).add(threading.get_ident())
+        return None
+
+    def end(self, token: object, nbytes: int) -> None:
+        pass
+
+
+def test_a_memory_source_that_listens_hears_the_replica_threads() -> None:
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    source = _ThreadPeaks()
+    with profile_steps(optimizer=opt, config=ProfileConfig(warmup=0), memory=source) as prof:
+        _train(multigpu.DataParallel(net, devices="cpu:2"), opt, steps=2)
+    assert set(source.threads) == {"cpu:0", "cpu:1"}
+    assert source.threads["cpu:0"].isdisjoint(source.threads["cpu:1"])  # one thread per replica
+    assert len(prof.profile().steps) == 2
 
 
 def test_config_errors_name_the_value_and_the_fix() -> None:

@@ -25,6 +25,33 @@ class PhaseListener(Protocol):
 _listener: PhaseListener | None = None
 
 
+class _FanOut:
+    """Forwards every phase to several listeners: begin in order, end in reverse order."""
+
+    def __init__(self, listeners: tuple[PhaseListener, ...]) -> None:
+        self._listeners = listeners
+
+    def begin(self, name: str, device: str | None) -> object:
+        return tuple(listener.begin(name, device) for listener in self._listeners)
+
+    def end(self, token: object, nbytes: int) -> None:
+        tokens: tuple[object, ...] = token  # type: ignore[assignment]  # what begin() returned
+        for listener, own in reversed(list(zip(self._listeners, tokens))):
+            listener.end(own, nbytes)
+
+
+def fan_out(*listeners: PhaseListener) -> PhaseListener:
+    """One listener that feeds several, since :func:`listening` installs one at a time.
+
+    Example: the step profiler and a per-replica memory tracker (which enters its tracking
+    in the replica's own thread on ``begin("forward", "cpu:1")``) both hear every phase.
+
+        >>> with listening(fan_out(profiler, tracker)):
+        ...     model(x)
+    """
+    return listeners[0] if len(listeners) == 1 else _FanOut(listeners)
+
+
 @contextlib.contextmanager
 def listening(listener: PhaseListener) -> Iterator[PhaseListener]:
     """Install ``listener`` for the duration of the block (one at a time, process-wide)."""

@@ -190,7 +190,8 @@ def profile_steps(
     Args:
         optimizer: the optimizer whose ``step()`` ends a step; None hooks every optimizer.
         config: warmup, device labels, trace ranges (see :class:`ProfileConfig`).
-        memory: per-device peak memory, read and reset at the end of every step.
+        memory: per-device peak memory, read and reset at the end of every step. When it is also
+            a phase listener (has ``begin``/``end``), it hears every phase too (see ``phases.fan_out``).
         on_step: called after every step with the number of steps kept so far.
 
     Returns:
@@ -209,8 +210,11 @@ def profile_steps(
             optimizer.register_step_pre_hook(profiler.optimizer_pre_hook),
             optimizer.register_step_post_hook(profiler.optimizer_post_hook),
         ]
+    listener: phases.PhaseListener = profiler
+    if memory is not None and hasattr(memory, "begin") and hasattr(memory, "end"):
+        listener = phases.fan_out(profiler, memory)  # type: ignore[arg-type]  # checked just above
     try:
-        with phases.listening(profiler):
+        with phases.listening(listener):
             yield profiler
     finally:
         for handle in handles:
