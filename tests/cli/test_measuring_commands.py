@@ -95,6 +95,15 @@ def test_bandwidth_writes_table_png_and_json(tmp_path: Path, capsys: pytest.Capt
     assert "busbw GB/s" in printed and "no bytes move" in printed
 
 
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="needs fewer than 2 GPUs: nccl must be unusable")
+def test_bandwidth_without_enough_gpus_for_nccl_still_reports_the_local_probes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bandwidth", "--max-size", "4KiB", "--factor", "4", "--repeats", "1", "--backend", "nccl", "--out", str(tmp_path)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out.replace("\n", "")
+    assert "all-reduce not probed: world_size=2 with nccl needs one GPU per process" in printed
+    assert {r["probe"] for r in json.loads((tmp_path / "bandwidth.json").read_text())} >= {"copy cpu->cpu"}
+
+
 def test_bandwidth_rejects_a_bad_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bandwidth", "--max-size", "lots", "--out", str(tmp_path)]) == 2
     assert "size 'lots' does not parse" in capsys.readouterr().err

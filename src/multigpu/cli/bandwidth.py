@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from multigpu.devices import accelerator_type, parse_devices
-from multigpu.errors import MultigpuError
+from multigpu.errors import ConfigError, MultigpuError
 from multigpu.profiling.allreduce_probe import default_backend, probe_all_reduce
 from multigpu.profiling.bandwidth import message_sizes, parse_size, probe_local
 from multigpu.report.figures import bandwidth_figure
@@ -57,9 +57,12 @@ def run(args: argparse.Namespace) -> int:
             points, notes = probe_local(sizes, devices, repeats=args.repeats, progress=lambda _: bar.advance(task))
             if not args.no_all_reduce:
                 bar.update(task, description=f"all-reduce over {args.world_size} {backend} processes")
-                points += probe_all_reduce(
-                    sizes, world_size=args.world_size, backend=backend, timeout_s=args.timeout, repeats=args.repeats
-                )
+                try:
+                    points += probe_all_reduce(
+                        sizes, world_size=args.world_size, backend=backend, timeout_s=args.timeout, repeats=args.repeats
+                    )
+                except ConfigError as exc:  # e.g. one GPU: the local probes still stand on their own
+                    notes.append(f"all-reduce not probed: {exc}")
                 bar.advance(task)
     except MultigpuError as exc:
         print(f"error: {exc}", file=sys.stderr)  # plain: an error message must not wrap
