@@ -1,0 +1,130 @@
+"""Profile a few steps of your own training script and write a report folder.
+
+    multigpu profile train.py --lr 0.1                   # 1 warm-up + 5 steps, report in profile-out/
+    multigpu profile --steps 10 --out prof --trace train.py
+
+The script runs as ``__main__`` with its own arguments, unchanged. One step ends at each
+``optimizer.step()``; after --warmup + --steps steps the script is stopped and the report written:
+a summary table here, and in --out: summary.txt, profile.json, phases.png (stacked time per
+phase per device), bandwidth.png (this run's communication against probe curves up to
+--probe-max-size), memory.png (when per-device memory is measured) and, with --trace, a Chrome
+trace (trace.json, open in chrome://tracing or ui.perfetto.dev) with the phases named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import runpy
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from multigpu.errors import ConfigError, MultigpuError
+from multigpu.profiling.bandwidth import message_sizes, parse_size, probe_local, replica_devices_from_labels
+from multigpu.profiling.records import StepProfile
+from multigpu.profiling.step import ProfileConfig, profile_steps
+from multigpu.report.folder import write_profile_report
+
+HELP = "run a few steps of a training script and report time per phase and device, bytes moved and bandwidth"
+
+
+class _StopScript(BaseException):
+    """Raised from the optimizer hook once enough steps are kept (BaseException: user code's
+    ``except Exception`` does not swallow it)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=5, help="steps to keep (default 5); the script stops after them")
+    parser.add_argument("--warmup", type=int, default=1, help="steps run first and not kept (default 1)")
+    parser.add_argument("--out", default="profile-out", help="report folder (default profile-out)")
+    parser.add_argument("--trace", action="store_true", help="also write a Chrome trace through torch.profiler")
+    parser.add_argument("--no-probe", action="store_true", help="skip the bandwidth probes drawn under this run's transfers")
+    parser.add_argument("--probe-max-size", default="64MiB", help="largest probe message (default 64MiB)")
+    parser.add_argument("script", help="the training script (a .py file)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    try:
+        profile, trace = _profile_script(args)
+        points = [] if args.no_probe else _probe_like(profile, parse_size(args.probe_max_size))
+    except MultigpuError as exc:
+        print(f"error: {exc}", file=sys.stderr)  # plain: an error message must not wrap
+        return 2
+    files = write_profile_report(args.out, profile, bandwidth=points, console=console)
+    if trace is not None:
+        files.append(Path(args.out) / "trace.json")
+        trace.export_chrome_trace(str(files[-1]))
+    console.print("wrote " + ", ".join(str(f) for f in files))
+    return 0
+
+
+def _profile_script(args: argparse.Namespace) -> tuple[StepProfile, Any]:
+    if args.steps < 1:
+        raise ConfigError(f"--steps {args.steps}: keep at least one step, e.g. --steps 5")
+    script = Path(args.script)
+    if not script.is_file():
+        raise ConfigError(f"script {str(script)!r} is not a file; give the path of your training script")
+
+    def stop_when_done(kept: int) -> None:
+        if kept >= args.steps:
+            raise _StopScript
+
+    config = ProfileConfig(warmup=args.warmup, trace_ranges=args.trace)
+    with _maybe_trace(args.trace) as trace, profile_steps(config=config, on_step=stop_when_done) as profiler:
+        try:
+            _run_as_main(script, args.args)
+        except _StopScript:
+            pass
+        except SystemExit as exc:  # the script ended itself (sys.exit): report what ran, unless it failed
+            if exc.code not in (None, 0):
+                raise
+    profile = profiler.profile()
+    if not profile.steps:
+        raise ConfigError(
+            f"{script} finished before a step was kept (warm-up {args.warmup}): a step ends at each optimizer.step(); "
+            "lower --warmup or let the script run longer"
+        )
+    profile.meta["script"] = str(script)
+    return profile, trace
+
+
+def _run_as_main(script: Path, argv: list[str]) -> None:
+    """Run ``script`` as ``python script argv...`` would, in this process."""
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(script), *argv]
+    sys.path.insert(0, str(script.resolve().parent))
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+@contextlib.contextmanager
+def _maybe_trace(enabled: bool) -> Iterator[Any]:
+    if not enabled:
+        yield None
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as trace:
+        yield trace
+
+
+def _probe_like(profile: StepProfile, max_bytes: int) -> list[Any]:
+    """Copy and broadcast/reduce probes over the sizes this run moved (for the bandwidth figure)."""
+    moved = [s.nbytes for s in profile.comm_stats()]
+    if not moved or len(profile.devices) < 2:
+        return []
+    low = max(1024, 1 << (min(moved).bit_length() - 1))
+    high = min(max_bytes, 1 << max(moved).bit_length())
+    sizes = message_sizes(low, max(low, high), 4)
+    points, _ = probe_local(sizes, replica_devices_from_labels(profile.devices), repeats=3)
+    return points

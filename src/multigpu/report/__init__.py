@@ -1,0 +1,1 @@
+"""Show measurements: rich tables for the terminal and matplotlib (Agg) PNG figures."""

@@ -1,0 +1,190 @@
+"""Step profiler on the real DataParallel engine: accounting against known quantities."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+import pytest
+import torch
+from torch import nn
+
+import multigpu
+from multigpu.errors import ConfigError
+from multigpu.profiling import phases
+from multigpu.profiling.records import StepProfile
+from multigpu.profiling.step import ProfileConfig, StepProfiler, profile_steps
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+
+
+def _param_bytes(net: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in net.parameters())
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, micro: int = 1, batch: int = 12) -> None:
+    for _ in range(steps):
+        for _ in range(micro):
+            x, y = torch.randn(batch, 8), torch.randint(0, 3, (batch,))
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_bytes_moved_match_parameters_inputs_and_outputs(replicas: int) -> None:
+    net = _net()
+    model = multigpu.DataParallel(net, devices=f"cpu:{replicas}")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with profile_steps(optimizer=opt, config=ProfileConfig(warmup=1)) as prof:
+        _train(model, opt, steps=3, batch=12)
+    profile = prof.profile()
+    labels = [f"cpu:{i}" for i in range(replicas)]
+    assert profile.devices == labels and len(profile.steps) == 2
+    for step in profile.steps:
+        by_key = {(p.phase, p.device): p for p in step.phases}
+        assert by_key["replicate", "cpu:0"].nbytes == _param_bytes(net) * replicas  # broadcast: params x replicas
+        assert by_key["reduce", "cpu:0"].nbytes == _param_bytes(net) * replicas  # every replica's gradients
+        assert by_key["scatter", "cpu:0"].nbytes == 12 * 8 * 4  # the input batch, float32
+        assert by_key["gather", "cpu:0"].nbytes == 12 * 3 * 4  # the outputs
+        for label in labels:
+            assert by_key["forward", label].calls == 1 and by_key["backward", label].calls == 1
+        assert by_key["optimizer", "cpu:0"].calls == 1
+        assert {p.phase for p in step.phases} == set(phases.PHASES)
+        # a replica's own phases fit inside the step
+        assert sum(p.seconds for p in step.phases if p.device == "cpu:1") <= step.wall_s
+
+
+def test_gradient_accumulation_counts_every_micro_batch_in_one_step() -> None:
+    net = _net()
+    model = multigpu.DataParallel(net, devices="cpu:2")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with profile_steps(optimizer=opt, config=ProfileConfig(warmup=0)) as prof:
+        _train(model, opt, steps=2, micro=3)
+    for step in prof.profile().steps:
+        forward = [p for p in step.phases if p.phase == "forward"]
+        assert [p.calls for p in forward] == [3, 3]
+        reduce = next(p for p in step.phases if p.phase == "reduce")
+        assert reduce.nbytes == 3 * 2 * _param_bytes(net)
+
+
+def test_profiling_does_not_change_the_training() -> None:
+    torch.manual_seed(1)
+    profiled, plain = _net(), _net()
+    plain.load_state_dict(profiled.state_dict())
+    opt_a = torch.optim.SGD(profiled.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(plain.parameters(), lr=0.1)
+    torch.manual_seed(2)
+    with profile_steps(optimizer=opt_a):
+        _train(multigpu.DataParallel(profiled, devices="cpu:2"), opt_a, steps=3)
+    torch.manual_seed(2)
+    _train(plain, opt_b, steps=3)  # the oracle: one device, same batches
+    for p, q in zip(profiled.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_hooks_are_gone_after_the_block() -> None:
+    net = _net()
+    model = multigpu.DataParallel(net, devices="cpu:2")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with profile_steps(config=ProfileConfig(warmup=0)) as prof:  # global optimizer hooks
+        _train(model, opt, steps=2)
+    assert not phases.active()
+    _train(model, opt, steps=2)
+    assert len(prof.profile().steps) == 2
+
+
+def test_manual_steps_and_json_round_trip() -> None:
+    model = multigpu.DataParallel(_net(), devices="cpu:2")
+    profiler = StepProfiler(ProfileConfig(warmup=0, devices=["cpu:0", "cpu:1"]))
+    with torch.no_grad(), phases.listening(profiler):
+        for _ in range(2):
+            model(torch.randn(6, 8))
+            profiler.step()
+    profile = profiler.profile()
+    again = StepProfile.from_json(profile.to_json())
+    assert again == profile
+    assert {p.phase for p in again.steps[0].phases} == {"scatter", "replicate", "forward", "gather"}
+
+
+class _FixedPeaks:
+    """A memory source with known numbers: the profiler must carry them into every step."""
+
+    def __init__(self) -> None:
+        self.resets = 0
+
+    def reset_peaks(self) -> None:
+        self.resets += 1
+
+    def peak_bytes(self) -> Mapping[str, int]:
+        return {"cpu:0": 3000 + self.resets, "cpu:1": 1000}
+
+
+def test_memory_source_is_read_and_reset_every_step() -> None:
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    source = _FixedPeaks()
+    with profile_steps(optimizer=opt, config=ProfileConfig(warmup=0), memory=source) as prof:
+        _train(multigpu.DataParallel(net, devices="cpu:2"), opt, steps=2)
+    profile = prof.profile()
+    assert [s.peak_bytes["cpu:0"] for s in profile.steps] == [3001, 3002]
+    assert profile.peak_bytes() == {"cpu:0": 3002, "cpu:1": 1000}
+    assert source.resets == 3
+
+
+class _ThreadPeaks(_FixedPeaks):
+    """A memory source that is also a phase listener: it learns which thread runs which replica."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: dict[str, set[int]] = {}
+
+    def begin(self, name: str, device: str | None) -> object:
+        if name in ("forward", "backward") and device is not None:
+            self.threads.setdefault(device, set()).add(threading.get_ident())
+        return None
+
+    def end(self, token: object, nbytes: int) -> None:
+        pass
+
+
+def test_a_memory_source_that_listens_hears_the_replica_threads() -> None:
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    source = _ThreadPeaks()
+    with profile_steps(optimizer=opt, config=ProfileConfig(warmup=0), memory=source) as prof:
+        _train(multigpu.DataParallel(net, devices="cpu:2"), opt, steps=2)
+    assert set(source.threads) == {"cpu:0", "cpu:1"}
+    assert source.threads["cpu:0"].isdisjoint(source.threads["cpu:1"])  # one thread per replica
+    assert len(prof.profile().steps) == 2
+
+
+def test_config_errors_name_the_value_and_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"warmup=-1 must be >= 0"):
+        ProfileConfig(warmup=-1)
+    with pytest.raises(ConfigError, match=r"devices=\[\] names no device.*\['cpu:0', 'cpu:1'\]"):
+        ProfileConfig(devices=[])
+
+
+@pytest.mark.cuda
+def test_cuda_phases_are_timed_with_events() -> None:
+    count = torch.cuda.device_count()
+    labels = [f"cuda:{i}" for i in range(count)]
+    net = _net().cuda()
+    model = multigpu.DataParallel(net, devices=labels)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with profile_steps(optimizer=opt, config=ProfileConfig(devices=labels)) as prof:
+        for _ in range(3):
+            x, y = torch.randn(16, 8, device="cuda"), torch.randint(0, 3, (16,), device="cuda")
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    profile = prof.profile()
+    assert profile.timing == "cuda events" and len(profile.steps) == 2
+    for step in profile.steps:
+        assert all(p.seconds >= 0 for p in step.phases)
+        assert step.seconds("forward", "cuda:0") > 0
+        if count > 1:
+            assert next(p for p in step.phases if p.phase == "replicate").nbytes == _param_bytes(net) * count
