@@ -54,6 +54,16 @@ def test_profile_runs_a_few_steps_and_writes_the_report(script: Path, tmp_path: 
     assert "Time per step by phase and device" in capsys.readouterr().out
 
 
+def test_profile_with_memory_shows_the_primary_carrying_more(script: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    assert main(["profile", "--steps", "2", "--memory", "--no-probe", "--out", str(out), str(script), "10", str(tmp_path / "m")]) == 0
+    profile = json.loads((out / "profile.json").read_text())
+    peaks = profile["steps"][-1]["peak_bytes"]
+    assert set(peaks) == {"cpu:0", "cpu:1"}
+    assert peaks["cpu:0"] > peaks["cpu:1"] > 0  # the primary also holds the gathered outputs and the loss
+    assert (out / "memory.png").exists()
+
+
 def test_profile_with_trace_and_probes(script: Path, tmp_path: Path) -> None:
     out = tmp_path / "report"
     args = ["profile", "--steps", "1", "--trace", "--probe-max-size", "64KiB", "--out", str(out), str(script), "5", str(tmp_path / "m")]
@@ -126,7 +136,7 @@ def test_flags_of_the_measuring_commands() -> None:
     def flags(name: str) -> set[str]:
         return {s for a in sub[name]._actions for s in a.option_strings} - {"-h", "--help"}
 
-    assert flags("profile") == {"--steps", "--warmup", "--out", "--trace", "--no-probe", "--probe-max-size"}
+    assert flags("profile") == {"--steps", "--warmup", "--out", "--trace", "--memory", "--no-probe", "--probe-max-size"}
     assert flags("bandwidth") == {
         "--min-size", "--max-size", "--factor", "--devices", "--world-size", "--backend",
         "--no-all-reduce", "--repeats", "--timeout", "--out",

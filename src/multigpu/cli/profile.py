@@ -27,6 +27,7 @@ from rich.console import Console
 from multigpu.errors import ConfigError, MultigpuError
 from multigpu.profiling.bandwidth import message_sizes, parse_size, probe_local, replica_devices_from_labels
 from multigpu.profiling.records import StepProfile
+from multigpu.profiling.memory import track_memory
 from multigpu.profiling.step import ProfileConfig, profile_steps
 from multigpu.report.folder import write_profile_report
 
@@ -43,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="steps run first and not kept (default 1)")
     parser.add_argument("--out", default="profile-out", help="report folder (default profile-out)")
     parser.add_argument("--trace", action="store_true", help="also write a Chrome trace through torch.profiler")
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="also measure per-device peak memory per step (CPU devices: an allocation tracker that slows "
+        "every op, so read the times of such a run as relative only; CUDA: the allocator's statistics)",
+    )
     parser.add_argument("--no-probe", action="store_true", help="skip the bandwidth probes drawn under this run's transfers")
     parser.add_argument("--probe-max-size", default="64MiB", help="largest probe message (default 64MiB)")
     parser.add_argument("script", help="the training script (a .py file)")
@@ -77,7 +84,10 @@ def _profile_script(args: argparse.Namespace) -> tuple[StepProfile, Any]:
             raise _StopScript
 
     config = ProfileConfig(warmup=args.warmup, trace_ranges=args.trace)
-    with _maybe_trace(args.trace) as trace, profile_steps(config=config, on_step=stop_when_done) as profiler:
+    memory = track_memory() if args.memory else contextlib.nullcontext()
+    with _maybe_trace(args.trace) as trace, memory as tracker, profile_steps(
+        config=config, memory=tracker, on_step=stop_when_done
+    ) as profiler:
         try:
             _run_as_main(script, args.args)
         except _StopScript:

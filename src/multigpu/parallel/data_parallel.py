@@ -104,6 +104,8 @@ class DataParallel(nn.Module):
         self.scalar_outputs: ScalarRule = scalar_outputs
         self.parallel_backward = parallel_backward
         self.replica_outputs: list[Any] = []
+        self._primary_label = self.replica_devices[0].label
+        self._param_bytes_cache: int | None = None
         self._register_state_dict_hook(_drop_module_prefix)
         self._register_load_state_dict_pre_hook(_add_module_prefix)
 
@@ -126,7 +128,7 @@ class DataParallel(nn.Module):
 
     def _step(self, inputs: Any, kwargs: dict[str, Any], target: Any, sizes: list[int]) -> Any:
         active = [dev for dev, size in zip(self.replica_devices, sizes) if size > 0]
-        with phase("scatter", nbytes=_nbytes((inputs, kwargs, target))):
+        with phase("scatter", self._primary_label, nbytes=_nbytes((inputs, kwargs, target))):
             chunks = scatter((inputs, kwargs, target), sizes, self.replica_devices, self.dim)
         if active == self.replica_devices[:1]:  # one chunk, on the primary: no replica needed
             with phase("forward", active[0].label):
@@ -134,13 +136,13 @@ class DataParallel(nn.Module):
         elif self.parallel_backward and self._needs_grad(inputs, kwargs):
             outputs = self._forward_parallel_backward(chunks, active)
         else:
-            with phase("replicate", nbytes=self._param_bytes(len(active))):
+            with phase("replicate", self._primary_label, nbytes=self._param_bytes(len(active))):
                 replicas = replicate(self.module, [d.device for d in active], detach=False)
             outputs = parallel_apply(self._replica_fn(replicas.modules, chunks, active), active)
         return self._combine(outputs, [s for s in sizes if s > 0], target is not None)
 
     def _forward_parallel_backward(self, chunks: list[Any], active: list[ReplicaDevice]) -> list[Any]:
-        with phase("replicate", nbytes=self._param_bytes(len(active))):
+        with phase("replicate", self._primary_label, nbytes=self._param_bytes(len(active))):
             replicas = replicate(self.module, [d.device for d in active], detach=True)
         trainable = [j for j, p in enumerate(replicas.params) if p.requires_grad]
         sources: list[torch.Tensor] = []
@@ -194,7 +196,7 @@ class DataParallel(nn.Module):
             rule = self.scalar_outputs
         else:
             rule = self.scalar_outputs
-        with phase("gather", nbytes=_nbytes(outputs)):
+        with phase("gather", self._primary_label, nbytes=_nbytes(outputs)):
             return gather(outputs, sizes, self.output_device, self.dim, rule)
 
     def _chunk_sizes(self, batch: int, inputs: Any, kwargs: dict[str, Any], target: Any) -> list[int]:
@@ -228,7 +230,9 @@ class DataParallel(nn.Module):
         """Bytes the parameter broadcast moves: every parameter to every replica (0 when not profiling)."""
         if not phases.active():
             return 0
-        return replicas * sum(p.numel() * p.element_size() for p in self.module.parameters())
+        if self._param_bytes_cache is None:  # parameters keep their sizes: walk them once
+            self._param_bytes_cache = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        return replicas * self._param_bytes_cache
 
     def _needs_grad(self, inputs: Any, kwargs: Any) -> bool:
         if not torch.is_grad_enabled():

@@ -69,6 +69,11 @@ class _Ledger:
         with self.lock:
             self.current[category] -= nbytes
 
+    def reset_peak(self) -> None:
+        with self.lock:
+            self.peak_total = sum(self.current.values())
+            self.peak_by_category = dict(self.current)
+
 
 class _Tracker(TorchDispatchMode):
     """Counts the storages that ops run on this thread create, until each is freed."""
@@ -123,13 +128,18 @@ def replica_scope(device: ReplicaDevice) -> Iterator[None]:
 
 
 class MemoryTracker:
-    """Measures per-device peak memory over the steps run inside :func:`track_memory`."""
+    """Measures per-device peak memory over the steps run inside :func:`track_memory`.
 
-    def __init__(self, devices: list[ReplicaDevice], model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self.devices = devices
-        self.ledgers = {d.label: _Ledger() for d in devices}
-        self.resident = _resident_bytes(devices, model, optimizer)
+    Also a memory source for the step profiler (:func:`multigpu.profiling.step.profile_steps`):
+    ``peak_bytes()`` and ``reset_peaks()`` give and restart the per-step peaks by device label.
+    """
+
+    def __init__(self, devices: list[ReplicaDevice], resident: dict[str, int]) -> None:
+        self.devices = devices  # empty: devices are learnt from the replica scopes as they run
+        self.resident = resident
         self.caller = threading.get_ident()
+        self.caller_ledger = _Ledger()
+        self.ledgers = {devices[0].label: self.caller_ledger} if devices else {}
         self._caller_trackers: list[_Tracker] = []
 
     @contextlib.contextmanager
@@ -138,14 +148,15 @@ class MemoryTracker:
             yield
             return
         if threading.get_ident() == self.caller and self._caller_trackers:
-            tracker = self._caller_trackers[-1]  # replica 0 on the calling thread: same tracker, other category
+            self.ledgers.setdefault(device.label, self.caller_ledger)  # replica 0 is the primary
+            tracker = self._caller_trackers[-1]  # same tracker as the caller, other category
             previous, tracker.category = tracker.category, "activations"
             try:
                 yield
             finally:
                 tracker.category = previous
             return
-        with _Tracker(self.ledgers[device.label], "activations", device.device):
+        with _Tracker(self.ledgers.setdefault(device.label, _Ledger()), "activations", device.device):
             yield
 
     def results(self) -> list[DeviceMemory]:
@@ -175,13 +186,31 @@ class MemoryTracker:
         peaks = [m.peak for m in self.results()]
         return peaks[0] / max(peaks[1:]) if len(peaks) > 1 and max(peaks[1:]) > 0 else 1.0
 
+    def peak_bytes(self) -> dict[str, int]:
+        """Peak bytes per device label since the last :meth:`reset_peaks` (profiler interface)."""
+        peaks = {label: self.resident.get(label, 0) + ledger.peak_total for label, ledger in self.ledgers.items()}
+        for index in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+            peaks[f"cuda:{index}"] = torch.cuda.max_memory_allocated(index)
+        return peaks
+
+    def reset_peaks(self) -> None:
+        """Start a new peak from what is live now (profiler interface: called at every step's end)."""
+        for ledger in self.ledgers.values():
+            ledger.reset_peak()
+        for index in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+            torch.cuda.reset_peak_memory_stats(index)
+
 
 @contextlib.contextmanager
-def track_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[MemoryTracker]:
+def track_memory(
+    model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
+) -> Iterator[MemoryTracker]:
     """Measure per-device peak memory of the training step(s) run inside the block.
 
     Args:
         model: a :class:`multigpu.DataParallel` (one figure per replica device) or a bare module.
+            None (as ``multigpu profile`` does): devices are learnt as replicas run, and peaks
+            count what the steps allocate, without resident parameters.
         optimizer: counted as resident state on the primary when given.
 
     Returns:
@@ -193,13 +222,14 @@ def track_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
         >>> [m.peak for m in mem.results()]                   # doctest: +SKIP
     """
     global _active
-    devices = _devices_of(model)
+    devices = _devices_of(model) if model is not None else []
     for device in devices:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device.device)
-    tracker = MemoryTracker(devices, model, optimizer)
-    primary = devices[0]
-    caller = _Tracker(tracker.ledgers[primary.label], "gathered", primary.device)
+    resident = _resident_bytes(devices, model, optimizer) if model is not None else {}
+    tracker = MemoryTracker(devices, resident)
+    primary = devices[0].device if devices else torch.device("cpu")
+    caller = _Tracker(tracker.caller_ledger, "gathered", primary)
     tracker._caller_trackers.append(caller)
     previous, _active = _active, tracker
     try:
