@@ -29,3 +29,11 @@ class ConfigError(MultigpuError, ValueError):
 
 class CheckpointError(MultigpuError, RuntimeError):
     """A checkpoint that cannot be written or does not match the model."""
+
+
+class CollectiveTimeoutError(MultigpuError, RuntimeError):
+    """A collective did not complete within the process group's timeout (a rank stopped calling it)."""
+
+
+class PeerExitedError(MultigpuError, RuntimeError):
+    """Another rank went away while this one waited in a collective."""

@@ -14,7 +14,7 @@ import contextlib
 import re
 from collections.abc import Iterator
 
-from multigpu.errors import MultigpuError
+from multigpu.errors import CollectiveTimeoutError, MultigpuError, PeerExitedError
 
 _TIMEOUT = re.compile(r"timed? ?out|timeout|deadline", re.IGNORECASE)
 _TIMEOUT_MS = re.compile(r"(\d+)\s*ms", re.IGNORECASE)
@@ -22,14 +22,6 @@ _PEER_GONE = re.compile(
     r"connection (closed|reset) by peer|broken pipe|connection refused|socket closed|\bEOF\b",
     re.IGNORECASE,
 )
-
-
-class CollectiveTimeoutError(MultigpuError, RuntimeError):
-    """A collective did not complete within the process group's timeout."""
-
-
-class PeerExitedError(MultigpuError, RuntimeError):
-    """Another rank went away while this one waited in a collective."""
 
 
 @contextlib.contextmanager
