@@ -78,7 +78,7 @@ def balanced_chunks(w: Workload, plat: Platform, devices: int, batch: int) -> li
         >>> from multigpu.planning.platform import gpu_platform
         >>> w = Workload(name="m", params=10**8, compute_s_per_sample=0.01, activation_bytes_per_sample=1e8)
         >>> balanced_chunks(w, gpu_platform(gpu("v100-32gb"), link("nvlink-v100")), 2, 64)
-        [24, 40]
+        [28, 36]
     """
     per_sample = _per_sample(w)
     if devices == 1 or per_sample <= 0:
@@ -86,19 +86,19 @@ def balanced_chunks(w: Workload, plat: Platform, devices: int, batch: int) -> li
     e0 = _state(w) + _gathered(w, batch)
     e = _replica_copies(w, plat)
     level = (batch * per_sample + e0 + (devices - 1) * e) / devices
-    first = max(0.0, (level - e0) / per_sample)
+    first = min(float(batch), max(0.0, (level - e0) / per_sample))
     rest = (batch - first) / (devices - 1)
-    return _round([first] + [rest] * (devices - 1), batch)
+    return _fill([first] + [rest] * (devices - 1), [e0] + [e] * (devices - 1), per_sample, batch)
 
 
 def _even(batch: int, devices: int) -> list[int]:
     return [batch // devices + (1 if i < batch % devices else 0) for i in range(devices)]
 
 
-def _round(exact: list[float], batch: int) -> list[int]:
-    """Largest-remainder rounding of ``exact`` to integers summing to ``batch``."""
+def _fill(exact: list[float], fixed: list[float], per_sample: float, batch: int) -> list[int]:
+    """Round ``exact`` down, then give each left-over sample to the device left lowest in memory."""
     sizes = [int(x) for x in exact]
-    order = sorted(range(len(exact)), key=lambda i: (-(exact[i] - sizes[i]), i))
-    for i in order[: batch - sum(sizes)]:
+    for _ in range(batch - sum(sizes)):
+        i = min(range(len(sizes)), key=lambda k: (fixed[k] + (sizes[k] + 1) * per_sample, k))
         sizes[i] += 1
     return sizes
