@@ -82,7 +82,7 @@ def evaluate(w: Workload, plat: Platform, device_counts: Sequence[int], per_devi
 
 
 def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.1f} GB"
+    return f"{nbytes / 2**30:.1f} GiB"
 
 
 def recommend(rows: Sequence[Row], memory_limit: float | None = None) -> Recommendation:

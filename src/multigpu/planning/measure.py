@@ -1,6 +1,6 @@
 """Quick measurements on one device: a model's workload, and this CPU as a platform.
 
-``measure_workload`` times forward + backward of one batch and the optimizer step (medians of
+``measure_workload`` times forward + backward of one batch and the optimizer step (best of
 repeats), counts the bytes saved for backward, the outputs, the inputs and the parameters.
 ``measure_cpu_platform`` measures what CPU replicas share: memory bandwidth (a copy), how much
 each replica slows when two run at once (plain PyTorch in two threads, no multigpu code), and
@@ -40,7 +40,8 @@ def _default_loss(output: Any) -> torch.Tensor:
     return tensor.float().square().mean()
 
 
-def _median_s(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+def _best_s(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """The fastest of ``repeats`` timed calls: noise from other work only ever adds time (timeit's advice)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -48,7 +49,7 @@ def _median_s(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def _saved_bytes(model: nn.Module, inputs: torch.Tensor, loss_fn: LossFn) -> tuple[int, int]:
@@ -86,7 +87,7 @@ def measure_workload(
         inputs: one batch (dim 0 is the batch).
         loss_fn: output -> scalar loss (default: mean square of the first output).
         optimizer: ``sgd``, ``sgd-momentum``, ``adam`` or ``adamw``: the step that is timed.
-        repeats: timed repeats; medians are reported.
+        repeats: timed repeats; the fastest is kept (other work on the machine only adds time).
         name: the workload's name in reports.
 
     Returns:
@@ -104,8 +105,8 @@ def measure_workload(
         loss_fn(model(inputs)).backward()
         sync()  # a sync point: the time must include the device's work
 
-    compute_s = _median_s(compute, repeats)
-    optimizer_s = _median_s(lambda: (opt.step(), sync()), repeats)
+    compute_s = _best_s(compute, repeats)
+    optimizer_s = _best_s(lambda: (opt.step(), sync()), repeats)
     saved, out_bytes = _saved_bytes(model, inputs, loss_fn)
     model.zero_grad(set_to_none=True)
     return Workload(
@@ -135,7 +136,7 @@ def memory_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 7) -> float:
     """Bytes/s of a large CPU copy (read + write counted)."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _median_s(lambda: dst.copy_(src), repeats)
+    return 2 * nbytes / _best_s(lambda: dst.copy_(src), repeats)
 
 
 def replica_contention(
@@ -156,16 +157,16 @@ def replica_contention(
     ratios = []
     with ThreadPoolExecutor(max_workers=replicas) as pool:
         together = lambda: list(pool.map(one, range(replicas)))  # noqa: E731
-        _median_s(together, 1)  # warm every copy and thread
+        _best_s(together, 1)  # warm every copy and thread
         for _ in range(rounds):
-            ratios.append(_median_s(together, 3, warmup=0) / _median_s(lambda: one(0), 3, warmup=0))
+            ratios.append(_best_s(together, 3, warmup=0) / _best_s(lambda: one(0), 3, warmup=0))
     return max(1.0, statistics.median(ratios))
 
 
 def thread_handoff_s(repeats: int = 50) -> float:
     """Seconds to hand one task to a waiting pool thread and get its result back."""
     with ThreadPoolExecutor(max_workers=1) as pool:
-        return _median_s(lambda: pool.submit(threading.get_ident).result(), repeats, warmup=5)
+        return _best_s(lambda: pool.submit(threading.get_ident).result(), repeats, warmup=5)
 
 
 def measure_cpu_platform(
@@ -206,8 +207,19 @@ def allreduce_busbw(nbytes: int, *, repeats: int = 7) -> float:
 
     world = dist.get_world_size()
     tensor = torch.ones(max(1, nbytes // 4))
-    seconds = _median_s(lambda: dist.all_reduce(tensor), repeats)
+    seconds = _best_s(lambda: dist.all_reduce(tensor), repeats)
     return tensor.numel() * 4 / seconds * 2 * (world - 1) / world
 
 
 
+
+
+def count_flops(model: nn.Module, inputs: torch.Tensor, *, loss_fn: LossFn = _default_loss) -> float:
+    """FLOPs of one forward + backward of ``inputs`` (torch's FlopCounterMode: matmuls and convolutions)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss_fn(model(inputs)).backward()
+    model.zero_grad(set_to_none=True)
+    return float(counter.get_total_flops())
