@@ -1,10 +1,9 @@
 """Predicted vs measured step times on this CPU: DataParallel "cpu:2" and 2-process gloo DDP.
 
 The machine is shared and its load changes by the second, so calibration and measurement
-alternate in rounds: each round measures the machine (one-device compute, replica contention,
-memory and all-reduce bandwidth), predicts the step with :mod:`multigpu.planning.costs`, then
-times the real step. Each timing is the best of a few repeats; the report is the median over
-rounds of predicted / measured.
+alternate in pairs: each iteration measures the machine (one replica alone, the replicas at once, an all-reduce)
+and, right after, one real step; the model (:mod:`multigpu.planning.costs`) predicts that step from
+that calibration. The check is the median over pairs of predicted / measured.
 
 Run by hand:  .venv/bin/python -m tests.planning._measured
 """
@@ -16,6 +15,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -25,13 +25,20 @@ from torch import nn
 import multigpu
 from multigpu.planning.costs import predict_step
 from multigpu.planning.hardware import measured_link
-from multigpu.planning.measure import allreduce_busbw, measure_cpu_platform, measure_workload, memory_bandwidth
+from multigpu.planning.measure import (
+    allreduce_busbw,
+    measure_workload,
+    memory_bandwidth,
+    replica_times,
+    thread_handoff_s,
+)
 from multigpu.planning.platform import Platform
 from multigpu.planning.workload import Workload
 
 BATCH = 512
 HALF = BATCH // 2
 REPEATS = 5
+ITERATIONS = 15  # paired measurements per configuration
 
 
 def build_mlp() -> nn.Module:
@@ -45,13 +52,18 @@ def batch(n: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 512, generator=gen), torch.randint(0, 10, (n,), generator=gen)
 
 
+_TARGETS = batch()[1]
+
+
 def loss_fn(output: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(output, batch(output.shape[0])[1])
+    """The training loss on the first ``len(output)`` targets (the probes run the first chunk)."""
+    return nn.functional.cross_entropy(output, _TARGETS[: output.shape[0]])
 
 
-def _best(fn: Callable[[], object], repeats: int = REPEATS) -> float:
+def _best(fn: Callable[[], object], repeats: int = REPEATS, warmup: bool = True) -> float:
     """Fastest of ``repeats`` calls, as the library's measurements take (load only adds time)."""
-    fn()
+    if warmup:
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -73,18 +85,42 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y
     return step
 
 
-def dataparallel_rounds(rounds: int) -> list[tuple[float, float]]:
-    """(predicted, measured) step seconds of multigpu.DataParallel on "cpu:2", one pair per round."""
+def _cpu_platform(contention: float, busbw: float | None = None) -> Platform:
+    mem_bw = memory_bandwidth()
+    return Platform(
+        name="cpu",
+        memory_bytes=None,
+        memory_bandwidth=mem_bw,
+        link=measured_link(busbw if busbw is not None else mem_bw),
+        peer_copies=False,
+        overlap=0.0,
+        cores=os.cpu_count() or 1,
+        contention=max(1.0, contention),
+        thread_overhead_s=thread_handoff_s(),
+    )
+
+
+def _predict(strategy: str, base: Workload, solo: float, together: float, busbw: float | None, plat: Platform) -> float:
+    """The model's step for one paired measurement: per-sample compute from the lone replica,
+    contention from the replicas running at once."""
+    w = replace(base, compute_s_per_sample=solo / HALF)
+    p = replace(plat, contention=max(1.0, together / solo), link=measured_link(busbw) if busbw else plat.link)
+    return predict_step(strategy, w, p, devices=2, per_device_batch=HALF).total_s
+
+
+def dataparallel_check(iterations: int) -> list[tuple[float, float]]:
+    """(predicted, measured) step seconds of multigpu.DataParallel on "cpu:2", one pair per iteration."""
     model = build_mlp()
     step = _train_step(multigpu.DataParallel(model, devices="cpu:2"), _sgd(model), *batch())
-    x = batch()[0]
-    out = []
-    for _ in range(rounds):
-        w = measure_workload(build_mlp(), x, loss_fn=loss_fn, repeats=REPEATS, optimizer="sgd-momentum")
-        plat = measure_cpu_platform(build_mlp(), x[:HALF], loss_fn=loss_fn, rounds=1)
-        predicted = predict_step("dataparallel", w, plat, devices=2, per_device_batch=HALF).total_s
-        out.append((predicted, _best(step)))
-    return out
+    x, probe = batch()[0], build_mlp()
+    base = measure_workload(probe, x[:HALF], loss_fn=loss_fn, repeats=REPEATS, optimizer="sgd-momentum")
+    plat = _cpu_platform(1.0)
+    _best(step)  # warm the engine's threads
+    pairs = []
+    for _ in range(iterations):  # calibration and the real step back to back: the same machine load
+        solo, together = replica_times(probe, x[:HALF], loss_fn=loss_fn, repeats=1, warmup=0)
+        pairs.append((_predict("dataparallel", base, solo, together, None, plat), _best(step, repeats=1, warmup=False)))
+    return pairs
 
 
 def _compute(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
@@ -107,17 +143,18 @@ def _ddp_worker(rank: int, port: int, out_dir: str, rounds: int) -> None:
         ddp_step = _train_step(nn.parallel.DistributedDataParallel(model), _sgd(model), x, y)
         grad_bytes = sum(p.numel() for p in model.parameters()) * 4
         rows = []
+        _best(ddp_step)  # build DDP's buckets and warm gloo
         for _ in range(rounds):
             dist.barrier()
-            solo = _best(_compute(plain, x, y)) if rank == 0 else 0.0  # rank 1 idles: one device alone
+            solo = _best(_compute(plain, x, y), repeats=1, warmup=False) if rank == 0 else 0.0  # rank 1 idles: one device alone
             dist.barrier()
             # Both ranks compute at once (the cores are shared); like a DDP step, the slower one sets the pace.
             compute = _compute(plain, x, y)
-            both = _best(lambda: (compute(), dist.barrier()))
-            opt_s = _best(plain_opt.step)
-            busbw = allreduce_busbw(grad_bytes, repeats=REPEATS)
+            both = _best(lambda: (compute(), dist.barrier()), repeats=1, warmup=False)
+            opt_s = _best(plain_opt.step, repeats=1, warmup=False)
+            busbw = allreduce_busbw(grad_bytes, repeats=1)
             dist.barrier()
-            rows.append(f"{solo} {both} {opt_s} {busbw} {_best(ddp_step)}\n")
+            rows.append(f"{solo} {both} {opt_s} {busbw} {_best(ddp_step, repeats=1, warmup=False)}\n")
         with open(os.path.join(out_dir, f"rounds{rank}.txt"), "w") as f:
             f.writelines(rows)
     finally:
@@ -138,36 +175,25 @@ def _run_workers(port: int, out_dir: str, rounds: int, timeout_s: float) -> None
             proc.join(5)
 
 
-def ddp_rounds(port: int, out_dir: str, rounds: int, timeout_s: float = 90.0) -> list[tuple[float, float]]:
-    """(predicted, measured) step seconds of 2-process gloo DDP, one pair per round."""
-    _run_workers(port, out_dir, rounds, timeout_s)
+def ddp_check(port: int, out_dir: str, iterations: int, timeout_s: float = 90.0) -> list[tuple[float, float]]:
+    """(predicted, measured) step seconds of 2-process gloo DDP, one pair per iteration."""
+    _run_workers(port, out_dir, iterations, timeout_s)
+    per_rank = [[list(map(float, line.split())) for line in open(os.path.join(out_dir, f"rounds{r}.txt"))] for r in range(2)]
     params = sum(p.numel() for p in build_mlp().parameters())
-    mem_bw = memory_bandwidth()
-    out = []
-    per_rank = [open(os.path.join(out_dir, f"rounds{rank}.txt")).read().split("\n")[:-1] for rank in range(2)]
-    for line0, line1 in zip(*per_rank):
-        r0, r1 = [float(v) for v in line0.split()], [float(v) for v in line1.split()]
+    plat = _cpu_platform(1.0)
+    pairs = []
+    for r0, r1 in zip(*per_rank):
         # The slower rank sets the pace of a DDP step; the all-reduce runs at the slower end's rate.
-        solo, both, opt_s = r0[0], max(r0[1], r1[1]), max(r0[2], r1[2])
-        busbw, measured = min(r0[3], r1[3]), max(r0[4], r1[4])
-        w = Workload(
-            name="mlp", params=params, compute_s_per_sample=solo / HALF, optimizer="sgd-momentum", optimizer_s=opt_s
+        base = Workload(
+            name="mlp", params=params, compute_s_per_sample=1.0, optimizer="sgd-momentum", optimizer_s=max(r0[2], r1[2])
         )
-        plat = Platform(
-            name="cpu",
-            memory_bytes=None,
-            memory_bandwidth=mem_bw,
-            link=measured_link(busbw),
-            peer_copies=False,
-            overlap=0.0,
-            cores=os.cpu_count() or 1,
-            contention=max(1.0, both / solo),
-        )
-        out.append((predict_step("ddp", w, plat, devices=2, per_device_batch=HALF).total_s, measured))
-    return out
+        predicted = _predict("ddp", base, r0[0], max(r0[1], r1[1]), min(r0[3], r1[3]), plat)
+        pairs.append((predicted, max(r0[4], r1[4])))
+    return pairs
 
 
 def median_ratio(pairs: list[tuple[float, float]]) -> float:
+    """Median over paired measurements of predicted / measured."""
     return statistics.median(p / m for p, m in pairs)
 
 
@@ -177,8 +203,8 @@ if __name__ == "__main__":
     from tests.conftest import free_port
 
     torch.set_num_threads(1)
-    for name, pairs in (("dataparallel cpu:2", dataparallel_rounds(7)),):
-        print(name, [(round(p * 1e3, 1), round(m * 1e3, 1)) for p, m in pairs], f"median ratio {median_ratio(pairs):.2f}")
+    for name, pairs in (("dataparallel cpu:2", dataparallel_check(ITERATIONS)),):
+        print(f"{name:20s} median predicted/measured {median_ratio(pairs):.2f} over {len(pairs)} pairs")
     with tempfile.TemporaryDirectory() as tmp:
-        pairs = ddp_rounds(free_port(), tmp, 7)
-    print("ddp gloo x2", [(round(p * 1e3, 1), round(m * 1e3, 1)) for p, m in pairs], f"median ratio {median_ratio(pairs):.2f}")
+        pairs = ddp_check(free_port(), tmp, ITERATIONS)
+    print(f"{'ddp gloo x2':20s} median predicted/measured {median_ratio(pairs):.2f} over {len(pairs)} pairs")

@@ -1,7 +1,8 @@
 """Predicted vs measured step time on this CPU, within 25%: DataParallel "cpu:2" and 2-process DDP.
 
-Calibration (one-device compute, replica contention, memory and all-reduce bandwidth) and the
-real step alternate in rounds; the median over rounds of predicted / measured is checked.
+Each real step is predicted from a calibration taken right before it (one replica alone, the
+replicas at once, an all-reduce); the median over the pairs of predicted / measured is checked
+(see tests/planning/_measured.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 from tests.conftest import free_port
 from tests.planning import _measured
 
-ROUNDS = 6
 
 
 @pytest.fixture
@@ -27,14 +27,14 @@ def one_thread() -> Iterator[None]:
 
 
 def test_dataparallel_cpu2_step_time_within_25_percent(one_thread: None) -> None:
-    pairs = _measured.dataparallel_rounds(ROUNDS)
+    pairs = _measured.dataparallel_check(_measured.ITERATIONS)
     ratio = _measured.median_ratio(pairs)
-    assert 0.75 <= ratio <= 1.25, f"predicted/measured {ratio:.2f}; rounds (s): {pairs}"
+    assert 0.75 <= ratio <= 1.25, f"median predicted/measured {ratio:.2f}; pairs (s): {pairs}"
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_ddp_two_gloo_processes_step_time_within_25_percent(tmp_path: Path) -> None:
-    pairs = _measured.ddp_rounds(free_port(), str(tmp_path), ROUNDS, timeout_s=90.0)
+    pairs = _measured.ddp_check(free_port(), str(tmp_path), _measured.ITERATIONS, timeout_s=90.0)
     ratio = _measured.median_ratio(pairs)
-    assert 0.75 <= ratio <= 1.25, f"predicted/measured {ratio:.2f}; rounds (s): {pairs}"
+    assert 0.75 <= ratio <= 1.25, f"median predicted/measured {ratio:.2f}; pairs (s): {pairs}"

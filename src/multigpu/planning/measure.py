@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -139,28 +138,50 @@ def memory_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 7) -> float:
     return 2 * nbytes / _best_s(lambda: dst.copy_(src), repeats)
 
 
-def replica_contention(
-    model: nn.Module, chunk: torch.Tensor, *, replicas: int = 2, loss_fn: LossFn = _default_loss, rounds: int = 5
-) -> float:
-    """How much slower one replica's forward + backward runs while ``replicas`` run in threads.
+def replica_times(
+    model: nn.Module,
+    chunk: torch.Tensor,
+    *,
+    replicas: int = 2,
+    loss_fn: LossFn = _default_loss,
+    repeats: int = 3,
+    warmup: int = 2,
+) -> tuple[float, float]:
+    """(one replica alone, ``replicas`` at once in threads): forward + backward seconds of ``chunk``.
 
-    Plain PyTorch on independent copies of ``model``: what the cores and memory of this machine
-    give to concurrent replicas, not what any engine does with them. Solo and concurrent runs
-    alternate, so a change in machine load affects both; the median ratio is returned.
+    Plain PyTorch on copies of ``model`` that share its weights (as CPU replicas do) and keep their
+    own gradients: what the cores and memory of this machine give to concurrent replicas, not what
+    any engine does with them.
     """
-    copies = [copy.deepcopy(model) for _ in range(replicas)]
+    copies = [_sharing_copy(model) for _ in range(replicas)]
 
     def one(i: int) -> None:
         copies[i].zero_grad(set_to_none=True)
         loss_fn(copies[i](chunk)).backward()
 
-    ratios = []
     with ThreadPoolExecutor(max_workers=replicas) as pool:
-        together = lambda: list(pool.map(one, range(replicas)))  # noqa: E731
-        _best_s(together, 1)  # warm every copy and thread
-        for _ in range(rounds):
-            ratios.append(_best_s(together, 3, warmup=0) / _best_s(lambda: one(0), 3, warmup=0))
-    return max(1.0, statistics.median(ratios))
+        together = _best_s(lambda: list(pool.map(one, range(replicas))), repeats, warmup)
+    return _best_s(lambda: one(0), repeats, warmup), together
+
+
+def _sharing_copy(model: nn.Module) -> nn.Module:
+    """A copy whose parameters share the original's storage (as CPU replicas do) with their own grads."""
+    clone = copy.deepcopy(model)
+    for mine, theirs in zip(clone.parameters(), model.parameters()):
+        mine.data = theirs.data
+    return clone
+
+
+def replica_contention(
+    model: nn.Module, chunk: torch.Tensor, *, replicas: int = 2, loss_fn: LossFn = _default_loss, rounds: int = 5
+) -> float:
+    """How much slower one replica's forward + backward runs while ``replicas`` run in threads.
+
+    Solo and concurrent runs alternate over ``rounds``, so a change in machine load touches both;
+    the ratio of the best times is returned (at least 1).
+    """
+    solo, together = zip(*(replica_times(model, chunk, replicas=replicas, loss_fn=loss_fn) for _ in range(rounds)))
+    return max(1.0, min(together) / min(solo))
 
 
 def thread_handoff_s(repeats: int = 50) -> float:
