@@ -147,6 +147,12 @@ def _table(rows: list[Row], plat: Platform) -> Table:
     return table
 
 
+def _breakdown(row: Row) -> str:
+    """Where one step's time goes, largest first (ms)."""
+    parts = sorted(((v, k) for k, v in row.step.parts.items() if v * 1e3 >= 0.05), reverse=True)
+    return f"  {_SHORT[row.strategy]} x{row.devices} step (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for v, k in parts)
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console()
     try:
@@ -169,9 +175,14 @@ def run(args: argparse.Namespace) -> int:
     console.print(
         f"inputs: {w.name}, {w.params / 1e6:.1f}M params, {w.compute_s_per_sample * 1e3:.2f} ms/sample compute, "
         f"{w.activation_bytes_per_sample / 1e6:.0f} MB activations and {w.output_bytes_per_sample / 1e6:.1f} MB outputs per sample, "
-        f"{args.batch} samples per device, {w.optimizer} {w.precision}"
+        f"{args.batch} samples per device, {w.optimizer} {w.precision}",
+        soft_wrap=True,
     )
-    console.print(f"[bold]{recommend(rows, plat.memory_bytes).sentence}[/bold]")
+    rec = recommend(rows, plat.memory_bytes)
+    console.print(f"[bold]{rec.sentence}[/bold]", soft_wrap=True)
+    for r in rows:
+        if r.devices == rec.devices and r.strategy in ("dataparallel", "ddp"):
+            console.print(_breakdown(r), soft_wrap=True)
     if not args.no_figure:
         path = plot_throughput(rows, args.figure, f"{w.name} on {plat.name}, batch {args.batch} per device")
         console.print(f"figure: {path}")

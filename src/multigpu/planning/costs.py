@@ -40,7 +40,8 @@ class StepTime:
     devices: int
     chunks: tuple[int, ...]  # samples per device this step
     total_s: float
-    parts: dict[str, float] = field(default_factory=dict)
+    parts: dict[str, float] = field(default_factory=dict)  # sums to total_s
+    allreduce_total_s: float = 0.0  # DDP: all-reduce time before overlap (only ``allreduce`` is exposed)
 
     @property
     def global_batch(self) -> int:
@@ -157,9 +158,7 @@ def ddp_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
         "buckets": 2 * w.grad_bytes / plat.memory_bandwidth if n > 1 else 0.0,
         "optimizer": _optimizer_s(w, plat),
     }
-    step = StepTime("ddp", n, tuple(chunks), sum(parts.values()), parts)
-    step.parts["allreduce_total"] = comm_total  # for reports: not part of the sum
-    return step
+    return StepTime("ddp", n, tuple(chunks), sum(parts.values()), parts, allreduce_total_s=comm_total)
 
 
 STRATEGIES: dict[str, Callable[[Workload, Platform, Sequence[int]], StepTime]] = {
