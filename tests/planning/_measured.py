@@ -29,7 +29,7 @@ from multigpu.planning.measure import (
     allreduce_busbw,
     measure_workload,
     memory_bandwidth,
-    replica_times,
+    ReplicaProbe,
     thread_handoff_s,
 )
 from multigpu.planning.platform import Platform
@@ -38,7 +38,7 @@ from multigpu.planning.workload import Workload
 BATCH = 512
 HALF = BATCH // 2
 REPEATS = 5
-ITERATIONS = 15  # paired measurements per configuration
+ITERATIONS = 25  # paired measurements per configuration
 
 
 def build_mlp() -> nn.Module:
@@ -117,9 +117,12 @@ def dataparallel_check(iterations: int) -> list[tuple[float, float]]:
     plat = _cpu_platform(1.0)
     _best(step)  # warm the engine's threads
     pairs = []
-    for _ in range(iterations):  # calibration and the real step back to back: the same machine load
-        solo, together = replica_times(probe, x[:HALF], loss_fn=loss_fn, repeats=1, warmup=0)
-        pairs.append((_predict("dataparallel", base, solo, together, None, plat), _best(step, repeats=1, warmup=False)))
+    with ReplicaProbe(probe, x[:HALF], loss_fn=loss_fn) as replicas:
+        replicas.times(repeats=1)  # warm the probe's threads
+        for _ in range(iterations):  # calibration and the real step back to back: the same machine load
+            solo, together = replicas.times(repeats=1, warmup=0)
+            predicted = _predict("dataparallel", base, solo, together, None, plat)
+            pairs.append((predicted, _best(step, repeats=1, warmup=False)))
     return pairs
 
 

@@ -35,3 +35,11 @@ def test_cpu_probes_return_plausible_values() -> None:
 def test_empty_batch_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"inputs of shape \(0, 4\) hold no batch"):
         measure_workload(nn.Linear(4, 2), torch.randn(0, 4))
+
+
+@pytest.mark.cuda
+def test_measure_workload_on_a_cuda_device() -> None:
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()
+    w = measure_workload(model, torch.randn(64, 256, device="cuda"), repeats=3)
+    assert w.params == 256 * 256 + 256 + 256 * 10 + 10
+    assert w.compute_s_per_sample > 0 and w.activation_bytes_per_sample >= 256 * 4

@@ -52,7 +52,7 @@ def _best_s(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
 
 
 def _saved_bytes(model: nn.Module, inputs: torch.Tensor, loss_fn: LossFn) -> tuple[int, int]:
-    """(bytes saved for backward, bytes of the outputs) of one forward; storages counted once."""
+    """(bytes saved for backward by forward and loss, bytes of the outputs); storages counted once."""
     seen: dict[tuple[int, torch.device], int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -60,13 +60,14 @@ def _saved_bytes(model: nn.Module, inputs: torch.Tensor, loss_fn: LossFn) -> tup
         seen[(storage.data_ptr(), t.device)] = storage.nbytes()
         return t
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    params.add(inputs.untyped_storage().data_ptr())
+    not_activations = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    not_activations.add(inputs.untyped_storage().data_ptr())
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         output = model(inputs)
+        loss = loss_fn(output)
     out = output if isinstance(output, torch.Tensor) else output[0]
-    saved = sum(n for (ptr, _), n in seen.items() if ptr not in params)
-    del output
+    saved = sum(n for (ptr, _), n in seen.items() if ptr not in not_activations)
+    del output, loss
     return saved, out.numel() * out.element_size()
 
 
@@ -138,30 +139,42 @@ def memory_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 7) -> float:
     return 2 * nbytes / _best_s(lambda: dst.copy_(src), repeats)
 
 
-def replica_times(
-    model: nn.Module,
-    chunk: torch.Tensor,
-    *,
-    replicas: int = 2,
-    loss_fn: LossFn = _default_loss,
-    repeats: int = 3,
-    warmup: int = 2,
-) -> tuple[float, float]:
-    """(one replica alone, ``replicas`` at once in threads): forward + backward seconds of ``chunk``.
+class ReplicaProbe:
+    """Times one replica alone and ``replicas`` at once, on long-lived threads.
 
     Plain PyTorch on copies of ``model`` that share its weights (as CPU replicas do) and keep their
     own gradients: what the cores and memory of this machine give to concurrent replicas, not what
-    any engine does with them.
+    any engine does with them. The threads live as long as the probe, like an engine's replica
+    threads (fresh threads would pay first-use costs, e.g. new allocator arenas, every time).
+
+    Example:
+        >>> with ReplicaProbe(nn.Linear(8, 8), torch.randn(4, 8)) as probe:
+        ...     solo, together = probe.times(repeats=1)
     """
-    copies = [_sharing_copy(model) for _ in range(replicas)]
 
-    def one(i: int) -> None:
-        copies[i].zero_grad(set_to_none=True)
-        loss_fn(copies[i](chunk)).backward()
+    def __init__(self, model: nn.Module, chunk: torch.Tensor, *, replicas: int = 2, loss_fn: LossFn = _default_loss):
+        self._copies = [_sharing_copy(model) for _ in range(replicas)]
+        self._chunk, self._loss_fn = chunk, loss_fn
+        self._pool = ThreadPoolExecutor(max_workers=replicas, thread_name_prefix="multigpu-probe")
 
-    with ThreadPoolExecutor(max_workers=replicas) as pool:
-        together = _best_s(lambda: list(pool.map(one, range(replicas))), repeats, warmup)
-    return _best_s(lambda: one(0), repeats, warmup), together
+    def _one(self, i: int) -> None:
+        self._copies[i].zero_grad(set_to_none=True)
+        self._loss_fn(self._copies[i](self._chunk)).backward()
+
+    def times(self, *, repeats: int = 3, warmup: int = 2) -> tuple[float, float]:
+        """(one replica alone, all at once): best forward + backward seconds of ``repeats``."""
+        together = _best_s(lambda: list(self._pool.map(self._one, range(len(self._copies)))), repeats, warmup)
+        solo = _best_s(lambda: self._pool.submit(self._one, 0).result(), repeats, warmup)
+        return solo, together
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> ReplicaProbe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _sharing_copy(model: nn.Module) -> nn.Module:
@@ -180,7 +193,8 @@ def replica_contention(
     Solo and concurrent runs alternate over ``rounds``, so a change in machine load touches both;
     the ratio of the best times is returned (at least 1).
     """
-    solo, together = zip(*(replica_times(model, chunk, replicas=replicas, loss_fn=loss_fn) for _ in range(rounds)))
+    with ReplicaProbe(model, chunk, replicas=replicas, loss_fn=loss_fn) as probe:
+        solo, together = zip(*(probe.times() for _ in range(rounds)))
     return max(1.0, min(together) / min(solo))
 
 
