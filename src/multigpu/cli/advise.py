@@ -10,6 +10,9 @@ Your own model (a factory ``package.module:function`` returning an nn.Module), m
     multigpu advise --model mypkg.nets:build --input-shape 512 --devices 1,2          # on this CPU
     multigpu advise --model mypkg.nets:build --input-shape 3,224,224 --gpu a100-80gb --link nvlink-a100
 
+With --gpu, a measured model's sizes carry over and its compute comes from its counted FLOPs
+(torch's FlopCounterMode) at --utilization of the GPU's fp32 peak; --compute-ms replaces that.
+
 A bandwidth measured by ``multigpu bandwidth`` replaces the link preset: ``--busbw 180`` (GB/s).
 Equations, assumptions and sources: docs/planning.md.
 """
