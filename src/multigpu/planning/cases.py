@@ -1,0 +1,144 @@
+"""The published end-to-end cases (/work/shared/published_cases.md), predicted from their setups.
+
+Each case is built only from what its setup states (model, batch, GPU, link); the published
+answers sit in separate fields and are only compared, never used to predict. Where a setup is
+silent (the network of case 2's two machines, the batch of case 4) the assumption is named.
+
+Example:
+    >>> rows = hf_gpt2_dp_vs_ddp()
+    >>> [r.faster_predicted == r.faster_published for r in rows]
+    [True, True]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from multigpu.planning import hardware, models
+from multigpu.planning.costs import predict_step
+from multigpu.planning.platform import DEFAULT_GPU_OVERLAP, Platform, gpu_platform
+from multigpu.planning.workload import Workload
+
+
+@dataclass(frozen=True)
+class CaseRow:
+    """One published number next to its prediction."""
+
+    case: str
+    quantity: str
+    predicted: float
+    published: float
+    faster_predicted: str
+    faster_published: str
+
+    @property
+    def ratio(self) -> float:
+        """predicted / published."""
+        return self.predicted / self.published
+
+
+def _calibrated(w: Workload, plat: Platform, batch: int, measured_step_s: float) -> Workload:
+    """The workload whose single-device step takes the measured time (per-sample compute from it)."""
+    rest = predict_step("single", w, plat, devices=1, per_device_batch=batch).total_s - batch * w.compute_s_per_sample
+    return w.with_compute((measured_step_s - rest) / batch)
+
+
+def hf_gpt2_dp_vs_ddp(overlap: float = DEFAULT_GPU_OVERLAP) -> list[CaseRow]:
+    """Case 1: 2x TITAN RTX, GPT-2 124M, batch 4 per device; DP and DDP with NVLink, DDP without."""
+    gpu = hardware.gpu("titan-rtx")
+    w = models.workload("gpt2-124m", gpu)
+    nvlink = gpu_platform(gpu, hardware.link("nvlink-titan-rtx"), overlap=overlap)
+    no_p2p = gpu_platform(gpu, hardware.link("pcie3-nop2p"), overlap=overlap)
+    dp = predict_step("dataparallel", w, nvlink, devices=2, per_device_batch=4).total_s
+    rows = []
+    for label, plat, published_ddp in (("with NVLink", nvlink, 101.90), ("without NVLink", no_p2p, 131.44)):
+        ddp = predict_step("ddp", w, plat, devices=2, per_device_batch=4).total_s
+        rows.append(
+            CaseRow(
+                case="1 HF GPT-2, 2x TITAN RTX",
+                quantity=f"DDP {label} / DP step time",
+                predicted=ddp / dp,
+                published=published_ddp / 110.59,
+                faster_predicted="ddp" if ddp < dp else "dataparallel",
+                faster_published="ddp" if published_ddp < 110.59 else "dataparallel",
+            )
+        )
+    return rows
+
+
+_DDP_BENCH = {"resnet50": (0.097, {2: 0.103, 4: 0.103, 8: 0.104, 16: 0.104}),
+              "resnet101": (0.162, {2: 0.176, 4: 0.176, 8: 0.179, 16: 0.179})}
+
+
+def pytorch_ddp_benchmark(overlap: float = DEFAULT_GPU_OVERLAP) -> list[CaseRow]:
+    """Case 2: DGX-1 V100, batch 32 per GPU; the 1-GPU time is the measured input.
+
+    16 GPUs span two DGX-1 machines; the source does not name their network: InfiniBand HDR assumed.
+    """
+    gpu = hardware.gpu("v100-32gb")
+    plat = gpu_platform(
+        gpu, hardware.link("nvlink-v100"), network=hardware.link("ib-hdr"), devices_per_node=8, overlap=overlap
+    )
+    rows = []
+    for name, (single_s, published) in _DDP_BENCH.items():
+        w = _calibrated(models.workload(name, gpu), plat, 32, single_s)
+        for n, pub in published.items():
+            ddp = predict_step("ddp", w, plat, devices=n, per_device_batch=32)
+            rows.append(
+                CaseRow(
+                    case=f"2 PyTorch DDP bench, {name}",
+                    quantity=f"DDP {n} GPUs s/iter",
+                    predicted=ddp.total_s,
+                    published=pub,
+                    faster_predicted="ddp" if ddp.throughput > 32 / single_s else "single",
+                    faster_published="ddp" if n * 32 / pub > 32 / single_s else "single",
+                )
+            )
+    return rows
+
+
+def vertex_resnet50_t4(overlap: float = DEFAULT_GPU_OVERLAP) -> list[CaseRow]:
+    """Case 3: ResNet-50, 4x T4 on PCIe Gen3, 32 images per GPU; DP vs DDP epoch time."""
+    gpu = hardware.gpu("t4")
+    plat = gpu_platform(gpu, hardware.link("pcie3"), overlap=overlap)
+    w = models.workload("resnet50", gpu)
+    single = predict_step("single", w, plat, devices=1, per_device_batch=32).total_s
+    dp = predict_step("dataparallel", w, plat, devices=4, per_device_batch=32).total_s
+    ddp = predict_step("ddp", w, plat, devices=4, per_device_batch=32).total_s
+    faster = "ddp" if ddp < dp else "dataparallel"
+    row = lambda q, p, pub: CaseRow("3 Vertex AI ResNet-50, 4x T4", q, p, pub, faster, "ddp")  # noqa: E731
+    return [
+        row("DDP / DP epoch time", ddp / dp, 134 / 157),
+        row("DP speedup over 1 GPU", 4 * single / dp, 489 / 157),
+        row("DDP speedup over 1 GPU", 4 * single / ddp, 489 / 134),
+    ]
+
+
+def horovod_scaling(overlap: float = DEFAULT_GPU_OVERLAP) -> list[CaseRow]:
+    """Case 4: 128 servers x 4 Pascal GPUs (P100, PCIe), 25 Gbit/s RoCE; scaling efficiency at 512.
+
+    The batch per GPU is not in the setup: 64 assumed (tf_cnn_benchmarks' usual setting).
+    """
+    gpu = hardware.gpu("p100-16gb")
+    plat = gpu_platform(
+        gpu, hardware.link("pcie3"), network=hardware.link("roce-25g"), devices_per_node=4, overlap=overlap
+    )
+    rows = []
+    for name, published in (("inception-v3", 0.90), ("resnet101", 0.90), ("vgg16", 0.68)):
+        w = models.workload(name, gpu)
+        single = predict_step("single", w, plat, devices=1, per_device_batch=64).total_s
+        ddp = predict_step("ddp", w, plat, devices=512, per_device_batch=64).total_s
+        rows.append(
+            CaseRow(f"4 Horovod, {name}", "scaling efficiency, 512 GPUs", single / ddp, published, "ddp", "ddp")
+        )
+    return rows
+
+
+def all_cases(overlap: float = DEFAULT_GPU_OVERLAP) -> list[CaseRow]:
+    """Every published case, predicted."""
+    return [
+        *hf_gpt2_dp_vs_ddp(overlap),
+        *pytorch_ddp_benchmark(overlap),
+        *vertex_resnet50_t4(overlap),
+        *horovod_scaling(overlap),
+    ]

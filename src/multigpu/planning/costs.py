@@ -1,0 +1,199 @@
+"""Per-step time of single device, DataParallel, balanced DataParallel and DDP (one equation each).
+
+Every term is a byte count over a bandwidth or a per-sample compute time times a batch; the
+equations, their assumptions and their sources are on one page: docs/planning.md.
+
+    single       T = h2d(b) + b*c + opt
+    dataparallel T = h2d(B) + scatter + broadcast(W) + max_i(b_i)*c*s(N) + gather(+grad) + reduce(G) + opt + threads
+    ddp          T = h2d(b) + b*c*s(N) + exposed_allreduce(G) + bucket copies + opt
+
+Example:
+    >>> from multigpu.planning import hardware, models
+    >>> from multigpu.planning.platform import gpu_platform
+    >>> plat = gpu_platform(hardware.gpu("v100-32gb"), hardware.link("nvlink-v100"))
+    >>> w = models.workload("resnet50", hardware.gpu("v100-32gb"))
+    >>> step = predict_step("ddp", w, plat, devices=8, per_device_batch=32)
+    >>> step.total_s > predict_step("single", w, plat, devices=1, per_device_batch=32).total_s
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from multigpu.errors import ConfigError
+from multigpu.planning import memory
+from multigpu.planning.platform import Platform
+from multigpu.planning.workload import Workload
+
+MIB = 2**20
+DDP_BUCKET_BYTES = 25 * MIB  # torch DDP default bucket_cap_mb
+DDP_FIRST_BUCKET_BYTES = 1 * MIB  # torch DDP's small first bucket
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted step: total seconds and where they go."""
+
+    strategy: str
+    devices: int
+    chunks: tuple[int, ...]  # samples per device this step
+    total_s: float
+    parts: dict[str, float] = field(default_factory=dict)  # sums to total_s
+    allreduce_total_s: float = 0.0  # DDP: all-reduce time before overlap (only ``allreduce`` is exposed)
+
+    @property
+    def global_batch(self) -> int:
+        return sum(self.chunks)
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second."""
+        return self.global_batch / self.total_s
+
+
+def _copy_s(nbytes: float, plat: Platform) -> float:
+    return nbytes / plat.link.copy_bandwidth if plat.peer_copies else 0.0
+
+
+def _h2d_s(nbytes: float, plat: Platform) -> float:
+    return nbytes / plat.host_bandwidth if plat.host_bandwidth else 0.0
+
+
+def _optimizer_s(w: Workload, plat: Platform) -> float:
+    return w.optimizer_s if w.optimizer_s is not None else w.optimizer_traffic_bytes() / plat.memory_bandwidth
+
+
+def single_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
+    """One device, the whole batch."""
+    b = sum(chunks)
+    parts = {
+        "inputs": _h2d_s(b * w.input_bytes_per_sample, plat),
+        "compute": b * w.compute_s_per_sample,
+        "optimizer": _optimizer_s(w, plat),
+    }
+    return StepTime("single", 1, (b,), sum(parts.values()), parts)
+
+
+def dataparallel_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
+    """One process, a thread per replica: everything passes through the primary device."""
+    n, batch = len(chunks), sum(chunks)
+    away = batch - chunks[0]  # samples whose inputs and outputs cross the link
+    gathered = away * w.output_bytes_per_sample * (1 if w.loss_on_replicas else 2)
+    parts = {
+        "inputs": _h2d_s(batch * w.input_bytes_per_sample, plat),
+        "scatter": _copy_s(away * w.input_bytes_per_sample, plat),
+        "broadcast": _copy_s(w.weight_bytes, plat),
+        "compute": max(chunks) * w.compute_s_per_sample * plat.compute_slowdown(n),
+        "gather": _copy_s(gathered, plat),
+        # NCCL/peer reduce moves the gradients once; the sums read two and write one per replica.
+        "reduce": _copy_s(w.grad_bytes, plat) + (n - 1) * 3 * w.grad_bytes / plat.memory_bandwidth,
+        "optimizer": _optimizer_s(w, plat),
+        "threads": 2 * n * plat.thread_overhead_s,
+    }
+    return StepTime("dataparallel", n, tuple(chunks), sum(parts.values()), parts)
+
+
+def balanced_dataparallel_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
+    """DataParallel with chunk sizes that even out per-device memory (the primary takes fewer)."""
+    sizes = memory.balanced_chunks(w, plat, len(chunks), sum(chunks))
+    step = dataparallel_step(w, plat, sizes)
+    return StepTime("dataparallel-balanced", step.devices, step.chunks, step.total_s, step.parts)
+
+
+def ring_allreduce_s(nbytes: float, devices: int, busbw: float) -> float:
+    """Seconds of a ring all-reduce of ``nbytes``: algbw = busbw * n / (2(n-1)) (nccl-tests)."""
+    if devices <= 1:
+        return 0.0
+    return nbytes * 2 * (devices - 1) / devices / busbw
+
+
+def ddp_buckets(w: Workload) -> list[tuple[float, float]]:
+    """(bytes, ready fraction of backward) per DDP bucket, in reduction order.
+
+    Gradients arrive at a uniform rate over backward, the last layers' first; the parameters in
+    ``last_ready_params`` (first layer, tied embeddings) are ready only at the end.
+    """
+    early = (w.params - w.last_ready_params) * 4
+    buckets: list[tuple[float, float]] = []
+    done, cap = 0.0, float(DDP_FIRST_BUCKET_BYTES)
+    while done < early:
+        size = min(cap, early - done)
+        done += size
+        buckets.append((size, done / early))
+        cap = DDP_BUCKET_BYTES
+    late = w.last_ready_params * 4
+    if late:
+        buckets.append((late, 1.0))
+    return buckets
+
+
+def exposed_allreduce_s(w: Workload, plat: Platform, devices: int, backward_s: float) -> tuple[float, float]:
+    """(total all-reduce seconds, seconds not hidden behind backward) of DDP's bucketed all-reduce.
+
+    Buckets are reduced one after another in a FIFO as they become ready; the ideal exposure is
+    what runs past the end of backward; of the rest, a share ``1 - overlap`` is exposed too.
+    """
+    busbw = plat.allreduce_busbw(devices)
+    clock = total = 0.0
+    for nbytes, ready in ddp_buckets(w):
+        seconds = ring_allreduce_s(nbytes, devices, busbw)
+        clock = max(clock, ready * backward_s) + seconds
+        total += seconds
+    ideal = max(0.0, clock - backward_s)
+    return total, ideal + (1.0 - plat.overlap) * (total - ideal)
+
+
+def ddp_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
+    """One process per device; gradients all-reduced in buckets, overlapped with backward."""
+    n, b = len(chunks), max(chunks)
+    compute = b * w.compute_s_per_sample * plat.compute_slowdown(n)
+    comm_total, exposed = exposed_allreduce_s(w, plat, n, compute * w.backward_fraction)
+    parts = {
+        "inputs": _h2d_s(b * w.input_bytes_per_sample, plat),
+        "compute": compute,
+        "allreduce": exposed,
+        # DDP copies gradients into its bucket buffers and back (no gradient_as_bucket_view).
+        "buckets": 2 * w.grad_bytes / plat.memory_bandwidth if n > 1 else 0.0,
+        "optimizer": _optimizer_s(w, plat),
+    }
+    return StepTime("ddp", n, tuple(chunks), sum(parts.values()), parts, allreduce_total_s=comm_total)
+
+
+STRATEGIES: dict[str, Callable[[Workload, Platform, Sequence[int]], StepTime]] = {
+    "single": single_step,
+    "dataparallel": dataparallel_step,
+    "dataparallel-balanced": balanced_dataparallel_step,
+    "ddp": ddp_step,
+}
+
+
+def predict_step(strategy: str, w: Workload, plat: Platform, *, devices: int, per_device_batch: int) -> StepTime:
+    """Predict one training step.
+
+    Args:
+        strategy: ``single``, ``dataparallel``, ``dataparallel-balanced`` or ``ddp``.
+        w: the workload (per-sample compute, sizes).
+        plat: the devices and links.
+        devices: how many devices (1 for ``single``).
+        per_device_batch: samples per device; the global batch is ``devices * per_device_batch``.
+
+    Returns:
+        The step's total seconds and their parts.
+
+    Raises:
+        ConfigError: an unknown strategy, a device count below 1, or DataParallel across nodes.
+    """
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy={strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if devices < 1 or per_device_batch < 1:
+        raise ConfigError(f"devices={devices} and per_device_batch={per_device_batch} must both be >= 1")
+    if strategy.startswith("dataparallel") and not plat.single_process(devices):
+        raise ConfigError(
+            f"{strategy} runs in one process, so it cannot span {devices} devices over nodes of "
+            f"{plat.devices_per_node}; use strategy='ddp'"
+        )
+    if strategy == "single":
+        devices = 1
+    return STRATEGIES[strategy](w, plat, [per_device_batch] * devices)

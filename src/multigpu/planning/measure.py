@@ -1,0 +1,260 @@
+"""Quick measurements on one device: a model's workload, and this CPU as a platform.
+
+``measure_workload`` times forward + backward of one batch and the optimizer step (best of
+repeats), counts the bytes saved for backward, the outputs, the inputs and the parameters.
+``measure_cpu_platform`` measures what CPU replicas share: memory bandwidth (a copy), how much
+each replica slows when two run at once (plain PyTorch in two threads, no multigpu code), and
+the cost of handing work to a thread. ``allreduce_busbw`` times an all-reduce in a process group.
+
+Example:
+    >>> from torch import nn
+    >>> w = measure_workload(nn.Linear(64, 8), torch.randn(32, 64), repeats=3)
+    >>> w.params
+    520
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+from multigpu.errors import ConfigError
+from multigpu.planning.hardware import measured_link
+from multigpu.planning.platform import Platform
+from multigpu.planning.workload import Workload
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    tensor = output if isinstance(output, torch.Tensor) else output[0]
+    return tensor.float().square().mean()
+
+
+def _best_s(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """The fastest of ``repeats`` timed calls: noise from other work only ever adds time (timeit's advice)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _saved_bytes(model: nn.Module, inputs: torch.Tensor, loss_fn: LossFn) -> tuple[int, int]:
+    """(bytes saved for backward by forward and loss, bytes of the outputs); storages counted once."""
+    seen: dict[tuple[int, torch.device], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        seen[(storage.data_ptr(), t.device)] = storage.nbytes()
+        return t
+
+    not_activations = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    not_activations.add(inputs.untyped_storage().data_ptr())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = model(inputs)
+        loss = loss_fn(output)
+    out = output if isinstance(output, torch.Tensor) else output[0]
+    saved = sum(n for (ptr, _), n in seen.items() if ptr not in not_activations)
+    del output, loss
+    return saved, out.numel() * out.element_size()
+
+
+def measure_workload(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    *,
+    loss_fn: LossFn = _default_loss,
+    optimizer: str = "sgd-momentum",
+    repeats: int = 7,
+    name: str = "model",
+) -> Workload:
+    """Measure ``model`` on the device its parameters are on, with a batch ``inputs``.
+
+    Args:
+        model: the model, on its device.
+        inputs: one batch (dim 0 is the batch).
+        loss_fn: output -> scalar loss (default: mean square of the first output).
+        optimizer: ``sgd``, ``sgd-momentum``, ``adam`` or ``adamw``: the step that is timed.
+        repeats: timed repeats; the fastest is kept (other work on the machine only adds time).
+        name: the workload's name in reports.
+
+    Returns:
+        Per-sample compute seconds, activation/output/input bytes per sample, parameters and
+        the measured optimizer step.
+    """
+    if inputs.dim() == 0 or inputs.shape[0] == 0:
+        raise ConfigError(f"inputs of shape {tuple(inputs.shape)} hold no batch; pass at least one sample on dim 0")
+    batch = inputs.shape[0]
+    opt = _build_optimizer(optimizer, model)
+    sync = torch.cuda.synchronize if inputs.is_cuda else (lambda: None)
+
+    def compute() -> None:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(inputs)).backward()
+        sync()  # a sync point: the time must include the device's work
+
+    compute_s = _best_s(compute, repeats)
+    optimizer_s = _best_s(lambda: (opt.step(), sync()), repeats)
+    saved, out_bytes = _saved_bytes(model, inputs, loss_fn)
+    model.zero_grad(set_to_none=True)
+    return Workload(
+        name=name,
+        params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        compute_s_per_sample=compute_s / batch,
+        input_bytes_per_sample=inputs.numel() * inputs.element_size() / batch,
+        output_bytes_per_sample=out_bytes / batch,
+        activation_bytes_per_sample=saved / batch,
+        optimizer=optimizer,
+        optimizer_s=optimizer_s,
+    )
+
+
+def _build_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    params = list(model.parameters())
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    if name in ("adam", "adamw"):
+        return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(params, lr=1e-4)
+    raise ConfigError(f"optimizer={name!r} is not one of sgd, sgd-momentum, adam, adamw")
+
+
+def memory_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 7) -> float:
+    """Bytes/s of a large CPU copy (read + write counted)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best_s(lambda: dst.copy_(src), repeats)
+
+
+class ReplicaProbe:
+    """Times one replica alone and ``replicas`` at once, on long-lived threads.
+
+    Plain PyTorch on copies of ``model`` that share its weights (as CPU replicas do) and keep their
+    own gradients: what the cores and memory of this machine give to concurrent replicas, not what
+    any engine does with them. The threads live as long as the probe, like an engine's replica
+    threads (fresh threads would pay first-use costs, e.g. new allocator arenas, every time).
+
+    Example:
+        >>> with ReplicaProbe(nn.Linear(8, 8), torch.randn(4, 8)) as probe:
+        ...     solo, together = probe.times(repeats=1)
+    """
+
+    def __init__(self, model: nn.Module, chunk: torch.Tensor, *, replicas: int = 2, loss_fn: LossFn = _default_loss):
+        self._copies = [_sharing_copy(model) for _ in range(replicas)]
+        self._chunk, self._loss_fn = chunk, loss_fn
+        self._pool = ThreadPoolExecutor(max_workers=replicas, thread_name_prefix="multigpu-probe")
+
+    def _one(self, i: int) -> None:
+        self._copies[i].zero_grad(set_to_none=True)
+        self._loss_fn(self._copies[i](self._chunk)).backward()
+
+    def times(self, *, repeats: int = 3, warmup: int = 2) -> tuple[float, float]:
+        """(one replica alone, all at once): best forward + backward seconds of ``repeats``."""
+        together = _best_s(lambda: list(self._pool.map(self._one, range(len(self._copies)))), repeats, warmup)
+        solo = _best_s(lambda: self._pool.submit(self._one, 0).result(), repeats, warmup)
+        return solo, together
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> ReplicaProbe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _sharing_copy(model: nn.Module) -> nn.Module:
+    """A copy whose parameters share the original's storage (as CPU replicas do) with their own grads."""
+    clone = copy.deepcopy(model)
+    for mine, theirs in zip(clone.parameters(), model.parameters()):
+        mine.data = theirs.data
+    return clone
+
+
+def replica_contention(
+    model: nn.Module, chunk: torch.Tensor, *, replicas: int = 2, loss_fn: LossFn = _default_loss, rounds: int = 5
+) -> float:
+    """How much slower one replica's forward + backward runs while ``replicas`` run in threads.
+
+    Solo and concurrent runs alternate over ``rounds``, so a change in machine load touches both;
+    the ratio of the best times is returned (at least 1).
+    """
+    with ReplicaProbe(model, chunk, replicas=replicas, loss_fn=loss_fn) as probe:
+        solo, together = zip(*(probe.times() for _ in range(rounds)))
+    return max(1.0, min(together) / min(solo))
+
+
+def thread_handoff_s(repeats: int = 50) -> float:
+    """Seconds to hand one task to a waiting pool thread and get its result back."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return _best_s(lambda: pool.submit(threading.get_ident).result(), repeats, warmup=5)
+
+
+def measure_cpu_platform(
+    model: nn.Module,
+    chunk: torch.Tensor,
+    *,
+    replicas: int = 2,
+    busbw: float | None = None,
+    loss_fn: LossFn = _default_loss,
+    rounds: int = 5,
+) -> Platform:
+    """This CPU as a platform for ``replicas`` replicas of ``model`` (``chunk``: one replica's batch).
+
+    Args:
+        busbw: measured all-reduce bus bandwidth in bytes/s (``allreduce_busbw`` in a gloo group,
+            or ``multigpu bandwidth``); defaults to the memory bandwidth.
+    """
+    mem_bw = memory_bandwidth()
+    return Platform(
+        name="cpu",
+        memory_bytes=None,
+        memory_bandwidth=mem_bw,
+        link=measured_link(busbw if busbw is not None else mem_bw / 2, name="gloo (measured)"),
+        peer_copies=False,
+        overlap=0.0,  # replicas fill the cores: a communication thread takes cycles from compute
+        cores=os.cpu_count() or 1,
+        contention=replica_contention(model, chunk, replicas=replicas, loss_fn=loss_fn, rounds=rounds),
+        thread_overhead_s=thread_handoff_s(),
+    )
+
+
+def allreduce_busbw(nbytes: int, *, repeats: int = 7) -> float:
+    """Bus bandwidth (bytes/s) of an all-reduce of ``nbytes`` float32 in the default process group.
+
+    Every rank must call it (it runs collectives). busbw = nbytes / t * 2(n-1)/n (nccl-tests).
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    tensor = torch.ones(max(1, nbytes // 4))
+    seconds = _best_s(lambda: dist.all_reduce(tensor), repeats)
+    return tensor.numel() * 4 / seconds * 2 * (world - 1) / world
+
+
+
+
+
+def count_flops(model: nn.Module, inputs: torch.Tensor, *, loss_fn: LossFn = _default_loss) -> float:
+    """FLOPs of one forward + backward of ``inputs`` (torch's FlopCounterMode: matmuls and convolutions)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss_fn(model(inputs)).backward()
+    model.zero_grad(set_to_none=True)
+    return float(counter.get_total_flops())

@@ -1,0 +1,84 @@
+"""What is trained: the numbers the time and memory models need from a model and its step.
+
+A :class:`Workload` comes from a quick measurement on one device (:mod:`multigpu.planning.measure`),
+from a built-in preset (:mod:`multigpu.planning.models`), or from flags.
+
+Example:
+    >>> w = Workload(name="mlp", params=2_000_000, compute_s_per_sample=1e-4)
+    >>> w.grad_bytes
+    8000000
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from multigpu.errors import ConfigError
+
+# Bytes of memory traffic per parameter of one optimizer step (fp32 state): read what it reads,
+# write what it writes. SGD reads p, g and writes p; momentum adds a read and a write of the
+# buffer; Adam reads p, g, m, v and writes p, m, v.
+OPTIMIZER_TRAFFIC = {"sgd": 12, "sgd-momentum": 20, "adam": 28, "adamw": 28}
+# Bytes of optimizer state per parameter (fp32), ZeRO paper / HF performance docs.
+OPTIMIZER_STATE = {"sgd": 0, "sgd-momentum": 4, "adam": 8, "adamw": 8}
+# Bytes per parameter for weights and gradients, by precision. "amp" keeps fp32 weights and
+# gradients and a half-precision weight copy for the forward (HF docs: 18 bytes/param with Adam).
+PRECISION_WEIGHT_BYTES = {"fp32": 4.0, "amp": 6.0}
+PRECISION_GRAD_BYTES = {"fp32": 4.0, "amp": 4.0}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """One model's training step, per sample where it scales with the batch.
+
+    Attributes are what a user can know or measure on one device; none is a multi-device result.
+    """
+
+    name: str
+    params: int  # trainable parameters
+    compute_s_per_sample: float  # forward + backward seconds per sample on one device
+    backward_fraction: float = 2 / 3  # share of compute in backward (backward ~ 2x forward)
+    input_bytes_per_sample: float = 0.0
+    output_bytes_per_sample: float = 0.0  # what DataParallel gathers on the primary
+    activation_bytes_per_sample: float = 0.0  # tensors saved for backward
+    loss_on_replicas: bool = False  # True: the model returns its loss; gathered outputs get no gradient
+    last_ready_params: int = 0  # parameters whose gradient is final only at the end of backward
+    optimizer: str = "adam"
+    precision: str = "fp32"
+    optimizer_s: float | None = None  # measured optimizer step; None: from memory bandwidth
+
+    def __post_init__(self) -> None:
+        if self.params <= 0:
+            raise ConfigError(f"workload {self.name!r}: params={self.params} must be > 0")
+        if self.compute_s_per_sample <= 0:
+            raise ConfigError(
+                f"workload {self.name!r}: compute_s_per_sample={self.compute_s_per_sample} must be > 0; "
+                "measure it (multigpu advise --model module:factory) or pass --compute-per-sample"
+            )
+        if not 0 < self.backward_fraction < 1:
+            raise ConfigError(f"backward_fraction={self.backward_fraction} must be in (0, 1), e.g. 2/3")
+        if self.optimizer not in OPTIMIZER_TRAFFIC:
+            raise ConfigError(f"optimizer={self.optimizer!r} is not one of {sorted(OPTIMIZER_TRAFFIC)}")
+        if self.precision not in PRECISION_WEIGHT_BYTES:
+            raise ConfigError(f"precision={self.precision!r} is not one of {sorted(PRECISION_WEIGHT_BYTES)}")
+        if not 0 <= self.last_ready_params <= self.params:
+            raise ConfigError(f"last_ready_params={self.last_ready_params} must be within [0, params={self.params}]")
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a parameter broadcast moves (fp32 weights)."""
+        return self.params * 4
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes a gradient reduction moves (fp32 gradients)."""
+        return self.params * 4
+
+    def optimizer_traffic_bytes(self) -> int:
+        return self.params * OPTIMIZER_TRAFFIC[self.optimizer]
+
+    def with_compute(self, compute_s_per_sample: float) -> Workload:
+        """The same workload at another per-sample compute time (another GPU)."""
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        fields["compute_s_per_sample"] = compute_s_per_sample
+        return Workload(**fields)

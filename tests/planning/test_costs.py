@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+import pytest
+
+from multigpu.errors import ConfigError
+from multigpu.planning import costs, hardware, models
+from multigpu.planning.costs import predict_step, ring_allreduce_s
+from multigpu.planning.platform import Platform, gpu_platform
+from multigpu.planning.workload import Workload
+
+
+def _plat(link: str = "nvlink-v100", overlap: float = 0.5) -> Platform:
+    return gpu_platform(hardware.gpu("v100-32gb"), hardware.link(link), overlap=overlap)
+
+
+def _work(**kw: object) -> Workload:
+    base: dict[str, object] = dict(name="m", params=50_000_000, compute_s_per_sample=2e-3, output_bytes_per_sample=1e6)
+    base.update(kw)
+    return Workload(**base)  # type: ignore[arg-type]
+
+
+def test_ring_allreduce_follows_nccl_tests_bus_bandwidth() -> None:
+    # busbw = algbw * 2(n-1)/n, so t = S * 2(n-1)/n / busbw; one device moves nothing.
+    assert ring_allreduce_s(1e9, 2, 10e9) == pytest.approx(0.1)
+    assert ring_allreduce_s(1e9, 8, 10e9) == pytest.approx(0.175)
+    assert ring_allreduce_s(1e9, 1, 10e9) == 0.0
+
+
+def test_single_step_is_compute_plus_optimizer() -> None:
+    w = _work(optimizer="adam")
+    step = predict_step("single", w, _plat(), devices=1, per_device_batch=32)
+    assert step.parts["compute"] == pytest.approx(32 * 2e-3)
+    assert step.parts["optimizer"] == pytest.approx(50e6 * 28 / 900e9)
+    assert step.total_s == pytest.approx(sum(step.parts.values()))
+
+
+def test_ddp_exposes_at_least_the_last_bucket_and_at_most_everything() -> None:
+    w = _work(last_ready_params=10_000_000)
+    for overlap in (0.0, 0.5, 1.0):
+        step = predict_step("ddp", w, _plat("pcie3", overlap), devices=4, per_device_batch=32)
+        total = step.allreduce_total_s
+        assert step.total_s == pytest.approx(sum(step.parts.values()))
+        last = ring_allreduce_s(10_000_000 * 4, 4, hardware.link("pcie3").allreduce_busbw)
+        assert last <= step.parts["allreduce"] + 1e-12 <= total + 1e-12
+    none = predict_step("ddp", w, _plat("pcie3", 0.0), devices=4, per_device_batch=32)
+    assert none.parts["allreduce"] == pytest.approx(none.allreduce_total_s)
+
+
+def test_ddp_buckets_cover_every_gradient_with_a_small_first_bucket() -> None:
+    w = _work(last_ready_params=1_000)
+    buckets = costs.ddp_buckets(w)
+    assert sum(b for b, _ in buckets) == pytest.approx(w.grad_bytes)
+    assert buckets[0][0] == costs.DDP_FIRST_BUCKET_BYTES
+    assert max(b for b, _ in buckets[:-1]) <= costs.DDP_BUCKET_BYTES
+    assert [r for _, r in buckets] == sorted(r for _, r in buckets) and buckets[-1][1] == 1.0
+
+
+def test_dataparallel_pays_for_the_primary_and_ddp_does_not() -> None:
+    w = _work(output_bytes_per_sample=20e6)
+    dp = predict_step("dataparallel", w, _plat("pcie3"), devices=4, per_device_batch=32)
+    ddp = predict_step("ddp", w, _plat("pcie3"), devices=4, per_device_batch=32)
+    assert dp.parts["broadcast"] == pytest.approx(w.weight_bytes / hardware.link("pcie3").copy_bandwidth)
+    # three quarters of the batch's outputs cross to the primary, and their gradients come back
+    assert dp.parts["gather"] == pytest.approx(96 * 20e6 * 2 / hardware.link("pcie3").copy_bandwidth)
+    assert ddp.total_s < dp.total_s
+
+
+def test_loss_on_replicas_halves_the_gather() -> None:
+    plat = _plat("pcie3")
+    with_grad = predict_step("dataparallel", _work(), plat, devices=2, per_device_batch=8).parts["gather"]
+    without = predict_step("dataparallel", _work(loss_on_replicas=True), plat, devices=2, per_device_batch=8).parts["gather"]
+    assert without == pytest.approx(with_grad / 2)
+
+
+def test_cpu_replicas_copy_nothing_and_slow_each_other() -> None:
+    plat = Platform(
+        name="cpu", memory_bytes=None, memory_bandwidth=10e9, link=hardware.measured_link(1e9),
+        peer_copies=False, overlap=0.0, cores=2, contention=1.2,
+    )
+    dp = predict_step("dataparallel", _work(), plat, devices=2, per_device_batch=16)
+    assert dp.parts["broadcast"] == dp.parts["gather"] == dp.parts["scatter"] == 0.0
+    assert dp.parts["compute"] == pytest.approx(16 * 2e-3 * 1.2)
+    assert plat.compute_slowdown(4) == pytest.approx(2.4)  # twice the replicas of cores
+
+
+def test_balanced_dataparallel_gives_the_primary_fewer_samples() -> None:
+    w = models.workload("gpt2-124m", hardware.gpu("titan-rtx"))
+    step = predict_step("dataparallel-balanced", w, _plat(), devices=2, per_device_batch=8)
+    assert step.chunks[0] < step.chunks[1] and sum(step.chunks) == 16
+
+
+def test_ddp_across_nodes_uses_the_network() -> None:
+    plat = gpu_platform(
+        hardware.gpu("v100-32gb"), hardware.link("nvlink-v100"), network=hardware.link("ib-hdr"), devices_per_node=8
+    )
+    assert plat.allreduce_busbw(8) == hardware.link("nvlink-v100").allreduce_busbw
+    assert plat.allreduce_busbw(16) == hardware.link("ib-hdr").allreduce_busbw
+
+
+def test_bad_requests_say_what_to_do() -> None:
+    plat = gpu_platform(
+        hardware.gpu("v100-32gb"), hardware.link("nvlink-v100"), network=hardware.link("ib-hdr"), devices_per_node=8
+    )
+    with pytest.raises(ConfigError, match=r"strategy='fsdp' is not one of single, dataparallel"):
+        predict_step("fsdp", _work(), plat, devices=2, per_device_batch=4)
+    with pytest.raises(ConfigError, match=r"devices=0 and per_device_batch=4 must both be >= 1"):
+        predict_step("ddp", _work(), plat, devices=0, per_device_batch=4)
+    with pytest.raises(ConfigError, match=r"cannot span 16 devices over nodes of 8; use strategy='ddp'"):
+        predict_step("dataparallel", _work(), plat, devices=16, per_device_batch=4)
+    with pytest.raises(ConfigError, match=r"overlap=1.5 must be within \[0, 1\]"):
+        gpu_platform(hardware.gpu("t4"), hardware.link("pcie3"), overlap=1.5)
+    with pytest.raises(ConfigError, match=r"compute_s_per_sample=0 must be > 0; measure it"):
+        _work(compute_s_per_sample=0)
+    with pytest.raises(ConfigError, match=r"optimizer='lion' is not one of"):
+        _work(optimizer="lion")

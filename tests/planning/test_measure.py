@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from multigpu.errors import ConfigError
+from multigpu.planning.measure import count_flops, measure_workload, memory_bandwidth, replica_contention
+
+
+def test_measure_workload_counts_parameters_inputs_outputs_and_saved_activations() -> None:
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+    x = torch.randn(32, 64)
+    w = measure_workload(model, x, repeats=3)
+    assert w.params == 64 * 128 + 128 + 128 * 8 + 8
+    assert w.input_bytes_per_sample == 64 * 4
+    assert w.output_bytes_per_sample == 8 * 4
+    # Saved for backward beyond the input and weights: the ReLU output (its mask source) and the
+    # second Linear's input are the same tensor, counted once; the first Linear's output is
+    # saved too (ReLU's input) unless fused; so 128 floats per sample at least, 2x128 at most.
+    assert 128 * 4 <= w.activation_bytes_per_sample <= 2 * 128 * 4 + 8 * 4
+    assert w.compute_s_per_sample > 0 and w.optimizer_s is not None and w.optimizer_s > 0
+
+
+def test_count_flops_of_a_linear_layer() -> None:
+    # forward x @ W^T and the weight gradient: two (32 x 64) @ (64 x 8) products, 2 FLOPs per MAC.
+    assert count_flops(nn.Linear(64, 8, bias=False), torch.randn(32, 64)) == 2 * (2 * 32 * 64 * 8)
+
+
+def test_cpu_probes_return_plausible_values() -> None:
+    assert memory_bandwidth(nbytes=8 * 2**20, repeats=3) > 1e8  # > 0.1 GB/s on any machine
+    assert replica_contention(nn.Linear(256, 256), torch.randn(64, 256), rounds=1) >= 1.0
+
+
+def test_empty_batch_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"inputs of shape \(0, 4\) hold no batch"):
+        measure_workload(nn.Linear(4, 2), torch.randn(0, 4))
+
+
+@pytest.mark.cuda
+def test_measure_workload_on_a_cuda_device() -> None:
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()
+    w = measure_workload(model, torch.randn(64, 256, device="cuda"), repeats=3)
+    assert w.params == 256 * 256 + 256 + 256 * 10 + 10
+    assert w.compute_s_per_sample > 0 and w.activation_bytes_per_sample >= 256 * 4
