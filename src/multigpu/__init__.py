@@ -6,32 +6,47 @@ See the README for the full picture: balanced memory, DDP through ``multigpu lau
 checkpoints that load anywhere, and measured numbers.
 """
 
-from multigpu.checkpoint import clean_state_dict, unwrap
+from multigpu.checkpoint import Checkpointer, Resumed, clean_state_dict, find_latest, load, save, unwrap
 from multigpu.devices import ReplicaDevice, parse_devices
 from multigpu.errors import (
     CheckpointError,
+    CollectiveTimeoutError,
     ConfigError,
     DeviceError,
     GatherError,
     MultigpuError,
+    PeerExitedError,
     PlacementError,
     ScatterError,
 )
 from multigpu.parallel import DataParallel
+from multigpu.profiling.memory import DeviceMemory, track_memory
+from multigpu.profiling.step import ProfileConfig, profile_steps
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "Checkpointer",
+    "CollectiveTimeoutError",
     "ConfigError",
     "DataParallel",
     "DeviceError",
+    "DeviceMemory",
     "GatherError",
     "MultigpuError",
+    "PeerExitedError",
     "PlacementError",
+    "ProfileConfig",
     "ReplicaDevice",
+    "Resumed",
     "ScatterError",
     "clean_state_dict",
+    "find_latest",
+    "load",
     "parse_devices",
+    "profile_steps",
+    "save",
+    "track_memory",
     "unwrap",
 ]

@@ -1,0 +1,45 @@
+"""The public surface, listed: changing it is a decision, not an accident."""
+
+from __future__ import annotations
+
+import multigpu
+from multigpu.cli.main import subcommands
+
+PUBLIC = {
+    "CheckpointError",
+    "Checkpointer",
+    "CollectiveTimeoutError",
+    "ConfigError",
+    "DataParallel",
+    "DeviceError",
+    "DeviceMemory",
+    "GatherError",
+    "MultigpuError",
+    "PeerExitedError",
+    "PlacementError",
+    "ProfileConfig",
+    "ReplicaDevice",
+    "Resumed",
+    "ScatterError",
+    "clean_state_dict",
+    "find_latest",
+    "load",
+    "parse_devices",
+    "profile_steps",
+    "save",
+    "track_memory",
+    "unwrap",
+}
+
+COMMANDS = {"advise", "bandwidth", "ckpt", "demo", "env", "profile"}
+
+
+def test_package_exports() -> None:
+    assert set(multigpu.__all__) == PUBLIC
+    assert all(hasattr(multigpu, name) for name in PUBLIC)
+
+
+def test_subcommands() -> None:
+    found = subcommands()
+    assert set(found) == COMMANDS
+    assert all(module.HELP and module.__doc__ for module in found.values())
