@@ -135,3 +135,10 @@ def test_cli_reports_a_port_in_use_without_a_traceback(capsys: pytest.CaptureFix
         args = parser.parse_args(["--nproc-per-node", "2", "--master-port", str(sock.getsockname()[1]), str(script)])
         assert launch_cli.run(args) == 2
     assert "is in use" in capsys.readouterr().err
+
+
+def test_process_count_and_devices_must_fit_the_strategy() -> None:
+    with pytest.raises(ConfigError, match=r"--strategy dp runs one process, but --nproc-per-node 2.*--devices cpu:2"):
+        LaunchConfig(strategy="dp", nproc_per_node=2)
+    with pytest.raises(ConfigError, match=r"--devices cpu:2 applies to --strategy dp"):
+        LaunchConfig(strategy="ddp", devices="cpu:2")

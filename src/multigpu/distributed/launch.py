@@ -59,6 +59,7 @@ class LaunchConfig:
         rdzv_conf: extra rendezvous settings, e.g. ``"join_timeout=600"``.
         devices: the ``dp`` strategy's devices (``"cpu:2"``, ``"cuda:0,1"``); None: its default.
         threads_per_process: ``OMP_NUM_THREADS`` per process; None: cores / processes.
+        extra_env: more variables for the workers (on top of the launcher's environment).
     """
 
     strategy: str = "auto"
@@ -89,6 +90,18 @@ class LaunchConfig:
             raise ConfigError(f"master_port={self.master_port} is not a TCP port; pick one in 1..65535")
         if self.threads_per_process is not None and self.threads_per_process < 1:
             raise ConfigError(f"threads_per_process={self.threads_per_process} must be >= 1")
+        one_process = self.strategy in ("single", "dp")
+        if one_process and isinstance(self.nproc_per_node, int) and self.nproc_per_node > 1:
+            raise ConfigError(
+                f"--strategy {self.strategy} runs one process, but --nproc-per-node {self.nproc_per_node} asks for "
+                f"{self.nproc_per_node}; use --strategy ddp for one process per device"
+                + (f", or --devices cpu:{self.nproc_per_node} for {self.nproc_per_node} dp replicas" if self.strategy == "dp" else "")
+            )
+        if self.devices is not None and self.strategy != "dp":
+            raise ConfigError(
+                f"--devices {self.devices} applies to --strategy dp (thread replicas); for ddp choose GPUs with "
+                "CUDA_VISIBLE_DEVICES and the count with --nproc-per-node"
+            )
         if self.multi_node and self.master_addr is None and self.rdzv_endpoint is None:
             raise ConfigError(
                 f"nnodes={self.nnodes!r} spans several nodes: pass --master-addr (rank 0's address, "

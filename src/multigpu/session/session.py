@@ -212,9 +212,13 @@ class Session:
         _, precision = self._started()
         if self.config.accumulate > 1:
             loss = loss / self.config.accumulate
+        scaled = precision.scale_loss(loss)
+        if not torch.is_autocast_enabled(self.device.type):
+            scaled.backward()
+            return
         # Backward outside autocast (as torch recommends), even when called inside micro_step.
         with torch.autocast(self.device.type, enabled=False):
-            precision.scale_loss(loss).backward()
+            scaled.backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step and zero the gradients at the end of an accumulation window; returns whether it stepped."""

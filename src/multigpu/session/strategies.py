@@ -133,9 +133,9 @@ class DDPStrategy(Strategy):
     def __init__(self, *, devices: DeviceSpec = None, timeout_s: float = runtime.DEFAULT_TIMEOUT_S) -> None:
         super().__init__(devices=devices, timeout_s=timeout_s)
         self.env: LaunchEnv = runtime.require_launch_env("strategy 'ddp'")
-        if devices is not None:
-            _check_ddp_devices(devices, self.env)
         self._device = runtime.process_device(self.env)
+        if devices is not None:  # the node's devices, one per process: take this process's
+            self._device = _check_ddp_devices(devices, self.env)[self.env.local_rank].device
 
     @property
     def device(self) -> torch.device:
@@ -166,7 +166,7 @@ class DDPStrategy(Strategy):
         return nullcontext()
 
 
-def _check_ddp_devices(devices: DeviceSpec, env: LaunchEnv) -> None:
+def _check_ddp_devices(devices: DeviceSpec, env: LaunchEnv) -> list[ReplicaDevice]:
     """Under ddp, ``devices`` lists the node's devices: one per launched process."""
     parsed = parse_devices(devices)
     if len(parsed) != env.local_world_size:
@@ -174,6 +174,7 @@ def _check_ddp_devices(devices: DeviceSpec, env: LaunchEnv) -> None:
             f"devices={devices!r} names {len(parsed)} device(s) but {env.local_world_size} processes run on "
             f"this node (one per device); relaunch with --nproc-per-node {len(parsed)}, or leave devices out"
         )
+    return parsed
 
 
 STRATEGIES: dict[str, type[Strategy]] = {
