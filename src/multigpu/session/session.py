@@ -21,7 +21,7 @@ train.py``, ``multigpu launch --strategy ddp --nproc-per-node 2 train.py``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -186,7 +186,7 @@ class Session:
         """
         device = self.device
         for batch in data.even_batches(batches):
-            yield map_leaves(lambda leaf, _: leaf.to(device, non_blocking=True) if torch.is_tensor(leaf) else leaf, batch)
+            yield _to_device(batch, device)
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -195,17 +195,14 @@ class Session:
         """True when the current micro-step ends an accumulation window."""
         return self._micro >= self.config.accumulate
 
-    @contextmanager
-    def micro_step(self, model: nn.Module) -> Iterator[None]:
+    def micro_step(self, model: nn.Module) -> AbstractContextManager[Any]:
         """The region of one micro-step's forward and backward: autocast, and no gradient sync
         unless this micro-step completes the accumulation window."""
         strategy, precision = self._started()
         self._micro += 1
-        with ExitStack() as stack:
-            if not self.should_step:
-                stack.enter_context(strategy.no_sync(model))
-            stack.enter_context(precision.autocast())
-            yield
+        if self.should_step:
+            return precision.autocast()
+        return _both(strategy.no_sync(model), precision.autocast())
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` averaged over the accumulation window (scaled for fp16)."""
@@ -275,3 +272,18 @@ class Session:
     def precision_context(self) -> AbstractContextManager[Any]:
         """The precision's autocast region, for forward passes outside :meth:`micro_step`."""
         return self._started()[1].autocast()
+
+
+@contextmanager
+def _both(first: AbstractContextManager[Any], second: AbstractContextManager[Any]) -> Iterator[None]:
+    with first, second:
+        yield
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor on ``device``; the common tuple-of-tensors case without a tree walk."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if type(batch) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in batch):
+        return type(batch)(t.to(device, non_blocking=True) for t in batch)
+    return map_leaves(lambda leaf, _: leaf.to(device, non_blocking=True) if torch.is_tensor(leaf) else leaf, batch)
