@@ -27,9 +27,10 @@ def test_single_node_binds_loopback_and_runs_the_script_through_the_recording_en
     assert args[-5:] == ["--module", "multigpu.distributed._entry", "train.py", "--lr", "0.1"]
 
 
-def test_a_free_port_is_picked_when_none_is_given() -> None:
+def test_without_a_port_the_loopback_store_picks_its_own() -> None:
     args = build_torchrun_args(LaunchConfig(nproc_per_node=2), "train.py", [])
-    assert int(args[args.index("--master-port") + 1]) > 0
+    assert args[args.index("--rdzv-backend") + 1] == "c10d"
+    assert args[args.index("--rdzv-endpoint") + 1] == "127.0.0.1:0"
 
 
 def test_multi_node_and_elastic_options_reach_torchrun() -> None:

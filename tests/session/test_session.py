@@ -156,3 +156,19 @@ def test_global_batch_that_does_not_divide_names_a_fix() -> None:
     with Session(strategy="single") as session:
         with pytest.raises(ConfigError, match="batch_size=0"):
             session.build_loader(regression_data(8), batch_size=0)
+
+
+def test_batches_move_nested_batches_and_keep_their_type() -> None:
+    with Session(strategy="single") as session:
+        (got,) = list(session.batches([{"x": torch.ones(2), "meta": "keep"}]))
+    assert got["meta"] == "keep" and got["x"].device == torch.device("cpu")
+
+
+def test_dp_with_bf16_autocasts_inside_the_replicas() -> None:
+    with Session(strategy="dp", precision="bf16", devices="cpu:2") as session:
+        model = session.setup_model(build_model())
+        with session.micro_step(model):
+            out = model(torch.randn(8, 6))
+            session.backward(out.float().pow(2).mean())
+    assert out.dtype == torch.bfloat16 and out.shape == (8, 2)
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())

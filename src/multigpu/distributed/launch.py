@@ -4,8 +4,8 @@
 options, builds torchrun's argument list and calls it in this process. It never re-implements
 rendezvous or collectives. What it adds:
 
-- single-node runs bind the rendezvous store to the loopback address (127.0.0.1), on a port that is
-  checked to be free (or picked free when not given);
+- single-node runs bind the rendezvous store to the loopback address (127.0.0.1), on the given
+  port after checking it is free, or else on a port the store picks itself (c10d on port 0);
 - a per-process thread count (``OMP_NUM_THREADS``): the node's cores divided by its processes,
   unless the user set it;
 - each worker runs under :mod:`multigpu.distributed._entry`, whose ``@record`` writes the
@@ -151,13 +151,6 @@ def check_port_free(addr: str, port: int) -> None:
             ) from exc
 
 
-def pick_free_port(addr: str = LOOPBACK) -> int:
-    """A port nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((addr, 0))
-        return int(sock.getsockname()[1])
-
-
 def build_torchrun_args(config: LaunchConfig, script: str, script_args: Sequence[str]) -> list[str]:
     """torchrun's argument list for a ``ddp`` run of ``script`` (ports resolved, checked).
 
@@ -169,25 +162,28 @@ def build_torchrun_args(config: LaunchConfig, script: str, script_args: Sequence
     nproc = resolve_nproc(config)
     addr = config.master_addr or LOOPBACK
     port = config.master_port
-    if not config.multi_node:
-        if port is None:
-            port = pick_free_port(addr)
-        else:
-            check_port_free(addr, port)
+    backend = config.rdzv_backend
+    endpoint: str | None
+    if not config.multi_node and port is not None:
+        check_port_free(addr, port)
+    if not config.multi_node and port is None and config.rdzv_endpoint is None:
+        # No port given on one node: the c10d store binds port 0 itself, so no other process can
+        # take the port between choosing it and binding it (what torchrun --standalone does).
+        backend, endpoint = "c10d", f"{addr}:0"
+    else:
+        endpoint = config.rdzv_endpoint or (f"{addr}:{port or 29500}" if backend == "c10d" else None)
     args = [
         "--nnodes", config.nnodes,
         "--nproc-per-node", str(nproc),
         "--node-rank", str(config.node_rank),
         "--master-addr", addr,
-        "--master-port", str(port if port is not None else 29500),
+        "--master-port", str(port or 29500),
         "--max-restarts", str(config.max_restarts),
-        "--rdzv-backend", config.rdzv_backend,
+        "--rdzv-backend", backend,
         "--rdzv-id", config.rdzv_id,
     ]  # fmt: skip
-    if config.rdzv_endpoint:
-        args += ["--rdzv-endpoint", config.rdzv_endpoint]
-    elif config.rdzv_backend == "c10d":
-        args += ["--rdzv-endpoint", f"{addr}:{port if port is not None else 29500}"]
+    if endpoint:
+        args += ["--rdzv-endpoint", endpoint]
     if config.rdzv_conf:
         args += ["--rdzv-conf", config.rdzv_conf]
     if not config.multi_node:
