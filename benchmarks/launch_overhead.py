@@ -1,0 +1,325 @@
+"""Launch and per-step overhead of `multigpu launch` (ddp) vs plain torchrun + DDP vs `accelerate launch`.
+
+    pip install -e '.[bench]'                       # Hugging Face Accelerate, for the comparison
+    python benchmarks/launch_overhead.py             # 2 CPU processes, 5 repeats, table + PNG
+    python benchmarks/launch_overhead.py --repeats 5 --steps 300
+
+The same model (an MLP), the same global batch and the same data run under three launchers, two
+processes each on the CPU (gloo), with the same OMP_NUM_THREADS:
+
+- ``torchrun``: a script written directly against torch.distributed and DistributedDataParallel;
+- ``multigpu``: ``multigpu launch --strategy ddp`` running the Session API loop;
+- ``accelerate``: ``accelerate launch`` running Accelerate's documented loop.
+
+Each worker times every step on rank 0 (from the end of one step to the end of the next, so fetching
+the batch counts); the run's figure is the median step. Launchers alternate within each repeat and
+the table shows the median over repeats, the spread, and the median of the per-repeat ratios. Targets: multigpu
+within 2% of torchrun and no slower than Accelerate. This file is also the worker (``--worker``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LAUNCHERS = ("torchrun", "multigpu", "accelerate")
+NPROC = 2
+
+
+# -- the workers: one training loop per launcher, identical model, data and step ---------------------
+
+
+def _model(hidden: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(256, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
+def _shard(rank: int, world: int, global_batch: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's part of ``count`` fixed global batches (the same data for every launcher)."""
+    gen = torch.Generator().manual_seed(0)
+    per = global_batch // world
+    out = []
+    for _ in range(count):
+        x, y = torch.randn(global_batch, 256, generator=gen), torch.randint(0, 10, (global_batch,), generator=gen)
+        out.append((x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]))
+    return out
+
+
+def _timed(ends: list[float], warmup: int) -> dict[str, float]:
+    """Median and 10th-percentile step time in ms (p10: the steps other jobs on the machine did not slow)."""
+    steps = sorted(1000.0 * (b - a) for a, b in zip(ends[warmup:], ends[warmup + 1 :]))
+    return {"ms_per_step": statistics.median(steps), "p10": steps[len(steps) // 10]}
+
+
+def _worker_torchrun(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(_model(args.hidden))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    pool = _shard(rank, world, args.global_batch, 8)
+    ends = [time.perf_counter()]
+    for step in range(args.warmup + args.steps):
+        x, y = pool[step % len(pool)]
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ends.append(time.perf_counter())
+    dist.destroy_process_group()
+    return rank, _timed(ends, args.warmup)
+
+
+def _worker_multigpu(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
+    from multigpu.session import Session
+
+    with Session(strategy="ddp") as session:
+        model = session.setup_model(_model(args.hidden))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        pool = _shard(session.global_rank, session.world_size, args.global_batch, 8)
+        batches = [pool[step % len(pool)] for step in range(args.warmup + args.steps)]
+        ends = [time.perf_counter()]
+        for x, y in session.batches(batches):
+            with session.micro_step(model):
+                loss = F.cross_entropy(model(x), y)
+                session.backward(loss)
+            session.step(optimizer)
+            ends.append(time.perf_counter())
+        return session.global_rank, _timed(ends, args.warmup)
+
+
+def _worker_accelerate(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = _model(args.hidden)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    pool = _shard(accelerator.process_index, accelerator.num_processes, args.global_batch, 8)
+    ends = [time.perf_counter()]
+    for step in range(args.warmup + args.steps):
+        x, y = pool[step % len(pool)]
+        loss = F.cross_entropy(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ends.append(time.perf_counter())
+    accelerator.end_training()
+    return accelerator.process_index, _timed(ends, args.warmup)
+
+
+WORKERS = {"torchrun": _worker_torchrun, "multigpu": _worker_multigpu, "accelerate": _worker_accelerate}
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    rank, timing = WORKERS[args.worker](args)
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(timing))
+
+
+# -- the orchestrator ------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch_command(launcher: str, worker_args: list[str]) -> list[str]:
+    """The command line each launcher is started with (two processes on this node)."""
+    me = str(Path(__file__).resolve())
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
+                "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), me, *worker_args]  # fmt: skip
+    if launcher == "multigpu":
+        return [sys.executable, "-m", "multigpu", "launch", "--strategy", "ddp", "--nproc-per-node", str(NPROC), me, *worker_args]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(NPROC),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(_free_port()), me, *worker_args]  # fmt: skip
+
+
+def run_once(launcher: str, args: argparse.Namespace, out_dir: Path, env: dict[str, str]) -> dict[str, float]:
+    result = out_dir / f"{launcher}.json"
+    result.unlink(missing_ok=True)
+    worker_args = ["--worker", launcher, "--result", str(result), "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), "--global-batch", str(args.global_batch), "--hidden", str(args.hidden)]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(launch_command(launcher, worker_args), env=env, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - start
+    if done.returncode != 0 or not result.exists():
+        raise SystemExit(f"{launcher} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return {**json.loads(result.read_text()), "wall_s": wall}
+
+
+def measure(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
+    from rich.progress import Progress
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // NPROC)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # the same thread count under every launcher
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.launchers}
+    with Progress() as progress:
+        task = progress.add_task("launching", total=args.repeats * len(args.launchers))
+        for repeat in range(args.repeats):
+            order = args.launchers if repeat % 2 == 0 else args.launchers[::-1]  # alternate: drift hits all
+            for launcher in order:
+                progress.update(task, description=f"repeat {repeat + 1}: {launcher}")
+                runs[launcher].append(run_once(launcher, args, out_dir, env))
+                progress.advance(task)
+    return runs
+
+
+def api_overhead_us(steps: int = 3000, repeats: int = 7) -> dict[str, float]:
+    """What the Session loop adds to a plain loop per step, in one process, on a tiny model.
+
+    Alternates the two loops and keeps each one's fastest repeat, so load from other jobs cancels;
+    this is the launcher-independent part of the per-step difference.
+    """
+    from multigpu.session import Session
+
+    model, x, y = nn.Linear(8, 4), torch.randn(16, 8), torch.randint(0, 4, (16,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def plain() -> float:
+        start = time.perf_counter()
+        for xb, yb in [(x, y)] * steps:
+            F.cross_entropy(model(xb), yb).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    def session_loop(session: Session, wrapped: nn.Module) -> float:
+        start = time.perf_counter()
+        for xb, yb in session.batches([(x, y)] * steps):
+            with session.micro_step(wrapped):
+                session.backward(F.cross_entropy(wrapped(xb), yb))
+            session.step(optimizer)
+        return time.perf_counter() - start
+
+    with Session(strategy="single") as session:
+        wrapped = session.setup_model(model)
+        best = {"plain_us": float("inf"), "session_us": float("inf")}
+        for _ in range(repeats):
+            best["plain_us"] = min(best["plain_us"], 1e6 * plain() / steps)
+            best["session_us"] = min(best["session_us"], 1e6 * session_loop(session, wrapped) / steps)
+    return best
+
+
+def paired_ratio(runs: dict[str, list[dict[str, float]]], name: str, base: str, key: str = "ms_per_step") -> float:
+    """Median over repeats of ``name``'s step time / ``base``'s in the same repeat (runs back to back,
+    so load from other jobs on the machine mostly cancels)."""
+    pairs = zip(runs[name], runs[base])
+    return statistics.median(a[key] / b[key] for a, b in pairs)
+
+
+def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    med = {name: statistics.median(r["ms_per_step"] for r in rs) for name, rs in runs.items()}
+    table = Table(title=f"DDP on {NPROC} CPU processes (gloo): global batch {args.global_batch}, "
+                  f"median of {args.steps} steps per run, {args.repeats} repeats")  # fmt: skip
+    columns = ("launcher", "ms/step median", "p10", "spread of medians", "vs torchrun", "vs torchrun p10",
+               "vs accelerate", "vs accelerate p10", "launch wall s")  # fmt: skip
+    for col in columns:
+        table.add_column(col, justify="left" if col == "launcher" else "right")
+    for name, rs in runs.items():
+        steps = [r["ms_per_step"] for r in rs]
+        ratios = [
+            f"{paired_ratio(runs, name, base, key):.3f}" if base in runs else "-"
+            for base in ("torchrun", "accelerate")
+            for key in ("ms_per_step", "p10")
+        ]
+        table.add_row(
+            name,
+            f"{med[name]:.2f}",
+            f"{statistics.median(r['p10'] for r in rs):.2f}",
+            f"{min(steps):.2f}..{max(steps):.2f}",
+            *ratios,
+            f"{statistics.median(r['wall_s'] for r in rs):.1f}",
+        )
+    console = Console(width=150)
+    console.print(table)
+    console.print("ratios: median over repeats of the per-repeat ratio (launchers run back to back in each repeat)")
+    for base, target in (("torchrun", 1.02), ("accelerate", 1.0)):
+        if "multigpu" in runs and base in runs:
+            for key in ("ms_per_step", "p10"):
+                ratio = paired_ratio(runs, "multigpu", base, key)
+                verdict = "met" if ratio <= target else "NOT met"
+                console.print(f"multigpu / {base} ({key}) = {ratio:.3f} (target <= {target:.2f}): {verdict}")
+    overhead = api_overhead_us()
+    console.print(
+        f"Session API overhead per step, measured in one process (tiny model, min of 7 x 3000 steps): "
+        f"{overhead['session_us'] - overhead['plain_us']:+.1f} us ({overhead['plain_us']:.1f} us plain loop, "
+        f"{overhead['session_us']:.1f} us Session loop)"
+    )
+    _figure(med, runs, Path(args.out_dir) / "launch_overhead.png")
+    console.print(f"figure: {Path(args.out_dir) / 'launch_overhead.png'}")
+
+
+def _figure(med: dict[str, float], runs: dict[str, list[dict[str, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = list(med)
+    ax.bar(names, [med[n] for n in names], color=["#888888", "#2a7ab9", "#e39b2d"][: len(names)])
+    for i, name in enumerate(names):
+        ax.scatter([i] * len(runs[name]), [r["ms_per_step"] for r in runs[name]], color="black", s=10, zorder=3)
+    ax.set_ylabel("ms per step (median; dots: repeats)")
+    ax.set_title(f"DDP step time, {NPROC} CPU processes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps first")
+    parser.add_argument("--global-batch", type=int, default=256, help="samples per step over both processes")
+    parser.add_argument("--hidden", type=int, default=512, help="MLP width")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per launcher (median reported)")
+    parser.add_argument("--launchers", nargs="+", default=list(LAUNCHERS), choices=LAUNCHERS)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds before one run is killed")
+    parser.add_argument("--out-dir", default="out/bench", help="where the PNG and per-run results go")
+    parser.add_argument("--worker", choices=LAUNCHERS, help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        run_worker(args)
+        return
+    if "accelerate" in args.launchers:
+        try:
+            import accelerate  # noqa: F401
+        except ImportError:
+            raise SystemExit("Accelerate is not installed: pip install -e '.[bench]' (or pass --launchers torchrun multigpu)")
+    report(measure(args), args)
+
+
+if __name__ == "__main__":
+    main()

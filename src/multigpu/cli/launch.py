@@ -1,0 +1,97 @@
+"""Run a training script under a strategy: one process, threads (dp), or one process per device (ddp).
+
+    multigpu launch --strategy ddp --nproc-per-node 2 examples/train.py --epochs 1
+    multigpu launch --strategy dp --devices cpu:2 examples/train.py
+    multigpu launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
+
+For ddp it builds torchrun's arguments and calls torch.distributed.run: one node binds to
+127.0.0.1 on a free port, each process gets OMP_NUM_THREADS = cores / processes (unless set), and
+a failing worker's rank and traceback are printed here. Inside the script,
+``multigpu.session.Session(strategy="auto")`` picks up the strategy chosen here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from multigpu.distributed.launch import LAUNCH_STRATEGIES, LaunchConfig, launch
+from multigpu.errors import MultigpuError
+
+HELP = "run a training script under single, dp or ddp (torchrun underneath for ddp)"
+
+
+def _nproc(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count; pass e.g. 2 or 'auto'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} processes: pass a count >= 1 or 'auto'")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--strategy", default="auto", choices=LAUNCH_STRATEGIES,
+        help="ddp: one process per device (torchrun); dp: one process, a replica per device in threads; "
+        "single: one process, one device; auto: ddp for several processes, else single (default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--nproc-per-node", type=_nproc, default="auto", metavar="N|auto",
+        help="ddp processes on this node: a count, or 'auto' = every GPU, else 2 on CPU (default)",
+    )  # fmt: skip
+    parser.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="number of nodes, or MIN:MAX for an elastic run (default 1)")
+    parser.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank, 0..nnodes-1 (static rendezvous)")
+    parser.add_argument(
+        "--master-addr", default=None, metavar="ADDR",
+        help="rank 0's address; default 127.0.0.1 on one node, required for several nodes",
+    )  # fmt: skip
+    parser.add_argument(
+        "--master-port", type=int, default=None, metavar="PORT",
+        help="rank 0's port; default: a free port on one node (checked free when given)",
+    )  # fmt: skip
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restart all workers this often after a failure")
+    parser.add_argument(
+        "--rdzv-backend", default="static", choices=("static", "c10d"),
+        help="static: fixed node ranks (default); c10d: elastic rendezvous at --rdzv-endpoint",
+    )  # fmt: skip
+    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="HOST:PORT of the c10d rendezvous (c10d backend)")
+    parser.add_argument("--rdzv-id", default="multigpu", metavar="ID", help="run id shared by every node of an elastic run")
+    parser.add_argument("--rdzv-conf", default="", metavar="K=V,...", help="extra rendezvous settings, e.g. join_timeout=600")
+    parser.add_argument("--devices", default=None, metavar="SPEC", help="dp's devices, e.g. cpu:2 or cuda:0,1 (default: every GPU, else cpu:2)")
+    parser.add_argument(
+        "--threads-per-process", type=int, default=None, metavar="T",
+        help="OMP_NUM_THREADS for each process (default: cores / processes, or your OMP_NUM_THREADS)",
+    )  # fmt: skip
+    parser.add_argument("script", help="the training script (a .py file)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+
+def config_from_args(args: argparse.Namespace) -> LaunchConfig:
+    """The :class:`LaunchConfig` the command line describes."""
+    return LaunchConfig(
+        strategy=args.strategy,
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        max_restarts=args.max_restarts,
+        rdzv_backend=args.rdzv_backend,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        rdzv_conf=args.rdzv_conf,
+        devices=args.devices,
+        threads_per_process=args.threads_per_process,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return launch(config_from_args(args), args.script, args.script_args)
+    except MultigpuError as exc:
+        print(f"multigpu launch: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,126 @@
+"""Collectives a training loop needs on top of DDP: metric reduction and per-sample gathers.
+
+Each function is a thin use of torch.distributed (never a re-implementation) and works outside a
+process group too (one process: the value is already the answer), so a training script calls
+them the same way under every strategy. Inside a process group **every rank must call them**, in
+the same order: each is a collective and a rank that skips one leaves the others waiting until
+the process group's timeout.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from multigpu.errors import ConfigError
+
+ReduceOp = Literal["mean", "sum", "max", "min"]
+
+_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def in_process_group() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def reduce_value(value: float | torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+    """Reduce a metric across every process (mean, sum, max or min). Every rank must call it.
+
+    Args:
+        value: a number or tensor (any device); tensors are reduced elementwise.
+        op: ``"mean"`` (the default: average over processes), ``"sum"``, ``"max"`` or ``"min"``.
+
+    Returns:
+        The reduced value as a float64 tensor on the CPU, identical on every rank (a 0-dim tensor
+        for a number); outside a process group, ``value`` itself as such a tensor.
+
+    Example:
+        >>> float(reduce_value(2.5))   # one process: unchanged
+        2.5
+    """
+    if op not in _OPS:
+        raise ConfigError(f"op={op!r} is not a reduction; use one of {sorted(_OPS)}")
+    tensor = torch.as_tensor(value).detach()
+    if not in_process_group():
+        return tensor.to("cpu", torch.float64)
+    # Reduce in float64 so that sums of many float32 losses keep their digits.
+    work = tensor.to(_collective_device(), torch.float64).clone()
+    dist.all_reduce(work, op=getattr(dist.ReduceOp, _OPS[op]))  # note: a sync point across ranks
+    if op == "mean":
+        work /= dist.get_world_size()
+    return work.cpu()
+
+
+def all_agree_min(count: int) -> int:
+    """The smallest ``count`` over every process (the number of steps all ranks can take).
+
+    Every rank must call it. Outside a process group returns ``count``.
+    """
+    return int(reduce_value(count, "min").item())
+
+
+def gather_by_index(values: torch.Tensor, indices: torch.Tensor, total: int) -> torch.Tensor:
+    """Put per-sample results from every rank back in dataset order, each sample exactly once.
+
+    Ranks evaluate different samples (and, when the dataset does not divide by the world size,
+    a few samples twice as padding); this gathers every rank's ``(indices, values)`` and writes
+    each value at its index, so padding duplicates collapse. Every rank must call it.
+
+    Args:
+        values: ``[n_local, ...]`` results of this rank's samples.
+        indices: ``[n_local]`` dataset indices of those samples.
+        total: the dataset's length; the result has exactly this many rows.
+
+    Returns:
+        ``[total, ...]`` on the CPU, the same on every rank.
+
+    Raises:
+        ConfigError: ``values`` and ``indices`` disagree in length, or some index in
+            ``[0, total)`` was evaluated by no rank.
+
+    Example:
+        >>> gather_by_index(torch.tensor([5., 6.]), torch.tensor([1, 0]), 2)
+        tensor([6., 5.])
+    """
+    if values.shape[0] != indices.shape[0]:
+        raise ConfigError(
+            f"values has {values.shape[0]} rows but indices has {indices.shape[0]}; pass one index per result row"
+        )
+    all_values, all_indices = _all_gather_rows(values.detach()), _all_gather_rows(indices.detach().long())
+    out = torch.empty((total, *values.shape[1:]), dtype=values.dtype)
+    seen = torch.zeros(total, dtype=torch.bool)
+    for vals, idx in zip(all_values, all_indices):
+        out[idx] = vals
+        seen[idx] = True
+    if not bool(seen.all()):
+        missing = torch.nonzero(~seen).flatten()[:5].tolist()
+        raise ConfigError(
+            f"no rank produced results for dataset indices {missing}...; evaluate with a sampler that "
+            "covers the whole dataset (build_eval_sampler) on every rank"
+        )
+    return out
+
+
+def _all_gather_rows(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (row counts may differ), on the CPU, in rank order."""
+    if not in_process_group():
+        return [tensor.cpu()]
+    device = _collective_device()
+    local = tensor.to(device).contiguous()
+    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([local.shape[0]], device=device))
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros((longest, *local.shape[1:]), dtype=local.dtype, device=device)
+    padded[: local.shape[0]] = local
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded)  # note: a sync point across ranks
+    return [g[: int(s.item())].cpu() for g, s in zip(gathered, sizes)]
+
+
+def _collective_device() -> torch.device:
+    """Where collective buffers must live: the current CUDA device under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,258 @@
+"""Start a training script under a strategy: torchrun's arguments for ``ddp``, one process otherwise.
+
+``multigpu launch`` is a front end to ``torch.distributed.run`` (torchrun): it validates the
+options, builds torchrun's argument list and calls it in this process. It never re-implements
+rendezvous or collectives. What it adds:
+
+- single-node runs bind the rendezvous store to the loopback address (127.0.0.1), on the given
+  port after checking it is free, or else on a port the store picks itself (c10d on port 0);
+- a per-process thread count (``OMP_NUM_THREADS``): the node's cores divided by its processes,
+  unless the user set it;
+- each worker runs under :mod:`multigpu.distributed._entry`, whose ``@record`` writes the
+  exception to torch elastic's error file, so a failing worker's rank and traceback appear in
+  the launcher's output;
+- ``single`` and ``dp`` run the script in one ordinary process, with the same script.
+
+Example::
+
+    from multigpu.distributed.launch import LaunchConfig, launch
+    launch(LaunchConfig(strategy="ddp", nproc_per_node=2), "train.py", ["--epochs", "1"])
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from multigpu.devices import accelerator_type, device_count
+from multigpu.distributed.runtime import LaunchError, check_world_matches_devices, configured_threads
+from multigpu.errors import ConfigError
+
+LAUNCH_STRATEGIES = ("auto", "single", "dp", "ddp")
+LOOPBACK = "127.0.0.1"
+_ENTRY_MODULE = "multigpu.distributed._entry"
+_CPU_AUTO_PROCS = 2  # on CPU, processes share the same cores; 2 exercises the multi-process path
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """How to start a script. Multi-node fields follow torchrun's meaning.
+
+    Attributes:
+        strategy: ``ddp`` (one process per device), ``dp`` (one process, thread replicas),
+            ``single`` (one process, one device) or ``auto`` (``ddp``, or ``single`` for one process).
+        nproc_per_node: processes per node, or ``"auto"``: every visible GPU, else 2 on CPU.
+        nnodes: node count, or ``"MIN:MAX"`` for an elastic run.
+        node_rank: this node's rank (static rendezvous).
+        master_addr: rank 0's address; default loopback on one node (required for several nodes
+            unless ``rdzv_endpoint`` is given).
+        master_port: rank 0's port; None picks a free one on a single node.
+        max_restarts: how often torchrun restarts the workers after a failure.
+        rdzv_backend: ``static`` (fixed ranks, the default) or ``c10d`` (elastic).
+        rdzv_endpoint: ``host:port`` of the c10d rendezvous (``c10d`` backend).
+        rdzv_id: a run id shared by all nodes of an elastic run.
+        rdzv_conf: extra rendezvous settings, e.g. ``"join_timeout=600"``.
+        devices: the ``dp`` strategy's devices (``"cpu:2"``, ``"cuda:0,1"``); None: its default.
+        threads_per_process: ``OMP_NUM_THREADS`` per process; None: cores / processes.
+        extra_env: more variables for the workers (on top of the launcher's environment).
+    """
+
+    strategy: str = "auto"
+    nproc_per_node: int | str = "auto"
+    nnodes: str = "1"
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    max_restarts: int = 0
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "multigpu"
+    rdzv_conf: str = ""
+    devices: str | None = None
+    threads_per_process: int | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.strategy not in LAUNCH_STRATEGIES:
+            raise ConfigError(f"strategy={self.strategy!r} is not one of {LAUNCH_STRATEGIES}; use e.g. --strategy ddp")
+        if self.nproc_per_node != "auto" and (not isinstance(self.nproc_per_node, int) or self.nproc_per_node < 1):
+            raise ConfigError(f"nproc_per_node={self.nproc_per_node!r}: pass a count >= 1 or 'auto'")
+        if self.max_restarts < 0:
+            raise ConfigError(f"max_restarts={self.max_restarts} must be >= 0")
+        if self.rdzv_backend not in ("static", "c10d"):
+            raise ConfigError(f"rdzv_backend={self.rdzv_backend!r}: use 'static' or 'c10d'")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ConfigError(f"master_port={self.master_port} is not a TCP port; pick one in 1..65535")
+        if self.threads_per_process is not None and self.threads_per_process < 1:
+            raise ConfigError(f"threads_per_process={self.threads_per_process} must be >= 1")
+        one_process = self.strategy in ("single", "dp")
+        if one_process and isinstance(self.nproc_per_node, int) and self.nproc_per_node > 1:
+            raise ConfigError(
+                f"--strategy {self.strategy} runs one process, but --nproc-per-node {self.nproc_per_node} asks for "
+                f"{self.nproc_per_node}; use --strategy ddp for one process per device"
+                + (f", or --devices cpu:{self.nproc_per_node} for {self.nproc_per_node} dp replicas" if self.strategy == "dp" else "")
+            )
+        if self.devices is not None and self.strategy != "dp":
+            raise ConfigError(
+                f"--devices {self.devices} applies to --strategy dp (thread replicas); for ddp choose GPUs with "
+                "CUDA_VISIBLE_DEVICES and the count with --nproc-per-node"
+            )
+        if self.multi_node and self.master_addr is None and self.rdzv_endpoint is None:
+            raise ConfigError(
+                f"nnodes={self.nnodes!r} spans several nodes: pass --master-addr (rank 0's address, "
+                "reachable from every node) or --rdzv-backend c10d --rdzv-endpoint HOST:PORT"
+            )
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes.split(":")[-1].strip() != "1"
+
+
+def resolve_nproc(config: LaunchConfig) -> int:
+    """Processes per node: the configured count, or for ``"auto"`` every GPU, else 2 on CPU.
+
+    Raises:
+        DeviceError: on CUDA, more processes than visible GPUs.
+    """
+    on_cuda = accelerator_type() == "cuda"
+    if config.nproc_per_node == "auto":
+        return device_count("cuda") if on_cuda else _CPU_AUTO_PROCS
+    nproc = int(config.nproc_per_node)
+    if on_cuda:
+        check_world_matches_devices(nproc, "cuda", device_count("cuda"))
+    return nproc
+
+
+def resolve_strategy(config: LaunchConfig, nproc: int) -> str:
+    """``auto`` becomes ``ddp`` for several processes and ``single`` for one."""
+    if config.strategy != "auto":
+        return config.strategy
+    return "ddp" if nproc > 1 or config.multi_node else "single"
+
+
+def check_port_free(addr: str, port: int) -> None:
+    """Fail early, with the fix, when ``port`` on ``addr`` is taken (instead of a store timeout later).
+
+    Raises:
+        LaunchError: something listens there already.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((addr, port))
+        except OSError as exc:
+            raise LaunchError(
+                f"master port {port} on {addr} is in use ({exc.strerror}); pass another --master-port, "
+                "or leave it out to pick a free port"
+            ) from exc
+
+
+def build_torchrun_args(config: LaunchConfig, script: str, script_args: Sequence[str]) -> list[str]:
+    """torchrun's argument list for a ``ddp`` run of ``script`` (ports resolved, checked).
+
+    Example:
+        >>> args = build_torchrun_args(LaunchConfig(nproc_per_node=2, master_port=29555), "t.py", [])
+        >>> args[:4]
+        ['--nnodes', '1', '--nproc-per-node', '2']
+    """
+    nproc = resolve_nproc(config)
+    addr = config.master_addr or LOOPBACK
+    port = config.master_port
+    backend = config.rdzv_backend
+    endpoint: str | None
+    if not config.multi_node and port is not None:
+        check_port_free(addr, port)
+    if not config.multi_node and port is None and config.rdzv_endpoint is None:
+        # No port given on one node: the c10d store binds port 0 itself, so no other process can
+        # take the port between choosing it and binding it (what torchrun --standalone does).
+        backend, endpoint = "c10d", f"{addr}:0"
+    else:
+        endpoint = config.rdzv_endpoint or (f"{addr}:{port or 29500}" if backend == "c10d" else None)
+    args = [
+        "--nnodes", config.nnodes,
+        "--nproc-per-node", str(nproc),
+        "--node-rank", str(config.node_rank),
+        "--master-addr", addr,
+        "--master-port", str(port or 29500),
+        "--max-restarts", str(config.max_restarts),
+        "--rdzv-backend", backend,
+        "--rdzv-id", config.rdzv_id,
+    ]  # fmt: skip
+    if endpoint:
+        args += ["--rdzv-endpoint", endpoint]
+    if config.rdzv_conf:
+        args += ["--rdzv-conf", config.rdzv_conf]
+    if not config.multi_node:
+        args += ["--local-addr", addr]
+    return [*args, "--module", _ENTRY_MODULE, script, *script_args]
+
+
+def worker_env(config: LaunchConfig, strategy: str, nproc: int) -> dict[str, str]:
+    """The variables every worker gets on top of the launcher's own environment."""
+    env = {"MULTIGPU_STRATEGY": strategy, **config.extra_env}
+    if config.devices:
+        env["MULTIGPU_DEVICES"] = config.devices
+    threads = config.threads_per_process or configured_threads()
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // nproc)
+    env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -> int:
+    """Run ``script`` under ``config.strategy``; returns the exit code (0 when every worker succeeded).
+
+    A failed ``ddp`` worker's rank, exit code and traceback are printed to stderr by torch
+    elastic's failure summary.
+
+    Raises:
+        LaunchError: the script does not exist or the master port is taken.
+        DeviceError: more processes per node than GPUs.
+    """
+    if not os.path.isfile(script):
+        raise LaunchError(f"script {script!r} does not exist; pass the path of a Python file, e.g. examples/train.py")
+    nproc = 1 if config.strategy in ("single", "dp") else resolve_nproc(config)
+    strategy = resolve_strategy(config, nproc)
+    if strategy != "ddp":
+        env = {**os.environ, **worker_env(config, strategy, 1)}
+        return subprocess.call([sys.executable, script, *script_args], env=env)
+    return _run_torchrun(build_torchrun_args(config, script, script_args), worker_env(config, strategy, nproc), script)
+
+
+def _run_torchrun(args: list[str], env: dict[str, str], script: str) -> int:
+    # Imported here: torch.distributed.run pulls in the elastic agent, only needed for ddp.
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    with _environment(env):
+        try:
+            run(parse_args(args))
+        except ChildFailedError as exc:
+            rank, failure = exc.get_first_failure()
+            print(
+                f"multigpu launch: {script} failed on rank {rank} (local_rank {failure.local_rank}, "
+                f"exit code {failure.exitcode}); the failing rank's traceback is in the summary below.\n{exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+    return 0
+
+
+@contextmanager
+def _environment(extra: dict[str, str]) -> Iterator[None]:
+    """Set ``extra`` in os.environ (torchrun hands its environment to the workers), then restore."""
+    saved = {key: os.environ.get(key) for key in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

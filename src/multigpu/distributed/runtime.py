@@ -1,0 +1,229 @@
+"""The process's place in a multi-process run: launch environment, process group, main process.
+
+This is the one module that reads the launcher's environment variables (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
+multigpu's own (``MULTIGPU_STRATEGY``, ``MULTIGPU_DEVICES``, set by ``multigpu launch``), and
+the user's ``OMP_NUM_THREADS``.
+Everything else asks :func:`read_launch_env`.
+
+One process's life under ``multigpu launch`` (or torchrun)::
+
+    env = read_launch_env()                  # None when not started by a launcher
+    setup_process_group(env)                 # nccl on CUDA, gloo on CPU; every rank calls it
+    ...                                      # train
+    teardown_process_group()                 # every rank calls it
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from multigpu.devices import accelerator_type, device_count
+from multigpu.errors import DeviceError, MultigpuError
+
+# Backend per device type: NCCL is the fast path between CUDA devices; gloo runs everywhere.
+_BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+
+DEFAULT_TIMEOUT_S = 600.0
+
+_LAUNCH_HINT = (
+    "start the script with a launcher, e.g. "
+    "'multigpu launch --strategy ddp --nproc-per-node 2 script.py' (or torchrun), "
+    "or use strategy='single' / 'dp' / 'auto' to run in this one process"
+)
+
+
+class LaunchError(MultigpuError, RuntimeError):
+    """A multi-process run that cannot start: not launched, port in use, process group missing."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher told this process about the run (all from environment variables).
+
+    Attributes:
+        global_rank: this process's rank among all processes of the run.
+        local_rank: its rank among the processes on this node (also its device index on GPUs).
+        world_size: how many processes the run has, on all nodes.
+        local_world_size: how many processes run on this node.
+        master_addr: address of the rank-0 store every process connects to.
+        master_port: port of that store.
+    """
+
+    global_rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.global_rank == 0
+
+
+def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
+    """The launch environment of this process, or None when no launcher started it.
+
+    Args:
+        environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+        A :class:`LaunchEnv` when ``RANK`` and ``WORLD_SIZE`` are set, else None.
+
+    Raises:
+        LaunchError: the variables are present but inconsistent (e.g. ``RANK`` >= ``WORLD_SIZE``).
+
+    Example:
+        >>> read_launch_env({"RANK": "1", "WORLD_SIZE": "2"}).local_rank
+        1
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", rank))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        port = int(env.get("MASTER_PORT", "29500"))
+    except ValueError as exc:
+        raise LaunchError(f"launcher variables do not parse as integers ({exc}); {_LAUNCH_HINT}") from exc
+    if not 0 <= rank < world:
+        raise LaunchError(f"RANK={rank} must lie in [0, WORLD_SIZE={world}); {_LAUNCH_HINT}")
+    return LaunchEnv(
+        global_rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=port,
+    )
+
+
+def require_launch_env(what: str) -> LaunchEnv:
+    """The launch environment, or a :class:`LaunchError` that says how to launch ``what``."""
+    env = read_launch_env()
+    if env is None:
+        raise LaunchError(f"{what} needs a launched process, but RANK/WORLD_SIZE are not set; {_LAUNCH_HINT}")
+    return env
+
+
+def requested_strategy() -> str | None:
+    """The strategy ``multigpu launch --strategy`` asked for (``MULTIGPU_STRATEGY``), if any."""
+    return os.environ.get("MULTIGPU_STRATEGY") or None
+
+
+def requested_devices() -> str | None:
+    """The devices ``multigpu launch --devices`` asked for (``MULTIGPU_DEVICES``), if any."""
+    return os.environ.get("MULTIGPU_DEVICES") or None
+
+
+def configured_threads() -> int | None:
+    """The per-process thread count the user set (``OMP_NUM_THREADS``), if any."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def choose_backend(device_type: str) -> str:
+    """The collective backend for ``device_type``: ``nccl`` on CUDA, ``gloo`` elsewhere.
+
+    Example:
+        >>> choose_backend("cpu")
+        'gloo'
+    """
+    return _BACKENDS.get(device_type, "gloo")
+
+
+def process_device(env: LaunchEnv) -> torch.device:
+    """The device this process computes on: ``cuda:<local_rank>`` where there are GPUs, else the CPU.
+
+    Raises:
+        DeviceError: more processes on this node than visible GPUs.
+    """
+    accel = accelerator_type()
+    if accel != "cuda":
+        return torch.device("cpu")
+    check_world_matches_devices(env.local_world_size, "cuda", device_count("cuda"))
+    return torch.device("cuda", env.local_rank)
+
+
+def check_world_matches_devices(local_world_size: int, device_type: str, available: int) -> None:
+    """Fail when a node runs more processes than it has devices of ``device_type`` (CPU: any count).
+
+    Args:
+        local_world_size: processes launched on this node.
+        device_type: the device type each process would use.
+        available: how many such devices the node has.
+
+    Raises:
+        DeviceError: naming both counts and the flag to change.
+
+    Example:
+        >>> check_world_matches_devices(2, "cuda", 2)
+    """
+    if device_type == "cpu" or local_world_size <= available:
+        return
+    raise DeviceError(
+        f"{local_world_size} processes per node were launched but this node sees {available} "
+        f"{device_type} device(s); one process per device: relaunch with --nproc-per-node {available} "
+        "(or --nproc-per-node auto)"
+    )
+
+
+def setup_process_group(env: LaunchEnv, device: torch.device, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the run's process group (idempotent). Every rank must call it.
+
+    Args:
+        env: from :func:`read_launch_env`.
+        device: this process's device (decides the backend; on CUDA it becomes the current device).
+        timeout_s: how long collectives wait for a missing rank before failing instead of hanging.
+
+    Example:
+        >>> setup_process_group(require_launch_env("training"), torch.device("cpu"))  # doctest: +SKIP
+    """
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=choose_backend(device.type),
+        init_method=f"tcp://{_url_host(env.master_addr)}:{env.master_port}",
+        rank=env.global_rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def teardown_process_group() -> None:
+    """Leave the process group if this process is in one (safe to call twice). Every rank calls it."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_main_process() -> bool:
+    """True on global rank 0, and in any process not started by a launcher.
+
+    Example:
+        >>> is_main_process()
+        True
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    env = read_launch_env()
+    return env is None or env.is_main_process
+
+
+def barrier() -> None:
+    """Wait until every rank arrives (no-op outside a process group). Every rank must call it."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _url_host(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr

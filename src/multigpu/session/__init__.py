@@ -1,0 +1,17 @@
+"""One training-loop API for every strategy (single / dp / ddp), precision and accumulation."""
+
+from multigpu.session.precision import PRECISIONS, Precision, build_precision
+from multigpu.session.session import Session, SessionConfig
+from multigpu.session.strategies import STRATEGIES, Strategy, build_strategy, resolve_strategy_name
+
+__all__ = [
+    "PRECISIONS",
+    "STRATEGIES",
+    "Precision",
+    "Session",
+    "SessionConfig",
+    "Strategy",
+    "build_precision",
+    "build_strategy",
+    "resolve_strategy_name",
+]

@@ -1,0 +1,208 @@
+"""Strategies: how one training script uses the devices. Small objects chosen by name.
+
+- ``single``: one process, one device.
+- ``dp``: one process, one replica per device in threads (:class:`multigpu.DataParallel`); the
+  loader yields the whole global batch and the engine splits it.
+- ``ddp``: one process per device, started by ``multigpu launch`` (or torchrun), gradients
+  all-reduced by torch's ``DistributedDataParallel``; each process loads its shard of the batch.
+- ``auto``: what ``multigpu launch --strategy`` asked for; else ``ddp`` inside a launched run of
+  several processes; else ``dp`` when several GPUs are visible; else ``single``.
+
+A strategy answers the few questions a training loop has (which device, which shard, how to wrap
+the model, how to skip gradient sync while accumulating); everything else is shared.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from multigpu.devices import DeviceSpec, ReplicaDevice, accelerator_type, device_count, parse_devices
+from multigpu.distributed import runtime
+from multigpu.distributed.data import ShardSpec
+from multigpu.distributed.runtime import LaunchEnv
+from multigpu.errors import ConfigError, DeviceError
+from multigpu.parallel import DataParallel
+
+
+class Strategy(ABC):
+    """What differs between strategies. Built by :func:`build_strategy`; ``setup`` before use."""
+
+    name: ClassVar[str]
+
+    def __init__(self, *, devices: DeviceSpec = None, timeout_s: float = runtime.DEFAULT_TIMEOUT_S) -> None:
+        self.devices = devices
+        self.timeout_s = timeout_s
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where inputs and the (primary) model live."""
+
+    @property
+    def shard(self) -> ShardSpec:
+        """Which part of each global batch this process loads."""
+        return ShardSpec()
+
+    @property
+    def is_main_process(self) -> bool:
+        return True
+
+    def setup(self) -> None:
+        """Prepare the process (join the process group under ddp)."""
+
+    def teardown(self) -> None:
+        """Undo :meth:`setup`."""
+
+    @abstractmethod
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """Move ``model`` to the device(s) and wrap it for this strategy."""
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
+        """The region of an accumulating micro-step: no gradient communication there."""
+        return nullcontext()
+
+
+class _OneProcess(Strategy, ABC):
+    """Strategies that run in one process: refuse to run as one of several launched processes."""
+
+    def setup(self) -> None:
+        env = runtime.read_launch_env()
+        if env is not None and env.world_size > 1:
+            raise ConfigError(
+                f"strategy {self.name!r} runs in one process, but this is rank {env.global_rank} of "
+                f"world_size {env.world_size} launched processes (each would train alone); use "
+                "strategy='ddp' (or 'auto'), or launch with --nproc-per-node 1"
+            )
+
+
+class SingleStrategy(_OneProcess):
+    """One process, one device (default: the first GPU, else the CPU)."""
+
+    name: ClassVar[str] = "single"
+
+    def __init__(self, *, devices: DeviceSpec = None, timeout_s: float = runtime.DEFAULT_TIMEOUT_S) -> None:
+        super().__init__(devices=devices, timeout_s=timeout_s)
+        parsed = parse_devices(devices)
+        if devices is not None and len(parsed) > 1:
+            raise ConfigError(
+                f"strategy 'single' runs on one device but devices={devices!r} names {len(parsed)}; "
+                "use strategy='dp' (threads) or 'ddp' (processes) for several"
+            )
+        self._device = parsed[0].device
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return model.to(self._device)
+
+
+class DataParallelStrategy(_OneProcess):
+    """One process, one replica per device in threads (default: every GPU, else two CPU replicas)."""
+
+    name: ClassVar[str] = "dp"
+
+    def __init__(self, *, devices: DeviceSpec = None, timeout_s: float = runtime.DEFAULT_TIMEOUT_S) -> None:
+        super().__init__(devices=devices, timeout_s=timeout_s)
+        spec = devices if devices is not None else runtime.requested_devices()
+        replicas = parse_devices(spec)
+        if spec is None and len(replicas) == 1 and replicas[0].type == "cpu":
+            replicas = parse_devices("cpu:2")  # no GPU: two CPU replicas still exercise the engine
+        self.replicas: list[ReplicaDevice] = replicas
+
+    @property
+    def device(self) -> torch.device:
+        return self.replicas[0].device
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return DataParallel(model.to(self.device), devices=[r.label for r in self.replicas])
+
+
+class DDPStrategy(Strategy):
+    """One process per device, launched; gradients all-reduced by DistributedDataParallel."""
+
+    name: ClassVar[str] = "ddp"
+
+    def __init__(self, *, devices: DeviceSpec = None, timeout_s: float = runtime.DEFAULT_TIMEOUT_S) -> None:
+        super().__init__(devices=devices, timeout_s=timeout_s)
+        self.env: LaunchEnv = runtime.require_launch_env("strategy 'ddp'")
+        self._device = runtime.process_device(self.env)
+        if devices is not None:  # the node's devices, one per process: take this process's
+            self._device = _check_ddp_devices(devices, self.env)[self.env.local_rank].device
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def shard(self) -> ShardSpec:
+        return ShardSpec(world_size=self.env.world_size, rank=self.env.global_rank)
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.env.is_main_process
+
+    def setup(self) -> None:
+        runtime.setup_process_group(self.env, self._device, timeout_s=self.timeout_s)
+
+    def teardown(self) -> None:
+        runtime.teardown_process_group()
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self._device)
+        device_ids = [self._device.index] if self._device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)  # broadcasts rank 0's weights
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
+        if isinstance(model, DistributedDataParallel):
+            return model.no_sync()
+        return nullcontext()
+
+
+def _check_ddp_devices(devices: DeviceSpec, env: LaunchEnv) -> list[ReplicaDevice]:
+    """Under ddp, ``devices`` lists the node's devices: one per launched process."""
+    parsed = parse_devices(devices)
+    if len(parsed) != env.local_world_size:
+        raise DeviceError(
+            f"devices={devices!r} names {len(parsed)} device(s) but {env.local_world_size} processes run on "
+            f"this node (one per device); relaunch with --nproc-per-node {len(parsed)}, or leave devices out"
+        )
+    return parsed
+
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (SingleStrategy, DataParallelStrategy, DDPStrategy)
+}
+
+
+def resolve_strategy_name(name: str) -> str:
+    """The concrete strategy ``name`` stands for (``auto`` resolved as the module docstring says).
+
+    Raises:
+        ConfigError: ``name`` is neither ``auto`` nor a known strategy.
+    """
+    if name != "auto":
+        if name not in STRATEGIES:
+            raise ConfigError(f"strategy={name!r} is not one of {['auto', *STRATEGIES]}; use e.g. strategy='ddp'")
+        return name
+    requested = runtime.requested_strategy()
+    if requested and requested != "auto":
+        return resolve_strategy_name(requested)
+    env = runtime.read_launch_env()
+    if env is not None and env.world_size > 1:
+        return "ddp"
+    if accelerator_type() == "cuda" and device_count("cuda") > 1:
+        return "dp"
+    return "single"
+
+
+def build_strategy(name: str, *, devices: DeviceSpec = None, timeout_s: float = runtime.DEFAULT_TIMEOUT_S) -> Strategy:
+    """The strategy object for ``name`` (``auto`` resolved). Does not join any process group yet."""
+    return STRATEGIES[resolve_strategy_name(name)](devices=devices, timeout_s=timeout_s)

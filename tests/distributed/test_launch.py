@@ -1,0 +1,145 @@
+"""multigpu launch: torchrun arguments, checks before launching, and a failing worker's report."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from multigpu.cli import launch as launch_cli
+from multigpu.distributed.launch import LaunchConfig, build_torchrun_args, launch, resolve_strategy, worker_env
+from multigpu.distributed.runtime import LaunchError
+from multigpu.errors import ConfigError
+from tests.conftest import free_port
+from tests.distributed.launching import multigpu_launch
+
+
+def test_single_node_binds_loopback_and_runs_the_script_through_the_recording_entry() -> None:
+    port = free_port()
+    args = build_torchrun_args(LaunchConfig(nproc_per_node=2, master_port=port), "train.py", ["--lr", "0.1"])
+    assert args[args.index("--master-addr") + 1] == "127.0.0.1"
+    assert args[args.index("--local-addr") + 1] == "127.0.0.1"
+    assert args[args.index("--master-port") + 1] == str(port)
+    assert args[args.index("--nproc-per-node") + 1] == "2"
+    assert args[-5:] == ["--module", "multigpu.distributed._entry", "train.py", "--lr", "0.1"]
+
+
+def test_without_a_port_the_loopback_store_picks_its_own() -> None:
+    args = build_torchrun_args(LaunchConfig(nproc_per_node=2), "train.py", [])
+    assert args[args.index("--rdzv-backend") + 1] == "c10d"
+    assert args[args.index("--rdzv-endpoint") + 1] == "127.0.0.1:0"
+
+
+def test_multi_node_and_elastic_options_reach_torchrun() -> None:
+    config = LaunchConfig(
+        nproc_per_node=1, nnodes="1:3", master_addr="10.0.0.1", max_restarts=2,
+        rdzv_backend="c10d", rdzv_endpoint="10.0.0.1:29400", rdzv_id="job7", rdzv_conf="join_timeout=60",
+    )  # fmt: skip
+    args = build_torchrun_args(config, "t.py", [])
+    for flag, value in [("--nnodes", "1:3"), ("--max-restarts", "2"), ("--rdzv-backend", "c10d"),
+                        ("--rdzv-endpoint", "10.0.0.1:29400"), ("--rdzv-id", "job7"), ("--rdzv-conf", "join_timeout=60")]:  # fmt: skip
+        assert args[args.index(flag) + 1] == value
+    assert "--local-addr" not in args  # several nodes: do not pin the agent to loopback
+
+
+def test_a_port_in_use_is_reported_with_the_fix() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(LaunchError, match=rf"master port {port} on 127.0.0.1 is in use.*another --master-port"):
+            build_torchrun_args(LaunchConfig(nproc_per_node=2, master_port=port), "t.py", [])
+
+
+def test_bad_launch_options_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match=r"strategy='fsdp' is not one of \('auto', 'single', 'dp', 'ddp'\)"):
+        LaunchConfig(strategy="fsdp")
+    with pytest.raises(ConfigError, match="nproc_per_node=0: pass a count >= 1 or 'auto'"):
+        LaunchConfig(nproc_per_node=0)
+    with pytest.raises(ConfigError, match="spans several nodes: pass --master-addr"):
+        LaunchConfig(nnodes="2")
+    with pytest.raises(ConfigError, match="master_port=70000 is not a TCP port"):
+        LaunchConfig(master_port=70000)
+
+
+def test_missing_script_is_reported(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError, match=r"script '.*nope.py' does not exist"):
+        launch(LaunchConfig(strategy="single"), str(tmp_path / "nope.py"))
+
+
+def test_threads_per_process_split_the_cores_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env = worker_env(LaunchConfig(), "ddp", 2)
+    assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+    assert env["MULTIGPU_STRATEGY"] == "ddp"
+    assert worker_env(LaunchConfig(threads_per_process=3), "ddp", 2)["OMP_NUM_THREADS"] == "3"
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert worker_env(LaunchConfig(), "ddp", 2)["OMP_NUM_THREADS"] == "5"
+
+
+def test_auto_strategy_is_ddp_for_several_processes() -> None:
+    assert resolve_strategy(LaunchConfig(), 2) == "ddp"
+    assert resolve_strategy(LaunchConfig(), 1) == "single"
+    assert resolve_strategy(LaunchConfig(strategy="dp"), 1) == "dp"
+
+
+def test_cli_flags_are_the_documented_surface() -> None:
+    parser = argparse.ArgumentParser()
+    launch_cli.add_arguments(parser)
+    flags = sorted(opt for action in parser._actions for opt in action.option_strings if opt.startswith("--"))
+    assert flags == sorted([
+        "--help", "--strategy", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+        "--max-restarts", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--devices",
+        "--threads-per-process",
+    ])  # fmt: skip
+    args = parser.parse_args(["--nproc-per-node", "2", "t.py", "--epochs", "1"])
+    assert launch_cli.config_from_args(args).nproc_per_node == 2 and args.script_args == ["--epochs", "1"]
+
+
+def test_cli_rejects_a_bad_process_count(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    launch_cli.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--nproc-per-node", "two", "t.py"])
+    assert "'two' is not a count; pass e.g. 2 or 'auto'" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_a_failing_worker_shows_its_rank_and_traceback(tmp_path: Path) -> None:
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "from multigpu.session import Session\n"
+        "with Session(strategy='ddp', timeout_s=30) as session:\n"
+        "    session.barrier()\n"
+        "    if session.global_rank == 1:\n"
+        "        raise ValueError('rank one broke on purpose')\n"
+    )
+    done = multigpu_launch("--strategy", "ddp", "--nproc-per-node", "2", str(script), timeout_s=90)
+    assert done.returncode == 1
+    assert "fails.py failed on rank 1 (local_rank 1, exit code 1)" in done.stderr
+    assert "rank      : 1 (local_rank: 1)" in done.stderr
+    assert "ValueError: rank one broke on purpose" in done.stderr
+    assert f'File "{script}", line 5' in done.stderr
+
+
+def test_cli_reports_a_port_in_use_without_a_traceback(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        parser = argparse.ArgumentParser()
+        launch_cli.add_arguments(parser)
+        args = parser.parse_args(["--nproc-per-node", "2", "--master-port", str(sock.getsockname()[1]), str(script)])
+        assert launch_cli.run(args) == 2
+    assert "is in use" in capsys.readouterr().err
+
+
+def test_process_count_and_devices_must_fit_the_strategy() -> None:
+    with pytest.raises(ConfigError, match=r"--strategy dp runs one process, but --nproc-per-node 2.*--devices cpu:2"):
+        LaunchConfig(strategy="dp", nproc_per_node=2)
+    with pytest.raises(ConfigError, match=r"--devices cpu:2 applies to --strategy dp"):
+        LaunchConfig(strategy="ddp", devices="cpu:2")

@@ -1,0 +1,72 @@
+"""Worker for the multi-process session tests: run every scenario in one launched job (launches are slow).
+
+    multigpu launch --strategy ddp --nproc-per-node 2 tests/session/ddp_worker.py OUT_DIR
+
+Each rank writes OUT_DIR/rank<R>.pt with one entry per scenario; the tests compare them with plain
+single-device PyTorch (tests/session/oracle.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+sys.path.insert(0, str(Path(__file__).parent))
+from oracle import build_model, regression_data  # noqa: E402
+
+from multigpu.session import Session  # noqa: E402
+
+
+def train(session: Session, dataset: TensorDataset, global_batch: int, lr: float = 0.2) -> dict[str, Any]:
+    model = session.setup_model(build_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    loader = session.build_loader(dataset, batch_size=global_batch)
+    losses, steps = [], 0
+    for _ in range(2):
+        for x, y in session.batches(loader):
+            with session.micro_step(model):
+                loss = F.mse_loss(model(x), y)
+                session.backward(loss)
+            steps += session.step(optimizer)
+            losses.append(session.reduce(loss.detach()))
+    return {"state_dict": session.unwrap(model).state_dict(), "losses": losses, "steps": steps}
+
+
+def uneven(session: Session) -> dict[str, Any]:
+    mine = 3 if session.global_rank == 0 else 5
+    sized = sum(1 for _ in session.batches([torch.zeros(1)] * mine))
+    unsized = sum(1 for _ in session.batches(torch.zeros(1) for _ in range(mine)))
+    return {"sized": sized, "unsized": unsized}
+
+
+def epochs(session: Session) -> dict[str, Any]:
+    loader = session.build_loader(TensorDataset(torch.arange(10)), batch_size=2)
+    return {"epoch0": [int(i) for (b,) in loader for i in b], "epoch1": [int(i) for (b,) in loader for i in b]}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dataset = regression_data(32)
+    with Session(strategy="ddp", timeout_s=60) as session:
+        results: dict[str, Any] = {"world_size": session.world_size, "rank": session.global_rank}
+        results["fp32"] = train(session, dataset, global_batch=8)
+        # Further configurations share the process group the first session opened.
+        results["accumulate"] = train(Session(strategy="ddp", accumulate=2).start(), dataset, global_batch=8)
+        for precision in ("bf16", "fp16"):
+            results[precision] = train(Session(strategy="ddp", precision=precision).start(), dataset, 8, lr=0.1)
+        results["uneven"] = uneven(session)
+        results["epochs"] = epochs(session)
+        eleven = TensorDataset(torch.arange(11.0))
+        results["evaluate"] = session.evaluate(lambda batch: batch[0] * 2, eleven, batch_size=4)
+        value = session.global_rank + 1.0
+        results["reduce"] = {op: session.reduce(value, op) for op in ("mean", "sum", "max", "min")}
+        torch.save(results, out / f"rank{session.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

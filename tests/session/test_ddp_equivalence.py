@@ -1,0 +1,86 @@
+"""Two real gloo processes under the ddp strategy against plain PyTorch on one device.
+
+One launch runs every scenario (tests/session/ddp_worker.py); each test checks one of them.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler, TensorDataset
+
+from tests.distributed.launching import multigpu_launch
+from tests.session.oracle import plain_train, regression_data
+
+pytestmark = pytest.mark.multiprocess
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("ddp")
+    done = multigpu_launch("--strategy", "ddp", "--nproc-per-node", "2", str(WORKER), str(out), timeout_s=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+
+
+def _assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_two_processes_end_with_the_weights_of_one_device(ranks: list[dict[str, Any]]) -> None:
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    want = plain_train(regression_data(32), global_batch=8).state_dict()
+    for rank in ranks:
+        assert rank["fp32"]["steps"] == 8  # 2 epochs x 32 samples / global batch 8
+        _assert_same_weights(rank["fp32"]["state_dict"], want)
+
+
+def test_accumulation_matches_one_device_on_the_combined_batch(ranks: list[dict[str, Any]]) -> None:
+    want = plain_train(regression_data(32), global_batch=8, accumulate=2).state_dict()
+    for rank in ranks:
+        assert rank["accumulate"]["steps"] == 4
+        _assert_same_weights(rank["accumulate"]["state_dict"], want)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains(ranks: list[dict[str, Any]], precision: str) -> None:
+    losses = ranks[0][precision]["losses"]
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < 0.5 * losses[0]
+    _assert_same_weights(ranks[1][precision]["state_dict"], ranks[0][precision]["state_dict"])
+
+
+def test_uneven_inputs_stop_together_at_the_shortest_rank(ranks: list[dict[str, Any]]) -> None:
+    # rank 0 has 3 batches, rank 1 has 5; both stop after 3 instead of rank 1 hanging in all-reduce
+    for rank in ranks:
+        assert rank["uneven"] == {"sized": 3, "unsized": 3}
+
+
+def test_sampler_shuffles_per_epoch_and_ranks_share_one_permutation(ranks: list[dict[str, Any]]) -> None:
+    dataset = TensorDataset(torch.arange(10))
+    for epoch in (0, 1):
+        shards = [r["epochs"][f"epoch{epoch}"] for r in ranks]
+        assert not set(shards[0]) & set(shards[1])
+        interleaved = [i for pair in zip(*shards) for i in pair]
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)  # type: ignore[arg-type]
+        sampler.set_epoch(epoch)
+        assert interleaved == list(sampler)
+    assert ranks[0]["epochs"]["epoch0"] != ranks[0]["epochs"]["epoch1"]
+
+
+def test_evaluation_gathers_each_sample_exactly_once(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:  # 11 samples on 2 ranks: one is padded and evaluated twice, returned once
+        torch.testing.assert_close(rank["evaluate"], torch.arange(11.0) * 2)
+
+
+def test_metrics_reduce_over_processes(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:  # rank r contributes r + 1
+        assert rank["reduce"] == {"mean": 1.5, "sum": 3.0, "max": 2.0, "min": 1.0}

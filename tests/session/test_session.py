@@ -1,0 +1,174 @@
+"""The session API in one process: strategies single and dp against plain PyTorch, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from multigpu.distributed.runtime import LaunchError
+from multigpu.errors import ConfigError, DeviceError
+from multigpu.parallel import DataParallel
+from multigpu.session import Session, SessionConfig, build_strategy, resolve_strategy_name
+from tests.session.oracle import build_model, plain_train, regression_data
+
+
+def _session_train(session: Session, dataset: TensorDataset, global_batch: int) -> torch.nn.Module:
+    model = session.setup_model(build_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    loader = session.build_loader(dataset, batch_size=global_batch)
+    for _ in range(2):
+        for x, y in session.batches(loader):
+            with session.micro_step(model):
+                session.backward(F.mse_loss(model(x), y))
+            session.step(optimizer)
+    return session.unwrap(model)
+
+
+@pytest.mark.parametrize("strategy", ["single", "dp"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_one_process_strategies_match_plain_pytorch(strategy: str, accumulate: int) -> None:
+    dataset = regression_data(32)
+    with Session(strategy=strategy, accumulate=accumulate, devices="cpu:2" if strategy == "dp" else None) as session:
+        got = _session_train(session, dataset, global_batch=8)
+    want = plain_train(dataset, global_batch=8, accumulate=accumulate)
+    for (name, p), q in zip(got.named_parameters(), want.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_dp_wraps_in_data_parallel_with_two_cpu_replicas_by_default() -> None:
+    with Session(strategy="dp") as session:
+        model = session.setup_model(build_model())
+    assert isinstance(model, DataParallel)
+    assert [d.label for d in model.replica_devices] == ["cpu:0", "cpu:1"]
+
+
+def test_step_only_at_the_end_of_an_accumulation_window() -> None:
+    with Session(strategy="single", accumulate=3) as session:
+        model = session.setup_model(build_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        stepped = []
+        for _ in range(6):
+            with session.micro_step(model):
+                session.backward(model(torch.randn(4, 6)).sum())
+            stepped.append(session.step(optimizer))
+    assert stepped == [False, False, True, False, False, True]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_autocasts_the_forward_and_trains(precision: str) -> None:
+    dataset = regression_data(64)
+    with Session(strategy="single", precision=precision) as session:
+        model = session.setup_model(build_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(4):
+            for x, y in session.batches(session.build_loader(dataset, batch_size=16)):
+                with session.micro_step(model):
+                    out = model(x)
+                    loss = F.mse_loss(out.float(), y)
+                    session.backward(loss)
+                session.step(optimizer)
+                losses.append(loss.item())
+    assert out.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert model[0].weight.dtype == torch.float32  # master weights stay float32
+    assert losses[-1] < 0.6 * losses[0]
+
+
+def test_evaluate_in_one_process_returns_every_sample_in_order() -> None:
+    dataset = TensorDataset(torch.arange(7.0))
+    with Session(strategy="single") as session:
+        got = session.evaluate(lambda batch: batch[0] + 1, dataset, batch_size=3)
+    torch.testing.assert_close(got, torch.arange(7.0) + 1)
+
+
+def test_print_and_reduce_in_one_process(capsys: pytest.CaptureFixture[str]) -> None:
+    with Session(strategy="single") as session:
+        session.print("hello")
+        assert session.reduce(torch.tensor(2.5)) == 2.5
+        assert session.is_main_process and session.world_size == 1 and session.global_rank == 0
+    assert capsys.readouterr().out == "hello\n"
+
+
+def test_auto_picks_what_the_launcher_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("MULTIGPU_STRATEGY", raising=False)
+    assert resolve_strategy_name("auto") == "single"  # no GPU here
+    monkeypatch.setenv("MULTIGPU_STRATEGY", "dp")
+    assert resolve_strategy_name("auto") == "dp"
+    monkeypatch.delenv("MULTIGPU_STRATEGY")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resolve_strategy_name("auto") == "ddp"
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+def test_unknown_strategy_names_the_choices() -> None:
+    with pytest.raises(ConfigError, match=r"strategy='fsdp' is not one of \['auto', 'single', 'dp', 'ddp'\]"):
+        Session(strategy="fsdp")
+    with pytest.raises(ConfigError, match="strategy='fsdp'"):
+        build_strategy("fsdp")
+
+
+def test_unknown_precision_and_bad_accumulation() -> None:
+    with pytest.raises(ConfigError, match=r"precision='fp8' is not one of \['bf16', 'fp16', 'fp32'\]"):
+        SessionConfig(precision="fp8")
+    with pytest.raises(ConfigError, match="accumulate=0 must be >= 1"):
+        SessionConfig(accumulate=0)
+    with pytest.raises(ConfigError, match="not both"):
+        Session(SessionConfig(), strategy="single")
+
+
+def test_ddp_outside_a_launched_process_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(LaunchError, match=r"strategy 'ddp' needs a launched process.*multigpu launch --strategy ddp"):
+        Session(strategy="ddp").start()
+
+
+def test_one_process_strategy_inside_a_multi_process_launch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"strategy 'single' runs in one process, but this is rank 1 of world_size 2"):
+        Session(strategy="single").start()
+
+
+def test_ddp_devices_must_match_the_processes_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(DeviceError, match=r"names 3 device\(s\) but 2 processes run on this node.*--nproc-per-node 3"):
+        Session(strategy="ddp", devices="cpu:3").start()
+
+
+def test_single_with_several_devices_points_to_dp() -> None:
+    with pytest.raises(ConfigError, match=r"devices='cpu:2' names 2; use strategy='dp'"):
+        Session(strategy="single", devices="cpu:2").start()
+
+
+def test_using_a_session_before_start_says_how_to_start() -> None:
+    with pytest.raises(ConfigError, match="has not started; use 'with Session"):
+        Session(strategy="single").setup_model(build_model())
+
+
+def test_global_batch_that_does_not_divide_names_a_fix() -> None:
+    with Session(strategy="single") as session:
+        with pytest.raises(ConfigError, match="batch_size=0"):
+            session.build_loader(regression_data(8), batch_size=0)
+
+
+def test_batches_move_nested_batches_and_keep_their_type() -> None:
+    with Session(strategy="single") as session:
+        (got,) = list(session.batches([{"x": torch.ones(2), "meta": "keep"}]))
+    assert got["meta"] == "keep" and got["x"].device == torch.device("cpu")
+
+
+def test_dp_with_bf16_autocasts_inside_the_replicas() -> None:
+    with Session(strategy="dp", precision="bf16", devices="cpu:2") as session:
+        model = session.setup_model(build_model())
+        with session.micro_step(model):
+            out = model(torch.randn(8, 6))
+            session.backward(out.float().pow(2).mean())
+    assert out.dtype == torch.bfloat16 and out.shape == (8, 2)
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
