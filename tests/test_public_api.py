@@ -6,6 +6,13 @@ import multigpu
 from multigpu.cli.main import subcommands
 
 PUBLIC = {
+    "reduce_value",
+    "launch",
+    "is_main_process",
+    "SessionConfig",
+    "Session",
+    "LaunchError",
+    "LaunchConfig",
     "CheckpointError",
     "Checkpointer",
     "CollectiveTimeoutError",
@@ -31,7 +38,7 @@ PUBLIC = {
     "unwrap",
 }
 
-COMMANDS = {"advise", "bandwidth", "ckpt", "demo", "env", "profile"}
+COMMANDS = {"advise", "bandwidth", "ckpt", "demo", "env", "launch", "profile"}
 
 
 def test_package_exports() -> None:

@@ -8,12 +8,14 @@ checkpoints that load anywhere, and measured numbers.
 
 from multigpu.checkpoint import Checkpointer, Resumed, clean_state_dict, find_latest, load, save, unwrap
 from multigpu.devices import ReplicaDevice, parse_devices
+from multigpu.distributed import LaunchConfig, is_main_process, launch, reduce_value
 from multigpu.errors import (
     CheckpointError,
     CollectiveTimeoutError,
     ConfigError,
     DeviceError,
     GatherError,
+    LaunchError,
     MultigpuError,
     PeerExitedError,
     PlacementError,
@@ -22,6 +24,7 @@ from multigpu.errors import (
 from multigpu.parallel import DataParallel
 from multigpu.profiling.memory import DeviceMemory, track_memory
 from multigpu.profiling.step import ProfileConfig, profile_steps
+from multigpu.session import Session, SessionConfig
 
 __version__ = "0.1.0"
 
@@ -34,6 +37,8 @@ __all__ = [
     "DeviceError",
     "DeviceMemory",
     "GatherError",
+    "LaunchConfig",
+    "LaunchError",
     "MultigpuError",
     "PeerExitedError",
     "PlacementError",
@@ -41,11 +46,16 @@ __all__ = [
     "ReplicaDevice",
     "Resumed",
     "ScatterError",
+    "Session",
+    "SessionConfig",
     "clean_state_dict",
     "find_latest",
+    "is_main_process",
+    "launch",
     "load",
     "parse_devices",
     "profile_steps",
+    "reduce_value",
     "save",
     "track_memory",
     "unwrap",

@@ -37,3 +37,7 @@ class CollectiveTimeoutError(MultigpuError, RuntimeError):
 
 class PeerExitedError(MultigpuError, RuntimeError):
     """Another rank went away while this one waited in a collective."""
+
+
+class LaunchError(MultigpuError, RuntimeError):
+    """A multi-process run that cannot start: not launched, port in use, process group missing."""

@@ -78,8 +78,8 @@ def test_a_folder_without_checkpoints_is_an_error(tmp_path: Path, capsys: pytest
 
 def test_public_surface_is_a_decision() -> None:
     assert sorted(ckpt.__all__) == sorted([
-        "WRAPPER_PREFIXES", "Checkpointer", "CollectiveTimeoutError", "PeerExitedError", "Resumed",
-        "clean_state_dict", "explain_collective_failures", "find_latest", "find_prefixes", "load", "save",
+        "WRAPPER_PREFIXES", "Checkpointer", "Resumed",
+        "clean_state_dict", "find_latest", "find_prefixes", "load", "save",
         "strip_prefixes", "unwrap",
     ])  # fmt: skip
     from multigpu.cli import ckpt as command

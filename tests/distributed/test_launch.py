@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,15 @@ def test_threads_per_process_split_the_cores_unless_set(monkeypatch: pytest.Monk
     assert worker_env(LaunchConfig(), "ddp", 2)["OMP_NUM_THREADS"] == "5"
 
 
+def test_worker_env_carries_the_collective_timeout_and_the_restart_setting() -> None:
+    env = worker_env(LaunchConfig(collective_timeout_s=3.0, max_restarts=1), "ddp", 2)
+    assert env["MULTIGPU_COLLECTIVE_TIMEOUT"] == "3.0"
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in worker_env(LaunchConfig(), "ddp", 2)
+    with pytest.raises(ConfigError, match=r"collective_timeout_s=0 must be > 0 seconds"):
+        LaunchConfig(collective_timeout_s=0)
+
+
 def test_auto_strategy_is_ddp_for_several_processes() -> None:
     assert resolve_strategy(LaunchConfig(), 2) == "ddp"
     assert resolve_strategy(LaunchConfig(), 1) == "single"
@@ -93,7 +103,7 @@ def test_cli_flags_are_the_documented_surface() -> None:
     assert flags == sorted([
         "--help", "--strategy", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
         "--max-restarts", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--devices",
-        "--threads-per-process",
+        "--threads-per-process", "--collective-timeout",
     ])  # fmt: skip
     args = parser.parse_args(["--nproc-per-node", "2", "t.py", "--epochs", "1"])
     assert launch_cli.config_from_args(args).nproc_per_node == 2 and args.script_args == ["--epochs", "1"]
@@ -123,6 +133,28 @@ def test_a_failing_worker_shows_its_rank_and_traceback(tmp_path: Path) -> None:
     assert "rank      : 1 (local_rank: 1)" in done.stderr
     assert "ValueError: rank one broke on purpose" in done.stderr
     assert f'File "{script}", line 5' in done.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_stops_calling_a_collective_ends_the_run_with_the_cause(tmp_path: Path) -> None:
+    script = tmp_path / "hangs.py"
+    script.write_text(
+        "import time\n"
+        "from multigpu.session import Session\n"
+        "with Session(strategy='ddp') as session:\n"
+        "    session.barrier()\n"
+        "    if session.global_rank == 1:\n"
+        "        time.sleep(120)  # never reaches the reduce below\n"
+        "    session.reduce(1.0)\n"
+    )
+    began = time.monotonic()
+    done = multigpu_launch(
+        "--strategy", "ddp", "--nproc-per-node", "2", "--collective-timeout", "3", str(script), timeout_s=90
+    )
+    assert done.returncode == 1
+    assert time.monotonic() - began < 60  # not the 120 s of the sleeping rank
+    assert "CollectiveTimeoutError: reduce (mean) of a metric on rank 0" in done.stderr
+    assert "timed out after 3 s" in done.stderr
 
 
 def test_cli_reports_a_port_in_use_without_a_traceback(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

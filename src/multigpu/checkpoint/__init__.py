@@ -1,10 +1,5 @@
 """Checkpoints that load anywhere: clean keys, unwrapping, atomic saves, full training state."""
 
-from multigpu.checkpoint.failures import (
-    CollectiveTimeoutError,
-    PeerExitedError,
-    explain_collective_failures,
-)
 from multigpu.checkpoint.keys import WRAPPER_PREFIXES, clean_state_dict, find_prefixes, strip_prefixes, unwrap
 from multigpu.checkpoint.state import Checkpointer, Resumed, find_latest
 from multigpu.checkpoint.weights import load, save
@@ -12,11 +7,8 @@ from multigpu.checkpoint.weights import load, save
 __all__ = [
     "WRAPPER_PREFIXES",
     "Checkpointer",
-    "CollectiveTimeoutError",
-    "PeerExitedError",
     "Resumed",
     "clean_state_dict",
-    "explain_collective_failures",
     "find_latest",
     "find_prefixes",
     "load",

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from multigpu.checkpoint.failures import explain_collective_failures
+from multigpu.distributed.failures import explain_collective_failures
 from multigpu.errors import CheckpointError
 
 T = TypeVar("T")

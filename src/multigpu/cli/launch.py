@@ -53,6 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--master-port", type=int, default=None, metavar="PORT",
         help="rank 0's port; default: a free port on one node (checked free when given)",
     )  # fmt: skip
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long a collective waits for a rank that stopped calling it before every rank fails "
+        "with the likely cause (default 600)",
+    )
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restart all workers this often after a failure")
     parser.add_argument(
         "--rdzv-backend", default="static", choices=("static", "c10d"),
@@ -86,6 +94,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         rdzv_conf=args.rdzv_conf,
         devices=args.devices,
         threads_per_process=args.threads_per_process,
+        collective_timeout_s=args.collective_timeout,
     )
 
 

@@ -2,6 +2,7 @@
 
 from multigpu.distributed.collectives import gather_by_index, reduce_value
 from multigpu.distributed.data import EpochLoader, ShardSpec, build_epoch_loader, even_batches
+from multigpu.distributed.failures import explain_collective_failures
 from multigpu.distributed.launch import LaunchConfig, launch
 from multigpu.distributed.runtime import (
     LaunchEnv,
@@ -22,6 +23,7 @@ __all__ = [
     "barrier",
     "build_epoch_loader",
     "even_batches",
+    "explain_collective_failures",
     "gather_by_index",
     "is_main_process",
     "launch",

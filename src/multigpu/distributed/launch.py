@@ -30,8 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from multigpu.devices import accelerator_type, device_count
-from multigpu.distributed.runtime import LaunchError, check_world_matches_devices, configured_threads
-from multigpu.errors import ConfigError
+from multigpu.distributed.runtime import check_world_matches_devices, configured_threads
+from multigpu.errors import ConfigError, LaunchError
 
 LAUNCH_STRATEGIES = ("auto", "single", "dp", "ddp")
 LOOPBACK = "127.0.0.1"
@@ -59,6 +59,8 @@ class LaunchConfig:
         rdzv_conf: extra rendezvous settings, e.g. ``"join_timeout=600"``.
         devices: the ``dp`` strategy's devices (``"cpu:2"``, ``"cuda:0,1"``); None: its default.
         threads_per_process: ``OMP_NUM_THREADS`` per process; None: cores / processes.
+        collective_timeout_s: seconds a collective waits for a rank that stopped calling it before
+            every rank fails with the likely cause (None: 600).
         extra_env: more variables for the workers (on top of the launcher's environment).
     """
 
@@ -75,6 +77,7 @@ class LaunchConfig:
     rdzv_conf: str = ""
     devices: str | None = None
     threads_per_process: int | None = None
+    collective_timeout_s: float | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -88,6 +91,8 @@ class LaunchConfig:
             raise ConfigError(f"rdzv_backend={self.rdzv_backend!r}: use 'static' or 'c10d'")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ConfigError(f"master_port={self.master_port} is not a TCP port; pick one in 1..65535")
+        if self.collective_timeout_s is not None and self.collective_timeout_s <= 0:
+            raise ConfigError(f"collective_timeout_s={self.collective_timeout_s} must be > 0 seconds")
         if self.threads_per_process is not None and self.threads_per_process < 1:
             raise ConfigError(f"threads_per_process={self.threads_per_process} must be >= 1")
         one_process = self.strategy in ("single", "dp")
@@ -200,6 +205,12 @@ def worker_env(config: LaunchConfig, strategy: str, nproc: int) -> dict[str, str
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // nproc)
     env["OMP_NUM_THREADS"] = str(threads)
+    if config.collective_timeout_s is not None:
+        env["MULTIGPU_COLLECTIVE_TIMEOUT"] = str(config.collective_timeout_s)
+    if config.max_restarts > 0:
+        # Restarted gloo workers otherwise may read the previous attempt's addresses from the
+        # shared rendezvous store and fail to connect (pytorch/pytorch#135712).
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from multigpu.devices import accelerator_type, device_count
-from multigpu.errors import DeviceError, MultigpuError
+from multigpu.errors import DeviceError, LaunchError
 
 # Backend per device type: NCCL is the fast path between CUDA devices; gloo runs everywhere.
 _BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
@@ -37,10 +37,6 @@ _LAUNCH_HINT = (
     "'multigpu launch --strategy ddp --nproc-per-node 2 script.py' (or torchrun), "
     "or use strategy='single' / 'dp' / 'auto' to run in this one process"
 )
-
-
-class LaunchError(MultigpuError, RuntimeError):
-    """A multi-process run that cannot start: not launched, port in use, process group missing."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +118,15 @@ def requested_strategy() -> str | None:
 def requested_devices() -> str | None:
     """The devices ``multigpu launch --devices`` asked for (``MULTIGPU_DEVICES``), if any."""
     return os.environ.get("MULTIGPU_DEVICES") or None
+
+
+def collective_timeout_s() -> float:
+    """Seconds a collective waits for a missing rank (``multigpu launch --collective-timeout``, else 600)."""
+    value = os.environ.get("MULTIGPU_COLLECTIVE_TIMEOUT", "")
+    try:
+        return float(value) if float(value) > 0 else DEFAULT_TIMEOUT_S
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
 
 
 def configured_threads() -> int | None:

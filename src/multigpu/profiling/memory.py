@@ -168,7 +168,7 @@ class MemoryTracker:
                 peak = torch.cuda.max_memory_allocated(device.device)
                 out.append(DeviceMemory(device.label, resident, peak - resident, 0, peak, "CUDA allocator"))
                 continue
-            ledger = self.ledgers[device.label]
+            ledger = self.ledgers.get(device.label, _Ledger())
             out.append(
                 DeviceMemory(
                     device.label,

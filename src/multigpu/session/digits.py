@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from multigpu.distributed.runtime import LaunchError
+from multigpu.errors import LaunchError
 from multigpu.errors import ConfigError
 from multigpu.session.session import Session
 

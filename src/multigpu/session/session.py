@@ -34,6 +34,7 @@ from multigpu.devices import DeviceSpec
 from multigpu.distributed import collectives, data, runtime
 from multigpu.distributed.collectives import ReduceOp
 from multigpu.distributed.data import EpochLoader
+from multigpu.distributed.failures import explain_collective_failures
 from multigpu.errors import ConfigError
 from multigpu.parallel.structure import map_leaves
 from multigpu.session.precision import PRECISIONS, Precision, build_precision
@@ -52,7 +53,8 @@ class SessionConfig:
         accumulate: micro-steps per optimizer step (gradient accumulation; 1 = none).
         devices: the devices of ``single`` / ``dp`` (``"cpu:2"``, ``"cuda:0,1"``); None: defaults.
         seed: seeds torch when the session starts (same on every rank) and the loader's shuffle.
-        timeout_s: how long a collective waits for a missing rank before failing (ddp).
+        timeout_s: how long a collective waits for a missing rank before failing (ddp); None:
+            ``multigpu launch --collective-timeout`` if given, else 600 s.
     """
 
     strategy: str = "auto"
@@ -60,7 +62,7 @@ class SessionConfig:
     accumulate: int = 1
     devices: DeviceSpec = None
     seed: int = 0
-    timeout_s: float = runtime.DEFAULT_TIMEOUT_S
+    timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.strategy != "auto" and self.strategy not in STRATEGIES:
@@ -71,7 +73,7 @@ class SessionConfig:
             raise ConfigError(f"precision={self.precision!r} is not one of {sorted(PRECISIONS)}; use e.g. 'bf16'")
         if self.accumulate < 1:
             raise ConfigError(f"accumulate={self.accumulate} must be >= 1 (1 = step after every batch)")
-        if self.timeout_s <= 0:
+        if self.timeout_s is not None and self.timeout_s <= 0:
             raise ConfigError(f"timeout_s={self.timeout_s} must be > 0 seconds")
 
 
@@ -104,7 +106,7 @@ class Session:
     def start(self) -> Session:
         """Build the strategy and join the process group (ddp). Every rank must call it."""
         if self.strategy is None:
-            strategy = build_strategy(self.config.strategy, devices=self.config.devices, timeout_s=self.config.timeout_s)
+            strategy = build_strategy(self.config.strategy, devices=self.config.devices, timeout_s=self.config.timeout_s or runtime.collective_timeout_s())
             strategy.setup()
             self.strategy = strategy
             self.precision = build_precision(self.config.precision, strategy.device.type)
@@ -210,12 +212,15 @@ class Session:
         if self.config.accumulate > 1:
             loss = loss / self.config.accumulate
         scaled = precision.scale_loss(loss)
-        if not torch.is_autocast_enabled(self.device.type):
-            scaled.backward()
-            return
-        # Backward outside autocast (as torch recommends), even when called inside micro_step.
-        with torch.autocast(self.device.type, enabled=False):
-            scaled.backward()
+        # DDP all-reduces the gradients inside backward: a rank that stopped turns into an
+        # explained CollectiveTimeoutError / PeerExitedError instead of a bare backend error.
+        with explain_collective_failures("backward (gradient all-reduce)"):
+            if not torch.is_autocast_enabled(self.device.type):
+                scaled.backward()
+                return
+            # Backward outside autocast (as torch recommends), even when called inside micro_step.
+            with torch.autocast(self.device.type, enabled=False):
+                scaled.backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step and zero the gradients at the end of an accumulation window; returns whether it stepped."""
@@ -231,7 +236,8 @@ class Session:
 
     def reduce(self, value: float | torch.Tensor, op: ReduceOp = "mean") -> float:
         """A scalar metric reduced over every process (mean by default). Every rank must call it."""
-        return float(collectives.reduce_value(value, op).item())
+        with explain_collective_failures(f"reduce ({op}) of a metric"):
+            return float(collectives.reduce_value(value, op).item())
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""
@@ -240,7 +246,8 @@ class Session:
 
     def barrier(self) -> None:
         """Wait for every rank (no-op in one process). Every rank must call it."""
-        runtime.barrier()
+        with explain_collective_failures("barrier"):
+            runtime.barrier()
 
     def evaluate(self, fn: Callable[[Any], torch.Tensor], dataset: Dataset, batch_size: int) -> torch.Tensor:
         """``fn`` on every sample, each evaluated once over all processes, in dataset order.

@@ -32,6 +32,7 @@ from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E40
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import multigpu.checkpoint as ckpt  # noqa: E402
+from multigpu.distributed.failures import explain_collective_failures  # noqa: E402
 from tests.checkpoint import _training as tr  # noqa: E402
 
 
@@ -115,7 +116,7 @@ def main() -> None:
     record_event(args.events, f"start-{attempt}-{rank}", {"resumed_from": start})
     for step in range(start, args.steps):
         maybe_fail(args, rank, step, attempt)
-        with ckpt.explain_collective_failures(f"training step {step}"):
+        with explain_collective_failures(f"training step {step}"):
             tr.train_step(parts, step, rank=rank, world_size=world)
         epoch, batch = divmod(step + 1, tr.BATCHES_PER_EPOCH)
         saved = checkpointer.save(
