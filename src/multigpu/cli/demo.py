@@ -1,6 +1,7 @@
-"""Train a small CNN on scikit-learn's handwritten digits once on one device and once with
-multigpu.DataParallel on the available devices (every GPU, else "cpu:2"), with the same seed
-and global batch; print a table and write the loss curves as a PNG.
+"""Train a small CNN on scikit-learn's handwritten digits on one device, with multigpu.DataParallel
+on the available devices (every GPU, else "cpu:2"), with balanced DataParallel, and with DDP
+through 'multigpu launch' (one process per GPU, else 2): the same seed, data order and global
+batch for every run. Print a table; write the loss curves and per-device memory as PNGs.
 
     multigpu demo                       # about a minute on a 2-core machine
     multigpu demo --devices cpu:4 --epochs 3 --out demo-out
@@ -20,12 +21,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from multigpu.demo.data import load_digits
+from multigpu.demo.ddp import run_ddp
 from multigpu.demo.figures import plot_losses, plot_memory
 from multigpu.demo.train import Plan, RunResult, TrainConfig, max_weight_difference, steps_per_run, train_run
 from multigpu.devices import accelerator_type
 from multigpu.parallel import DataParallel
 
-HELP = "train a digits CNN on one device and with DataParallel, then report"
+HELP = "train a digits CNN on one device, with DataParallel and with DDP, then report"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="global batch size")
     parser.add_argument("--lr", type=float, default=TrainConfig.lr, help="SGD learning rate")
     parser.add_argument("--seed", type=int, default=TrainConfig.seed, help="seed for weights and data order")
+    parser.add_argument(
+        "--ddp-processes",
+        default="auto",
+        metavar="N",
+        help="processes of the DDP run through 'multigpu launch' ('auto': one per GPU, else 2; 0 skips it)",
+    )
     parser.add_argument("--out", type=Path, default=Path("demo-out"), help="folder for the PNG figures")
 
 
@@ -78,6 +86,11 @@ def run(args: argparse.Namespace) -> int:
         for plan in plans:
             task = progress.add_task(plan.name, total=steps_per_run(data, config))
             runs.append(train_run(plan, data, config, on_step=partial(progress.advance, task)))
+        if args.ddp_processes != "0":
+            task = progress.add_task("DDP (launching processes)", total=None)
+            runs.append(run_ddp(config, nproc_per_node=args.ddp_processes))
+            progress.update(task, total=1, completed=1, description=runs[-1].name)
+            plans.append(Plan(runs[-1].name, runs[-1].name.split(", ")[1], lambda m: m))
     console.print(_table(runs, plans))
     for figure in (plot_losses(runs, args.out / "loss_curves.png"), plot_memory(runs, args.out / "memory.png")):
         console.print(f"wrote {figure}")
@@ -86,9 +99,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _table(runs: list[RunResult], plans: list[Plan]) -> Table:
     table = Table(
-        title="Same seed, same global batch: one device vs DataParallel",
-        caption="max |Δw|: largest difference from the one-device run's final weights; "
-        "memory: peak of one step on the primary over the largest other device",
+        title="Same seed, same global batch: one device vs DataParallel vs DDP",
+        caption="max |Δw|: largest difference from the one-device run's final weights (runs that sum the "
+        "loss per chunk round differently, and SGD amplifies that over the steps); memory: peak of one "
+        "step on the primary over the largest other device",
     )
     columns = ("run", "devices", "accuracy", "samples/s", "final loss", "max |Δw|", "memory primary/other")
     for column in columns:

@@ -1,0 +1,102 @@
+"""The demo's DDP run: the same CNN, split, seed, data order and global batch as the other runs,
+in N processes started through ``multigpu launch --strategy ddp``.
+
+    result = run_ddp(TrainConfig(epochs=2), nproc_per_node=2)   # 2 gloo processes on CPU
+
+Every process draws the same permutation; each global batch is cut into one contiguous chunk
+per rank (as DataParallel cuts it across replicas), and each rank's loss is its chunk's summed
+cross-entropy times ``world_size / global_batch``, so that DDP's gradient average equals the
+gradient of the mean loss over the whole global batch, even when it does not divide evenly.
+Rank 0 writes its results to a file that :func:`run_ddp` reads back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from multigpu.demo.data import load_digits
+from multigpu.demo.model import build_cnn
+from multigpu.demo.train import RunResult, TrainConfig
+from multigpu.errors import LaunchError
+from multigpu.session import Session
+
+
+def run_ddp(config: TrainConfig, *, nproc_per_node: int | str = "auto", timeout_s: float = 300.0) -> RunResult:
+    """Train the demo CNN with DDP in ``nproc_per_node`` processes (``"auto"``: one per GPU, else 2).
+
+    Raises:
+        LaunchError: the run failed or ran past ``timeout_s`` (with the launcher's output).
+    """
+    with tempfile.TemporaryDirectory(prefix="multigpu-demo-ddp-") as tmp:
+        out = Path(tmp) / "result.pt"
+        argv = [
+            sys.executable, "-m", "multigpu", "launch", "--strategy", "ddp",
+            "--nproc-per-node", str(nproc_per_node), __file__, "--out", str(out),
+            "--epochs", str(config.epochs), "--batch-size", str(config.batch_size),
+            "--lr", str(config.lr), "--seed", str(config.seed),
+        ]  # fmt: skip
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            raise LaunchError(f"the demo's DDP run took longer than timeout_s={timeout_s}; raise it") from exc
+        if done.returncode != 0 or not out.exists():
+            raise LaunchError(f"the demo's DDP run failed (exit code {done.returncode}):\n{done.stderr[-4000:]}")
+        saved = torch.load(out)
+    result = RunResult(f"DDP, {saved['world_size']} processes")
+    result.losses, result.accuracy = saved["losses"], saved["accuracy"]
+    result.samples_per_s, result.state = saved["samples_per_s"], saved["state"]
+    return result
+
+
+def _train(args: argparse.Namespace) -> None:
+    with Session(strategy="ddp", seed=args.seed) as session:
+        data = load_digits(seed=args.seed).to(session.device)
+        torch.manual_seed(args.seed)
+        bare = build_cnn()
+        model = session.setup_model(bare)
+        optimizer = torch.optim.SGD(bare.parameters(), lr=args.lr, momentum=0.9)
+        order = torch.Generator().manual_seed(args.seed)
+        losses: list[float] = []
+        samples, elapsed = 0, 0.0
+        for _ in range(args.epochs):
+            perm = torch.randperm(len(data.train_y), generator=order)
+            for start in range(0, len(perm), args.batch_size):
+                idx = perm[start : start + args.batch_size]
+                mine = idx.tensor_split(session.world_size)[session.global_rank]
+                began = time.perf_counter()
+                with session.micro_step(model):
+                    summed = nn.functional.cross_entropy(model(data.train_x[mine]), data.train_y[mine], reduction="sum")
+                    loss = summed * session.world_size / len(idx)
+                    session.backward(loss)
+                session.step(optimizer)
+                elapsed += time.perf_counter() - began
+                samples += len(idx)
+                losses.append(session.reduce(loss.detach()))  # the mean loss of the global batch
+        if session.is_main_process:
+            with torch.no_grad():
+                accuracy = float((bare.eval()(data.test_x).argmax(dim=1) == data.test_y).float().mean())
+            state = {k: v.detach().cpu().clone() for k, v in bare.state_dict().items()}
+            result = {"losses": losses, "accuracy": accuracy, "samples_per_s": samples / elapsed, "state": state}
+            torch.save({**result, "world_size": session.world_size}, args.out)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="one process of the demo's DDP run (started by run_ddp)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--epochs", type=int, default=TrainConfig.epochs)
+    parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--seed", type=int, default=TrainConfig.seed)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    _train(_parse(sys.argv[1:]))
