@@ -18,6 +18,7 @@ def test_session_surface() -> None:
 def test_distributed_surface() -> None:
     assert sorted(multigpu.distributed.__all__) == [
         "EpochLoader", "LaunchConfig", "LaunchEnv", "LaunchError", "ShardSpec", "barrier",
-        "build_epoch_loader", "even_batches", "gather_by_index", "is_main_process", "launch",
+        "build_epoch_loader", "even_batches", "explain_collective_failures", "gather_by_index",
+        "is_main_process", "launch",
         "read_launch_env", "reduce_value", "setup_process_group", "teardown_process_group",
     ]  # fmt: skip
