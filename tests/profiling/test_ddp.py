@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from datetime import timedelta
@@ -45,6 +46,11 @@ def _worker(rank: int, port: int, out: str) -> None:
         profile = prof.gather()
         if rank == 0:
             Path(out).write_text(profile.to_json())
+        dist.barrier()
+        # Free DDP's reducer (it holds the process group and the comm hook) before the group goes:
+        # tearing the group down under a live reducer can abort the process at exit.
+        del model, prof, opt
+        gc.collect()
     finally:
         dist.destroy_process_group()
 
@@ -127,6 +133,11 @@ def _cuda_worker(rank: int, world_size: int, port: int, out: str) -> None:
         profile = prof.gather()
         if rank == 0:
             Path(out).write_text(profile.to_json())
+        dist.barrier()
+        # Free DDP's reducer (it holds the process group and the comm hook) before the group goes:
+        # tearing the group down under a live reducer can abort the process at exit.
+        del model, prof, opt
+        gc.collect()
     finally:
         dist.destroy_process_group()
 
