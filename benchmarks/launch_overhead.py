@@ -20,6 +20,7 @@ within 2% of torchrun and no slower than Accelerate. This file is also the worke
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -79,6 +80,11 @@ def _worker_torchrun(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ends.append(time.perf_counter())
+    # Free DDP's reducer before the group goes: destroying a gloo group under a live reducer
+    # aborted a worker at exit twice in about fifteen runs here (pytorch#190489).
+    dist.barrier()
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
     return rank, _timed(ends, args.warmup)
 
