@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import TensorDataset
 
-from multigpu.distributed.runtime import LaunchError
+from multigpu.errors import LaunchError
 from multigpu.errors import ConfigError, DeviceError
 from multigpu.parallel import DataParallel
 from multigpu.session import Session, SessionConfig, build_strategy, resolve_strategy_name
@@ -172,3 +173,18 @@ def test_dp_with_bf16_autocasts_inside_the_replicas() -> None:
             session.backward(out.float().pow(2).mean())
     assert out.dtype == torch.bfloat16 and out.shape == (8, 2)
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_closing_a_ddp_session_releases_the_reducer_before_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.conftest import free_port
+
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with Session(strategy="ddp") as session:
+        model = session.setup_model(nn.Linear(4, 2))
+        session.backward(model(torch.randn(3, 4)).sum())
+        assert hasattr(model, "reducer")
+    assert not hasattr(model, "reducer")  # a DDP model the script still holds no longer pins the group
+    assert not torch.distributed.is_initialized()
