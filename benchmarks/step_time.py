@@ -11,6 +11,7 @@ Target (issue 2): DataParallel on cpu:2 at least as fast as 2-process DDP over g
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import statistics
@@ -70,6 +71,8 @@ def _ddp_worker(rank: int, port: int, steps: int, result: "mp.Queue[float]") -> 
     ms = time_steps(model, net, x, y, steps)
     if rank == 0:
         result.put(ms)
+    del model  # release DDP's reducer before the group goes (an abort at exit otherwise: pytorch#190489)
+    gc.collect()
     dist.destroy_process_group()
 
 

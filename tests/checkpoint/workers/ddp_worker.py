@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import resource
@@ -132,6 +133,8 @@ def main() -> None:
         if checkpointer.latest() != saved:
             raise RuntimeError(f"rank {rank}: save returned before {saved} was complete")
     ckpt.save(parts.model, args.out)
+    del parts  # release DDP's reducer before the group goes (an abort at exit otherwise: pytorch#190489)
+    gc.collect()
     dist.destroy_process_group()
 
 
