@@ -124,8 +124,12 @@ def _worker_accelerate(args: argparse.Namespace) -> tuple[int, dict[str, float]]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ends.append(time.perf_counter())
+    rank = accelerator.process_index
+    del model, optimizer  # as in the torchrun worker: no live reducer when the group goes
+    accelerator.free_memory()
+    gc.collect()
     accelerator.end_training()
-    return accelerator.process_index, _timed(ends, args.warmup)
+    return rank, _timed(ends, args.warmup)
 
 
 WORKERS = {"torchrun": _worker_torchrun, "multigpu": _worker_multigpu, "accelerate": _worker_accelerate}
