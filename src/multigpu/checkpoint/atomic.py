@@ -48,15 +48,15 @@ def is_temporary(path: Path) -> bool:
 
 def fsync_folder(folder: Path) -> None:
     """Make the entries of ``folder`` (renames, new files) durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_path(folder)
 
 
 def fsync_file(path: Path) -> None:
     """Flush the data of a file that something else (e.g. a Rust writer) has written and closed."""
+    _fsync_path(path)
+
+
+def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
