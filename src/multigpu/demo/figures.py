@@ -1,4 +1,4 @@
-"""The demo's figures: loss curves of every run (PNG)."""
+"""The demo's figures: loss curves of every run and per-device peak memory (PNG)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from multigpu.demo.train import RunResult  # noqa: E402
+from multigpu.report.figures import save_figure  # noqa: E402
 
 
 def plot_losses(runs: Sequence[RunResult], path: Path) -> Path:
@@ -25,11 +26,7 @@ def plot_losses(runs: Sequence[RunResult], path: Path) -> Path:
     ax.set_title("Digits CNN: identical curves mean identical training")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_memory(runs: Sequence[RunResult], path: Path) -> Path:
@@ -47,8 +44,4 @@ def plot_memory(runs: Sequence[RunResult], path: Path) -> Path:
     ax.set_title("Per-device peak memory: standard vs balanced DataParallel")
     ax.grid(axis="y", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -48,7 +48,7 @@ def phase_figure(profile: StepProfile, path: str | Path) -> Path:
     ax.set_ylabel("ms per step (median)")
     ax.set_title(f"Where each step's time goes ({len(profile.steps)} steps, {profile.timing})")
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def memory_figure(peaks: Mapping[str, int], path: str | Path) -> Path:
@@ -58,7 +58,7 @@ def memory_figure(peaks: Mapping[str, int], path: str | Path) -> Path:
     ax.bar(devices, [peaks[d] / 2**20 for d in devices], color="#4c72b0")
     ax.set_ylabel("peak memory (MiB)")
     ax.set_title("Peak memory per device")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def bandwidth_figure(
@@ -82,10 +82,11 @@ def bandwidth_figure(
     ax.set_title("Bandwidth against message size")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
-def _save(fig: plt.Figure, path: str | Path) -> Path:
+def save_figure(fig: plt.Figure, path: str | Path) -> Path:
+    """Lay out ``fig``, write it as a PNG at ``path`` (folders created) and close it."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -107,4 +108,4 @@ def ddp_figure(profile: DDPProfile, path: str | Path) -> Path:
     ax.set_ylabel("ms per step (median)")
     ax.set_title(profile.straggler().describe(), fontsize=9)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
