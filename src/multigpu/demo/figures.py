@@ -5,18 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from multigpu.demo.train import RunResult  # noqa: E402
-from multigpu.report.figures import save_figure  # noqa: E402
+from multigpu.demo.train import RunResult
+from multigpu.report.figures import pyplot, save_figure
 
 
 def plot_losses(runs: Sequence[RunResult], path: Path) -> Path:
     """Training loss per step for every run, overlaid; returns the written path."""
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    fig, ax = pyplot().subplots(figsize=(7, 4), dpi=120)
     styles = ["-", "--", ":", "-."]
     for i, run in enumerate(runs):
         ax.plot(run.losses, styles[i % len(styles)], linewidth=1.6, label=run.name)
@@ -34,7 +29,7 @@ def plot_memory(runs: Sequence[RunResult], path: Path) -> Path:
     runs = [r for r in runs if len(r.memory) > 1]
     labels = [m.label for m in runs[0].memory]
     width = 0.8 / len(runs)
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    fig, ax = pyplot().subplots(figsize=(7, 4), dpi=120)
     for i, run in enumerate(runs):
         xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(labels))]
         ax.bar(xs, [m.peak / 2**20 for m in run.memory], width, label=run.name)

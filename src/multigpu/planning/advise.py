@@ -115,13 +115,10 @@ def recommend(rows: Sequence[Row], memory_limit: float | None = None) -> Recomme
 
 def plot_throughput(rows: Sequence[Row], path: str | Path, title: str) -> Path:
     """Write a PNG of predicted throughput against device count, one line per strategy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from multigpu.report.figures import pyplot, save_figure
 
     single = next(r for r in rows if r.strategy == "single")
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.0), dpi=120)
     counts = sorted({r.devices for r in rows})
     ax.plot(counts, [single.step.throughput * n for n in counts], ":", color="grey", label="linear scaling")
     for strategy in MULTI_DEVICE:
@@ -137,9 +134,4 @@ def plot_throughput(rows: Sequence[Row], path: str | Path, title: str) -> Path:
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)

@@ -1,20 +1,33 @@
-"""PNG figures (matplotlib, Agg backend: no display needed) for profiles and bandwidth probes."""
+"""PNG figures (matplotlib, Agg backend: no display needed) for profiles and bandwidth probes.
+
+matplotlib is imported on the first figure, not with this module: every ``multigpu`` command
+imports it, and pyplot alone would add about 0.3 s to ``multigpu launch``'s start.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import matplotlib
+from multigpu.profiling.bandwidth import BandwidthPoint
+from multigpu.profiling.ddp import DDPProfile
+from multigpu.profiling.records import OTHER, PhaseStat, StepProfile
+from multigpu.report.tables import format_bytes
 
-matplotlib.use("Agg")  # files only; must precede pyplot
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
-from multigpu.profiling.bandwidth import BandwidthPoint  # noqa: E402
-from multigpu.profiling.ddp import DDPProfile  # noqa: E402
-from multigpu.profiling.records import OTHER, PhaseStat, StepProfile  # noqa: E402
-from multigpu.report.tables import format_bytes  # noqa: E402
+def pyplot() -> ModuleType:
+    """``matplotlib.pyplot`` on the Agg backend (files only, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # must precede pyplot's first import
+    import matplotlib.pyplot as plt
+
+    return plt
+
 
 _COLORS = {
     "scatter": "#4c72b0",
@@ -34,7 +47,7 @@ def phase_figure(profile: StepProfile, path: str | Path) -> Path:
     Returns:
         The written path.
     """
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(profile.devices) + 2.5), 4.2))
+    fig, ax = pyplot().subplots(figsize=(max(4.0, 1.6 * len(profile.devices) + 2.5), 4.2))
     names = [*profile.phase_names(), OTHER]
     bottoms = [0.0] * len(profile.devices)
     for name in names:
@@ -53,7 +66,7 @@ def phase_figure(profile: StepProfile, path: str | Path) -> Path:
 
 def memory_figure(peaks: Mapping[str, int], path: str | Path) -> Path:
     """Bars: peak memory per device in MiB (the primary's extra share shows as a taller bar)."""
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(peaks) + 2.0), 3.8))
+    fig, ax = pyplot().subplots(figsize=(max(4.0, 1.2 * len(peaks) + 2.0), 3.8))
     devices = list(peaks)
     ax.bar(devices, [peaks[d] / 2**20 for d in devices], color="#4c72b0")
     ax.set_ylabel("peak memory (MiB)")
@@ -65,7 +78,7 @@ def bandwidth_figure(
     points: Sequence[BandwidthPoint], path: str | Path, *, achieved: Sequence[PhaseStat] = ()
 ) -> Path:
     """Bus bandwidth against message size, one line per probe (log-log); dots: a profile's phases."""
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7.5, 4.5))
     for probe in dict.fromkeys(p.probe for p in points):
         line = sorted((p for p in points if p.probe == probe), key=lambda p: p.nbytes)
         ax.plot([p.nbytes for p in line], [p.busbw for p in line], marker="o", markersize=3, label=probe)
@@ -75,6 +88,8 @@ def bandwidth_figure(
             [n for n, _ in rates], [g for _, g in rates], marker="x", color=_COLORS.get(name), label=f"{name} (this run)"
         )
     ax.set_xscale("log", base=2)
+    from matplotlib.ticker import FuncFormatter
+
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_bytes(x).replace(".0 ", " ")))
     ax.set_yscale("log")
     ax.set_xlabel("message size (bytes)")
@@ -85,13 +100,13 @@ def bandwidth_figure(
     return save_figure(fig, path)
 
 
-def save_figure(fig: plt.Figure, path: str | Path) -> Path:
+def save_figure(fig: Figure, path: str | Path) -> Path:
     """Lay out ``fig``, write it as a PNG at ``path`` (folders created) and close it."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(out, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    pyplot().close(fig)
     return out
 
 
@@ -99,7 +114,7 @@ def ddp_figure(profile: DDPProfile, path: str | Path) -> Path:
     """Stacked bars per rank: busy time and time in all-reduce (median ms per step)."""
     import statistics
 
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(profile.ranks) + 2.5), 4.0))
+    fig, ax = pyplot().subplots(figsize=(max(4.0, 1.2 * len(profile.ranks) + 2.5), 4.0))
     labels = [f"rank {r.rank}" for r in profile.ranks]
     busy = [r.busy_s() * 1e3 for r in profile.ranks]
     allreduce = [statistics.median(r.allreduce_s) * 1e3 if r.allreduce_s else 0.0 for r in profile.ranks]
