@@ -1,4 +1,4 @@
-"""Faults of a real 2-process DDP run over gloo on 127.0.0.1, launched with torchrun.
+"""Faults of a real 2-process DDP run over gloo on 127.0.0.1, launched with torchrun or ``multigpu launch``.
 
 Each test times the teardown from the moment of the failure (recorded by the failing worker)
 to the moment every process of the run is gone, and prints it (``pytest -s`` shows it).
@@ -52,22 +52,29 @@ class Run:
         return json.loads((self.events / name).read_text())  # type: ignore[no-any-return]
 
 
-def _start(root: Path, name: str, *worker_args: str, max_restarts: int = 0) -> Run:
+def _start(root: Path, name: str, *worker_args: str, max_restarts: int = 0, launcher: str = "torchrun") -> Run:
     data = root / "digits.safetensors"
     if not data.exists():
         tr.write_digits(data)
     (root / f"{name}-events").mkdir()
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
+    env = dict(os.environ)
+    if launcher == "torchrun":
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
+        ]  # fmt: skip
+        # Restarted workers must not read the previous attempt's addresses from the rendezvous
+        # store they would otherwise share with torchrun (pytorch/pytorch#135712: gloo then fails
+        # with "connectFullMesh ... Connection refused" on restart). `multigpu launch` sets it itself.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    else:
+        command = [sys.executable, "-m", "multigpu", "launch", "--strategy", "ddp", "--nproc-per-node", "2",
+                   "--max-restarts", str(max_restarts)]  # fmt: skip
+    command += [
         str(WORKER), "--folder", str(root / f"{name}-ckpt"), "--events", str(root / f"{name}-events"),
         "--out", str(root / f"{name}.safetensors"), "--data", str(data), *worker_args,
     ]  # fmt: skip
-    # Restarted workers must not read the previous attempt's addresses from the rendezvous
-    # store they would otherwise share with torchrun (pytorch/pytorch#135712: gloo then fails
-    # with "connectFullMesh ... Connection refused" on restart).
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     process = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
@@ -159,10 +166,14 @@ def test_a_failed_save_on_rank_0_fails_every_rank_and_keeps_the_previous_checkpo
 
 
 def test_a_killed_worker_restarts_resumes_and_ends_with_the_uninterrupted_weights(tmp_path: Path) -> None:
+    """Restarted by ``multigpu launch --max-restarts 1``, which also keeps restarted gloo workers off the
+    previous attempt's rendezvous store (without that, this run hangs at the restart and fails)."""
     reference = _start(tmp_path, "reference")
     code, output, _ = _finish(reference)
     assert code == 0, output[-3000:]
-    run = _start(tmp_path, "restart", "--fault", "kill", "--fault-rank", "1", "--fault-step", "3", max_restarts=1)
+    run = _start(
+        tmp_path, "restart", "--fault", "kill", "--fault-rank", "1", "--fault-step", "3", max_restarts=1, launcher="multigpu"
+    )
     code, output, _ = _finish(run)
     assert code == 0, output[-3000:]
 
