@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,25 +15,42 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_command(argv: Sequence[str], *, timeout_s: float = 90, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` in its own process group; on timeout kill the whole group (workers included)."""
-    proc = subprocess.Popen(
-        list(argv),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
+    return run_together([argv], timeout_s=timeout_s, env=env)[0]
+
+
+def run_together(
+    argvs: Sequence[Sequence[str]], *, timeout_s: float = 90, env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run the commands at the same time (e.g. one launcher per node); on timeout kill them all, workers included."""
+    procs = [
+        subprocess.Popen(
+            list(argv),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+        for argv in argvs
+    ]
+    deadline = time.monotonic() + timeout_s
+    done = []
     try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc)
-        out, err = proc.communicate()
-        raise AssertionError(f"{' '.join(argv)} ran past {timeout_s}s and was killed\n{out}\n{err}") from None
+        for argv, proc in zip(argvs, procs):
+            try:
+                out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for other in procs:
+                    _kill_tree(other)
+                out, err = proc.communicate()
+                raise AssertionError(f"{' '.join(argv)} ran past {timeout_s}s and was killed\n{out}\n{err}") from None
+            done.append(subprocess.CompletedProcess(list(argv), proc.returncode, out, err))
     finally:
-        if proc.poll() is None:
-            _kill_tree(proc)
-    return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_tree(proc)
+    return done
 
 
 def _kill_tree(proc: subprocess.Popen[str]) -> None:

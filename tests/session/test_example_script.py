@@ -1,14 +1,16 @@
-"""examples/train.py, unchanged, under single, dp and ddp: the same weights at the end."""
+"""examples/train.py, unchanged, under single, dp, ddp and ddp over two nodes: the same weights at the end."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.distributed.launching import ROOT, multigpu_launch
+from tests.conftest import free_port
+from tests.distributed.launching import ROOT, multigpu_launch, run_together
 
 pytestmark = pytest.mark.multiprocess
 
@@ -26,15 +28,33 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     results = {}
     for name, launch_args in STRATEGY_ARGS.items():
         path = out / f"{name}.pt"
-        args = ["--epochs", "1", "--max-steps", "6", "--save", str(path)]
-        done = multigpu_launch(*launch_args, SCRIPT, *args, timeout_s=90)
+        done = multigpu_launch(*launch_args, SCRIPT, *_script_args(path), timeout_s=90)
         assert done.returncode == 0, done.stderr[-3000:]
         assert f"[{name} x" in done.stdout and done.stdout.count("epoch 0") == 1  # printed once
         results[name] = torch.load(path)
+    results["ddp, 2 nodes"] = _two_nodes(out / "two-nodes.pt")
     return results
 
 
-@pytest.mark.parametrize("strategy", ["dp", "ddp"])
+def _script_args(save: Path) -> list[str]:
+    return ["--epochs", "1", "--max-steps", "6", "--save", str(save)]
+
+
+def _two_nodes(path: Path) -> dict[str, Any]:
+    """Two launchers, one per "node", one process each, meeting at rank 0's address (loopback here)."""
+    port = str(free_port())
+    launchers = [
+        [sys.executable, "-m", "multigpu", "launch", "--strategy", "ddp", "--nnodes", "2", "--node-rank", str(rank),
+         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, SCRIPT, *_script_args(path)]
+        for rank in (0, 1)
+    ]  # fmt: skip
+    node0, node1 = run_together(launchers, timeout_s=120)
+    assert node0.returncode == 0 and node1.returncode == 0, node0.stderr[-2000:] + node1.stderr[-2000:]
+    assert "[ddp x2]" in node0.stdout and "epoch 0" not in node1.stdout  # global rank 0 prints, on node 0
+    return torch.load(path)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("strategy", ["dp", "ddp", "ddp, 2 nodes"])
 def test_same_script_same_result_as_single(runs: dict[str, dict[str, Any]], strategy: str) -> None:
     want, got = runs["single"], runs[strategy]
     for key, value in want["state_dict"].items():
