@@ -1,8 +1,8 @@
 """Launch and per-step overhead of `multigpu launch` (ddp) vs plain torchrun + DDP vs `accelerate launch`.
 
     pip install -e '.[bench]'                       # Hugging Face Accelerate, for the comparison
-    python benchmarks/launch_overhead.py             # 2 CPU processes, 5 repeats, table + PNG
-    python benchmarks/launch_overhead.py --repeats 5 --steps 300
+    python benchmarks/launch_overhead.py             # 2 CPU processes, 9 repeats of 1000 steps: table + PNG
+    python benchmarks/launch_overhead.py --repeats 15 --launchers torchrun multigpu
 
 The same model (an MLP), the same global batch and the same data run under three launchers, two
 processes each on the CPU (gloo), with the same OMP_NUM_THREADS:
@@ -12,9 +12,12 @@ processes each on the CPU (gloo), with the same OMP_NUM_THREADS:
 - ``accelerate``: ``accelerate launch`` running Accelerate's documented loop.
 
 Each worker times every step on rank 0 (from the end of one step to the end of the next, so fetching
-the batch counts); the run's figure is the median step. Launchers alternate within each repeat and
-the table shows the median over repeats, the spread, and the median of the per-repeat ratios. Targets: multigpu
-within 2% of torchrun and no slower than Accelerate. This file is also the worker (``--worker``).
+the batch counts); a run's figures are its median step, its mean step (the throughput) and its 10th
+percentile. Launchers alternate within each repeat; a ratio is the median over repeats of the
+per-repeat ratio (the runs of one repeat are back to back, so slow phases of the machine mostly
+cancel), shown with a bootstrap 90% interval: when the interval straddles a target, the machine's
+noise is larger than the difference and more ``--repeats`` resolve it. Targets: multigpu within 2%
+of torchrun and no slower than Accelerate. This file is also the worker (``--worker``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import gc
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -57,9 +61,9 @@ def _shard(rank: int, world: int, global_batch: int, count: int) -> list[tuple[t
 
 
 def _timed(ends: list[float], warmup: int) -> dict[str, float]:
-    """Median and 10th-percentile step time in ms (p10: the steps other jobs on the machine did not slow)."""
+    """Median, mean and 10th-percentile step time in ms (p10: the steps other jobs on the machine slowed least)."""
     steps = sorted(1000.0 * (b - a) for a, b in zip(ends[warmup:], ends[warmup + 1 :]))
-    return {"ms_per_step": statistics.median(steps), "p10": steps[len(steps) // 10]}
+    return {"ms_per_step": statistics.median(steps), "mean": statistics.fmean(steps), "p10": steps[len(steps) // 10]}
 
 
 def _worker_torchrun(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
@@ -233,48 +237,74 @@ def api_overhead_us(steps: int = 3000, repeats: int = 7) -> dict[str, float]:
     return best
 
 
-def paired_ratio(runs: dict[str, list[dict[str, float]]], name: str, base: str, key: str = "ms_per_step") -> float:
-    """Median over repeats of ``name``'s step time / ``base``'s in the same repeat (runs back to back,
-    so load from other jobs on the machine mostly cancels)."""
-    pairs = zip(runs[name], runs[base])
-    return statistics.median(a[key] / b[key] for a, b in pairs)
+STATISTICS = {"ms_per_step": "median step", "mean": "mean step", "p10": "p10 step"}
+TARGETS = (("multigpu", "torchrun", 1.02), ("multigpu", "accelerate", 1.0), ("accelerate", "torchrun", None))
+
+
+def paired_ratios(runs: dict[str, list[dict[str, float]]], name: str, base: str, key: str) -> list[float]:
+    """``name``'s figure / ``base``'s in each repeat (runs back to back, so slow phases mostly cancel)."""
+    return [a[key] / b[key] for a, b in zip(runs[name], runs[base])]
+
+
+def median_interval(values: list[float], level: float = 0.9, draws: int = 4000) -> tuple[float, float]:
+    """Bootstrap ``level`` interval of the median of ``values`` (seeded: the same runs print the same)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    tail = int(draws * (1 - level) / 2)
+    return medians[tail], medians[draws - 1 - tail]
+
+
+def verdict(ratio: float, interval: tuple[float, float], target: float | None) -> str:
+    if target is None:
+        return "-"
+    low, high = interval
+    if high <= target:
+        return "met"
+    if low > target:
+        return "NOT met"
+    return "met at the median; noise spans the target" if ratio <= target else "not resolved: noise spans the target"
 
 
 def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    console = Console(width=150)
     med = {name: statistics.median(r["ms_per_step"] for r in rs) for name, rs in runs.items()}
-    table = Table(title=f"DDP on {NPROC} CPU processes (gloo): global batch {args.global_batch}, "
-                  f"median of {args.steps} steps per run, {args.repeats} repeats")  # fmt: skip
-    columns = ("launcher", "ms/step median", "p10", "spread of medians", "vs torchrun", "vs torchrun p10",
-               "vs accelerate", "vs accelerate p10", "launch wall s")  # fmt: skip
-    for col in columns:
-        table.add_column(col, justify="left" if col == "launcher" else "right")
+    per_launcher = Table(title=f"DDP on {NPROC} CPU processes (gloo): global batch {args.global_batch}, "
+                         f"{args.steps} steps per run, {args.repeats} repeats (medians over repeats)")  # fmt: skip
+    for col in ("launcher", "ms/step median", "mean", "p10", "spread of medians", "launch wall s"):
+        per_launcher.add_column(col, justify="left" if col == "launcher" else "right")
     for name, rs in runs.items():
         steps = [r["ms_per_step"] for r in rs]
-        ratios = [
-            f"{paired_ratio(runs, name, base, key):.3f}" if base in runs else "-"
-            for base in ("torchrun", "accelerate")
-            for key in ("ms_per_step", "p10")
-        ]
-        table.add_row(
+        per_launcher.add_row(
             name,
             f"{med[name]:.2f}",
+            f"{statistics.median(r['mean'] for r in rs):.2f}",
             f"{statistics.median(r['p10'] for r in rs):.2f}",
             f"{min(steps):.2f}..{max(steps):.2f}",
-            *ratios,
             f"{statistics.median(r['wall_s'] for r in rs):.1f}",
         )
-    console = Console(width=150)
-    console.print(table)
-    console.print("ratios: median over repeats of the per-repeat ratio (launchers run back to back in each repeat)")
-    for base, target in (("torchrun", 1.02), ("accelerate", 1.0)):
-        if "multigpu" in runs and base in runs:
-            for key in ("ms_per_step", "p10"):
-                ratio = paired_ratio(runs, "multigpu", base, key)
-                verdict = "met" if ratio <= target else "NOT met"
-                console.print(f"multigpu / {base} ({key}) = {ratio:.3f} (target <= {target:.2f}): {verdict}")
+    console.print(per_launcher)
+
+    ratios = Table(title="Ratios: median over repeats of the per-repeat ratio, with a bootstrap 90% interval")
+    for col in ("ratio", "of", "value", "90% interval", "target", "verdict"):
+        ratios.add_column(col, justify="left" if col in ("ratio", "of", "verdict") else "right")
+    for name, base, target in TARGETS:
+        if name not in runs or base not in runs:
+            continue
+        for key, label in STATISTICS.items():
+            values = paired_ratios(runs, name, base, key)
+            ratio, interval = statistics.median(values), median_interval(values)
+            ratios.add_row(
+                f"{name} / {base}",
+                label,
+                f"{ratio:.3f}",
+                f"{interval[0]:.3f}..{interval[1]:.3f}",
+                f"<= {target:.2f}" if target else "-",
+                verdict(ratio, interval, target),
+            )
+    console.print(ratios)
     overhead = api_overhead_us()
     console.print(
         f"Session API overhead per step, measured in one process (tiny model, min of 7 x 3000 steps): "
@@ -286,30 +316,39 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
 
 
 def _figure(med: dict[str, float], runs: dict[str, list[dict[str, float]]], path: Path) -> None:
-    import matplotlib
+    """Left: ms/step per launcher (bars: median, dots: repeats). Right: each repeat's ratio to torchrun."""
+    from multigpu.report.figures import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    colors = {"torchrun": "#888888", "multigpu": "#2a7ab9", "accelerate": "#e39b2d"}
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [3, 2]})
     names = list(med)
-    ax.bar(names, [med[n] for n in names], color=["#888888", "#2a7ab9", "#e39b2d"][: len(names)])
+    left.bar(names, [med[n] for n in names], color=[colors[n] for n in names])
     for i, name in enumerate(names):
-        ax.scatter([i] * len(runs[name]), [r["ms_per_step"] for r in runs[name]], color="black", s=10, zorder=3)
-    ax.set_ylabel("ms per step (median; dots: repeats)")
-    ax.set_title(f"DDP step time, {NPROC} CPU processes")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        left.scatter([i] * len(runs[name]), [r["ms_per_step"] for r in runs[name]], color="black", s=10, zorder=3)
+    left.set_ylabel("ms per step (median; dots: repeats)")
+    left.set_title(f"DDP step time, {NPROC} CPU processes")
+    others = [n for n in names if n != "torchrun"] if "torchrun" in runs else []
+    for i, name in enumerate(others):
+        ratios = paired_ratios(runs, name, "torchrun", "ms_per_step")
+        right.scatter([i] * len(ratios), ratios, color=colors[name], s=14, zorder=3)
+        right.plot([i - 0.25, i + 0.25], [statistics.median(ratios)] * 2, color="black", linewidth=2)
+    right.axhline(1.0, color="#888888", linewidth=1)
+    right.axhline(1.02, color="#c44e52", linestyle="--", linewidth=1, label="target: multigpu <= 1.02")
+    right.set_xticks(range(len(others)), others)
+    right.set_xlim(-0.6, len(others) - 0.4)
+    right.set_ylabel("median step / torchrun's, same repeat")
+    right.set_title("Per-repeat ratio (bar: median)")
+    right.legend(fontsize=8)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300, help="timed steps per run")
+    parser.add_argument("--steps", type=int, default=1000, help="timed steps per run (fewer: noisier medians)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps first")
     parser.add_argument("--global-batch", type=int, default=256, help="samples per step over both processes")
     parser.add_argument("--hidden", type=int, default=512, help="MLP width")
-    parser.add_argument("--repeats", type=int, default=5, help="runs per launcher (median reported)")
+    parser.add_argument("--repeats", type=int, default=9, help="runs per launcher (median reported)")
     parser.add_argument("--launchers", nargs="+", default=list(LAUNCHERS), choices=LAUNCHERS)
     parser.add_argument("--timeout", type=float, default=300, help="seconds before one run is killed")
     parser.add_argument("--out-dir", default="out/bench", help="where the PNG and per-run results go")
