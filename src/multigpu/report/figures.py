@@ -19,6 +19,7 @@ from multigpu.report.tables import format_bytes
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+
 def pyplot() -> ModuleType:
     """``matplotlib.pyplot`` on the Agg backend (files only, no display needed)."""
     import matplotlib
@@ -78,6 +79,8 @@ def bandwidth_figure(
     points: Sequence[BandwidthPoint], path: str | Path, *, achieved: Sequence[PhaseStat] = ()
 ) -> Path:
     """Bus bandwidth against message size, one line per probe (log-log); dots: a profile's phases."""
+    from matplotlib.ticker import FuncFormatter
+
     fig, ax = pyplot().subplots(figsize=(7.5, 4.5))
     for probe in dict.fromkeys(p.probe for p in points):
         line = sorted((p for p in points if p.probe == probe), key=lambda p: p.nbytes)
@@ -88,8 +91,6 @@ def bandwidth_figure(
             [n for n, _ in rates], [g for _, g in rates], marker="x", color=_COLORS.get(name), label=f"{name} (this run)"
         )
     ax.set_xscale("log", base=2)
-    from matplotlib.ticker import FuncFormatter
-
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_bytes(x).replace(".0 ", " ")))
     ax.set_yscale("log")
     ax.set_xlabel("message size (bytes)")
