@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
@@ -57,6 +58,11 @@ def main() -> None:
         results["fp32"] = train(session, dataset, global_batch=8)
         # Further configurations share the process group the first session opened.
         results["accumulate"] = train(Session(strategy="ddp", accumulate=2).start(), dataset, global_batch=8)
+        # 4 batches per epoch in windows of 3: the short window (1 batch) must sync and step.
+        results["accumulate_short"] = train(Session(strategy="ddp", accumulate=3).start(), dataset, global_batch=8)
+        inner = Session(strategy="ddp").start()
+        inner.close()  # it joined the group the outer session created: closing must not end it
+        results["group_kept"] = torch.distributed.is_initialized() and session.reduce(1.0, "sum") == 2.0
         for precision in ("bf16", "fp16"):
             results[precision] = train(Session(strategy="ddp", precision=precision).start(), dataset, 8, lr=0.1)
         results["uneven"] = uneven(session)

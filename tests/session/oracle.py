@@ -23,7 +23,8 @@ def plain_train(dataset: TensorDataset, *, global_batch: int, accumulate: int = 
     """Two epochs of SGD over the session's global batches, with a plain loop on one device.
 
     Batch order: torch's DistributedSampler with one replica (the permutation every rank shares);
-    with accumulation, one step per ``accumulate`` consecutive batches on their concatenation.
+    with accumulation, one step per ``accumulate`` consecutive batches on their concatenation, the
+    epoch's last window on whatever batches remain.
     """
     torch.manual_seed(0)
     model = build_model()
@@ -34,8 +35,8 @@ def plain_train(dataset: TensorDataset, *, global_batch: int, accumulate: int = 
         sampler.set_epoch(epoch)
         order = list(sampler)
         usable = len(order) - len(order) % global_batch
-        for start in range(0, usable - window + 1, window):
-            x, y = dataset[order[start : start + window]]
+        for start in range(0, usable, window):
+            x, y = dataset[order[start : min(start + window, usable)]]
             optimizer.zero_grad()
             F.mse_loss(model(x), y).backward()
             optimizer.step()

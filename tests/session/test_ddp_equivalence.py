@@ -50,6 +50,17 @@ def test_accumulation_matches_one_device_on_the_combined_batch(ranks: list[dict[
         _assert_same_weights(rank["accumulate"]["state_dict"], want)
 
 
+def test_a_short_last_window_syncs_and_steps_like_one_device(ranks: list[dict[str, Any]]) -> None:
+    want = plain_train(regression_data(32), global_batch=8, accumulate=3).state_dict()
+    for rank in ranks:
+        assert rank["accumulate_short"]["steps"] == 4  # 2 epochs x (a window of 3 batches + one of 1)
+        _assert_same_weights(rank["accumulate_short"]["state_dict"], want)
+
+
+def test_closing_a_session_keeps_a_group_it_did_not_create(ranks: list[dict[str, Any]]) -> None:
+    assert [r["group_kept"] for r in ranks] == [True, True]
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains(ranks: list[dict[str, Any]], precision: str) -> None:
     losses = ranks[0][precision]["losses"]

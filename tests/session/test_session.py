@@ -28,7 +28,7 @@ def _session_train(session: Session, dataset: TensorDataset, global_batch: int) 
 
 
 @pytest.mark.parametrize("strategy", ["single", "dp"])
-@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("accumulate", [1, 2, 3])  # 3: each epoch's 4 batches end in a short window
 def test_one_process_strategies_match_plain_pytorch(strategy: str, accumulate: int) -> None:
     dataset = regression_data(32)
     with Session(strategy=strategy, accumulate=accumulate, devices="cpu:2" if strategy == "dp" else None) as session:
@@ -188,3 +188,40 @@ def test_closing_a_ddp_session_releases_the_reducer_before_the_group(monkeypatch
         assert hasattr(model, "reducer")
     assert not hasattr(model, "reducer")  # a DDP model the script still holds no longer pins the group
     assert not torch.distributed.is_initialized()
+
+
+def test_step_without_a_micro_step_names_the_fix() -> None:
+    with Session(strategy="single") as session:
+        model = session.setup_model(nn.Linear(2, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        session.backward(model(torch.ones(4, 2)).sum())
+        with pytest.raises(ConfigError, match=r"no micro-step since the last step; run the forward .*session\.micro_step\(model\)"):
+            session.step(optimizer)
+
+
+def test_fp16_reports_a_skipped_step_and_clips_the_unscaled_gradients() -> None:
+    with Session(strategy="single", precision="fp16") as session:
+        model = session.setup_model(nn.Linear(4, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        before = [p.detach().clone() for p in model.parameters()]
+
+        def micro_step() -> None:
+            with session.micro_step(model):
+                session.backward(model(torch.full((8, 4), 0.5)).float().mean())  # gradient norm 1.1
+
+        micro_step()  # at the initial scale 65536 the bias gradient overflows float16
+        assert session.step(optimizer, max_grad_norm=0.1) is False  # skipped: do not step a scheduler
+        assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        micro_step()  # the scale backed off to 32768
+        assert session.step(optimizer, max_grad_norm=0.1) is True
+        update = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])
+        # Clipped after unscaling: the update's norm is lr * 0.1 (clipping the scaled gradients
+        # would leave it 32768 times smaller).
+        torch.testing.assert_close(update.norm(), torch.tensor(0.1), rtol=1e-3, atol=0.0)
+
+
+def test_evaluate_keeps_integer_results_exact() -> None:
+    values = torch.arange(5) + 2**24  # not representable in float32
+    with Session(strategy="single") as session:
+        got = session.evaluate(lambda batch: batch[0], TensorDataset(values), batch_size=2)
+    assert got.dtype == torch.int64 and torch.equal(got, values)

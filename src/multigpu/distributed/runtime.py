@@ -181,7 +181,7 @@ def check_world_matches_devices(local_world_size: int, device_type: str, availab
     )
 
 
-def setup_process_group(env: LaunchEnv, device: torch.device, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def setup_process_group(env: LaunchEnv, device: torch.device, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     """Join the run's process group (idempotent). Every rank must call it.
 
     Args:
@@ -189,11 +189,15 @@ def setup_process_group(env: LaunchEnv, device: torch.device, *, timeout_s: floa
         device: this process's device (decides the backend; on CUDA it becomes the current device).
         timeout_s: how long collectives wait for a missing rank before failing instead of hanging.
 
+    Returns:
+        True when this call created the group; False when one existed (its owner tears it down).
+
     Example:
         >>> setup_process_group(require_launch_env("training"), torch.device("cpu"))  # doctest: +SKIP
+        True
     """
     if dist.is_initialized():
-        return
+        return False
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
@@ -203,6 +207,7 @@ def setup_process_group(env: LaunchEnv, device: torch.device, *, timeout_s: floa
         world_size=env.world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    return True
 
 
 def teardown_process_group() -> None:

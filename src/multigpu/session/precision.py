@@ -1,7 +1,7 @@
 """Numeric precision of a training step, as small objects chosen by name: fp32, bf16, fp16.
 
-Each precision owns three moments of a step: the forward's autocast region, the loss scaling
-before backward, and the optimizer step. ``fp16`` needs a gradient scaler (small float16
+Each precision owns four moments of a step: the forward's autocast region, the loss scaling
+before backward, unscaling the gradients (before clipping them) and the optimizer step. ``fp16`` needs a gradient scaler (small float16
 gradients underflow to zero); ``bf16`` has float32's range and does not.
 
 Example:
@@ -38,9 +38,13 @@ class Precision:
         """The tensor to call ``backward`` on."""
         return loss
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Apply the accumulated gradients."""
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring ``optimizer``'s gradients to their true values (before clipping or rescaling them)."""
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Apply the accumulated gradients; returns whether the parameters were updated."""
         optimizer.step()
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must keep to resume this precision exactly (the scaler's state)."""
@@ -74,9 +78,14 @@ class FP16(Precision):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.scaler.step(optimizer)  # unscales first; skips the step on inf/nan gradients
-        self.scaler.update()
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        self.scaler.unscale_(optimizer)  # at most once per step; the scaler's step then skips it
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        scale = self.scaler.get_scale()
+        self.scaler.step(optimizer)  # unscales unless done; skips the step on inf/nan gradients
+        self.scaler.update()  # lowers the scale exactly when it skipped
+        return self.scaler.get_scale() >= scale
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict()}

@@ -100,6 +100,7 @@ class Session:
         self.strategy: Strategy | None = None
         self.precision: Precision | None = None
         self._micro = 0  # micro-steps since the last optimizer step
+        self._last_batch = False  # the batch in flight is the last of session.batches(...)
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -184,18 +185,29 @@ class Session:
     def batches(self, batches: Iterable[T]) -> Iterator[T]:
         """Each batch moved to the device; under ddp all ranks stop at the shortest rank's end.
 
-        Every rank must iterate it (it agrees on the step count with the other ranks).
+        The last batch closes the accumulation window even when it is short: the epoch's last
+        micro-steps are stepped in that epoch, not mixed into the next one (see :meth:`step`).
+        It reads one batch ahead to know which is last. Every rank must iterate it (it agrees on
+        the step count with the other ranks).
         """
         device = self.device
-        for batch in data.even_batches(batches):
-            yield _to_device(batch, device)
+        outer = self._last_batch  # an evaluate() inside a training loop must not reset the loop's flag
+        ahead = iter(data.even_batches(batches))
+        upcoming = next(ahead, _END)
+        try:
+            while upcoming is not _END:
+                batch, upcoming = upcoming, next(ahead, _END)
+                self._last_batch = upcoming is _END
+                yield _to_device(batch, device)
+        finally:
+            self._last_batch = outer
 
     # -- one step -------------------------------------------------------------------------------
 
     @property
     def should_step(self) -> bool:
-        """True when the current micro-step ends an accumulation window."""
-        return self._micro >= self.config.accumulate
+        """True when the current micro-step ends an accumulation window (or the batches run out)."""
+        return self._micro >= self.config.accumulate or self._last_batch
 
     def micro_step(self, model: nn.Module) -> AbstractContextManager[Any]:
         """The region of one micro-step's forward and backward: autocast, and no gradient sync
@@ -222,15 +234,45 @@ class Session:
             with torch.autocast(self.device.type, enabled=False):
                 scaled.backward()
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step and zero the gradients at the end of an accumulation window; returns whether it stepped."""
+    def step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None) -> bool:
+        """Step and zero the gradients at the end of an accumulation window.
+
+        A window cut short by the end of :meth:`batches` (``k`` of ``accumulate`` micro-steps)
+        steps on the mean gradient of its ``k`` micro-batches, as one device would on their
+        combined batch.
+
+        Args:
+            optimizer: the optimizer of the model's parameters.
+            max_grad_norm: clip the gradients' total norm to this first (after fp16 unscaling).
+
+        Returns:
+            Whether the parameters were updated: False inside a window, and under fp16 when the
+            scaler skipped a step whose gradients overflowed (step a scheduler only on True).
+
+        Raises:
+            ConfigError: no micro-step ran since the last step (so no gradients to apply).
+        """
         _, precision = self._started()
+        if self._micro == 0:
+            raise ConfigError(
+                "session.step() found no micro-step since the last step; run the forward and "
+                "session.backward(loss) inside 'with session.micro_step(model):' before it"
+            )
         if not self.should_step:
             return False
-        precision.step(optimizer)
+        short = self._micro < self.config.accumulate
+        if short or max_grad_norm is not None:
+            precision.unscale(optimizer)
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            if short:  # backward divided by `accumulate`; this window had fewer micro-steps
+                for param in params:
+                    param.grad.mul_(self.config.accumulate / self._micro)  # type: ignore[union-attr]
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        stepped = precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         self._micro = 0
-        return True
+        return stepped
 
     # -- collectives and output ------------------------------------------------------------------
 
@@ -258,17 +300,19 @@ class Session:
             batch_size: the global evaluation batch.
 
         Returns:
-            ``[len(dataset), ...]`` on the CPU, the same on every rank. Every rank must call it.
+            ``[len(dataset), ...]`` on the CPU, the same on every rank; floating results in
+            float32 (autocast may compute them in 16 bits), integer and bool results as they are.
+            Every rank must call it.
         """
         strategy, precision = self._started()
-        sampler = data.build_eval_sampler(dataset, strategy.shard)  # type: ignore[arg-type]
+        indices = data.shard_indices(dataset, strategy.shard)  # type: ignore[arg-type]
         per_process = max(1, batch_size // strategy.shard.world_size)
-        loader = DataLoader(dataset, batch_size=per_process, sampler=sampler)
+        loader = DataLoader(dataset, batch_size=per_process, sampler=indices.tolist())
         results: list[torch.Tensor] = []
         with torch.no_grad(), precision.autocast():
             for batch in self.batches(loader):
-                results.append(fn(batch).detach().float().cpu())
-        indices = torch.tensor(list(sampler), dtype=torch.long)
+                result = fn(batch).detach()
+                results.append((result.float() if result.is_floating_point() else result).cpu())
         values = torch.cat(results) if results else torch.empty(0)
         return collectives.gather_by_index(values, indices, len(dataset))  # type: ignore[arg-type]
 
@@ -285,6 +329,9 @@ class Session:
 def _both(first: AbstractContextManager[Any], second: AbstractContextManager[Any]) -> Iterator[None]:
     with first, second:
         yield
+
+
+_END: Any = object()
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

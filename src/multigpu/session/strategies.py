@@ -136,6 +136,7 @@ class DDPStrategy(Strategy):
         super().__init__(devices=devices, timeout_s=timeout_s)
         self.env: LaunchEnv = runtime.require_launch_env("strategy 'ddp'")
         self._wrapped: list[weakref.ref[DistributedDataParallel]] = []
+        self._owns_group = False  # whether setup created the process group (then teardown ends it)
         self._device = runtime.process_device(self.env)
         if devices is not None:  # the node's devices, one per process: take this process's
             self._device = _check_ddp_devices(devices, self.env)[self.env.local_rank].device
@@ -153,7 +154,7 @@ class DDPStrategy(Strategy):
         return self.env.is_main_process
 
     def setup(self) -> None:
-        runtime.setup_process_group(self.env, self._device, timeout_s=self.timeout_s)
+        self._owns_group = runtime.setup_process_group(self.env, self._device, timeout_s=self.timeout_s)
 
     def teardown(self) -> None:
         # Release every DDP reducer before the group goes. In a plain torch script, destroying a
@@ -167,7 +168,9 @@ class DDPStrategy(Strategy):
                 model.logger = None
         self._wrapped.clear()
         gc.collect()
-        runtime.teardown_process_group()
+        if self._owns_group:  # a group the script (or an outer session) created stays theirs
+            runtime.teardown_process_group()
+            self._owns_group = False
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self._device)
