@@ -92,14 +92,22 @@ def test_print_and_reduce_in_one_process(capsys: pytest.CaptureFixture[str]) -> 
     assert capsys.readouterr().out == "hello\n"
 
 
-def test_auto_picks_what_the_launcher_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("MULTIGPU_STRATEGY", raising=False)
-    assert resolve_strategy_name("auto") == "single"  # no GPU here
-    monkeypatch.setenv("MULTIGPU_STRATEGY", "dp")
-    assert resolve_strategy_name("auto") == "dp"
+@pytest.mark.parametrize(("gpus", "on_its_own"), [(0, "single"), (1, "single"), (2, "dp")])
+def test_auto_picks_what_the_launcher_asked_for(monkeypatch: pytest.MonkeyPatch, gpus: int, on_its_own: str) -> None:
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MULTIGPU_STRATEGY"):
+        monkeypatch.delenv(key, raising=False)
+    # The rule depends on the visible GPUs (multigpu.devices asks torch.cuda): fix them, so the
+    # test holds on any machine.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert resolve_strategy_name("auto") == on_its_own  # not launched: dp only for several GPUs
+    for asked in ("single", "dp"):  # the launcher's --strategy wins over the GPU count
+        monkeypatch.setenv("MULTIGPU_STRATEGY", asked)
+        assert resolve_strategy_name("auto") == asked
     monkeypatch.delenv("MULTIGPU_STRATEGY")
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resolve_strategy_name("auto") == on_its_own  # a one-process launch is not ddp
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert resolve_strategy_name("auto") == "ddp"
 
