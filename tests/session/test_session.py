@@ -12,6 +12,7 @@ from multigpu.errors import LaunchError
 from multigpu.errors import ConfigError, DeviceError
 from multigpu.parallel import DataParallel
 from multigpu.session import Session, SessionConfig, build_strategy, resolve_strategy_name
+from tests.conftest import free_port
 from tests.session.oracle import build_model, plain_train, regression_data
 
 
@@ -145,10 +146,14 @@ def test_one_process_strategy_inside_a_multi_process_launch_is_refused(monkeypat
 
 
 def test_ddp_devices_must_match_the_processes_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+    # Should the check ever stop firing, start() would join a 2-rank group whose other rank never
+    # comes: a free port and a 2 s timeout make that a quick failure instead of a 600 s wait.
+    launched = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+    for key, value in launched.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(DeviceError, match=r"names 3 device\(s\) but 2 processes run on this node.*--nproc-per-node 3"):
-        Session(strategy="ddp", devices="cpu:3").start()
+        Session(strategy="ddp", devices="cpu:3", timeout_s=2).start()
 
 
 def test_single_with_several_devices_points_to_dp() -> None:
