@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import socket
 import time
@@ -53,6 +54,44 @@ def test_a_port_in_use_is_reported_with_the_fix() -> None:
         port = sock.getsockname()[1]
         with pytest.raises(LaunchError, match=rf"master port {port} on 127.0.0.1 is in use.*another --master-port"):
             build_torchrun_args(LaunchConfig(nproc_per_node=2, master_port=port), "t.py", [])
+
+
+def test_a_master_address_of_another_machine_is_not_reported_as_a_port_in_use() -> None:
+    # 192.0.2.1 (TEST-NET-1, RFC 5737) is reserved for documentation: never this machine's address.
+    port = free_port()
+    with pytest.raises(LaunchError, match=r"master address 192\.0\.2\.1 is not one of this machine's addresses \(.+\); "
+                       r"single-node runs bind there: pass --master-addr 127\.0\.0\.1") as caught:  # fmt: skip
+        build_torchrun_args(LaunchConfig(nproc_per_node=2, master_addr="192.0.2.1", master_port=port), "t.py", [])
+    assert "in use" not in str(caught.value)
+
+
+def test_a_refused_bind_names_the_os_reason_not_a_port_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: socket.socket, address: object) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(socket.socket, "bind", refuse)
+    with pytest.raises(LaunchError, match=r"cannot listen on master port 80 on 127\.0\.0\.1 \(Permission denied\).*"
+                       r"--master-port of 1024 or more"):  # fmt: skip
+        build_torchrun_args(LaunchConfig(nproc_per_node=2, master_port=80), "t.py", [])
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_an_ipv6_loopback_master_address_with_a_free_port_passes() -> None:
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+        sock.bind(("::1", 0))
+        port = sock.getsockname()[1]
+    args = build_torchrun_args(LaunchConfig(nproc_per_node=2, master_addr="::1", master_port=port), "t.py", [])
+    assert args[args.index("--master-addr") + 1] == "::1"
+    assert args[args.index("--master-port") + 1] == str(port)
 
 
 def test_bad_launch_options_are_config_errors() -> None:

@@ -12,6 +12,7 @@ from multigpu.errors import LaunchError
 from multigpu.errors import ConfigError, DeviceError
 from multigpu.parallel import DataParallel
 from multigpu.session import Session, SessionConfig, build_strategy, resolve_strategy_name
+from tests.conftest import free_port
 from tests.session.oracle import build_model, plain_train, regression_data
 
 
@@ -92,14 +93,22 @@ def test_print_and_reduce_in_one_process(capsys: pytest.CaptureFixture[str]) -> 
     assert capsys.readouterr().out == "hello\n"
 
 
-def test_auto_picks_what_the_launcher_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("MULTIGPU_STRATEGY", raising=False)
-    assert resolve_strategy_name("auto") == "single"  # no GPU here
-    monkeypatch.setenv("MULTIGPU_STRATEGY", "dp")
-    assert resolve_strategy_name("auto") == "dp"
+@pytest.mark.parametrize(("gpus", "on_its_own"), [(0, "single"), (1, "single"), (2, "dp")])
+def test_auto_picks_what_the_launcher_asked_for(monkeypatch: pytest.MonkeyPatch, gpus: int, on_its_own: str) -> None:
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MULTIGPU_STRATEGY"):
+        monkeypatch.delenv(key, raising=False)
+    # The rule depends on the visible GPUs (multigpu.devices asks torch.cuda): fix them, so the
+    # test holds on any machine.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert resolve_strategy_name("auto") == on_its_own  # not launched: dp only for several GPUs
+    for asked in ("single", "dp"):  # the launcher's --strategy wins over the GPU count
+        monkeypatch.setenv("MULTIGPU_STRATEGY", asked)
+        assert resolve_strategy_name("auto") == asked
     monkeypatch.delenv("MULTIGPU_STRATEGY")
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resolve_strategy_name("auto") == on_its_own  # a one-process launch is not ddp
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert resolve_strategy_name("auto") == "ddp"
 
@@ -137,10 +146,14 @@ def test_one_process_strategy_inside_a_multi_process_launch_is_refused(monkeypat
 
 
 def test_ddp_devices_must_match_the_processes_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+    # Should the check ever stop firing, start() would join a 2-rank group whose other rank never
+    # comes: a free port and a 2 s timeout make that a quick failure instead of a 600 s wait.
+    launched = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+    for key, value in launched.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(DeviceError, match=r"names 3 device\(s\) but 2 processes run on this node.*--nproc-per-node 3"):
-        Session(strategy="ddp", devices="cpu:3").start()
+        Session(strategy="ddp", devices="cpu:3", timeout_s=2).start()
 
 
 def test_single_with_several_devices_points_to_dp() -> None:

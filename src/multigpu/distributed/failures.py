@@ -1,11 +1,13 @@
 """Turn the low-level errors of a broken collective into messages that name the likely cause.
 
 When one rank stops calling a collective (it crashed, hangs, or took another code path), the
-others block inside it until the process group's timeout (``init_process_group(timeout=...)``)
-expires and then see a backend error such as gloo's "Timed out waiting 2000ms for recv
-operation to complete". :func:`explain_collective_failures` re-raises such errors as
-:class:`CollectiveTimeoutError` or :class:`PeerExitedError` saying what probably happened and
-what to change. The timeout itself is the process group's: set it where the group is created.
+others block inside it until the process group's timeout expires and then see a backend error
+such as gloo's "Timed out waiting 2000ms for recv operation to complete".
+:func:`explain_collective_failures` re-raises such errors as :class:`CollectiveTimeoutError` or
+:class:`PeerExitedError` saying what probably happened and what to change. The timeout is set
+where the group is created: ``multigpu launch --collective-timeout SECONDS`` or
+``Session(timeout_s=...)`` for a Session's group, ``init_process_group(timeout=...)`` for a group
+the user creates.
 """
 
 from __future__ import annotations
@@ -66,8 +68,10 @@ def _timeout_message(operation: str, text: str) -> str:
         "Likely cause: another rank stopped calling it -- it crashed, is stuck (deadlock, endless "
         "loop, slow I/O), or took a different code path (a collective or save inside "
         "'if rank == 0'). Fix: make every rank call the same collectives in the same order; if a "
-        "step legitimately takes longer, raise the process group timeout "
-        "(init_process_group(timeout=...)). Backend said: " + text.strip().splitlines()[-1]
+        "step legitimately takes longer, raise the collective timeout: multigpu launch "
+        "--collective-timeout SECONDS, or Session(timeout_s=...) / SessionConfig(timeout_s=...) "
+        "(if you create the process group yourself: init_process_group(timeout=...)). "
+        "Backend said: " + text.strip().splitlines()[-1]
     )
 
 

@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import subprocess
@@ -141,18 +142,37 @@ def resolve_strategy(config: LaunchConfig, nproc: int) -> str:
 
 
 def check_port_free(addr: str, port: int) -> None:
-    """Fail early, with the fix, when ``port`` on ``addr`` is taken (instead of a store timeout later).
+    """Fail early, with the fix, when rank 0 cannot listen on ``addr:port`` (instead of a store timeout later).
+
+    Single-node runs bind the rendezvous store on ``addr``. The address family comes from ``addr``
+    (``::1`` binds an IPv6 socket). Only "address in use" means the port is taken.
 
     Raises:
-        LaunchError: something listens there already.
+        LaunchError: something listens there already, ``addr`` is not one of this machine's
+            addresses (or does not resolve), or the OS refuses the bind (the reason is shown).
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    use_local = "single-node runs bind there: pass --master-addr 127.0.0.1, or leave --master-addr out"
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise LaunchError(f"master address {addr!r} does not resolve ({exc.strerror}); {use_local}") from exc
+    with socket.socket(family, kind, proto) as sock:
         try:
-            sock.bind((addr, port))
+            sock.bind(sockaddr)
         except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise LaunchError(
+                    f"master port {port} on {addr} is in use ({exc.strerror}); pass another --master-port, "
+                    "or leave it out to pick a free port"
+                ) from exc
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise LaunchError(
+                    f"master address {addr} is not one of this machine's addresses ({exc.strerror}); {use_local}"
+                ) from exc
+            # e.g. EACCES for a port below 1024: neither "in use" nor a foreign address.
             raise LaunchError(
-                f"master port {port} on {addr} is in use ({exc.strerror}); pass another --master-port, "
-                "or leave it out to pick a free port"
+                f"cannot listen on master port {port} on {addr} ({exc.strerror}); {use_local}, and pass a "
+                "--master-port of 1024 or more, or leave it out"
             ) from exc
 
 
@@ -221,7 +241,8 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
     elastic's failure summary.
 
     Raises:
-        LaunchError: the script does not exist or the master port is taken.
+        LaunchError: the script does not exist, the master port is taken or the master address is
+            not this machine's (single node).
         DeviceError: more processes per node than GPUs.
     """
     if not os.path.isfile(script):
