@@ -46,7 +46,13 @@ def uneven(session: Session) -> dict[str, Any]:
 
 def epochs(session: Session) -> dict[str, Any]:
     loader = session.build_loader(TensorDataset(torch.arange(10)), batch_size=2)
-    return {"epoch0": [int(i) for (b,) in loader for i in b], "epoch1": [int(i) for (b,) in loader for i in b]}
+    # 23 samples, global batch 8: one device takes 2 steps; padding to 24 once gave ddp a third
+    ragged = session.build_loader(TensorDataset(torch.arange(23)), batch_size=8)
+    return {
+        "epoch0": [int(i) for (b,) in loader for i in b],
+        "epoch1": [int(i) for (b,) in loader for i in b],
+        "ragged": [[int(i) for i in b] for (b,) in session.batches(ragged)],
+    }
 
 
 def main() -> None:
