@@ -217,7 +217,8 @@ def even_batches(batches: Iterable[T]) -> Iterator[T]:
 
     With a known ``len()`` the ranks agree once on the shortest length (one all-reduce); without,
     they agree before every batch (one small all-reduce per step). Batches beyond the shortest
-    rank's are skipped. Every rank must call it, and iterate it to the end (or break on all ranks).
+    rank's are skipped. Every rank must call it, and iterate it to the end (or break on all ranks),
+    with the same kind of iterable (all with a working ``len()`` or all without).
 
     Example:
         >>> list(even_batches([1, 2, 3]))   # one process: unchanged
@@ -226,8 +227,9 @@ def even_batches(batches: Iterable[T]) -> Iterator[T]:
     if not in_process_group():
         yield from batches
         return
-    if isinstance(batches, Sized):
-        steps = all_agree_min(len(batches))
+    length = _known_len(batches)
+    if length is not None:
+        steps = all_agree_min(length)
         for step, batch in enumerate(batches):
             if step >= steps:
                 return
@@ -243,6 +245,20 @@ def even_batches(batches: Iterable[T]) -> Iterator[T]:
 
 
 _END: Any = object()
+
+
+def _known_len(batches: Iterable[Any]) -> int | None:
+    """``len(batches)``, or None when it has no length.
+
+    A DataLoader over an IterableDataset is ``Sized`` by type but its ``len()`` raises TypeError
+    (unless the dataset defines ``__len__``), so ask rather than check the type.
+    """
+    if not isinstance(batches, Sized):
+        return None
+    try:
+        return len(batches)
+    except TypeError:
+        return None
 
 
 def shard_indices(dataset: Sized, shard: ShardSpec) -> torch.Tensor:
