@@ -4,20 +4,48 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import IterableDataset, TensorDataset
+from torch.utils.data import DistributedSampler, IterableDataset, TensorDataset
 
 from multigpu.distributed.data import ShardSpec, build_epoch_loader, even_batches, per_process_batch, shard_indices
 from multigpu.errors import ConfigError
 
 
-def _batches(n: int, global_batch: int, world: int, epoch: int = 0) -> list[list[list[int]]]:
-    """Per rank, the list of index batches of one epoch."""
+def _batches(
+    n: int, global_batch: int, world: int, epoch: int = 0, *, shuffle: bool = True, drop_last: bool = True
+) -> list[list[list[int]]]:
+    """Per rank, the list of index batches of one epoch (ranks simulated in this process)."""
     out = []
     for rank in range(world):
-        loader = build_epoch_loader(TensorDataset(torch.arange(n)), global_batch=global_batch, shard=ShardSpec(world_size=world, rank=rank))
+        loader = build_epoch_loader(
+            TensorDataset(torch.arange(n)),
+            global_batch=global_batch,
+            shard=ShardSpec(world_size=world, rank=rank),
+            shuffle=shuffle,
+            drop_last=drop_last,
+        )
         loader.set_epoch(epoch)
         out.append([b.tolist() for (b,) in loader])
     return out
+
+
+def _global_steps(per_rank: list[list[list[int]]]) -> list[list[int]]:
+    """Step k's global batch: the union of every rank's batch k (ranks must agree on the count)."""
+    assert len({len(batches) for batches in per_rank}) == 1, [len(batches) for batches in per_rank]
+    return [sorted(i for batches in per_rank for i in batches[k]) for k in range(len(per_rank[0]))]
+
+
+def _one_device_order(n: int, epoch: int, *, shuffle: bool) -> list[int]:
+    """The oracle's sample order: plain torch's DistributedSampler with one replica."""
+    sampler: DistributedSampler[int] = DistributedSampler(TensorDataset(torch.arange(n)), num_replicas=1, rank=0, shuffle=shuffle, seed=0)  # type: ignore[arg-type]
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def _one_device_batches(n: int, global_batch: int, epoch: int, *, shuffle: bool, drop_last: bool) -> list[list[int]]:
+    """The oracle's batches (sorted): one device, that order, batched in turn."""
+    order = _one_device_order(n, epoch, shuffle=shuffle)
+    batches = [sorted(order[k : k + global_batch]) for k in range(0, n, global_batch)]
+    return [b for b in batches if len(b) == global_batch] if drop_last else batches
 
 
 @pytest.mark.parametrize("n", [32, 37])
@@ -27,6 +55,34 @@ def test_global_batches_are_the_same_sets_on_one_or_two_ranks(n: int) -> None:
     assert len(two[0]) == len(two[1]) == len(single) == n // 8  # incomplete global batch dropped
     for k, batch in enumerate(single):
         assert sorted(two[0][k] + two[1][k]) == sorted(batch)
+
+
+# (37, 8, 4) and (1797, 36, 4) are a reviewer's repro: padding to a multiple of 4 filled one more
+# per-rank batch, so ddp took 5 (50) steps where one device took 4 (49), re-training early samples.
+@pytest.mark.parametrize(("n", "global_batch", "world"), [(37, 8, 4), (1797, 36, 4), (23, 8, 2), (32, 8, 4)])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_ddp_takes_exactly_the_one_device_batches_and_no_sample_twice(n: int, global_batch: int, world: int, shuffle: bool) -> None:
+    for epoch in (0, 1):
+        steps = _global_steps(_batches(n, global_batch, world, epoch, shuffle=shuffle))
+        assert len(steps) == n // global_batch
+        assert steps == _one_device_batches(n, global_batch, epoch, shuffle=shuffle, drop_last=True)
+        trained = [i for batch in steps for i in batch]
+        assert len(trained) == len(set(trained)) == n // global_batch * global_batch
+
+
+@pytest.mark.parametrize(("n", "global_batch", "world"), [(37, 8, 4), (1797, 36, 4)])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_drop_last_false_keeps_a_short_last_batch_padded_with_the_first_samples(
+    n: int, global_batch: int, world: int, shuffle: bool
+) -> None:
+    steps = _global_steps(_batches(n, global_batch, world, shuffle=shuffle, drop_last=False))
+    want = _one_device_batches(n, global_batch, 0, shuffle=shuffle, drop_last=False)
+    assert len(steps) == len(want) == -(-n // global_batch)  # the same step count as one device
+    assert steps[:-1] == want[:-1]
+    # the documented duplicates: the last global batch is padded with the epoch's first samples
+    padding = _one_device_order(n, 0, shuffle=shuffle)[: -n % world]
+    assert steps[-1] == sorted(want[-1] + padding)
+    assert {i for batch in steps for i in batch} == set(range(n))
 
 
 def test_each_epoch_has_a_new_shuffle_and_set_epoch_replays_one() -> None:

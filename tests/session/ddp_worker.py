@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed
 import torch.nn.functional as F
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
 from oracle import build_model, regression_data  # noqa: E402
@@ -38,16 +38,33 @@ def train(session: Session, dataset: TensorDataset, global_batch: int, lr: float
     return {"state_dict": session.unwrap(model).state_dict(), "losses": losses, "steps": steps}
 
 
+class Stream(IterableDataset):  # type: ignore[type-arg]
+    """``count`` zeros; a DataLoader over it is Sized by type, but its len() raises TypeError."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter([torch.zeros(1)] * self.count)
+
+
 def uneven(session: Session) -> dict[str, Any]:
     mine = 3 if session.global_rank == 0 else 5
     sized = sum(1 for _ in session.batches([torch.zeros(1)] * mine))
     unsized = sum(1 for _ in session.batches(torch.zeros(1) for _ in range(mine)))
-    return {"sized": sized, "unsized": unsized}
+    stream = sum(1 for _ in session.batches(DataLoader(Stream(mine), batch_size=1)))
+    return {"sized": sized, "unsized": unsized, "stream_loader": stream}
 
 
 def epochs(session: Session) -> dict[str, Any]:
     loader = session.build_loader(TensorDataset(torch.arange(10)), batch_size=2)
-    return {"epoch0": [int(i) for (b,) in loader for i in b], "epoch1": [int(i) for (b,) in loader for i in b]}
+    # 23 samples, global batch 8: one device takes 2 steps; padding to 24 once gave ddp a third
+    ragged = session.build_loader(TensorDataset(torch.arange(23)), batch_size=8)
+    return {
+        "epoch0": [int(i) for (b,) in loader for i in b],
+        "epoch1": [int(i) for (b,) in loader for i in b],
+        "ragged": [[int(i) for i in b] for (b,) in session.batches(ragged)],
+    }
 
 
 def main() -> None:

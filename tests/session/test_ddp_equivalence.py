@@ -71,8 +71,9 @@ def test_mixed_precision_trains(ranks: list[dict[str, Any]], precision: str) -> 
 
 def test_uneven_inputs_stop_together_at_the_shortest_rank(ranks: list[dict[str, Any]]) -> None:
     # rank 0 has 3 batches, rank 1 has 5; both stop after 3 instead of rank 1 hanging in all-reduce
+    # (stream_loader: a DataLoader over an IterableDataset, whose len() raises TypeError)
     for rank in ranks:
-        assert rank["uneven"] == {"sized": 3, "unsized": 3}
+        assert rank["uneven"] == {"sized": 3, "unsized": 3, "stream_loader": 3}
 
 
 def test_sampler_shuffles_per_epoch_and_ranks_share_one_permutation(ranks: list[dict[str, Any]]) -> None:
@@ -85,6 +86,14 @@ def test_sampler_shuffles_per_epoch_and_ranks_share_one_permutation(ranks: list[
         sampler.set_epoch(epoch)
         assert interleaved == list(sampler)
     assert ranks[0]["epochs"]["epoch0"] != ranks[0]["epochs"]["epoch1"]
+
+
+def test_a_dataset_that_does_not_divide_gives_the_one_device_steps_and_no_repeats(ranks: list[dict[str, Any]]) -> None:
+    # 23 samples, global batch 8: one device takes 2 full batches of its permutation; so must ddp
+    sampler: DistributedSampler[int] = DistributedSampler(TensorDataset(torch.arange(23)), num_replicas=1, rank=0, shuffle=True, seed=0)  # type: ignore[arg-type]
+    order = list(sampler)
+    steps = [sorted(a + b) for a, b in zip(ranks[0]["epochs"]["ragged"], ranks[1]["epochs"]["ragged"], strict=True)]
+    assert steps == [sorted(order[0:8]), sorted(order[8:16])]
 
 
 def test_evaluation_gathers_each_sample_exactly_once(ranks: list[dict[str, Any]]) -> None:

@@ -3,16 +3,22 @@
 Policy (the same under every strategy, so one script gives the same global batches anywhere):
 
 - **Training.** One seeded permutation of the dataset per epoch, identical on every rank
-  (torch's ``DistributedSampler`` with ``set_epoch``). :class:`EpochLoader` sets the epoch each
-  time iteration starts, so shuffles differ per epoch without the classic forgotten
-  ``sampler.set_epoch(epoch)``. Rank ``r`` of ``W`` takes positions ``r, r+W, r+2W, ...`` and
-  batches them by ``global_batch // W``; so global batch ``k`` is the same set of samples as the
-  single-process batch ``k`` of the same permutation.
-- **A dataset that does not divide.** The sampler pads the permutation with its first samples to
-  a multiple of the world size, then the loader drops the incomplete last *global* batch
-  (``drop_last=True``, the default): every rank takes the same number of full batches, and no
-  padded sample is trained on unless the dataset is smaller than one global batch per rank.
-  ``drop_last=False`` keeps the short last batch (with padding duplicates under DDP).
+  (``torch.randperm`` seeded with ``seed + epoch``, the permutation torch's ``DistributedSampler``
+  draws). :class:`EpochLoader` sets the epoch each time iteration starts, so shuffles differ per
+  epoch without the classic forgotten ``sampler.set_epoch(epoch)``. Rank ``r`` of ``W`` takes
+  positions ``r, r+W, r+2W, ...`` and batches them by ``global_batch // W``; so global batch ``k``
+  is the same set of samples as the single-process batch ``k`` of the same permutation.
+- **A dataset that does not divide** by the global batch (``drop_last=True``, the default): the
+  permutation is cut to its first ``(len(dataset) // global_batch) * global_batch`` positions
+  before the ranks stride it (:class:`TrainSampler`). Every rank then takes the same number of
+  full batches, as many steps as one device takes, and no sample is trained twice in an epoch;
+  with shuffle, the left-out remainder is a different random set each epoch. (Cutting only to a
+  multiple of the world size, or padding up to one, is not enough: the per-rank remainders can
+  still fill one more per-rank batch, a global step that one device never takes.) A dataset
+  smaller than one global batch gives no batches. ``drop_last=False`` instead pads the
+  permutation with its first samples up to a multiple of ``W`` and keeps the short last batch:
+  the same step count as one device, but under DDP the last global batch holds up to ``W - 1``
+  repeats of the epoch's first samples.
 - **Evaluation.** No shuffle, padded to a multiple of the world size; per-sample results are
   gathered by dataset index so the padding collapses (:func:`multigpu.distributed.collectives.gather_by_index`):
   exactly ``len(dataset)`` results.
@@ -66,16 +72,70 @@ def per_process_batch(global_batch: int, shard: ShardSpec) -> int:
     return global_batch // shard.world_size
 
 
-def build_train_sampler(dataset: Sized, shard: ShardSpec, *, shuffle: bool = True, seed: int = 0) -> DistributedSampler:
-    """The training sampler of this shard: one seeded permutation per epoch, shared by all ranks."""
-    return DistributedSampler(
-        dataset,  # type: ignore[arg-type]
-        num_replicas=shard.world_size,
-        rank=shard.rank,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=False,
-    )
+class TrainSampler(DistributedSampler):
+    """This rank's share of one seeded per-epoch permutation, cut to whole global batches.
+
+    A ``DistributedSampler`` (same permutation, same ``set_epoch``) that also knows the global
+    batch: with ``drop_last=True`` it keeps only the first ``(len(dataset) // global_batch) *
+    global_batch`` positions of the permutation before striding, so global batch ``k`` under
+    ``W`` ranks is exactly batch ``k`` of one device and no position is padding. With
+    ``drop_last=False`` it is torch's sampler unchanged (padded to a multiple of ``W``).
+
+    Args:
+        dataset: a map-style dataset (has ``__len__``).
+        shard: this process's shard.
+        global_batch: samples per step over all processes (a multiple of the world size).
+        shuffle: a new seeded permutation every epoch; dataset order otherwise.
+        seed: the permutation seed (the same on every rank).
+        drop_last: cut the permutation to whole global batches (see above).
+
+    Example:
+        >>> data = list(range(10))
+        >>> [list(TrainSampler(data, ShardSpec(world_size=2, rank=r), global_batch=4, shuffle=False))
+        ...  for r in (0, 1)]
+        [[0, 2, 4, 6], [1, 3, 5, 7]]
+    """
+
+    def __init__(
+        self, dataset: Sized, shard: ShardSpec, *, global_batch: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True
+    ) -> None:
+        super().__init__(
+            dataset,  # type: ignore[arg-type]
+            num_replicas=shard.world_size,
+            rank=shard.rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        self.global_batch = global_batch
+        if drop_last:
+            # Whole global batches, not just a multiple of W: otherwise the per-rank remainders
+            # can fill one more per-rank batch, a global step that one device never takes.
+            self.total_size = len(dataset) // global_batch * global_batch
+            self.num_samples = self.total_size // shard.world_size
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.drop_last:
+            return super().__iter__()
+        if self.shuffle:  # DistributedSampler's permutation, so one-device oracles built on it hold
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
+        else:
+            order = list(range(len(self.dataset)))  # type: ignore[arg-type]
+        return iter(order[self.rank : self.total_size : self.num_replicas])
+
+
+def build_train_sampler(
+    dataset: Sized, shard: ShardSpec, *, global_batch: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True
+) -> TrainSampler:
+    """The training sampler of this shard: one seeded permutation per epoch, shared by all ranks.
+
+    Raises:
+        ConfigError: ``global_batch`` does not divide by the world size (see :func:`per_process_batch`).
+    """
+    per_process_batch(global_batch, shard)  # validates, with a message that names a fix
+    return TrainSampler(dataset, shard, global_batch=global_batch, shuffle=shuffle, seed=seed, drop_last=drop_last)
 
 
 def build_eval_sampler(dataset: Sized, shard: ShardSpec) -> DistributedSampler:
@@ -88,7 +148,8 @@ class EpochLoader(Generic[T]):
 
     Args:
         loader: the DataLoader, built on ``sampler``.
-        sampler: its :class:`DistributedSampler`.
+        sampler: its sampler (a :class:`TrainSampler` from :func:`build_epoch_loader`; any
+            ``DistributedSampler`` works): the object whose ``set_epoch`` is called.
 
     Example:
         >>> data = torch.utils.data.TensorDataset(torch.arange(8.0))
@@ -133,7 +194,8 @@ def build_epoch_loader(
         shard: this process's shard.
         shuffle: a new seeded permutation every epoch.
         seed: the permutation seed (the same on every rank).
-        drop_last: drop the incomplete last global batch (keeps every rank's batch count equal).
+        drop_last: train whole global batches only: the same steps as one device, no sample twice
+            (see :class:`TrainSampler`). ``False`` keeps a short last batch, padded under DDP.
         **loader_kwargs: passed to DataLoader (``num_workers``, ``pin_memory``, ``collate_fn``...).
 
     Returns:
@@ -145,7 +207,7 @@ def build_epoch_loader(
             "or iterate your own loader through even_batches()"
         )
     batch = per_process_batch(global_batch, shard)
-    sampler = build_train_sampler(dataset, shard, shuffle=shuffle, seed=seed)
+    sampler = build_train_sampler(dataset, shard, global_batch=global_batch, shuffle=shuffle, seed=seed, drop_last=drop_last)
     loader = DataLoader(dataset, batch_size=batch, sampler=sampler, drop_last=drop_last, **loader_kwargs)
     return EpochLoader(loader, sampler)
 
@@ -155,7 +217,8 @@ def even_batches(batches: Iterable[T]) -> Iterator[T]:
 
     With a known ``len()`` the ranks agree once on the shortest length (one all-reduce); without,
     they agree before every batch (one small all-reduce per step). Batches beyond the shortest
-    rank's are skipped. Every rank must call it, and iterate it to the end (or break on all ranks).
+    rank's are skipped. Every rank must call it, and iterate it to the end (or break on all ranks),
+    with the same kind of iterable (all with a working ``len()`` or all without).
 
     Example:
         >>> list(even_batches([1, 2, 3]))   # one process: unchanged
@@ -164,8 +227,9 @@ def even_batches(batches: Iterable[T]) -> Iterator[T]:
     if not in_process_group():
         yield from batches
         return
-    if isinstance(batches, Sized):
-        steps = all_agree_min(len(batches))
+    length = _known_len(batches)
+    if length is not None:
+        steps = all_agree_min(length)
         for step, batch in enumerate(batches):
             if step >= steps:
                 return
@@ -181,6 +245,20 @@ def even_batches(batches: Iterable[T]) -> Iterator[T]:
 
 
 _END: Any = object()
+
+
+def _known_len(batches: Iterable[Any]) -> int | None:
+    """``len(batches)``, or None when it has no length.
+
+    A DataLoader over an IterableDataset is ``Sized`` by type but its ``len()`` raises TypeError
+    (unless the dataset defines ``__len__``), so ask rather than check the type.
+    """
+    if not isinstance(batches, Sized):
+        return None
+    try:
+        return len(batches)
+    except TypeError:
+        return None
 
 
 def shard_indices(dataset: Sized, shard: ShardSpec) -> torch.Tensor:
