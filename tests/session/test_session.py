@@ -172,6 +172,13 @@ def test_global_batch_that_does_not_divide_names_a_fix() -> None:
             session.build_loader(regression_data(8), batch_size=0)
 
 
+def test_a_dataset_smaller_than_one_global_batch_names_a_batch_that_fits() -> None:
+    with Session(strategy="single") as session:
+        with pytest.raises(ConfigError, match=r"has 5 samples, fewer than one global batch of 8, .* use batch_size=5 or drop_last=False"):
+            session.build_loader(regression_data(5), batch_size=8)
+        assert len(session.build_loader(regression_data(5), batch_size=8, drop_last=False)) == 1
+
+
 def test_batches_move_nested_batches_and_keep_their_type() -> None:
     with Session(strategy="single") as session:
         (got,) = list(session.batches([{"x": torch.ones(2), "meta": "keep"}]))

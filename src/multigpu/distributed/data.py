@@ -15,7 +15,7 @@ Policy (the same under every strategy, so one script gives the same global batch
   with shuffle, the left-out remainder is a different random set each epoch. (Cutting only to a
   multiple of the world size, or padding up to one, is not enough: the per-rank remainders can
   still fill one more per-rank batch, a global step that one device never takes.) A dataset
-  smaller than one global batch gives no batches. ``drop_last=False`` instead pads the
+  smaller than one global batch is refused (its epochs would be empty). ``drop_last=False`` instead pads the
   permutation with its first samples up to a multiple of ``W`` and keeps the short last batch:
   the same step count as one device, but under DDP the last global batch holds up to ``W - 1``
   repeats of the epoch's first samples.
@@ -200,6 +200,10 @@ def build_epoch_loader(
 
     Returns:
         An :class:`EpochLoader`.
+
+    Raises:
+        ConfigError: no ``len()``; a global batch that does not divide by the world size; or (with
+            ``drop_last``) a dataset smaller than one global batch, whose epochs would be empty.
     """
     if not isinstance(dataset, Sized):
         raise ConfigError(
@@ -207,6 +211,13 @@ def build_epoch_loader(
             "or iterate your own loader through even_batches()"
         )
     batch = per_process_batch(global_batch, shard)
+    if drop_last and len(dataset) < global_batch:
+        fits = len(dataset) - len(dataset) % shard.world_size  # the largest global batch it fills
+        fix = f"batch_size={fits} or drop_last=False" if fits else "drop_last=False"
+        raise ConfigError(
+            f"the dataset has {len(dataset)} samples, fewer than one global batch of {global_batch}, "
+            f"so every epoch would be empty; use {fix}"
+        )
     sampler = build_train_sampler(dataset, shard, global_batch=global_batch, shuffle=shuffle, seed=seed, drop_last=drop_last)
     loader = DataLoader(dataset, batch_size=batch, sampler=sampler, drop_last=drop_last, **loader_kwargs)
     return EpochLoader(loader, sampler)
