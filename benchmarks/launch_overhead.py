@@ -4,11 +4,14 @@
     python benchmarks/launch_overhead.py             # 2 CPU processes, 9 repeats of 1000 steps: table + PNG
     python benchmarks/launch_overhead.py --repeats 15 --launchers torchrun multigpu
 
-The same model (an MLP), the same global batch and the same data run under three launchers, two
+The same model (an MLP), the same global batch and the same data run under four launch setups, two
 processes each on the CPU (gloo), with the same OMP_NUM_THREADS:
 
 - ``torchrun``: a script written directly against torch.distributed and DistributedDataParallel;
-- ``multigpu``: ``multigpu launch --strategy ddp`` running the Session API loop;
+- ``multigpu``: ``multigpu launch --strategy ddp`` running the Session API loop (workers bound to
+  their own cores, the launcher's CPU default);
+- ``multigpu-unbound``: the same with ``--no-bind-cores``, so the launcher's and the API's own
+  overhead shows without the binding's gain;
 - ``accelerate``: ``accelerate launch`` running Accelerate's documented loop.
 
 Each worker times every step on rank 0 (from the end of one step to the end of the next, so fetching
@@ -38,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LAUNCHERS = ("torchrun", "multigpu", "accelerate")
+LAUNCHERS = ("torchrun", "multigpu", "multigpu-unbound", "accelerate")
 NPROC = 2
 
 
@@ -136,7 +139,12 @@ def _worker_accelerate(args: argparse.Namespace) -> tuple[int, dict[str, float]]
     return rank, _timed(ends, args.warmup)
 
 
-WORKERS = {"torchrun": _worker_torchrun, "multigpu": _worker_multigpu, "accelerate": _worker_accelerate}
+WORKERS = {
+    "torchrun": _worker_torchrun,
+    "multigpu": _worker_multigpu,
+    "multigpu-unbound": _worker_multigpu,
+    "accelerate": _worker_accelerate,
+}
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -162,8 +170,10 @@ def launch_command(launcher: str, worker_args: list[str]) -> list[str]:
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
                 "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), me, *worker_args]  # fmt: skip
-    if launcher == "multigpu":
-        return [sys.executable, "-m", "multigpu", "launch", "--strategy", "ddp", "--nproc-per-node", str(NPROC), me, *worker_args]
+    if launcher.startswith("multigpu"):
+        unbound = ["--no-bind-cores"] if launcher == "multigpu-unbound" else []
+        return [sys.executable, "-m", "multigpu", "launch", "--strategy", "ddp", "--nproc-per-node", str(NPROC),
+                *unbound, me, *worker_args]  # fmt: skip
     return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(NPROC),
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
             "--main_process_port", str(_free_port()), me, *worker_args]  # fmt: skip
@@ -198,6 +208,7 @@ def measure(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
                 progress.update(task, description=f"repeat {repeat + 1}: {launcher}")
                 runs[launcher].append(run_once(launcher, args, out_dir, env))
                 progress.advance(task)
+    (out_dir / "runs.json").write_text(json.dumps(runs, indent=1))  # every repeat's figures, to pool runs later
     return runs
 
 
@@ -238,7 +249,12 @@ def api_overhead_us(steps: int = 3000, repeats: int = 7) -> dict[str, float]:
 
 
 STATISTICS = {"ms_per_step": "median step", "mean": "mean step", "p10": "p10 step"}
-TARGETS = (("multigpu", "torchrun", 1.02), ("multigpu", "accelerate", 1.0), ("accelerate", "torchrun", None))
+TARGETS = (
+    ("multigpu", "torchrun", 1.02),
+    ("multigpu", "accelerate", 1.0),
+    ("multigpu-unbound", "torchrun", 1.02),  # the launcher's overhead without its core binding
+    ("accelerate", "torchrun", None),
+)
 
 
 def paired_ratios(runs: dict[str, list[dict[str, float]]], name: str, base: str, key: str) -> list[float]:
@@ -312,14 +328,14 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
         f"{overhead['session_us']:.1f} us Session loop)"
     )
     _figure(med, runs, Path(args.out_dir) / "launch_overhead.png")
-    console.print(f"figure: {Path(args.out_dir) / 'launch_overhead.png'}")
+    console.print(f"figure: {Path(args.out_dir) / 'launch_overhead.png'}; every repeat: {Path(args.out_dir) / 'runs.json'}")
 
 
 def _figure(med: dict[str, float], runs: dict[str, list[dict[str, float]]], path: Path) -> None:
     """Left: ms/step per launcher (bars: median, dots: repeats). Right: each repeat's ratio to torchrun."""
     from multigpu.report.figures import pyplot, save_figure
 
-    colors = {"torchrun": "#888888", "multigpu": "#2a7ab9", "accelerate": "#e39b2d"}
+    colors = {"torchrun": "#888888", "multigpu": "#2a7ab9", "multigpu-unbound": "#8fb8de", "accelerate": "#e39b2d"}
     fig, (left, right) = pyplot().subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [3, 2]})
     names = list(med)
     left.bar(names, [med[n] for n in names], color=[colors[n] for n in names])

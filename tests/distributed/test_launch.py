@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
 import socket
 import time
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from multigpu.cli import launch as launch_cli
+from multigpu.devices import accelerator_type
+from multigpu.distributed.affinity import core_share
 from multigpu.distributed.launch import LaunchConfig, build_torchrun_args, launch, resolve_strategy, worker_env
 from multigpu.distributed.runtime import LaunchError
 from multigpu.errors import ConfigError
@@ -142,10 +145,12 @@ def test_cli_flags_are_the_documented_surface() -> None:
     assert flags == sorted([
         "--help", "--strategy", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
         "--max-restarts", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--devices",
-        "--threads-per-process", "--collective-timeout",
+        "--threads-per-process", "--collective-timeout", "--no-bind-cores",
     ])  # fmt: skip
     args = parser.parse_args(["--nproc-per-node", "2", "t.py", "--epochs", "1"])
     assert launch_cli.config_from_args(args).nproc_per_node == 2 and args.script_args == ["--epochs", "1"]
+    assert launch_cli.config_from_args(args).bind_cores is None  # auto
+    assert launch_cli.config_from_args(parser.parse_args(["--no-bind-cores", "t.py"])).bind_cores is False
 
 
 def test_cli_rejects_a_bad_process_count(capsys: pytest.CaptureFixture[str]) -> None:
@@ -214,3 +219,39 @@ def test_process_count_and_devices_must_fit_the_strategy() -> None:
         LaunchConfig(strategy="dp", nproc_per_node=2)
     with pytest.raises(ConfigError, match=r"--devices cpu:2 applies to --strategy dp"):
         LaunchConfig(strategy="ddp", devices="cpu:2")
+
+
+_AFFINITY_SCRIPT = """
+import json, os, sys
+print("cores", os.environ["LOCAL_RANK"], json.dumps(sorted(os.sched_getaffinity(0))), flush=True)
+"""
+
+
+def _worker_cores(tmp_path: Path, *flags: str) -> dict[int, set[int]]:
+    script = tmp_path / "cores.py"
+    script.write_text(_AFFINITY_SCRIPT)
+    done = multigpu_launch("--strategy", "ddp", "--nproc-per-node", "2", *flags, str(script), timeout_s=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split(maxsplit=2) for line in done.stdout.splitlines() if line.startswith("cores ")]
+    return {int(rank): set(json.loads(cores)) for _, rank, cores in lines}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2+ cores")
+@pytest.mark.skipif(accelerator_type() == "cuda", reason="binding is on by default only without GPUs")
+def test_cpu_ddp_workers_each_run_on_their_own_slice_of_the_cores(tmp_path: Path) -> None:
+    mine = os.sched_getaffinity(0)
+    bound = _worker_cores(tmp_path)
+    assert sorted(bound) == [0, 1]
+    assert bound[0].isdisjoint(bound[1]) and bound[0] | bound[1] <= mine
+    assert len(bound[0]) == len(bound[1]) == len(mine) // 2
+    assert _worker_cores(tmp_path, "--no-bind-cores") == {0: mine, 1: mine}
+
+
+def test_core_share_splits_evenly_and_leaves_the_remainder_unbound() -> None:
+    assert [core_share(range(7), rank, 3) for rank in range(3)] == [{0, 1}, {2, 3}, {4, 5}]
+    assert core_share([5, 1, 3, 7], 1, 2) == {5, 7}  # contiguous in core order
+    assert core_share({0, 1}, 0, 3) is None  # fewer cores than processes: unbound
+    env = worker_env(LaunchConfig(bind_cores=True), "ddp", 2)
+    assert env["MULTIGPU_BIND_CORES"] == "1"
+    assert "MULTIGPU_BIND_CORES" not in worker_env(LaunchConfig(bind_cores=False), "ddp", 2)
+    assert "MULTIGPU_BIND_CORES" not in worker_env(LaunchConfig(bind_cores=True), "dp", 1)  # threads need every core

