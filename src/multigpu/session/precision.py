@@ -1,8 +1,9 @@
 """Numeric precision of a training step, as small objects chosen by name: fp32, bf16, fp16.
 
 Each precision owns four moments of a step: the forward's autocast region, the loss scaling
-before backward, unscaling the gradients (before clipping them) and the optimizer step. ``fp16`` needs a gradient scaler (small float16
-gradients underflow to zero); ``bf16`` has float32's range and does not.
+before backward, unscaling the gradients (before clipping them) and the optimizer step. ``fp16``
+needs a gradient scaler (small float16 gradients underflow to zero); ``bf16`` has float32's
+range and does not.
 
 Example:
     >>> precision = build_precision("bf16", "cpu")

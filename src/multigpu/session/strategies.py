@@ -157,6 +157,8 @@ class DDPStrategy(Strategy):
         self._owns_group = runtime.setup_process_group(self.env, self._device, timeout_s=self.timeout_s)
 
     def teardown(self) -> None:
+        if not self._owns_group:  # a group the script (or an outer session) created stays theirs,
+            return  # and so do the models wrapped on it: they may still train
         # Release every DDP reducer before the group goes. In a plain torch script, destroying a
         # gloo group while a DDP model still held its reducer aborted the process at exit
         # ("terminate called without an active exception") in 4 of 12 runs here, 0 of 12 with
@@ -168,9 +170,8 @@ class DDPStrategy(Strategy):
                 model.logger = None
         self._wrapped.clear()
         gc.collect()
-        if self._owns_group:  # a group the script (or an outer session) created stays theirs
-            runtime.teardown_process_group()
-            self._owns_group = False
+        runtime.teardown_process_group()
+        self._owns_group = False
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self._device)
