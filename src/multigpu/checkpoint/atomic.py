@@ -84,20 +84,12 @@ def atomic_write_file(final: str | os.PathLike[str], write: Callable[[BinaryIO],
         >>> p.read_bytes()
         b'hi'
     """
-    final = Path(final)
-    with _explain_os_errors(final):
-        tmp = temporary_name(final)
-        try:
-            with open(tmp, "wb") as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            _remove_quietly(tmp)
-            raise
-        fsync_folder(final.parent)
-    return final
+
+    def write_to(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            write(f)
+
+    return atomic_write_path(final, write_to)
 
 
 def atomic_write_path(final: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
