@@ -27,6 +27,7 @@ from multigpu.planning.costs import predict_step
 from multigpu.planning.hardware import measured_link
 from multigpu.planning.measure import (
     allreduce_busbw,
+    fastest_s,
     measure_workload,
     memory_bandwidth,
     ReplicaProbe,
@@ -62,14 +63,7 @@ def loss_fn(output: torch.Tensor) -> torch.Tensor:
 
 def _best(fn: Callable[[], object], repeats: int = REPEATS, warmup: bool = True) -> float:
     """Fastest of ``repeats`` calls, as the library's measurements take (load only adds time)."""
-    if warmup:
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return fastest_s(fn, repeats, warmup=int(warmup))
 
 
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:

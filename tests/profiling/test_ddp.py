@@ -29,16 +29,21 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, world_size: int, port: int, out: str, device_type: str) -> None:
+    """One DDP rank (gloo on CPU with a slow rank, nccl on CUDA); rank 0 writes the gathered profile."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     try:
-        model = DistributedDataParallel(_net())
+        model = DistributedDataParallel(_net().to(device), device_ids=[rank] if device_type == "cuda" else None)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        x, y = torch.randn(16, 32), torch.randint(0, 4, (16,))
+        x, y = torch.randn(16, 32, device=device), torch.randint(0, 4, (16,), device=device)
         with profile_ddp(model, optimizer=opt, warmup=WARMUP) as prof:
             for _ in range(WARMUP + STEPS):
-                if rank == SLOW_RANK:
+                if rank == SLOW_RANK and device_type == "cpu":
                     time.sleep(DELAY_S)  # this rank computes slower: the other one waits in the all-reduce
                 nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
@@ -55,20 +60,25 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def ddp_profile(tmp_path_factory: pytest.TempPathFactory) -> DDPProfile:
-    out = tmp_path_factory.mktemp("ddp") / "profile.json"
-    context = mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 90
+def _profile_of_workers(out: Path, world_size: int, device_type: str, limit_s: float) -> DDPProfile:
+    """Run :func:`_worker` on ``world_size`` spawned processes (killed after ``limit_s``); rank 0's profile."""
+    args = (world_size, free_port(), str(out), device_type)
+    context = mp.start_processes(_worker, args=args, nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + limit_s
     try:
         while not context.join(timeout=max(0.0, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
-                pytest.fail("DDP workers did not finish in 90 s")
+                pytest.fail(f"{device_type} DDP workers did not finish in {limit_s:.0f} s")
     finally:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
     return DDPProfile.from_json(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def ddp_profile(tmp_path_factory: pytest.TempPathFactory) -> DDPProfile:
+    return _profile_of_workers(tmp_path_factory.mktemp("ddp") / "profile.json", 2, "cpu", limit_s=90)
 
 
 @pytest.mark.multiprocess
@@ -118,46 +128,11 @@ def test_straggler_threshold_below_one_is_rejected() -> None:
         profile.straggler(threshold=0.5)
 
 
-def _cuda_worker(rank: int, world_size: int, port: int, out: str) -> None:
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    try:
-        model = DistributedDataParallel(_net().cuda(), device_ids=[rank])
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        x, y = torch.randn(16, 32, device="cuda"), torch.randint(0, 4, (16,), device="cuda")
-        with profile_ddp(model, optimizer=opt, warmup=WARMUP) as prof:
-            for _ in range(WARMUP + STEPS):
-                nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-        profile = prof.gather()
-        if rank == 0:
-            Path(out).write_text(profile.to_json())
-        dist.barrier()
-        # Free DDP's reducer (it holds the process group and the comm hook) before the group goes:
-        # tearing the group down under a live reducer can abort the process at exit.
-        del model, prof, opt
-        gc.collect()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.cuda
 @pytest.mark.multiprocess
 def test_ddp_profile_on_cuda_with_nccl_uses_events(tmp_path: Path) -> None:
     world_size = min(2, torch.cuda.device_count())
-    out = tmp_path / "profile.json"
-    context = mp.start_processes(_cuda_worker, args=(world_size, free_port(), str(out)), nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + 120
-    try:
-        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail("CUDA DDP workers did not finish in 120 s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    profile = DDPProfile.from_json(out.read_text())
+    profile = _profile_of_workers(tmp_path / "profile.json", world_size, "cuda", limit_s=120)
     grad_bytes = sum(p.numel() * p.element_size() for p in _net().parameters())
     assert profile.backend == "nccl" and len(profile.ranks) == world_size
     for rank in profile.ranks:

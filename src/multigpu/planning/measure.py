@@ -39,7 +39,7 @@ def _default_loss(output: Any) -> torch.Tensor:
     return tensor.float().square().mean()
 
 
-def _best_s(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+def fastest_s(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     """The fastest of ``repeats`` timed calls: noise from other work only ever adds time (timeit's advice)."""
     for _ in range(warmup):
         fn()
@@ -105,8 +105,8 @@ def measure_workload(
         loss_fn(model(inputs)).backward()
         sync()  # a sync point: the time must include the device's work
 
-    compute_s = _best_s(compute, repeats)
-    optimizer_s = _best_s(lambda: (opt.step(), sync()), repeats)
+    compute_s = fastest_s(compute, repeats)
+    optimizer_s = fastest_s(lambda: (opt.step(), sync()), repeats)
     saved, out_bytes = _saved_bytes(model, inputs, loss_fn)
     model.zero_grad(set_to_none=True)
     return Workload(
@@ -136,7 +136,7 @@ def memory_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 7) -> float:
     """Bytes/s of a large CPU copy (read + write counted)."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _best_s(lambda: dst.copy_(src), repeats)
+    return 2 * nbytes / fastest_s(lambda: dst.copy_(src), repeats)
 
 
 class ReplicaProbe:
@@ -163,8 +163,8 @@ class ReplicaProbe:
 
     def times(self, *, repeats: int = 3, warmup: int = 2) -> tuple[float, float]:
         """(one replica alone, all at once): best forward + backward seconds of ``repeats``."""
-        together = _best_s(lambda: list(self._pool.map(self._one, range(len(self._copies)))), repeats, warmup)
-        solo = _best_s(lambda: self._pool.submit(self._one, 0).result(), repeats, warmup)
+        together = fastest_s(lambda: list(self._pool.map(self._one, range(len(self._copies)))), repeats, warmup)
+        solo = fastest_s(lambda: self._pool.submit(self._one, 0).result(), repeats, warmup)
         return solo, together
 
     def close(self) -> None:
@@ -201,7 +201,7 @@ def replica_contention(
 def thread_handoff_s(repeats: int = 50) -> float:
     """Seconds to hand one task to a waiting pool thread and get its result back."""
     with ThreadPoolExecutor(max_workers=1) as pool:
-        return _best_s(lambda: pool.submit(threading.get_ident).result(), repeats, warmup=5)
+        return fastest_s(lambda: pool.submit(threading.get_ident).result(), repeats, warmup=5)
 
 
 def measure_cpu_platform(
@@ -242,7 +242,7 @@ def allreduce_busbw(nbytes: int, *, repeats: int = 7) -> float:
 
     world = dist.get_world_size()
     tensor = torch.ones(max(1, nbytes // 4))
-    seconds = _best_s(lambda: dist.all_reduce(tensor), repeats)
+    seconds = fastest_s(lambda: dist.all_reduce(tensor), repeats)
     return tensor.numel() * 4 / seconds * 2 * (world - 1) / world
 
 
