@@ -42,7 +42,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["64KiB", "1MiB", "16MiB", "64MiB"])
     parser.add_argument("--rounds", type=int, default=11)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for both sides (default: torch's)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads for both sides (default: torch's)"
+    )
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)

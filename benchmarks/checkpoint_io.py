@@ -70,8 +70,8 @@ def measure(model: nn.Module, folder: Path, repeats: int) -> dict[str, dict[str,
             for name in names[repeat % len(names) :] + names[: repeat % len(names)]:  # rotate the order
                 filename, save, load = chosen[name]
                 path = folder / filename
-                results[name]["save"].append(timed(lambda: save(model, path)))
-                results[name]["load"].append(timed(lambda: load(model, path)))
+                results[name]["save"].append(timed(lambda: save(model, path)))  # noqa: B023 (called at once, inside this iteration)
+                results[name]["load"].append(timed(lambda: load(model, path)))  # noqa: B023 (called at once, inside this iteration)
                 path.unlink()
                 progress.advance(task)
     return results
@@ -109,7 +109,9 @@ def report(results: dict[str, dict[str, list[float]]], megabytes: float, repeats
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--megabytes", type=float, default=100.0, help="model size in MB of float32 weights (default 100)")
+    parser.add_argument(
+        "--megabytes", type=float, default=100.0, help="model size in MB of float32 weights (default 100)"
+    )
     parser.add_argument("--repeats", type=int, default=7, help="repeats per method; the median is reported (default 7)")
     parser.add_argument("--dir", type=Path, default=None, help="folder for the files (default: a new temp folder)")
     args = parser.parse_args()

@@ -35,7 +35,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -168,24 +167,75 @@ def launch_command(launcher: str, worker_args: list[str]) -> list[str]:
     """The command line each launcher is started with (two processes on this node)."""
     me = str(Path(__file__).resolve())
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
-                "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), me, *worker_args]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(NPROC),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            me,
+            *worker_args,
+        ]
     if launcher.startswith("multigpu"):
         unbound = ["--no-bind-cores"] if launcher == "multigpu-unbound" else []
-        return [sys.executable, "-m", "multigpu", "launch", "--strategy", "ddp", "--nproc-per-node", str(NPROC),
-                *unbound, me, *worker_args]  # fmt: skip
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(NPROC),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(_free_port()), me, *worker_args]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "multigpu",
+            "launch",
+            "--strategy",
+            "ddp",
+            "--nproc-per-node",
+            str(NPROC),
+            *unbound,
+            me,
+            *worker_args,
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(NPROC),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+        me,
+        *worker_args,
+    ]
 
 
 def run_once(launcher: str, args: argparse.Namespace, out_dir: Path, env: dict[str, str]) -> dict[str, float]:
     result = out_dir / f"{launcher}.json"
     result.unlink(missing_ok=True)
-    worker_args = ["--worker", launcher, "--result", str(result), "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--global-batch", str(args.global_batch), "--hidden", str(args.hidden)]  # fmt: skip
+    worker_args = [
+        "--worker",
+        launcher,
+        "--result",
+        str(result),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--global-batch",
+        str(args.global_batch),
+        "--hidden",
+        str(args.hidden),
+    ]
     start = time.perf_counter()
-    done = subprocess.run(launch_command(launcher, worker_args), env=env, capture_output=True, text=True, timeout=args.timeout)
+    done = subprocess.run(
+        launch_command(launcher, worker_args), env=env, capture_output=True, text=True, timeout=args.timeout
+    )
     wall = time.perf_counter() - start
     if done.returncode != 0 or not result.exists():
         raise SystemExit(f"{launcher} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
@@ -287,8 +337,10 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
 
     console = Console(width=150)
     med = {name: statistics.median(r["ms_per_step"] for r in rs) for name, rs in runs.items()}
-    per_launcher = Table(title=f"DDP on {NPROC} CPU processes (gloo): global batch {args.global_batch}, "
-                         f"{args.steps} steps per run, {args.repeats} repeats (medians over repeats)")  # fmt: skip
+    per_launcher = Table(
+        title=f"DDP on {NPROC} CPU processes (gloo): global batch {args.global_batch}, "
+        f"{args.steps} steps per run, {args.repeats} repeats (medians over repeats)"
+    )
     for col in ("launcher", "ms/step median", "mean", "p10", "spread of medians", "launch wall s"):
         per_launcher.add_column(col, justify="left" if col == "launcher" else "right")
     for name, rs in runs.items():
@@ -328,7 +380,9 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
         f"{overhead['session_us']:.1f} us Session loop)"
     )
     _figure(med, runs, Path(args.out_dir) / "launch_overhead.png")
-    console.print(f"figure: {Path(args.out_dir) / 'launch_overhead.png'}; every repeat: {Path(args.out_dir) / 'runs.json'}")
+    console.print(
+        f"figure: {Path(args.out_dir) / 'launch_overhead.png'}; every repeat: {Path(args.out_dir) / 'runs.json'}"
+    )
 
 
 def _figure(med: dict[str, float], runs: dict[str, list[dict[str, float]]], path: Path) -> None:
@@ -381,8 +435,10 @@ def main() -> None:
     if "accelerate" in args.launchers:
         try:
             import accelerate  # noqa: F401
-        except ImportError:
-            raise SystemExit("Accelerate is not installed: pip install -e '.[bench]' (or pass --launchers torchrun multigpu)")
+        except ImportError as exc:
+            raise SystemExit(
+                "Accelerate is not installed: pip install -e '.[bench]' (or pass --launchers torchrun multigpu)"
+            ) from exc
     report(measure(args), args)
 
 

@@ -28,8 +28,14 @@ def main() -> None:
     labels = torch.tensor(digits.target)
     torch.manual_seed(0)
     net = nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
-        nn.Flatten(), nn.Linear(64 * 8 * 8, 128), nn.ReLU(), nn.Linear(128, 10),
+        nn.Conv2d(1, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(64 * 8 * 8, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
     )
     devices = multigpu.parse_devices(args.devices)
     net.to(devices[0].device)

@@ -62,7 +62,7 @@ def data_parallel(steps: int) -> float:
     return time_steps(multigpu.DataParallel(net, devices="cpu:2"), net, x, y, steps)
 
 
-def _ddp_worker(rank: int, port: int, steps: int, result: "mp.Queue[float]") -> None:
+def _ddp_worker(rank: int, port: int, steps: int, result: mp.Queue[float]) -> None:
     torch.set_num_threads(1)  # what torchrun gives each of 2 processes on 2 cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     net = build_mlp()
@@ -112,7 +112,9 @@ def main() -> None:
                 samples[name].append(fn())
     ms = {name: statistics.median(v) for name, v in samples.items()}
     base = ms["one device, 1 thread"]
-    table = Table(title=f"Training step, ~2.1M-parameter MLP, global batch {GLOBAL_BATCH} (median of {args.rounds} rounds)")
+    table = Table(
+        title=f"Training step, ~2.1M-parameter MLP, global batch {GLOBAL_BATCH} (median of {args.rounds} rounds)"
+    )
     for col in ("configuration", "ms/step", "vs 1 thread", "vs DDP x2"):
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for name, value in ms.items():

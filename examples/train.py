@@ -70,7 +70,9 @@ def main() -> None:
                 f"loss {losses[-1]:.4f}, accuracy {accuracy:.3f} on {len(predicted)} samples"
             )
         if args.save and session.is_main_process:
-            torch.save({"state_dict": session.unwrap(model).state_dict(), "losses": losses, "accuracy": accuracy}, args.save)
+            torch.save(
+                {"state_dict": session.unwrap(model).state_dict(), "losses": losses, "accuracy": accuracy}, args.save
+            )
 
 
 if __name__ == "__main__":

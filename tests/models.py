@@ -68,4 +68,4 @@ def assert_same_grads(a: nn.Module, b: nn.Module, **tol: float) -> None:
             assert p.grad is None, name
             continue
         assert p.grad is not None, f"no gradient for {name}"
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}", **tol)
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}", **tol)  # noqa: B023 (called at once, inside this iteration)

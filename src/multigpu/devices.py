@@ -166,8 +166,7 @@ def _indexed(device_type: str, indices: list[int], spec: object) -> list[Replica
     available = device_count(device_type)
     if not indices:
         raise DeviceError(
-            f"devices={spec!r} found no visible {device_type} device; "
-            "use devices='cpu:2' to run replicas on the CPU"
+            f"devices={spec!r} found no visible {device_type} device; use devices='cpu:2' to run replicas on the CPU"
         )
     for index in indices:
         if index < 0 or index >= available:

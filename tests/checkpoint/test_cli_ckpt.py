@@ -27,7 +27,9 @@ def test_inspect_shows_keys_shapes_format_and_prefixes(tmp_path: Path, capsys: p
     assert "4 (92 B)" in out  # 12 + 3 + 6 + 2 floats
 
 
-def test_inspect_a_checkpointer_folder_shows_its_latest_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_a_checkpointer_folder_shows_its_latest_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     model = nn.Linear(3, 2)
     checkpointer = ckpt.Checkpointer(folder=tmp_path)
     for step in (5, 9):
@@ -54,7 +56,10 @@ def test_convert_torch_to_safetensors_strips_prefixes(tmp_path: Path, capsys: py
 
 def test_convert_strips_an_extra_prefix(tmp_path: Path) -> None:
     ckpt.save({"model.fc.weight": torch.ones(2)}, tmp_path / "a.safetensors")
-    assert main(["ckpt", "convert", str(tmp_path / "a.safetensors"), str(tmp_path / "b.pt"), "--strip-prefix", "model."]) == 0
+    assert (
+        main(["ckpt", "convert", str(tmp_path / "a.safetensors"), str(tmp_path / "b.pt"), "--strip-prefix", "model."])
+        == 0
+    )
     assert list(read_tensors(tmp_path / "b.pt")[0]) == ["fc.weight"]
 
 
@@ -77,18 +82,27 @@ def test_a_folder_without_checkpoints_is_an_error(tmp_path: Path, capsys: pytest
 
 
 def test_public_surface_is_a_decision() -> None:
-    assert sorted(ckpt.__all__) == sorted([
-        "WRAPPER_PREFIXES", "Checkpointer", "Resumed",
-        "clean_state_dict", "find_latest", "find_prefixes", "load", "save",
-        "strip_prefixes", "unwrap",
-    ])  # fmt: skip
+    assert sorted(ckpt.__all__) == sorted(
+        [
+            "WRAPPER_PREFIXES",
+            "Checkpointer",
+            "Resumed",
+            "clean_state_dict",
+            "find_latest",
+            "find_prefixes",
+            "load",
+            "save",
+            "strip_prefixes",
+            "unwrap",
+        ]
+    )
     from multigpu.cli import ckpt as command
     from multigpu.cli.main import build_parser
 
     parser = build_parser()
     assert command.HELP
     flags = {
-        action: sorted(o for a in sub._actions for o in a.option_strings)  # noqa: SLF001
+        action: sorted(o for a in sub._actions for o in a.option_strings)
         for action, sub in _subparsers(_subparsers(parser)["ckpt"]).items()
     }
     assert flags == {
@@ -98,7 +112,7 @@ def test_public_surface_is_a_decision() -> None:
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:  # noqa: SLF001
-        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
     return {}

@@ -26,9 +26,7 @@ WORKER = Path(__file__).parent / "workers" / "save_until_killed.py"
 
 
 def _kill_during_second_save(mode: str, folder: Path) -> list[Path]:
-    child = subprocess.Popen(
-        [sys.executable, str(WORKER), mode, str(folder)], stdout=subprocess.PIPE, text=True
-    )
+    child = subprocess.Popen([sys.executable, str(WORKER), mode, str(folder)], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "saved 1"
         deadline = time.monotonic() + 30
@@ -102,7 +100,9 @@ def test_size_limit_hit_mid_save_raises_and_keeps_the_previous_checkpoint(tmp_pa
     checkpointer, small = _previous_then_big(tmp_path)
     big = nn.Linear(512, 4096)  # 8 MiB
     with _file_size_limit(2 << 20):
-        with pytest.raises(CheckpointError, match=r"is full or a file-size/quota limit was hit.*previous checkpoint is unchanged"):
+        with pytest.raises(
+            CheckpointError, match=r"is full or a file-size/quota limit was hit.*previous checkpoint is unchanged"
+        ):
             checkpointer.save(step=2, model=big)
         with pytest.raises(CheckpointError, match=r"weights\.safetensors.*full or a file-size"):
             ckpt.save(big, tmp_path / "weights.safetensors")
@@ -115,9 +115,13 @@ def test_size_limit_hit_mid_save_raises_and_keeps_the_previous_checkpoint(tmp_pa
 def small_tmpfs() -> Iterator[Path]:
     """A real 4 MiB file system (tmpfs); skipped where this process may not mount one."""
     mount_point = Path(tempfile.mkdtemp())
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)], capture_output=True, timeout=10
-    ) if shutil.which("mount") and os.geteuid() == 0 else None
+    done = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)], capture_output=True, timeout=10
+        )
+        if shutil.which("mount") and os.geteuid() == 0
+        else None
+    )
     if done is None or done.returncode != 0:
         mount_point.rmdir()
         pytest.skip("mounting a small tmpfs needs root and mount permission")
@@ -158,7 +162,9 @@ def test_unwritable_folder_raises_and_keeps_the_previous_checkpoint() -> None:
         checkpointer, small = _previous_then_big(folder)
         folder.chmod(0o555)
         with _unprivileged():
-            with pytest.raises(CheckpointError, match=r"folder '.*ckpt' is not writable.*previous checkpoint is unchanged"):
+            with pytest.raises(
+                CheckpointError, match=r"folder '.*ckpt' is not writable.*previous checkpoint is unchanged"
+            ):
                 checkpointer.save(step=2, model=small)
             with pytest.raises(CheckpointError, match=r"folder '.*ckpt' is not writable"):
                 ckpt.save(small, folder / "weights.safetensors")

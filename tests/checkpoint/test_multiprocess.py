@@ -60,23 +60,52 @@ def _start(root: Path, name: str, *worker_args: str, max_restarts: int = 0, laun
     env = dict(os.environ)
     if launcher == "torchrun":
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            "--nproc-per-node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.1",
+        ]
         # Restarted workers must not read the previous attempt's addresses from the rendezvous
         # store they would otherwise share with torchrun (pytorch/pytorch#135712: gloo then fails
         # with "connectFullMesh ... Connection refused" on restart). `multigpu launch` sets it itself.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     else:
-        command = [sys.executable, "-m", "multigpu", "launch", "--strategy", "ddp", "--nproc-per-node", "2",
-                   "--max-restarts", str(max_restarts)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "multigpu",
+            "launch",
+            "--strategy",
+            "ddp",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            str(max_restarts),
+        ]
     command += [
-        str(WORKER), "--folder", str(root / f"{name}-ckpt"), "--events", str(root / f"{name}-events"),
-        "--out", str(root / f"{name}.safetensors"), "--data", str(data), *worker_args,
-    ]  # fmt: skip
+        str(WORKER),
+        "--folder",
+        str(root / f"{name}-ckpt"),
+        "--events",
+        str(root / f"{name}-events"),
+        "--out",
+        str(root / f"{name}.safetensors"),
+        "--data",
+        str(data),
+        *worker_args,
+    ]
     process = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
     return Run(name, process, root)
@@ -172,7 +201,16 @@ def test_a_killed_worker_restarts_resumes_and_ends_with_the_uninterrupted_weight
     code, output, _ = _finish(reference)
     assert code == 0, output[-3000:]
     run = _start(
-        tmp_path, "restart", "--fault", "kill", "--fault-rank", "1", "--fault-step", "3", max_restarts=1, launcher="multigpu"
+        tmp_path,
+        "restart",
+        "--fault",
+        "kill",
+        "--fault-rank",
+        "1",
+        "--fault-step",
+        "3",
+        max_restarts=1,
+        launcher="multigpu",
     )
     code, output, _ = _finish(run)
     assert code == 0, output[-3000:]

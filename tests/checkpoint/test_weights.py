@@ -130,8 +130,11 @@ class _Payload:
 def test_files_that_run_code_are_refused_and_nothing_runs(tmp_path: Path) -> None:
     marker = tmp_path / "code-ran"
     torch.save({"weight": torch.ones(2), "payload": _Payload(str(marker))}, tmp_path / "evil.pt")
-    with pytest.raises(CheckpointError, match=r"refusing to load .*evil\.pt.*needs arbitrary unpickling.*pathlib.*"
-                       r"allow_unsafe_pickle=True"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"refusing to load .*evil\.pt.*needs arbitrary unpickling.*pathlib.*"
+        r"allow_unsafe_pickle=True",
+    ):
         ckpt.load(nn.Linear(2, 1), tmp_path / "evil.pt")
     assert not marker.exists()
     # The explicit opt-in loads it (and runs its code, which is what the user accepted).

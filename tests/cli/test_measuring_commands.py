@@ -43,9 +43,28 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
-def test_profile_runs_a_few_steps_and_writes_the_report(script: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_profile_runs_a_few_steps_and_writes_the_report(
+    script: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out, marker = tmp_path / "report", tmp_path / "finished.txt"
-    assert main(["profile", "--steps", "3", "--warmup", "1", "--no-probe", "--out", str(out), str(script), "100", str(marker)]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--steps",
+                "3",
+                "--warmup",
+                "1",
+                "--no-probe",
+                "--out",
+                str(out),
+                str(script),
+                "100",
+                str(marker),
+            ]
+        )
+        == 0
+    )
     assert not marker.exists()  # stopped after warm-up + 3 steps, long before its 100
     profile = json.loads((out / "profile.json").read_text())
     assert len(profile["steps"]) == 3 and profile["devices"] == ["cpu:0", "cpu:1"]
@@ -56,7 +75,23 @@ def test_profile_runs_a_few_steps_and_writes_the_report(script: Path, tmp_path: 
 
 def test_profile_with_memory_shows_the_primary_carrying_more(script: Path, tmp_path: Path) -> None:
     out = tmp_path / "report"
-    assert main(["profile", "--steps", "2", "--memory", "--no-probe", "--out", str(out), str(script), "10", str(tmp_path / "m")]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--steps",
+                "2",
+                "--memory",
+                "--no-probe",
+                "--out",
+                str(out),
+                str(script),
+                "10",
+                str(tmp_path / "m"),
+            ]
+        )
+        == 0
+    )
     profile = json.loads((out / "profile.json").read_text())
     peaks = profile["steps"][-1]["peak_bytes"]
     assert set(peaks) == {"cpu:0", "cpu:1"}
@@ -66,7 +101,19 @@ def test_profile_with_memory_shows_the_primary_carrying_more(script: Path, tmp_p
 
 def test_profile_with_trace_and_probes(script: Path, tmp_path: Path) -> None:
     out = tmp_path / "report"
-    args = ["profile", "--steps", "1", "--trace", "--probe-max-size", "64KiB", "--out", str(out), str(script), "5", str(tmp_path / "m")]
+    args = [
+        "profile",
+        "--steps",
+        "1",
+        "--trace",
+        "--probe-max-size",
+        "64KiB",
+        "--out",
+        str(out),
+        str(script),
+        "5",
+        str(tmp_path / "m"),
+    ]
     assert main(args) == 0
     trace = (out / "trace.json").read_text()
     assert "multigpu::forward" in trace and "multigpu::reduce" in trace
@@ -78,7 +125,9 @@ def test_profile_of_a_script_that_never_steps_explains(tmp_path: Path, capsys: p
     idle = tmp_path / "idle.py"
     idle.write_text("print('no optimizer here')\n")
     assert main(["profile", "--out", str(tmp_path / "r"), str(idle)]) == 2
-    assert "finished before a step was kept (warm-up 1): a step ends at each optimizer.step()" in capsys.readouterr().err
+    assert (
+        "finished before a step was kept (warm-up 1): a step ends at each optimizer.step()" in capsys.readouterr().err
+    )
 
 
 def test_profile_reports_a_script_that_exits_by_itself(tmp_path: Path) -> None:
@@ -95,7 +144,18 @@ def test_profile_of_a_missing_script_explains(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_bandwidth_writes_table_png_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["bandwidth", "--max-size", "16KiB", "--factor", "4", "--repeats", "2", "--no-all-reduce", "--out", str(tmp_path)]
+    args = [
+        "bandwidth",
+        "--max-size",
+        "16KiB",
+        "--factor",
+        "4",
+        "--repeats",
+        "2",
+        "--no-all-reduce",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     rows = json.loads((tmp_path / "bandwidth.json").read_text())
     assert sorted({r["nbytes"] for r in rows}) == [1024, 4096, 16384]
@@ -106,8 +166,22 @@ def test_bandwidth_writes_table_png_and_json(tmp_path: Path, capsys: pytest.Capt
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="needs fewer than 2 GPUs: nccl must be unusable")
-def test_bandwidth_without_enough_gpus_for_nccl_still_reports_the_local_probes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["bandwidth", "--max-size", "4KiB", "--factor", "4", "--repeats", "1", "--backend", "nccl", "--out", str(tmp_path)]
+def test_bandwidth_without_enough_gpus_for_nccl_still_reports_the_local_probes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "bandwidth",
+        "--max-size",
+        "4KiB",
+        "--factor",
+        "4",
+        "--repeats",
+        "1",
+        "--backend",
+        "nccl",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out.replace("\n", "")
     assert "all-reduce not probed: world_size=2 with nccl needs one GPU per process" in printed
@@ -119,7 +193,9 @@ def test_bandwidth_rejects_a_bad_size(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "size 'lots' does not parse" in capsys.readouterr().err
 
 
-def test_env_prints_versions_devices_backends(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_env_prints_versions_devices_backends(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     assert main(["env"]) == 0
     text = capsys.readouterr().out
@@ -138,7 +214,15 @@ def test_flags_of_the_measuring_commands() -> None:
 
     assert flags("profile") == {"--steps", "--warmup", "--out", "--trace", "--memory", "--no-probe", "--probe-max-size"}
     assert flags("bandwidth") == {
-        "--min-size", "--max-size", "--factor", "--devices", "--world-size", "--backend",
-        "--no-all-reduce", "--repeats", "--timeout", "--out",
+        "--min-size",
+        "--max-size",
+        "--factor",
+        "--devices",
+        "--world-size",
+        "--backend",
+        "--no-all-reduce",
+        "--repeats",
+        "--timeout",
+        "--out",
     }
     assert flags("env") == {"--json"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,7 +14,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_command(argv: Sequence[str], *, timeout_s: float = 90, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_command(
+    argv: Sequence[str], *, timeout_s: float = 90, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` in its own process group; on timeout kill the whole group (workers included)."""
     return run_together([argv], timeout_s=timeout_s, env=env)[0]
 
@@ -56,10 +59,8 @@ def run_together(
 def _kill_tree(proc: subprocess.Popen[str]) -> None:
     """Kill the launcher and every descendant: torch elastic starts workers in sessions of their own."""
     for pid in [*_descendants(proc.pid), proc.pid]:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _descendants(root: int) -> list[int]:

@@ -36,7 +36,9 @@ def _global_steps(per_rank: list[list[list[int]]]) -> list[list[int]]:
 
 def _one_device_order(n: int, epoch: int, *, shuffle: bool) -> list[int]:
     """The oracle's sample order: plain torch's DistributedSampler with one replica."""
-    sampler: DistributedSampler[int] = DistributedSampler(TensorDataset(torch.arange(n)), num_replicas=1, rank=0, shuffle=shuffle, seed=0)  # type: ignore[arg-type]
+    sampler: DistributedSampler[int] = DistributedSampler(
+        TensorDataset(torch.arange(n)), num_replicas=1, rank=0, shuffle=shuffle, seed=0
+    )  # type: ignore[arg-type]
     sampler.set_epoch(epoch)
     return list(sampler)
 
@@ -61,7 +63,9 @@ def test_global_batches_are_the_same_sets_on_one_or_two_ranks(n: int) -> None:
 # per-rank batch, so ddp took 5 (50) steps where one device took 4 (49), re-training early samples.
 @pytest.mark.parametrize(("n", "global_batch", "world"), [(37, 8, 4), (1797, 36, 4), (23, 8, 2), (32, 8, 4)])
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_ddp_takes_exactly_the_one_device_batches_and_no_sample_twice(n: int, global_batch: int, world: int, shuffle: bool) -> None:
+def test_ddp_takes_exactly_the_one_device_batches_and_no_sample_twice(
+    n: int, global_batch: int, world: int, shuffle: bool
+) -> None:
     for epoch in (0, 1):
         steps = _global_steps(_batches(n, global_batch, world, epoch, shuffle=shuffle))
         assert len(steps) == n // global_batch
@@ -102,7 +106,10 @@ def test_eval_shards_cover_the_dataset_with_padding_only_to_even_out() -> None:
 
 def test_per_process_batch_names_a_global_batch_that_divides() -> None:
     assert per_process_batch(64, ShardSpec(world_size=4, rank=0)) == 16
-    with pytest.raises(ConfigError, match=r"batch_size=63 \(the global batch\) must be a positive multiple of the world size 2; use batch_size=62"):
+    with pytest.raises(
+        ConfigError,
+        match=r"batch_size=63 \(the global batch\) must be a positive multiple of the world size 2; use batch_size=62",
+    ):
         per_process_batch(63, ShardSpec(world_size=2, rank=1))
 
 
@@ -114,7 +121,7 @@ def test_bad_shard_and_iterable_dataset_are_errors() -> None:
         def __iter__(self):  # type: ignore[no-untyped-def]
             yield from range(3)
 
-    with pytest.raises(ConfigError, match="has no len\\(\\).*even_batches"):
+    with pytest.raises(ConfigError, match=r"has no len\(\).*even_batches"):
         build_epoch_loader(Stream(), global_batch=2, shard=ShardSpec())
 
 

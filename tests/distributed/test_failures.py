@@ -28,6 +28,6 @@ def test_a_vanished_peer_is_named_as_the_cause() -> None:
 
 
 def test_other_errors_pass_through_unchanged() -> None:
-    with pytest.raises(RuntimeError, match="^shape mismatch$"):
+    with pytest.raises(RuntimeError, match=r"^shape mismatch$"):
         with explain_collective_failures("the loss all_reduce"):
             raise RuntimeError("shape mismatch")

@@ -40,12 +40,24 @@ def test_without_a_port_the_loopback_store_picks_its_own() -> None:
 
 def test_multi_node_and_elastic_options_reach_torchrun() -> None:
     config = LaunchConfig(
-        nproc_per_node=1, nnodes="1:3", master_addr="10.0.0.1", max_restarts=2,
-        rdzv_backend="c10d", rdzv_endpoint="10.0.0.1:29400", rdzv_id="job7", rdzv_conf="join_timeout=60",
-    )  # fmt: skip
+        nproc_per_node=1,
+        nnodes="1:3",
+        master_addr="10.0.0.1",
+        max_restarts=2,
+        rdzv_backend="c10d",
+        rdzv_endpoint="10.0.0.1:29400",
+        rdzv_id="job7",
+        rdzv_conf="join_timeout=60",
+    )
     args = build_torchrun_args(config, "t.py", [])
-    for flag, value in [("--nnodes", "1:3"), ("--max-restarts", "2"), ("--rdzv-backend", "c10d"),
-                        ("--rdzv-endpoint", "10.0.0.1:29400"), ("--rdzv-id", "job7"), ("--rdzv-conf", "join_timeout=60")]:  # fmt: skip
+    for flag, value in [
+        ("--nnodes", "1:3"),
+        ("--max-restarts", "2"),
+        ("--rdzv-backend", "c10d"),
+        ("--rdzv-endpoint", "10.0.0.1:29400"),
+        ("--rdzv-id", "job7"),
+        ("--rdzv-conf", "join_timeout=60"),
+    ]:
         assert args[args.index(flag) + 1] == value
     assert "--local-addr" not in args  # several nodes: do not pin the agent to loopback
 
@@ -62,8 +74,11 @@ def test_a_port_in_use_is_reported_with_the_fix() -> None:
 def test_a_master_address_of_another_machine_is_not_reported_as_a_port_in_use() -> None:
     # 192.0.2.1 (TEST-NET-1, RFC 5737) is reserved for documentation: never this machine's address.
     port = free_port()
-    with pytest.raises(LaunchError, match=r"master address 192\.0\.2\.1 is not one of this machine's addresses \(.+\); "
-                       r"single-node runs bind there: pass --master-addr 127\.0\.0\.1") as caught:  # fmt: skip
+    with pytest.raises(
+        LaunchError,
+        match=r"master address 192\.0\.2\.1 is not one of this machine's addresses \(.+\); "
+        r"single-node runs bind there: pass --master-addr 127\.0\.0\.1",
+    ) as caught:
         build_torchrun_args(LaunchConfig(nproc_per_node=2, master_addr="192.0.2.1", master_port=port), "t.py", [])
     assert "in use" not in str(caught.value)
 
@@ -73,8 +88,11 @@ def test_a_refused_bind_names_the_os_reason_not_a_port_in_use(monkeypatch: pytes
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
 
     monkeypatch.setattr(socket.socket, "bind", refuse)
-    with pytest.raises(LaunchError, match=r"cannot listen on master port 80 on 127\.0\.0\.1 \(Permission denied\).*"
-                       r"--master-port of 1024 or more"):  # fmt: skip
+    with pytest.raises(
+        LaunchError,
+        match=r"cannot listen on master port 80 on 127\.0\.0\.1 \(Permission denied\).*"
+        r"--master-port of 1024 or more",
+    ):
         build_torchrun_args(LaunchConfig(nproc_per_node=2, master_port=80), "t.py", [])
 
 
@@ -142,11 +160,26 @@ def test_cli_flags_are_the_documented_surface() -> None:
     parser = argparse.ArgumentParser()
     launch_cli.add_arguments(parser)
     flags = sorted(opt for action in parser._actions for opt in action.option_strings if opt.startswith("--"))
-    assert flags == sorted([
-        "--help", "--strategy", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-        "--max-restarts", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--devices",
-        "--threads-per-process", "--collective-timeout", "--no-bind-cores",
-    ])  # fmt: skip
+    assert flags == sorted(
+        [
+            "--help",
+            "--strategy",
+            "--nproc-per-node",
+            "--nnodes",
+            "--node-rank",
+            "--master-addr",
+            "--master-port",
+            "--max-restarts",
+            "--rdzv-backend",
+            "--rdzv-endpoint",
+            "--rdzv-id",
+            "--rdzv-conf",
+            "--devices",
+            "--threads-per-process",
+            "--collective-timeout",
+            "--no-bind-cores",
+        ]
+    )
     args = parser.parse_args(["--nproc-per-node", "2", "t.py", "--epochs", "1"])
     assert launch_cli.config_from_args(args).nproc_per_node == 2 and args.script_args == ["--epochs", "1"]
     assert launch_cli.config_from_args(args).bind_cores is None  # auto

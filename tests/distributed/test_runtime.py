@@ -16,9 +16,18 @@ from tests.conftest import free_port
 
 def test_read_launch_env_parses_torchrun_variables() -> None:
     env = runtime.read_launch_env(
-        {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "1234",
+        }
     )
-    assert env == LaunchEnv(global_rank=3, local_rank=1, world_size=4, local_world_size=2, master_addr="10.0.0.1", master_port=1234)
+    assert env == LaunchEnv(
+        global_rank=3, local_rank=1, world_size=4, local_world_size=2, master_addr="10.0.0.1", master_port=1234
+    )
     assert not env.is_main_process
     assert runtime.read_launch_env({}) is None
 
@@ -44,13 +53,17 @@ def test_backend_is_nccl_on_cuda_and_gloo_elsewhere() -> None:
 def test_more_processes_than_gpus_names_the_right_count() -> None:
     runtime.check_world_matches_devices(4, "cpu", 1)  # CPU processes share the CPU: any count
     runtime.check_world_matches_devices(2, "cuda", 2)
-    with pytest.raises(DeviceError, match=r"4 processes per node were launched but this node sees 2 cuda.*--nproc-per-node 2"):
+    with pytest.raises(
+        DeviceError, match=r"4 processes per node were launched but this node sees 2 cuda.*--nproc-per-node 2"
+    ):
         runtime.check_world_matches_devices(4, "cuda", 2)
 
 
 @pytest.fixture
 def one_rank_group() -> Iterator[None]:
-    env = LaunchEnv(global_rank=0, local_rank=0, world_size=1, local_world_size=1, master_addr="127.0.0.1", master_port=free_port())
+    env = LaunchEnv(
+        global_rank=0, local_rank=0, world_size=1, local_world_size=1, master_addr="127.0.0.1", master_port=free_port()
+    )
     runtime.setup_process_group(env, torch.device("cpu"), timeout_s=30)
     try:
         yield
@@ -73,12 +86,15 @@ def test_process_group_setup_collectives_and_teardown(one_rank_group: None) -> N
 def test_collectives_outside_a_group_return_the_local_answer() -> None:
     assert float(collectives.reduce_value(2.0, "max")) == 2.0
     torch.testing.assert_close(
-        collectives.gather_by_index(torch.tensor([5.0, 6.0, 7.0]), torch.tensor([2, 0, 1]), 3), torch.tensor([6.0, 7.0, 5.0])
+        collectives.gather_by_index(torch.tensor([5.0, 6.0, 7.0]), torch.tensor([2, 0, 1]), 3),
+        torch.tensor([6.0, 7.0, 5.0]),
     )
 
 
 def test_collective_bad_input_names_the_fix() -> None:
-    with pytest.raises(ConfigError, match=r"op='median' is not a reduction; use one of \['max', 'mean', 'min', 'sum'\]"):
+    with pytest.raises(
+        ConfigError, match=r"op='median' is not a reduction; use one of \['max', 'mean', 'min', 'sum'\]"
+    ):
         collectives.reduce_value(1.0, "median")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="values has 2 rows but indices has 1"):
         collectives.gather_by_index(torch.zeros(2), torch.tensor([0]), 2)

@@ -44,7 +44,7 @@ def test_nested_inputs_outputs_and_grads_match_one_device(
     net, ref = twin(Nested, dim)
     shape = (batch, 3, 4) if dim == 0 else (3, batch, 4)
     a, b = torch.randn(shape), torch.randn(shape)
-    c = torch.randn(shape[:2] + (2,))
+    c = torch.randn((*shape[:2], 2))
     scale = torch.tensor(1.5)
     a2 = a.clone().requires_grad_()
     a.requires_grad_()
@@ -67,7 +67,7 @@ def test_training_steps_end_with_the_same_weights(batch: int, replicas: int, ste
     net, ref = twin(mlp)
     model = multigpu.DataParallel(net, devices=f"cpu:{replicas}")
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (net, ref)]
-    for step in range(steps):
+    for _step in range(steps):
         x, y = torch.randn(batch, 8), torch.randint(0, 3, (batch,))
         losses = []
         for m, opt in zip((model, ref), opts):
@@ -137,4 +137,4 @@ def test_unsupported_backward_modes_name_the_fix() -> None:
         loss.backward()
     loss = model(torch.randn(4, 8)).sum()
     with pytest.raises(RuntimeError, match=r"create_graph=True.*parallel_backward=False"):
-        torch.autograd.grad(loss, list(model.parameters())[0], create_graph=True)
+        torch.autograd.grad(loss, next(iter(model.parameters())), create_graph=True)

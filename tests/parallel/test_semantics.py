@@ -100,7 +100,9 @@ class Fails(nn.Module):
 def test_replica_exception_names_the_replica_and_device() -> None:
     x = torch.zeros(4, 2)
     x[2, 0] = 1000  # lands in replica 1's chunk
-    with pytest.raises(ValueError, match=r"Caught ValueError in replica 1 on device cpu:1 during forward(.|\n)*bad sample"):
+    with pytest.raises(
+        ValueError, match=r"Caught ValueError in replica 1 on device cpu:1 during forward(.|\n)*bad sample"
+    ):
         multigpu.DataParallel(Fails(), devices="cpu:2")(x)
 
 

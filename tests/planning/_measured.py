@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,11 +27,11 @@ import multigpu
 from multigpu.planning.costs import predict_step
 from multigpu.planning.hardware import measured_link
 from multigpu.planning.measure import (
+    ReplicaProbe,
     allreduce_busbw,
     fastest_s,
     measure_workload,
     memory_bandwidth,
-    ReplicaProbe,
     thread_handoff_s,
 )
 from multigpu.planning.platform import Platform
@@ -143,11 +144,13 @@ def _ddp_worker(rank: int, port: int, out_dir: str, rounds: int) -> None:
         _best(ddp_step)  # build DDP's buckets and warm gloo
         for _ in range(rounds):
             dist.barrier()
-            solo = _best(_compute(plain, x, y), repeats=1, warmup=False) if rank == 0 else 0.0  # rank 1 idles: one device alone
+            solo = (
+                _best(_compute(plain, x, y), repeats=1, warmup=False) if rank == 0 else 0.0
+            )  # rank 1 idles: one device alone
             dist.barrier()
             # Both ranks compute at once (the cores are shared); like a DDP step, the slower one sets the pace.
             compute = _compute(plain, x, y)
-            both = _best(lambda: (compute(), dist.barrier()), repeats=1, warmup=False)
+            both = _best(lambda: (compute(), dist.barrier()), repeats=1, warmup=False)  # noqa: B023 (called at once, inside this iteration)
             opt_s = _best(plain_opt.step, repeats=1, warmup=False)
             busbw = allreduce_busbw(grad_bytes, repeats=1)
             dist.barrier()
@@ -175,7 +178,10 @@ def _run_workers(port: int, out_dir: str, rounds: int, timeout_s: float) -> None
 def ddp_check(port: int, out_dir: str, iterations: int, timeout_s: float = 90.0) -> list[tuple[float, float]]:
     """(predicted, measured) step seconds of 2-process gloo DDP, one pair per iteration."""
     _run_workers(port, out_dir, iterations, timeout_s)
-    per_rank = [[list(map(float, line.split())) for line in open(os.path.join(out_dir, f"rounds{r}.txt"))] for r in range(2)]
+    per_rank = [
+        [list(map(float, line.split())) for line in Path(out_dir, f"rounds{r}.txt").read_text().splitlines()]
+        for r in range(2)
+    ]
     params = sum(p.numel() for p in build_mlp().parameters())
     plat = _cpu_platform(1.0)
     pairs = []

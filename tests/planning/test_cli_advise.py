@@ -16,16 +16,49 @@ def test_advise_flags_are_a_decision() -> None:
     sub = next(a for a in parser._subparsers._group_actions if a.dest == "command")  # type: ignore[union-attr]
     flags = {opt for action in sub.choices["advise"]._actions for opt in action.option_strings}
     assert flags == {
-        "-h", "--help", "--model", "--input-shape", "--gpu", "--link", "--busbw", "--devices", "--batch",
-        "--optimizer", "--precision", "--params", "--compute-ms", "--activation-mb", "--output-mb",
-        "--utilization", "--overlap", "--devices-per-node", "--network", "--figure", "--no-figure",
+        "-h",
+        "--help",
+        "--model",
+        "--input-shape",
+        "--gpu",
+        "--link",
+        "--busbw",
+        "--devices",
+        "--batch",
+        "--optimizer",
+        "--precision",
+        "--params",
+        "--compute-ms",
+        "--activation-mb",
+        "--output-mb",
+        "--utilization",
+        "--overlap",
+        "--devices-per-node",
+        "--network",
+        "--figure",
+        "--no-figure",
     }
 
 
-def test_preset_on_gpus_prints_table_recommendation_and_figure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_preset_on_gpus_prints_table_recommendation_and_figure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     figure = tmp_path / "advise.png"
-    argv = ["advise", "--model", "gpt2-124m", "--gpu", "titan-rtx", "--link", "pcie3-nop2p",
-            "--devices", "1,2", "--batch", "4", "--figure", str(figure)]
+    argv = [
+        "advise",
+        "--model",
+        "gpt2-124m",
+        "--gpu",
+        "titan-rtx",
+        "--link",
+        "pcie3-nop2p",
+        "--devices",
+        "1,2",
+        "--batch",
+        "4",
+        "--figure",
+        str(figure),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "DDP" in out and "DP-bal" in out and "peak GiB/24" in out
@@ -41,8 +74,18 @@ def test_measured_bandwidth_replaces_the_link(capsys: pytest.CaptureFixture[str]
 
 
 def test_factory_model_is_measured_on_this_cpu(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["advise", "--model", "tests.planning._tiny_model:build", "--input-shape", "32",
-            "--devices", "1,2", "--batch", "16", "--no-figure"]
+    argv = [
+        "advise",
+        "--model",
+        "tests.planning._tiny_model:build",
+        "--input-shape",
+        "32",
+        "--devices",
+        "1,2",
+        "--batch",
+        "16",
+        "--no-figure",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "Predicted step on cpu" in out and "Use " in out
@@ -56,7 +99,10 @@ def test_factory_model_is_measured_on_this_cpu(capsys: pytest.CaptureFixture[str
         (["--model", "resnet"], r"neither a preset nor 'package.module:factory'"),
         (["--model", "tests.planning._tiny_model:build"], r"pass --input-shape, e.g. 512"),
         (["--model", "tests.planning._tiny_model:nope", "--input-shape", "32"], r"cannot import 'nope'"),
-        (["--model", "tests.planning._tiny_model:not_a_module", "--input-shape", "32"], r"returned int, not an nn.Module"),
+        (
+            ["--model", "tests.planning._tiny_model:not_a_module", "--input-shape", "32"],
+            r"returned int, not an nn.Module",
+        ),
         (["--model", "resnet50", "--gpu", "t4", "--link", "pcie3", "--devices", "0"], r"device counts \[0\] must be"),
     ],
 )

@@ -68,14 +68,22 @@ def test_dataparallel_pays_for_the_primary_and_ddp_does_not() -> None:
 def test_loss_on_replicas_halves_the_gather() -> None:
     plat = _plat("pcie3")
     with_grad = predict_step("dataparallel", _work(), plat, devices=2, per_device_batch=8).parts["gather"]
-    without = predict_step("dataparallel", _work(loss_on_replicas=True), plat, devices=2, per_device_batch=8).parts["gather"]
+    without = predict_step("dataparallel", _work(loss_on_replicas=True), plat, devices=2, per_device_batch=8).parts[
+        "gather"
+    ]
     assert without == pytest.approx(with_grad / 2)
 
 
 def test_cpu_replicas_copy_nothing_and_slow_each_other() -> None:
     plat = Platform(
-        name="cpu", memory_bytes=None, memory_bandwidth=10e9, link=hardware.measured_link(1e9),
-        peer_copies=False, overlap=0.0, cores=2, contention=1.2,
+        name="cpu",
+        memory_bytes=None,
+        memory_bandwidth=10e9,
+        link=hardware.measured_link(1e9),
+        peer_copies=False,
+        overlap=0.0,
+        cores=2,
+        contention=1.2,
     )
     dp = predict_step("dataparallel", _work(), plat, devices=2, per_device_batch=16)
     assert dp.parts["broadcast"] == dp.parts["gather"] == dp.parts["scatter"] == 0.0

@@ -17,7 +17,6 @@ from tests.conftest import free_port
 from tests.planning import _measured
 
 
-
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     previous = torch.get_num_threads()

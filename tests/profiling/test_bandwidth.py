@@ -9,9 +9,9 @@ from multigpu.devices import parse_devices
 from multigpu.errors import ConfigError
 from multigpu.profiling.allreduce_probe import probe_all_reduce
 from multigpu.profiling.bandwidth import (
+    BandwidthPoint,
     KiB,
     MiB,
-    BandwidthPoint,
     bus_factor,
     message_sizes,
     parse_size,
@@ -22,8 +22,16 @@ from multigpu.profiling.bandwidth import (
 
 @pytest.mark.parametrize(
     ("kind", "ranks", "factor"),
-    [("all-reduce", 2, 1.0), ("all-reduce", 4, 1.5), ("all-reduce", 8, 1.75), ("all-gather", 4, 0.75),
-     ("reduce-scatter", 2, 0.5), ("broadcast", 8, 1.0), ("reduce", 8, 1.0), ("copy", 1, 1.0)],
+    [
+        ("all-reduce", 2, 1.0),
+        ("all-reduce", 4, 1.5),
+        ("all-reduce", 8, 1.75),
+        ("all-gather", 4, 0.75),
+        ("reduce-scatter", 2, 0.5),
+        ("broadcast", 8, 1.0),
+        ("reduce", 8, 1.0),
+        ("copy", 1, 1.0),
+    ],
 )
 def test_bus_factor_is_nccl_tests_definition(kind: str, ranks: int, factor: float) -> None:
     assert bus_factor(kind, ranks) == pytest.approx(factor)
@@ -37,7 +45,7 @@ def test_algbw_and_busbw_from_bytes_and_time() -> None:
 
 def test_sizes_parse_and_double() -> None:
     assert parse_size("256MiB") == 256 * MiB and parse_size("4k") == 4 * KiB and parse_size("4096") == 4096
-    assert message_sizes() [0] == KiB and message_sizes()[-1] == 256 * MiB and len(message_sizes()) == 19
+    assert message_sizes()[0] == KiB and message_sizes()[-1] == 256 * MiB and len(message_sizes()) == 19
     assert message_sizes(KiB, 64 * KiB, 4) == [KiB, 4 * KiB, 16 * KiB, 64 * KiB]
 
 

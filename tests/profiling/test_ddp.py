@@ -36,7 +36,9 @@ def _worker(rank: int, world_size: int, port: int, out: str, device_type: str) -
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
     try:
         model = DistributedDataParallel(_net().to(device), device_ids=[rank] if device_type == "cuda" else None)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from oracle import build_model, regression_data  # noqa: E402
+from oracle import build_model, regression_data
 
-from multigpu.session import Session  # noqa: E402
+from multigpu.session import Session
 
 
 def train(session: Session, dataset: TensorDataset, global_batch: int, lr: float = 0.2) -> dict[str, Any]:

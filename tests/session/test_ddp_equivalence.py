@@ -90,7 +90,9 @@ def test_sampler_shuffles_per_epoch_and_ranks_share_one_permutation(ranks: list[
 
 def test_a_dataset_that_does_not_divide_gives_the_one_device_steps_and_no_repeats(ranks: list[dict[str, Any]]) -> None:
     # 23 samples, global batch 8: one device takes 2 full batches of its permutation; so must ddp
-    sampler: DistributedSampler[int] = DistributedSampler(TensorDataset(torch.arange(23)), num_replicas=1, rank=0, shuffle=True, seed=0)  # type: ignore[arg-type]
+    sampler: DistributedSampler[int] = DistributedSampler(
+        TensorDataset(torch.arange(23)), num_replicas=1, rank=0, shuffle=True, seed=0
+    )  # type: ignore[arg-type]
     order = list(sampler)
     steps = [sorted(a + b) for a, b in zip(ranks[0]["epochs"]["ragged"], ranks[1]["epochs"]["ragged"], strict=True)]
     assert steps == [sorted(order[0:8]), sorted(order[8:16])]

@@ -44,10 +44,28 @@ def _two_nodes(path: Path) -> dict[str, Any]:
     """Two launchers, one per "node", one process each, meeting at rank 0's address (loopback here)."""
     port = str(free_port())
     launchers = [
-        [sys.executable, "-m", "multigpu", "launch", "--strategy", "ddp", "--nnodes", "2", "--node-rank", str(rank),
-         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, SCRIPT, *_script_args(path)]
+        [
+            sys.executable,
+            "-m",
+            "multigpu",
+            "launch",
+            "--strategy",
+            "ddp",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+            SCRIPT,
+            *_script_args(path),
+        ]
         for rank in (0, 1)
-    ]  # fmt: skip
+    ]
     node0, node1 = run_together(launchers, timeout_s=120)
     assert node0.returncode == 0 and node1.returncode == 0, node0.stderr[-2000:] + node1.stderr[-2000:]
     assert "[ddp x2]" in node0.stdout and "epoch 0" not in node1.stdout  # global rank 0 prints, on node 0

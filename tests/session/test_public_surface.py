@@ -8,17 +8,36 @@ import multigpu.session
 
 def test_session_surface() -> None:
     assert sorted(multigpu.session.__all__) == [
-        "PRECISIONS", "Precision", "STRATEGIES", "Session", "SessionConfig", "Strategy",
-        "build_precision", "build_strategy", "resolve_strategy_name",
-    ]  # fmt: skip
+        "PRECISIONS",
+        "Precision",
+        "STRATEGIES",
+        "Session",
+        "SessionConfig",
+        "Strategy",
+        "build_precision",
+        "build_strategy",
+        "resolve_strategy_name",
+    ]
     assert sorted(multigpu.session.STRATEGIES) == ["ddp", "dp", "single"]
     assert sorted(multigpu.session.PRECISIONS) == ["bf16", "fp16", "fp32"]
 
 
 def test_distributed_surface() -> None:
     assert sorted(multigpu.distributed.__all__) == [
-        "EpochLoader", "LaunchConfig", "LaunchEnv", "LaunchError", "ShardSpec", "barrier",
-        "build_epoch_loader", "even_batches", "explain_collective_failures", "gather_by_index",
-        "is_main_process", "launch",
-        "read_launch_env", "reduce_value", "setup_process_group", "teardown_process_group",
-    ]  # fmt: skip
+        "EpochLoader",
+        "LaunchConfig",
+        "LaunchEnv",
+        "LaunchError",
+        "ShardSpec",
+        "barrier",
+        "build_epoch_loader",
+        "even_batches",
+        "explain_collective_failures",
+        "gather_by_index",
+        "is_main_process",
+        "launch",
+        "read_launch_env",
+        "reduce_value",
+        "setup_process_group",
+        "teardown_process_group",
+    ]

@@ -8,8 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from multigpu.errors import LaunchError
-from multigpu.errors import ConfigError, DeviceError
+from multigpu.errors import ConfigError, DeviceError, LaunchError
 from multigpu.parallel import DataParallel
 from multigpu.session import Session, SessionConfig, build_strategy, resolve_strategy_name
 from tests.conftest import free_port
@@ -148,8 +147,14 @@ def test_one_process_strategy_inside_a_multi_process_launch_is_refused(monkeypat
 def test_ddp_devices_must_match_the_processes_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
     # Should the check ever stop firing, start() would join a 2-rank group whose other rank never
     # comes: a free port and a 2 s timeout make that a quick failure instead of a 600 s wait.
-    launched = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+    launched = {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     for key, value in launched.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(DeviceError, match=r"names 3 device\(s\) but 2 processes run on this node.*--nproc-per-node 3"):
@@ -174,7 +179,10 @@ def test_global_batch_that_does_not_divide_names_a_fix() -> None:
 
 def test_a_dataset_smaller_than_one_global_batch_names_a_batch_that_fits() -> None:
     with Session(strategy="single") as session:
-        with pytest.raises(ConfigError, match=r"has 5 samples, fewer than one global batch of 8, .* use batch_size=5 or drop_last=False"):
+        with pytest.raises(
+            ConfigError,
+            match=r"has 5 samples, fewer than one global batch of 8, .* use batch_size=5 or drop_last=False",
+        ):
             session.build_loader(regression_data(5), batch_size=8)
         assert len(session.build_loader(regression_data(5), batch_size=8, drop_last=False)) == 1
 
@@ -198,8 +206,14 @@ def test_dp_with_bf16_autocasts_inside_the_replicas() -> None:
 def test_closing_a_ddp_session_releases_the_reducer_before_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.conftest import free_port
 
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with Session(strategy="ddp") as session:
@@ -215,7 +229,9 @@ def test_step_without_a_micro_step_names_the_fix() -> None:
         model = session.setup_model(nn.Linear(2, 1))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         session.backward(model(torch.ones(4, 2)).sum())
-        with pytest.raises(ConfigError, match=r"no micro-step since the last step; run the forward .*session\.micro_step\(model\)"):
+        with pytest.raises(
+            ConfigError, match=r"no micro-step since the last step; run the forward .*session\.micro_step\(model\)"
+        ):
             session.step(optimizer)
 
 

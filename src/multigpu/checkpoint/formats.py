@@ -159,7 +159,7 @@ def _torch_save(obj: Any, f: BinaryIO) -> None:
 def _read_safetensors(path: str | os.PathLike[str]) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
     with safetensors.safe_open(str(path), framework="pt", device="cpu") as f:
         metadata = dict(f.metadata() or {})
-        tensors = OrderedDict((key, f.get_tensor(key)) for key in f.keys())
+        tensors = OrderedDict((key, f.get_tensor(key)) for key in f.keys())  # noqa: SIM118 (safe_open is not iterable)
     for alias, source in json.loads(metadata.pop(_ALIASES_KEY, "{}")).items():
         tensors[alias] = tensors[source]
     return tensors, metadata
@@ -193,7 +193,7 @@ def _storage_ptr(tensor: torch.Tensor) -> int:
 def _unsafe_message(path: str | os.PathLike[str]) -> str:
     try:
         wanted = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-    except Exception:  # noqa: BLE001 - the list is a courtesy; the refusal stands without it
+    except Exception:
         wanted = []
     shown = ", ".join(wanted[:5]) + (" ..." if len(wanted) > 5 else "") if wanted else "unknown objects"
     return (

@@ -55,7 +55,7 @@ def run_on_main(write: Callable[[], T], what: str) -> T | None:
     if is_main_process():
         try:
             result = write()
-        except Exception as exc:  # noqa: BLE001 - reported to every rank, then re-raised
+        except Exception as exc:
             failure = exc
     status: list[Any] = [None if failure is None else f"{type(failure).__name__}: {failure}"]
     # Sync point: the other ranks wait here until the main process has written (or failed).

@@ -39,22 +39,46 @@ HELP = "predict time and memory of each strategy and device count, and recommend
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help=f"a preset ({', '.join(models.PRESETS)}) or 'package.module:factory'")
+    parser.add_argument(
+        "--model", required=True, help=f"a preset ({', '.join(models.PRESETS)}) or 'package.module:factory'"
+    )
     parser.add_argument("--input-shape", help="per-sample input shape for a factory model, e.g. 512 or 3,224,224")
     parser.add_argument("--gpu", help=f"GPU preset: {', '.join(hardware.GPUS)} (default: plan on this CPU)")
     parser.add_argument("--link", help=f"link between devices: {', '.join(hardware.LINKS)}")
-    parser.add_argument("--busbw", type=float, help="measured all-reduce bus bandwidth in GB/s (multigpu bandwidth); replaces --link")
-    parser.add_argument("--devices", default="1,2,4,8", help="device counts to compare, comma-separated (default 1,2,4,8)")
+    parser.add_argument(
+        "--busbw", type=float, help="measured all-reduce bus bandwidth in GB/s (multigpu bandwidth); replaces --link"
+    )
+    parser.add_argument(
+        "--devices", default="1,2,4,8", help="device counts to compare, comma-separated (default 1,2,4,8)"
+    )
     parser.add_argument("--batch", type=int, default=32, help="samples per device per step (default 32)")
-    parser.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZER_TRAFFIC), help="optimizer (memory and step time)")
-    parser.add_argument("--precision", default="fp32", choices=sorted(PRECISION_WEIGHT_BYTES), help="weights/gradients precision")
+    parser.add_argument(
+        "--optimizer", default="adam", choices=sorted(OPTIMIZER_TRAFFIC), help="optimizer (memory and step time)"
+    )
+    parser.add_argument(
+        "--precision", default="fp32", choices=sorted(PRECISION_WEIGHT_BYTES), help="weights/gradients precision"
+    )
     parser.add_argument("--params", type=int, help="override: trainable parameters")
     parser.add_argument("--compute-ms", type=float, help="override: forward+backward ms per sample on one device")
     parser.add_argument("--activation-mb", type=float, help="override: MB saved for backward per sample")
-    parser.add_argument("--output-mb", type=float, help="override: MB of outputs per sample (DataParallel gathers them)")
-    parser.add_argument("--utilization", type=float, default=models.FP32_UTILIZATION, help="share of fp32 peak used to turn FLOPs into time")
-    parser.add_argument("--overlap", type=float, default=DEFAULT_GPU_OVERLAP, help="share of hideable all-reduce hidden behind backward (GPU)")
-    parser.add_argument("--devices-per-node", type=int, help="devices per machine; more devices span nodes over --network")
+    parser.add_argument(
+        "--output-mb", type=float, help="override: MB of outputs per sample (DataParallel gathers them)"
+    )
+    parser.add_argument(
+        "--utilization",
+        type=float,
+        default=models.FP32_UTILIZATION,
+        help="share of fp32 peak used to turn FLOPs into time",
+    )
+    parser.add_argument(
+        "--overlap",
+        type=float,
+        default=DEFAULT_GPU_OVERLAP,
+        help="share of hideable all-reduce hidden behind backward (GPU)",
+    )
+    parser.add_argument(
+        "--devices-per-node", type=int, help="devices per machine; more devices span nodes over --network"
+    )
     parser.add_argument("--network", help="link between nodes, e.g. ib-hdr")
     parser.add_argument("--figure", default="advise.png", help="PNG of throughput vs devices (default advise.png)")
     parser.add_argument("--no-figure", action="store_true", help="do not write the PNG")
@@ -63,7 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _load_factory(path: str) -> torch.nn.Module:
     module_name, _, attr = path.partition(":")
     if not attr:
-        raise ConfigError(f"--model {path!r} is neither a preset nor 'package.module:factory'; presets: {', '.join(models.PRESETS)}")
+        raise ConfigError(
+            f"--model {path!r} is neither a preset nor 'package.module:factory'; presets: {', '.join(models.PRESETS)}"
+        )
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
@@ -77,7 +103,9 @@ def _load_factory(path: str) -> torch.nn.Module:
 def _measured(args: argparse.Namespace, gpu: hardware.GpuSpec | None) -> tuple[Workload, torch.nn.Module, torch.Tensor]:
     model = _load_factory(args.model)
     if not args.input_shape:
-        raise ConfigError(f"--model {args.model!r} is measured on sample inputs: pass --input-shape, e.g. 512 or 3,224,224")
+        raise ConfigError(
+            f"--model {args.model!r} is measured on sample inputs: pass --input-shape, e.g. 512 or 3,224,224"
+        )
     shape = tuple(int(s) for s in args.input_shape.split(",") if s.strip())
     inputs = torch.randn(args.batch, *shape)
     w = measure_workload(model, inputs, optimizer=args.optimizer, name=args.model)
@@ -100,11 +128,15 @@ def _overrides(w: Workload, args: argparse.Namespace) -> Workload:
     return replace(w, **changes)
 
 
-def _platform(args: argparse.Namespace, gpu: hardware.GpuSpec | None, model: torch.nn.Module | None, inputs: torch.Tensor | None) -> Platform:
+def _platform(
+    args: argparse.Namespace, gpu: hardware.GpuSpec | None, model: torch.nn.Module | None, inputs: torch.Tensor | None
+) -> Platform:
     busbw = args.busbw * 1e9 if args.busbw else None
     if gpu is None:
         if model is None or inputs is None:
-            raise ConfigError(f"--model {args.model} is a GPU preset: pass --gpu (one of {', '.join(hardware.GPUS)}) and --link")
+            raise ConfigError(
+                f"--model {args.model} is a GPU preset: pass --gpu (one of {', '.join(hardware.GPUS)}) and --link"
+            )
         return measure_cpu_platform(model, inputs[: max(1, args.batch // 2)], busbw=busbw)
     if busbw is None and not args.link:
         raise ConfigError(f"--gpu {args.gpu} needs --link (one of {', '.join(hardware.LINKS)}) or a measured --busbw")
@@ -133,7 +165,17 @@ def _memory(memory: list[float]) -> str:
 def _table(rows: list[Row], plat: Platform) -> Table:
     limit = f"/{plat.memory_bytes / 2**30:.0f}" if plat.memory_bytes else ""
     table = Table(title=f"Predicted step on {plat.name} (primary | others)", title_style="bold")
-    for col in ("strategy", "N", "batch/dev", "step ms", "samples/s", "scaling", "overhead ms", f"peak GiB{limit}", "fits"):
+    for col in (
+        "strategy",
+        "N",
+        "batch/dev",
+        "step ms",
+        "samples/s",
+        "scaling",
+        "overhead ms",
+        f"peak GiB{limit}",
+        "fits",
+    ):
         table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
     for r in rows:
         table.add_row(

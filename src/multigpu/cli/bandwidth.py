@@ -33,16 +33,25 @@ HELP = "measure copy, broadcast/reduce and all-reduce bandwidth against message 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-size", default="1KiB", help="smallest message (default 1KiB; units B, KiB, MiB, GiB)")
-    parser.add_argument("--max-size", default="256MiB", help="largest message (default 256MiB; lower it on a busy machine)")
+    parser.add_argument(
+        "--max-size", default="256MiB", help="largest message (default 256MiB; lower it on a busy machine)"
+    )
     parser.add_argument("--factor", type=int, default=2, help="each size is this many times the last (default 2)")
     parser.add_argument(
         "--devices", default=None, help="replicas for the broadcast/reduce pattern (default: every GPU, else cpu:2)"
     )
     parser.add_argument("--world-size", type=int, default=2, help="processes in the all-reduce (default 2)")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="all-reduce backend (default: nccl on GPUs, else gloo)")
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="all-reduce backend (default: nccl on GPUs, else gloo)",
+    )
     parser.add_argument("--no-all-reduce", action="store_true", help="skip the multi-process all-reduce probe")
     parser.add_argument("--repeats", type=int, default=5, help="timed loops per point; the fastest is kept (default 5)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the all-reduce processes are stopped")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds before the all-reduce processes are stopped"
+    )
     parser.add_argument("--out", default="bandwidth-out", help="folder for bandwidth.png and bandwidth.json")
 
 

@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from multigpu.checkpoint.formats import FORMATS, read_tensors, write_tensors
-from multigpu.checkpoint.summary import Summary, summarize, weights_file
 from multigpu.checkpoint.keys import clean_state_dict
+from multigpu.checkpoint.summary import Summary, summarize, weights_file
 from multigpu.errors import MultigpuError
 
 HELP = "inspect a checkpoint (keys, shapes, step, format) or convert it between formats"
@@ -41,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     convert.add_argument("input", metavar="IN", help="weights file, step folder, or checkpoint folder")
     convert.add_argument("output", metavar="OUT", help="file to write (format from its suffix unless --to)")
-    convert.add_argument("--to", choices=FORMATS, help="output format (default: .pt/.pth/.bin -> torch, else safetensors)")
+    convert.add_argument(
+        "--to", choices=FORMATS, help="output format (default: .pt/.pth/.bin -> torch, else safetensors)"
+    )
     convert.add_argument(
         "--keep-prefixes", action="store_true", help="keep module./_orig_mod. wrapper prefixes (default: strip them)"
     )
@@ -120,4 +122,3 @@ def _bytes(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{n} B"
-

@@ -15,10 +15,10 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from torch import nn
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from torch import nn
 
 from multigpu.demo.data import load_digits
 from multigpu.demo.ddp import run_ddp

@@ -1,7 +1,7 @@
 """Print what a bug report needs: versions, devices with memory, backends, environment variables.
 
-    multigpu env          # plain text, ready to paste into an issue
-    multigpu env --json   # the same as JSON
+multigpu env          # plain text, ready to paste into an issue
+multigpu env --json   # the same as JSON
 """
 
 from __future__ import annotations

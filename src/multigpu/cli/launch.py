@@ -35,24 +35,38 @@ def _nproc(text: str) -> int | str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--strategy", default="auto", choices=LAUNCH_STRATEGIES,
+        "--strategy",
+        default="auto",
+        choices=LAUNCH_STRATEGIES,
         help="ddp: one process per device (torchrun); dp: one process, a replica per device in threads; "
         "single: one process, one device; auto: ddp for several processes, else single (default)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--nproc-per-node", type=_nproc, default="auto", metavar="N|auto",
+        "--nproc-per-node",
+        type=_nproc,
+        default="auto",
+        metavar="N|auto",
         help="ddp processes on this node: a count, or 'auto' = every GPU, else 2 on CPU (default)",
-    )  # fmt: skip
-    parser.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="number of nodes, or MIN:MAX for an elastic run (default 1)")
-    parser.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank, 0..nnodes-1 (static rendezvous)")
+    )
     parser.add_argument(
-        "--master-addr", default=None, metavar="ADDR",
+        "--nnodes", default="1", metavar="N|MIN:MAX", help="number of nodes, or MIN:MAX for an elastic run (default 1)"
+    )
+    parser.add_argument(
+        "--node-rank", type=int, default=0, metavar="R", help="this node's rank, 0..nnodes-1 (static rendezvous)"
+    )
+    parser.add_argument(
+        "--master-addr",
+        default=None,
+        metavar="ADDR",
         help="rank 0's address; default 127.0.0.1 on one node, required for several nodes",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--master-port", type=int, default=None, metavar="PORT",
+        "--master-port",
+        type=int,
+        default=None,
+        metavar="PORT",
         help="rank 0's port; default: a free port on one node (checked free when given)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--collective-timeout",
         type=float,
@@ -61,24 +75,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long a collective waits for a rank that stopped calling it before every rank fails "
         "with the likely cause (default 600)",
     )
-    parser.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restart all workers this often after a failure")
     parser.add_argument(
-        "--rdzv-backend", default="static", choices=("static", "c10d"),
+        "--max-restarts", type=int, default=0, metavar="K", help="restart all workers this often after a failure"
+    )
+    parser.add_argument(
+        "--rdzv-backend",
+        default="static",
+        choices=("static", "c10d"),
         help="static: fixed node ranks (default); c10d: elastic rendezvous at --rdzv-endpoint",
-    )  # fmt: skip
-    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="HOST:PORT of the c10d rendezvous (c10d backend)")
-    parser.add_argument("--rdzv-id", default="multigpu", metavar="ID", help="run id shared by every node of an elastic run")
-    parser.add_argument("--rdzv-conf", default="", metavar="K=V,...", help="extra rendezvous settings, e.g. join_timeout=600")
-    parser.add_argument("--devices", default=None, metavar="SPEC", help="dp's devices, e.g. cpu:2 or cuda:0,1 (default: every GPU, else cpu:2)")
+    )
     parser.add_argument(
-        "--threads-per-process", type=int, default=None, metavar="T",
+        "--rdzv-endpoint", default=None, metavar="HOST:PORT", help="HOST:PORT of the c10d rendezvous (c10d backend)"
+    )
+    parser.add_argument(
+        "--rdzv-id", default="multigpu", metavar="ID", help="run id shared by every node of an elastic run"
+    )
+    parser.add_argument(
+        "--rdzv-conf", default="", metavar="K=V,...", help="extra rendezvous settings, e.g. join_timeout=600"
+    )
+    parser.add_argument(
+        "--devices",
+        default=None,
+        metavar="SPEC",
+        help="dp's devices, e.g. cpu:2 or cuda:0,1 (default: every GPU, else cpu:2)",
+    )
+    parser.add_argument(
+        "--threads-per-process",
+        type=int,
+        default=None,
+        metavar="T",
         help="OMP_NUM_THREADS for each process (default: cores / processes, or your OMP_NUM_THREADS)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--no-bind-cores", dest="bind_cores", action="store_false", default=None,
+        "--no-bind-cores",
+        dest="bind_cores",
+        action="store_false",
+        default=None,
         help="leave ddp workers unbound (default on a machine without GPUs: each worker runs on its own "
         "slice of the cores, about 6%% faster steps measured on 2 CPU workers)",
-    )  # fmt: skip
+    )
     parser.add_argument("script", help="the training script (a .py file)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 

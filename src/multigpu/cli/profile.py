@@ -26,8 +26,8 @@ from rich.console import Console
 
 from multigpu.errors import ConfigError, MultigpuError
 from multigpu.profiling.bandwidth import message_sizes, parse_size, probe_local, replica_devices_from_labels
-from multigpu.profiling.records import StepProfile
 from multigpu.profiling.memory import track_memory
+from multigpu.profiling.records import StepProfile
 from multigpu.profiling.step import ProfileConfig, profile_steps
 from multigpu.report.folder import write_profile_report
 
@@ -50,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also measure per-device peak memory per step (CPU devices: an allocation tracker that slows "
         "every op, so read the times of such a run as relative only; CUDA: the allocator's statistics)",
     )
-    parser.add_argument("--no-probe", action="store_true", help="skip the bandwidth probes drawn under this run's transfers")
+    parser.add_argument(
+        "--no-probe", action="store_true", help="skip the bandwidth probes drawn under this run's transfers"
+    )
     parser.add_argument("--probe-max-size", default="64MiB", help="largest probe message (default 64MiB)")
     parser.add_argument("script", help="the training script (a .py file)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -85,9 +87,11 @@ def _profile_script(args: argparse.Namespace) -> tuple[StepProfile, Any]:
 
     config = ProfileConfig(warmup=args.warmup, trace_ranges=args.trace)
     memory = track_memory() if args.memory else contextlib.nullcontext()
-    with _maybe_trace(args.trace) as trace, memory as tracker, profile_steps(
-        config=config, memory=tracker, on_step=stop_when_done
-    ) as profiler:
+    with (
+        _maybe_trace(args.trace) as trace,
+        memory as tracker,
+        profile_steps(config=config, memory=tracker, on_step=stop_when_done) as profiler,
+    ):
         try:
             _run_as_main(script, args.args)
         except _StopScript:

@@ -38,11 +38,26 @@ def run_ddp(config: TrainConfig, *, nproc_per_node: int | str = "auto", timeout_
     with tempfile.TemporaryDirectory(prefix="multigpu-demo-ddp-") as tmp:
         out = Path(tmp) / "result.pt"
         argv = [
-            sys.executable, "-m", "multigpu", "launch", "--strategy", "ddp",
-            "--nproc-per-node", str(nproc_per_node), __file__, "--out", str(out),
-            "--epochs", str(config.epochs), "--batch-size", str(config.batch_size),
-            "--lr", str(config.lr), "--seed", str(config.seed),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "multigpu",
+            "launch",
+            "--strategy",
+            "ddp",
+            "--nproc-per-node",
+            str(nproc_per_node),
+            __file__,
+            "--out",
+            str(out),
+            "--epochs",
+            str(config.epochs),
+            "--batch-size",
+            str(config.batch_size),
+            "--lr",
+            str(config.lr),
+            "--seed",
+            str(config.seed),
+        ]
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired as exc:

@@ -46,9 +46,7 @@ class RunResult:
     memory: list[DeviceMemory] = field(default_factory=list)  # one measured step, per device
 
 
-def train_run(
-    plan: Plan, data: Digits, config: TrainConfig, on_step: Callable[[], None] = lambda: None
-) -> RunResult:
+def train_run(plan: Plan, data: Digits, config: TrainConfig, on_step: Callable[[], None] = lambda: None) -> RunResult:
     """Train ``plan.wrap(build_cnn())``, measure one step's memory, evaluate on the test split.
 
     Args:
@@ -82,7 +80,9 @@ def train_run(
             samples += len(idx)
             result.losses.append(float(loss))
             on_step()
-    result.memory = _measure_step(model, optimizer, lambda: step(data.train_x[:config.batch_size], data.train_y[:config.batch_size]))
+    result.memory = _measure_step(
+        model, optimizer, lambda: step(data.train_x[: config.batch_size], data.train_y[: config.batch_size])
+    )
     model.eval()
     with torch.no_grad():
         predicted = model(data.test_x).argmax(dim=1)

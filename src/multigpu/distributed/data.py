@@ -97,7 +97,14 @@ class TrainSampler(DistributedSampler):
     """
 
     def __init__(
-        self, dataset: Sized, shard: ShardSpec, *, global_batch: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True
+        self,
+        dataset: Sized,
+        shard: ShardSpec,
+        *,
+        global_batch: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
     ) -> None:
         super().__init__(
             dataset,  # type: ignore[arg-type]
@@ -218,7 +225,9 @@ def build_epoch_loader(
             f"the dataset has {len(dataset)} samples, fewer than one global batch of {global_batch}, "
             f"so every epoch would be empty; use {fix}"
         )
-    sampler = build_train_sampler(dataset, shard, global_batch=global_batch, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    sampler = build_train_sampler(
+        dataset, shard, global_batch=global_batch, shuffle=shuffle, seed=seed, drop_last=drop_last
+    )
     loader = DataLoader(dataset, batch_size=batch, sampler=sampler, drop_last=drop_last, **loader_kwargs)
     return EpochLoader(loader, sampler)
 

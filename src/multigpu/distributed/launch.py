@@ -104,7 +104,11 @@ class LaunchConfig:
             raise ConfigError(
                 f"--strategy {self.strategy} runs one process, but --nproc-per-node {self.nproc_per_node} asks for "
                 f"{self.nproc_per_node}; use --strategy ddp for one process per device"
-                + (f", or --devices cpu:{self.nproc_per_node} for {self.nproc_per_node} dp replicas" if self.strategy == "dp" else "")
+                + (
+                    f", or --devices cpu:{self.nproc_per_node} for {self.nproc_per_node} dp replicas"
+                    if self.strategy == "dp"
+                    else ""
+                )
             )
         if self.devices is not None and self.strategy != "dp":
             raise ConfigError(
@@ -201,15 +205,23 @@ def build_torchrun_args(config: LaunchConfig, script: str, script_args: Sequence
     else:
         endpoint = config.rdzv_endpoint or (f"{addr}:{port or 29500}" if backend == "c10d" else None)
     args = [
-        "--nnodes", config.nnodes,
-        "--nproc-per-node", str(nproc),
-        "--node-rank", str(config.node_rank),
-        "--master-addr", addr,
-        "--master-port", str(port or 29500),
-        "--max-restarts", str(config.max_restarts),
-        "--rdzv-backend", backend,
-        "--rdzv-id", config.rdzv_id,
-    ]  # fmt: skip
+        "--nnodes",
+        config.nnodes,
+        "--nproc-per-node",
+        str(nproc),
+        "--node-rank",
+        str(config.node_rank),
+        "--master-addr",
+        addr,
+        "--master-port",
+        str(port or 29500),
+        "--max-restarts",
+        str(config.max_restarts),
+        "--rdzv-backend",
+        backend,
+        "--rdzv-id",
+        config.rdzv_id,
+    ]
     if endpoint:
         args += ["--rdzv-endpoint", endpoint]
     if config.rdzv_conf:

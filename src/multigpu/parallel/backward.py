@@ -63,7 +63,11 @@ class BackwardPlan:
 
         parallel_apply(backward_one, self.devices, what="backward")
         leaf_grads = [[leaf.grad for leaf in g.param_leaves] for g in self.graphs]
-        moved = sum(t.numel() * t.element_size() for row in leaf_grads for t in row if t is not None) if phases.active() else 0
+        moved = (
+            sum(t.numel() * t.element_size() for row in leaf_grads for t in row if t is not None)
+            if phases.active()
+            else 0
+        )
         with phase("reduce", self.devices[0].label, nbytes=moved):
             param_grads = comm.reduce_add(leaf_grads, self.primary)
         input_grads = [leaf.grad for g in self.graphs for leaf in g.input_leaves]

@@ -36,8 +36,7 @@ class ChunkPolicy:
             )
         if any(v < 0 for v in self.spec) or sum(self.spec) <= 0:
             raise ConfigError(
-                f"chunk_sizes={list(self.spec)} must be non-negative with a positive total; "
-                "use 0 to leave a device out"
+                f"chunk_sizes={list(self.spec)} must be non-negative with a positive total; use 0 to leave a device out"
             )
 
     def sizes(self, batch: int) -> list[int]:

@@ -17,7 +17,9 @@ def _all_cuda(devices: Sequence[torch.device]) -> bool:
     return all(d.type == "cuda" for d in devices)
 
 
-def scatter(tensor: torch.Tensor, sizes: Sequence[int], devices: Sequence[torch.device], dim: int) -> list[torch.Tensor]:
+def scatter(
+    tensor: torch.Tensor, sizes: Sequence[int], devices: Sequence[torch.device], dim: int
+) -> list[torch.Tensor]:
     """Split ``tensor`` on ``dim`` into ``sizes`` and place chunk i on ``devices[i]`` (differentiable)."""
     chunks = tensor.split(list(sizes), dim)
     return [chunk.to(device, non_blocking=True) for chunk, device in zip(chunks, devices)]
@@ -46,7 +48,9 @@ def broadcast_detached(tensors: Sequence[torch.Tensor], devices: Sequence[torch.
     return [[t.detach().to(device) for t in tensors] for device in devices]
 
 
-def reduce_add(per_replica: Sequence[Sequence[torch.Tensor | None]], destination: torch.device) -> list[torch.Tensor | None]:
+def reduce_add(
+    per_replica: Sequence[Sequence[torch.Tensor | None]], destination: torch.device
+) -> list[torch.Tensor | None]:
     """Sum each tensor position across replicas onto ``destination``.
 
     Args:

@@ -150,7 +150,7 @@ class DataParallel(nn.Module):
         input_leaves: list[list[torch.Tensor]] = []
         for chunk in chunks:
             leaves: list[torch.Tensor] = []
-            leaf_chunks.append(map_leaves(lambda leaf, _: _as_leaf(leaf, sources, leaves), chunk))
+            leaf_chunks.append(map_leaves(lambda leaf, _: _as_leaf(leaf, sources, leaves), chunk))  # noqa: B023 (called at once, inside this iteration)
             input_leaves.append(leaves)
         outputs = parallel_apply(self._replica_fn(replicas.modules, leaf_chunks, active), active)
         graphs = [

@@ -57,9 +57,7 @@ class ThreadState:
             yield
 
 
-def parallel_apply(
-    fn: Callable[[int], T], devices: Sequence[ReplicaDevice], *, what: str = "forward"
-) -> list[T]:
+def parallel_apply(fn: Callable[[int], T], devices: Sequence[ReplicaDevice], *, what: str = "forward") -> list[T]:
     """Call ``fn(i)`` for every replica i, in parallel, and return the results in order.
 
     Args:

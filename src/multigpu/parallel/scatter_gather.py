@@ -68,9 +68,7 @@ def even_chunk_sizes(batch: int, replicas: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(replicas)]
 
 
-def scatter(
-    inputs: Any, chunk_sizes: Sequence[int], devices: Sequence[ReplicaDevice], dim: int
-) -> list[Any]:
+def scatter(inputs: Any, chunk_sizes: Sequence[int], devices: Sequence[ReplicaDevice], dim: int) -> list[Any]:
     """Split ``inputs`` into one structure per replica (only replicas with a non-zero chunk).
 
     Args:

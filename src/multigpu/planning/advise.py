@@ -70,7 +70,9 @@ def evaluate(w: Workload, plat: Platform, device_counts: Sequence[int], per_devi
         ConfigError: an empty or non-positive device count list.
     """
     if not device_counts or min(device_counts) < 1:
-        raise ConfigError(f"device counts {list(device_counts)} must be a non-empty list of integers >= 1, e.g. 1,2,4,8")
+        raise ConfigError(
+            f"device counts {list(device_counts)} must be a non-empty list of integers >= 1, e.g. 1,2,4,8"
+        )
     single = _row("single", w, plat, 1, per_device_batch, None)
     rows = [single]
     for n in sorted(set(device_counts) - {1}):
@@ -108,7 +110,11 @@ def recommend(rows: Sequence[Row], memory_limit: float | None = None) -> Recomme
     others = [r for r in candidates if r is not best]
     if others:
         runner = min(others, key=lambda r: r.step.total_s)
-        why = "does not fit" if not runner.fits else f"{runner.step.total_s * 1e3:.1f} ms, {runner.step.total_s / best.step.total_s:.2f}x slower"
+        why = (
+            "does not fit"
+            if not runner.fits
+            else f"{runner.step.total_s * 1e3:.1f} ms, {runner.step.total_s / best.step.total_s:.2f}x slower"
+        )
         sentence += f"; {LABELS[runner.strategy]} {why}"
     return Recommendation(best.strategy, top, sentence + ".")
 

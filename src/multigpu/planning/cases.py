@@ -66,8 +66,10 @@ def hf_gpt2_dp_vs_ddp(overlap: float = DEFAULT_GPU_OVERLAP) -> list[CaseRow]:
     return rows
 
 
-_DDP_BENCH = {"resnet50": (0.097, {2: 0.103, 4: 0.103, 8: 0.104, 16: 0.104}),
-              "resnet101": (0.162, {2: 0.176, 4: 0.176, 8: 0.179, 16: 0.179})}
+_DDP_BENCH = {
+    "resnet50": (0.097, {2: 0.103, 4: 0.103, 8: 0.104, 16: 0.104}),
+    "resnet101": (0.162, {2: 0.176, 4: 0.176, 8: 0.179, 16: 0.179}),
+}
 
 
 def pytorch_ddp_benchmark(overlap: float = DEFAULT_GPU_OVERLAP) -> list[CaseRow]:

@@ -96,7 +96,9 @@ GPUS: dict[str, GpuSpec] = {
         _gpu("a100-40gb", 40, 1555, 19.5, f"{_SHARED}; fp32 19.5 TFLOPS: {_VENDOR}", host="pcie4"),
         _gpu("a100-80gb", 80, 2000, 19.5, f"{_SHARED}; fp32 19.5 TFLOPS: {_VENDOR}", host="pcie4"),
         _gpu("h100-80gb", 80, 3350, 67.0, f"{_SHARED}; fp32 67 TFLOPS: {_VENDOR} (H100 SXM)", host="pcie5"),
-        _gpu("h200-141gb", 141, 4800, 67.0, f"{_SHARED}; fp32 67 TFLOPS: {_VENDOR} (H200 SXM)", gib=False, host="pcie5"),
+        _gpu(
+            "h200-141gb", 141, 4800, 67.0, f"{_SHARED}; fp32 67 TFLOPS: {_VENDOR} (H200 SXM)", gib=False, host="pcie5"
+        ),
         _gpu("titan-rtx", 24, 672, 16.3, f"{_VENDOR}: TITAN RTX 24 GB GDDR6, 672 GB/s, 16.3 TFLOPS fp32"),
         _gpu("t4", 16, 320, 8.1, f"{_VENDOR}: T4 16 GB GDDR6, 320 GB/s, 8.1 TFLOPS fp32"),
         _gpu("p100-16gb", 16, 732, 9.3, f"{_VENDOR}: Tesla P100 PCIe 16 GB, 732 GB/s, 9.3 TFLOPS fp32"),

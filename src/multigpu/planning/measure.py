@@ -246,9 +246,6 @@ def allreduce_busbw(nbytes: int, *, repeats: int = 7) -> float:
     return tensor.numel() * 4 / seconds * 2 * (world - 1) / world
 
 
-
-
-
 def count_flops(model: nn.Module, inputs: torch.Tensor, *, loss_fn: LossFn = _default_loss) -> float:
     """FLOPs of one forward + backward of ``inputs`` (torch's FlopCounterMode: matmuls and convolutions)."""
     from torch.utils.flop_counter import FlopCounterMode

@@ -59,7 +59,9 @@ def probe_all_reduce(
     if world_size < 2:
         raise ConfigError(f"world_size={world_size}: an all-reduce needs at least 2 processes; use --world-size 2")
     if backend == "nccl" and world_size > torch.cuda.device_count():
-        raise ConfigError(f"world_size={world_size} with nccl needs one GPU per process, {torch.cuda.device_count()} visible; lower --world-size")
+        raise ConfigError(
+            f"world_size={world_size} with nccl needs one GPU per process, {torch.cuda.device_count()} visible; lower --world-size"
+        )
     with tempfile.TemporaryDirectory(prefix="multigpu-allreduce-") as tmp:
         out = Path(tmp)
         context = mp.start_processes(
@@ -73,7 +75,9 @@ def probe_all_reduce(
             deadline = time.monotonic() + timeout_s
             while not context.join(timeout=max(0.0, deadline - time.monotonic())):  # False: some still run
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"all-reduce probe did not finish in {timeout_s:.0f} s; raise the timeout or lower --max-size")
+                    raise TimeoutError(
+                        f"all-reduce probe did not finish in {timeout_s:.0f} s; raise the timeout or lower --max-size"
+                    )
         except mp.ProcessExitedException as exc:
             raise RuntimeError(f"all-reduce probe failed in a worker: {exc}") from exc
         finally:
@@ -83,7 +87,9 @@ def probe_all_reduce(
         per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
     label = f"all-reduce {backend} x{world_size}"
     return [
-        BandwidthPoint(probe=label, kind="all-reduce", nbytes=size, seconds=max(r[i] for r in per_rank), ranks=world_size)
+        BandwidthPoint(
+            probe=label, kind="all-reduce", nbytes=size, seconds=max(r[i] for r in per_rank), ranks=world_size
+        )
         for i, size in enumerate(sizes)
     ]
 
@@ -104,7 +110,7 @@ def _worker(rank: int, world_size: int, backend: str, port: int, sizes: list[int
             dist.barrier()
             # the count depends on the size only: every rank runs the same number of collectives
             iters = iters_for(size, max_iters=_MAX_ITERS)
-            seconds.append(time_per_op(lambda: dist.all_reduce(tensor), sync, iters=iters, repeats=repeats))
+            seconds.append(time_per_op(lambda: dist.all_reduce(tensor), sync, iters=iters, repeats=repeats))  # noqa: B023 (called at once, inside this iteration)
         Path(out, f"rank{rank}.json").write_text(json.dumps(seconds))
     finally:
         dist.destroy_process_group()

@@ -25,7 +25,19 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 DEFAULT_MIN_BYTES = KiB
 DEFAULT_MAX_BYTES = 256 * MiB
-_UNITS = {"": 1, "b": 1, "k": KiB, "kib": KiB, "kb": KiB, "m": MiB, "mib": MiB, "mb": MiB, "g": GiB, "gib": GiB, "gb": GiB}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": KiB,
+    "kib": KiB,
+    "kb": KiB,
+    "m": MiB,
+    "mib": MiB,
+    "mb": MiB,
+    "g": GiB,
+    "gib": GiB,
+    "gb": GiB,
+}
 
 
 def bus_factor(kind: str, ranks: int) -> float:
@@ -67,7 +79,9 @@ def parse_size(text: str) -> int:
     """
     match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
     if match is None or match[2].lower() not in _UNITS:
-        raise ConfigError(f"size {text!r} does not parse; use a number of bytes with an optional unit, e.g. '64KiB' or '256MiB'")
+        raise ConfigError(
+            f"size {text!r} does not parse; use a number of bytes with an optional unit, e.g. '64KiB' or '256MiB'"
+        )
     return int(match[1]) * _UNITS[match[2].lower()]
 
 
@@ -148,10 +162,14 @@ def probe_copy(src_device: torch.device, dst_device: torch.device, nbytes: int, 
     # a partial, not a lambda: no extra Python frame per copy (it shows at small sizes)
     copy = functools.partial(dst.copy_, src, non_blocking=True) if pin else functools.partial(dst.copy_, src)
     seconds = time_per_op(copy, sync, iters=iters_for(nbytes), repeats=repeats)
-    return BandwidthPoint(probe=f"copy {_name(src_device)}->{_name(dst_device)}", kind="copy", nbytes=nbytes, seconds=seconds)
+    return BandwidthPoint(
+        probe=f"copy {_name(src_device)}->{_name(dst_device)}", kind="copy", nbytes=nbytes, seconds=seconds
+    )
 
 
-def probe_dp_pattern(devices: Sequence[ReplicaDevice], nbytes: int, *, repeats: int = 5) -> tuple[list[BandwidthPoint], list[str]]:
+def probe_dp_pattern(
+    devices: Sequence[ReplicaDevice], nbytes: int, *, repeats: int = 5
+) -> tuple[list[BandwidthPoint], list[str]]:
     """The DataParallel engine's own broadcast (primary -> replicas) and reduce-add (replicas -> primary).
 
     Returns:
@@ -166,12 +184,18 @@ def probe_dp_pattern(devices: Sequence[ReplicaDevice], nbytes: int, *, repeats: 
     if any(d != primary for d in torch_devices[1:]):
         broadcast = lambda: comm.broadcast_detached([source], torch_devices)  # noqa: E731
         seconds = time_per_op(broadcast, sync, iters=iters_for(nbytes), repeats=repeats)
-        points.append(BandwidthPoint(probe=f"broadcast {devices[0].label}->x{n}", kind="broadcast", nbytes=nbytes, seconds=seconds, ranks=n))
+        points.append(
+            BandwidthPoint(
+                probe=f"broadcast {devices[0].label}->x{n}", kind="broadcast", nbytes=nbytes, seconds=seconds, ranks=n
+            )
+        )
     else:
         notes.append(f"broadcast to {n} replicas on {primary}: shared storage, no bytes move (not probed)")
     grads = [[_buffer(nbytes, d, False)] for d in torch_devices]
     seconds = time_per_op(lambda: comm.reduce_add(grads, primary), sync, iters=iters_for(nbytes), repeats=repeats)
-    points.append(BandwidthPoint(probe=f"reduce x{n}->{devices[0].label}", kind="reduce", nbytes=nbytes, seconds=seconds, ranks=n))
+    points.append(
+        BandwidthPoint(probe=f"reduce x{n}->{devices[0].label}", kind="reduce", nbytes=nbytes, seconds=seconds, ranks=n)
+    )
     return points, notes
 
 
@@ -186,7 +210,10 @@ def _name(device: torch.device) -> str:
 
 def replica_devices_from_labels(labels: Sequence[str]) -> list[ReplicaDevice]:
     """Replica devices from report labels (``["cpu:0", "cpu:1"]`` or ``["cuda:0", "cuda:1"]``)."""
-    return [ReplicaDevice(torch.device("cpu") if label.startswith("cpu") else torch.device(label), label) for label in labels]
+    return [
+        ReplicaDevice(torch.device("cpu") if label.startswith("cpu") else torch.device(label), label)
+        for label in labels
+    ]
 
 
 def probe_local(

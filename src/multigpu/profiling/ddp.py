@@ -101,11 +101,20 @@ class DDPProfile:
 class DDPProfiler:
     """Times the all-reduce of every bucket and every step of one rank (see the module docstring)."""
 
-    def __init__(self, model: DistributedDataParallel, *, warmup: int = 1, inner_hook: CommHook | None = None, hook_state: Any = None) -> None:
+    def __init__(
+        self,
+        model: DistributedDataParallel,
+        *,
+        warmup: int = 1,
+        inner_hook: CommHook | None = None,
+        hook_state: Any = None,
+    ) -> None:
         if warmup < 0:
             raise ConfigError(f"warmup={warmup} must be >= 0 (steps to run before keeping numbers)")
         if not isinstance(model, DistributedDataParallel):
-            raise ConfigError(f"profile_ddp needs a DistributedDataParallel model, got {type(model).__name__}; wrap it first")
+            raise ConfigError(
+                f"profile_ddp needs a DistributedDataParallel model, got {type(model).__name__}; wrap it first"
+            )
         self.warmup = warmup
         self.enabled = True
         self._inner: CommHook = inner_hook or default_hooks.allreduce_hook

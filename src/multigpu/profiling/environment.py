@@ -95,7 +95,9 @@ def _devices() -> dict[str, str]:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
-            rows[f"cuda:{i}"] = f"{props.name}, {props.total_memory / 2**30:.1f} GiB, capability {props.major}.{props.minor}"
+            rows[f"cuda:{i}"] = (
+                f"{props.name}, {props.total_memory / 2**30:.1f} GiB, capability {props.major}.{props.minor}"
+            )
     mps = getattr(torch.backends, "mps", None)
     if mps is not None and mps.is_available():
         rows["mps"] = "available"

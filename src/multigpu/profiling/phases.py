@@ -71,7 +71,7 @@ def active() -> bool:
 class _Phase:
     """One listened-to phase: ``begin`` on enter, ``end`` on exit (also when the block raises)."""
 
-    __slots__ = ("_listener", "_name", "_device", "_nbytes", "_token")
+    __slots__ = ("_device", "_listener", "_name", "_nbytes", "_token")
 
     def __init__(self, listener: PhaseListener, name: str, device: str | None, nbytes: int) -> None:
         self._listener, self._name, self._device, self._nbytes = listener, name, device, nbytes

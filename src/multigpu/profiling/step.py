@@ -29,7 +29,6 @@ from multigpu.errors import ConfigError
 from multigpu.profiling import clock, phases
 from multigpu.profiling.records import PhaseStat, StepProfile, StepRecord
 
-
 _now = time.perf_counter
 
 

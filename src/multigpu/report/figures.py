@@ -75,9 +75,7 @@ def memory_figure(peaks: Mapping[str, int], path: str | Path) -> Path:
     return save_figure(fig, path)
 
 
-def bandwidth_figure(
-    points: Sequence[BandwidthPoint], path: str | Path, *, achieved: Sequence[PhaseStat] = ()
-) -> Path:
+def bandwidth_figure(points: Sequence[BandwidthPoint], path: str | Path, *, achieved: Sequence[PhaseStat] = ()) -> Path:
     """Bus bandwidth against message size, one line per probe (log-log); dots: a profile's phases."""
     from matplotlib.ticker import FuncFormatter
 
@@ -88,7 +86,11 @@ def bandwidth_figure(
     for name in dict.fromkeys(s.phase for s in achieved):
         rates = [(s.nbytes, s.gbps) for s in achieved if s.phase == name and s.gbps is not None]
         ax.scatter(
-            [n for n, _ in rates], [g for _, g in rates], marker="x", color=_COLORS.get(name), label=f"{name} (this run)"
+            [n for n, _ in rates],
+            [g for _, g in rates],
+            marker="x",
+            color=_COLORS.get(name),
+            label=f"{name} (this run)",
         )
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_bytes(x).replace(".0 ", " ")))

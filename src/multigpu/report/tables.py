@@ -39,7 +39,13 @@ def phase_table(profile: StepProfile) -> Table:
 def comm_table(profile: StepProfile) -> Table:
     """Bytes moved per step by each communication phase and the bandwidth it achieved."""
     table = Table(title="Communication per step (median)", min_width=60)
-    for column, justify in (("phase", "left"), ("device", "left"), ("bytes", "right"), ("ms", "right"), ("GB/s", "right")):
+    for column, justify in (
+        ("phase", "left"),
+        ("device", "left"),
+        ("bytes", "right"),
+        ("ms", "right"),
+        ("GB/s", "right"),
+    ):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for name in COMM_PHASES:
         for device in profile.devices:

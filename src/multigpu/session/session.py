@@ -107,7 +107,11 @@ class Session:
     def start(self) -> Session:
         """Build the strategy and join the process group (ddp). Every rank must call it."""
         if self.strategy is None:
-            strategy = build_strategy(self.config.strategy, devices=self.config.devices, timeout_s=self.config.timeout_s or runtime.collective_timeout_s())
+            strategy = build_strategy(
+                self.config.strategy,
+                devices=self.config.devices,
+                timeout_s=self.config.timeout_s or runtime.collective_timeout_s(),
+            )
             strategy.setup()
             self.strategy = strategy
             self.precision = build_precision(self.config.precision, strategy.device.type)
@@ -128,7 +132,9 @@ class Session:
 
     def _started(self) -> tuple[Strategy, Precision]:
         if self.strategy is None or self.precision is None:
-            raise ConfigError("the session has not started; use 'with Session(...) as session:' or call session.start()")
+            raise ConfigError(
+                "the session has not started; use 'with Session(...) as session:' or call session.start()"
+            )
         return self.strategy, self.precision
 
     # -- where am I ----------------------------------------------------------------------------

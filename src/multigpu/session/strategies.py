@@ -55,10 +55,10 @@ class Strategy(ABC):
     def is_main_process(self) -> bool:
         return True
 
-    def setup(self) -> None:
+    def setup(self) -> None:  # noqa: B027 (optional hook: a no-op by default)
         """Prepare the process (join the process group under ddp)."""
 
-    def teardown(self) -> None:
+    def teardown(self) -> None:  # noqa: B027 (optional hook: a no-op by default)
         """Undo :meth:`setup`."""
 
     @abstractmethod
@@ -197,9 +197,7 @@ def _check_ddp_devices(devices: DeviceSpec, env: LaunchEnv) -> list[ReplicaDevic
     return parsed
 
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (SingleStrategy, DataParallelStrategy, DDPStrategy)
-}
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (SingleStrategy, DataParallelStrategy, DDPStrategy)}
 
 
 def resolve_strategy_name(name: str) -> str:

@@ -28,13 +28,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: `tests` imports
 
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel
 
-import multigpu.checkpoint as ckpt  # noqa: E402
-from multigpu.distributed.failures import explain_collective_failures  # noqa: E402
-from tests.checkpoint import _training as tr  # noqa: E402
+import multigpu.checkpoint as ckpt
+from multigpu.distributed.failures import explain_collective_failures
+from tests.checkpoint import _training as tr
 
 
 def parse() -> argparse.Namespace:

@@ -1,6 +1,6 @@
 """Save a first checkpoint, say so on stdout, then start a second, large save (the test kills us in it).
 
-    python save_until_killed.py {weights|state} FOLDER
+python save_until_killed.py {weights|state} FOLDER
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ def main(mode: str, folder: Path) -> None:
         model.weight.fill_(1.0)
         model.bias.fill_(1.0)
     checkpointer = ckpt.Checkpointer(folder=folder, keep_last=2)
-    save = (lambda step: ckpt.save(model, folder / "model.safetensors")) if mode == "weights" else (
-        lambda step: checkpointer.save(step=step, model=model)
+    save = (
+        (lambda step: ckpt.save(model, folder / "model.safetensors"))
+        if mode == "weights"
+        else (lambda step: checkpointer.save(step=step, model=model))
     )
     save(1)
     print("saved 1", flush=True)
