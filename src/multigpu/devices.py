@@ -9,7 +9,8 @@ Accepted everywhere a set of devices is asked for:
     None                  every visible GPU, else the CPU alone
 
 The first device is the *primary device*: it holds the module's parameters, gathers the
-outputs by default and runs the optimizer.
+outputs by default and runs the optimizer. At most :data:`MAX_REPLICAS` replicas: each costs a
+thread and a copy of the module per step, and beyond a few dozen, processes (DDP) scale better.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from multigpu.errors import DeviceError
 DeviceSpec = str | int | torch.device | Sequence[str | int | torch.device] | None
 
 _TYPES = ("cpu", "cuda", "xpu", "mps")
+MAX_REPLICAS = 64  # replicas one process may run: one thread and one module copy each
 _SPEC = re.compile(r"^(?P<type>[a-z]+)(?::(?P<rest>[0-9, ]+))?$")
 
 
@@ -92,11 +94,12 @@ def parse_devices(spec: DeviceSpec = None) -> list[ReplicaDevice]:
         return [ReplicaDevice(torch.device("cpu"), "cpu")]
     if isinstance(spec, str):
         return _parse_string(spec)
-    if isinstance(spec, (int, torch.device)):
+    if isinstance(spec, (int, torch.device)) and not isinstance(spec, bool):
         return parse_devices([spec])
-    if isinstance(spec, Sequence):
+    if isinstance(spec, Sequence) and not isinstance(spec, (bytes, bytearray)):
         if len(spec) == 0:
             raise DeviceError("devices=[] names no device; pass e.g. devices='cpu:2' or device_ids=[0, 1]")
+        _check_count(len(spec), spec)
         return _parse_list(list(spec))
     raise DeviceError(f"devices={spec!r} is not a device specification; use e.g. 'cpu:2', 'cuda:0,1' or [0, 1]")
 
@@ -118,6 +121,7 @@ def _parse_string(spec: str) -> list[ReplicaDevice]:
         count = int(rest) if rest and "," not in rest else (1 if not rest else 0)
         if count < 1:
             raise DeviceError(f"device string {spec!r}: 'cpu:N' takes a replica count N >= 1, e.g. 'cpu:2'")
+        _check_count(count, spec)
         return _cpu_replicas(count)
     if rest is None:
         return _indexed(device_type, list(range(device_count(device_type))), spec)
@@ -129,6 +133,11 @@ def _parse_list(items: list[str | int | torch.device]) -> list[ReplicaDevice]:
     out: list[ReplicaDevice] = []
     cpu_count = 0
     for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, str, torch.device)):
+            raise DeviceError(
+                f"devices={items!r} holds {item!r} ({type(item).__name__}); each entry must be an accelerator "
+                "index (0), a device string ('cuda:1', 'cpu') or a torch.device"
+            )
         if isinstance(item, int):
             accel = accelerator_type()
             if accel is None:
@@ -156,13 +165,84 @@ def _to_device(text: str) -> torch.device:
         raise DeviceError(f"device {text!r} does not parse ({exc}); use e.g. 'cuda:0' or 'cpu'") from exc
 
 
+def parse_output_device(spec: int | str | torch.device | None, primary: torch.device) -> torch.device:
+    """Where outputs are gathered, read as nn.DataParallel reads ``output_device``, on any device.
+
+    Args:
+        spec: None (the primary device), an accelerator index (``-1`` is the CPU, as torch
+            documents), a device string (``"cuda:1"``, ``"cpu"``) or a ``torch.device``.
+        primary: the primary device.
+
+    Returns:
+        The torch device; every CPU form is ``torch.device("cpu")``.
+
+    Raises:
+        DeviceError: a value of another type, a string that does not parse, or a device that is not there.
+
+    Example:
+        >>> parse_output_device(-1, torch.device("cpu"))
+        device(type='cpu')
+    """
+    if spec is None:
+        return primary
+    if isinstance(spec, bool) or not isinstance(spec, (int, str, torch.device)):
+        raise DeviceError(
+            f"output_device={spec!r} ({type(spec).__name__}) is not a device; pass an accelerator index "
+            "(0, or -1 for the CPU), a device string ('cuda:1', 'cpu') or a torch.device"
+        )
+    if isinstance(spec, int):
+        if spec == -1:
+            return torch.device("cpu")
+        accel = accelerator_type()
+        if accel is None or spec < -1:
+            raise DeviceError(
+                f"output_device={spec} names an accelerator index, but "
+                + ("none is visible to this process" if accel is None else "indices start at 0")
+                + "; use output_device='cpu' (or -1) for the CPU"
+            )
+        return _indexed(accel, [spec], spec, what="output_device")[0].device
+    device = spec if isinstance(spec, torch.device) else _to_device(spec)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type not in _TYPES:
+        raise DeviceError(f"output_device={spec!r}: {device.type!r} is not one of {', '.join(_TYPES)}")
+    index = device.index if device.index is not None else 0
+    return _indexed(device.type, [index], spec, what="output_device")[0].device
+
+
+@dataclass(frozen=True)
+class DeviceCapacity:
+    """What nn.DataParallel compares to warn of imbalanced devices."""
+
+    memory: int  # total bytes
+    cores: int  # streaming multiprocessors on CUDA
+
+
+def device_capacity(device: ReplicaDevice) -> DeviceCapacity | None:
+    """Total memory and core count of an accelerator; None where torch does not report them (CPU)."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device.device)
+    return DeviceCapacity(props.total_memory, props.multi_processor_count)
+
+
+def _check_count(count: int, spec: object) -> None:
+    if count > MAX_REPLICAS:
+        shown = spec if isinstance(spec, str) else f"a list of {count} devices"
+        raise DeviceError(
+            f"devices={shown!r} asks for {count} replicas; one process runs at most {MAX_REPLICAS} "
+            f"(multigpu.devices.MAX_REPLICAS); use fewer, e.g. devices='cpu:4', or processes: "
+            "multigpu launch --strategy ddp"
+        )
+
+
 def _cpu_replicas(count: int) -> list[ReplicaDevice]:
     if count == 1:
         return [ReplicaDevice(torch.device("cpu"), "cpu")]
     return [ReplicaDevice(torch.device("cpu"), f"cpu:{i}") for i in range(count)]
 
 
-def _indexed(device_type: str, indices: list[int], spec: object) -> list[ReplicaDevice]:
+def _indexed(device_type: str, indices: list[int], spec: object, what: str = "devices") -> list[ReplicaDevice]:
     available = device_count(device_type)
     if not indices:
         raise DeviceError(
@@ -171,7 +251,7 @@ def _indexed(device_type: str, indices: list[int], spec: object) -> list[Replica
     for index in indices:
         if index < 0 or index >= available:
             raise DeviceError(
-                f"{device_type}:{index} (from devices={spec!r}) does not exist: this process sees "
+                f"{device_type}:{index} (from {what}={spec!r}) does not exist: this process sees "
                 f"{available} {device_type} device(s); pick indices below {available} "
                 "or use devices='cpu:2' to run on the CPU"
             )
