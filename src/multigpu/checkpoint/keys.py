@@ -14,21 +14,9 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+from multigpu._keys import WRAPPER_PREFIXES, strip_prefixes  # noqa: F401 (WRAPPER_PREFIXES: re-exported)
 
 V = TypeVar("V")
-
-
-def strip_prefixes(key: str) -> str:
-    """``key`` without any leading wrapper prefixes (``module.``, ``_orig_mod.``), however nested."""
-    changed = True
-    while changed:
-        changed = False
-        for prefix in WRAPPER_PREFIXES:
-            if key.startswith(prefix):
-                key = key[len(prefix) :]
-                changed = True
-    return key
 
 
 def clean_state_dict(state_dict: Mapping[str, V]) -> OrderedDict[str, V]:
