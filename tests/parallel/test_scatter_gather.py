@@ -5,11 +5,14 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch import nn
 
+import multigpu
 from multigpu.devices import parse_devices
-from multigpu.errors import ConfigError, GatherError
+from multigpu.errors import ConfigError, GatherError, ScatterError
 from multigpu.parallel.chunks import build_policy, proportional_sizes
 from multigpu.parallel.scatter_gather import even_chunk_sizes, gather, scatter
+from tests.models import assert_same_grads, twin
 
 Out = namedtuple("Out", ["x", "n"])
 
@@ -66,3 +69,78 @@ def test_gather_names_mismatched_structures() -> None:
         gather([{"k": {"a": torch.ones(1)}}, {"k": {"b": torch.ones(1)}}], [1, 1], torch.device("cpu"), 0)
     with pytest.raises(GatherError, match=r"output\[0\] has shape \(2,\), too few dims to gather on dim 1"):
         gather([(torch.ones(2),), (torch.ones(2),)], [1, 1], torch.device("cpu"), 1)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [[float("nan"), 1.0], [float("inf"), 1.0], [1e308, 1e308], [10**400, 1], [1.0, -float("inf")]],
+    ids=["nan", "inf", "sum-overflows", "huge-int", "minus-inf"],
+)
+def test_chunk_sizes_that_are_not_finite_numbers_are_refused(spec: list[float]) -> None:
+    with pytest.raises(ConfigError, match=r"must hold finite numbers \(no NaN or infinity"):
+        build_policy(spec, 2)
+
+
+@pytest.mark.parametrize("spec", [[True, False], ["1", 1], [b"1", 1]])
+def test_chunk_sizes_that_are_not_numbers_are_refused(spec: list[object]) -> None:
+    with pytest.raises(ConfigError, match=r"must hold numbers: sizes like \[24, 40\]"):
+        build_policy(spec, 2)  # type: ignore[arg-type]
+
+
+class ShapeByReplica(nn.Module):
+    """Returns a differently shaped tensor on the replica that gets a chunk of 1."""
+
+    def __init__(self, odd: str) -> None:
+        super().__init__()
+        self.odd = odd
+
+    def forward(self, x: torch.Tensor) -> dict:
+        if x.size(0) == 1:
+            return {"y": x.new_zeros(1, 5) if self.odd == "width" else x.new_zeros(1, 3, 1)}
+        return {"y": x}
+
+
+@pytest.mark.parametrize(
+    ("odd", "message"),
+    [
+        (
+            "width",
+            r"output\['y'\] differs in shape across replicas in more than the batch dim 0 \(replica 0: \(2, 3\), replica 1: \(1, 5\)\)",
+        ),
+        (
+            "rank",
+            r"output\['y'\] has a different number of dims on different replicas \(replica 0: \(2, 3\), replica 1: \(1, 3, 1\)\)",
+        ),
+    ],
+)
+def test_replica_outputs_of_different_shapes_are_a_gather_error(odd: str, message: str) -> None:
+    model = multigpu.DataParallel(ShapeByReplica(odd), devices="cpu:2", chunk_sizes=[2, 1])
+    with pytest.raises(GatherError, match=message):
+        model(torch.randn(3, 3))
+
+
+class SparseMatmul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(x, self.lin.weight.t()) + self.lin.bias
+
+
+def test_a_sparse_coo_input_is_split_like_a_dense_one() -> None:
+    net, ref = twin(SparseMatmul)
+    dense = torch.randn(7, 6) * (torch.rand(7, 6) > 0.6)
+    x = dense.to_sparse()
+    out = multigpu.DataParallel(net, devices="cpu:3")(x)
+    want = ref(x)
+    torch.testing.assert_close(out, want)
+    out.sum().backward()
+    want.sum().backward()
+    assert_same_grads(net, ref)
+
+
+def test_other_sparse_layouts_are_refused_with_the_conversion() -> None:
+    x = torch.randn(4, 6).to_sparse_csr()
+    with pytest.raises(ScatterError, match=r"input\[0\]\[0\] is a torch.sparse_csr tensor.*x.to_sparse_coo\(\)"):
+        multigpu.DataParallel(SparseMatmul(), devices="cpu:2")(x)

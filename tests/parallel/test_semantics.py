@@ -141,7 +141,7 @@ def test_module_off_the_primary_device_is_named() -> None:
     ("kwargs", "message"),
     [
         ({"scalar_outputs": "max"}, r"scalar_outputs='max' is not one of"),
-        ({"dim": -1}, r"dim=-1 must be >= 0"),
+        ({"dim": 1.5}, r"dim=1.5 must be an int"),
         ({"chunk_sizes": [1, 2, 3]}, r"chunk_sizes=\[1, 2, 3\] has 3 entries for 2 devices"),
         ({"chunk_sizes": "fast"}, r"chunk_sizes='fast' is not a list"),
         ({"chunk_sizes": [-1.0, 2.0]}, r"must be non-negative"),
@@ -206,3 +206,35 @@ def test_cuda_replicas_match_one_device() -> None:
     ref(x).sum().backward()
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+class OwnsAModuleChild(nn.Module):
+    """A model whose own child is called ``module`` and which has its own ``weight`` too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Linear(2, 2)
+        self.weight = nn.Parameter(torch.randn(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x) * self.weight
+
+
+def test_a_child_named_module_saves_and_loads_every_tensor() -> None:
+    net, bare = twin(OwnsAModuleChild)
+    model = multigpu.DataParallel(net, devices="cpu:2")
+    saved = model.state_dict()
+    assert sorted(saved) == sorted(bare.state_dict()) == ["module.bias", "module.weight", "weight"]
+    fresh = multigpu.DataParallel(OwnsAModuleChild(), devices="cpu:2")
+    fresh.load_state_dict(saved)  # bare keys, one of them starting with "module."
+    fresh.load_state_dict(nn.DataParallel(bare).state_dict())  # nn.DataParallel's: "module.module.weight"
+    for p, q in zip(fresh.module.parameters(), net.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_keys_that_name_one_tensor_twice_are_refused() -> None:
+    model = multigpu.DataParallel(mlp(), devices="cpu:2")
+    state = {k: v for k, v in model.state_dict().items()}
+    state["module.0.weight"] = state["0.weight"]
+    with pytest.raises(multigpu.CheckpointError, match=r"\['0.weight', 'module.0.weight'\] all name '0.weight'"):
+        model.load_state_dict(state)

@@ -22,7 +22,7 @@ import torch
 
 from multigpu.devices import ReplicaDevice
 from multigpu.parallel import comm
-from multigpu.parallel.parallel_apply import parallel_apply
+from multigpu.parallel.threads import ReplicaThreads, run_replicas
 from multigpu.profiling import phases
 from multigpu.profiling.phases import phase
 
@@ -43,7 +43,8 @@ class BackwardPlan:
     graphs: list[ReplicaGraph]
     devices: list[ReplicaDevice]
     primary: torch.device
-    params: list[torch.nn.Parameter]  # the primary's trainable parameters
+    params: list[torch.Tensor]  # the primary's trainable parameters (and buffers that require grad)
+    threads: ReplicaThreads  # the owner's pool: the replicas' backward runs on it
 
     def run(self, output_grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Backward of every replica in parallel; returns grads for params, then for every input leaf."""
@@ -61,7 +62,7 @@ class BackwardPlan:
                 with phase("backward", self.devices[i].label):
                     torch.autograd.backward(list(outs), list(grads))
 
-        parallel_apply(backward_one, self.devices, what="backward")
+        run_replicas(backward_one, self.devices, self.threads, what="backward")
         leaf_grads = [[leaf.grad for leaf in g.param_leaves] for g in self.graphs]
         moved = (
             sum(t.numel() * t.element_size() for row in leaf_grads for t in row if t is not None)

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from multigpu.devices import ReplicaDevice
+from multigpu.devices import DeviceCapacity, ReplicaDevice
 from multigpu.parallel.chunks import proportional_sizes
 from multigpu.profiling import phases
 from multigpu.profiling.memory import DeviceMemory, track_memory
@@ -46,6 +46,7 @@ from multigpu.profiling.memory import DeviceMemory, track_memory
 log = logging.getLogger("multigpu.balance")
 
 _TIME_SLACK = 1.05
+_IMBALANCE = 0.75  # nn.DataParallel's threshold: a device with less than 75% of another's memory or cores
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,29 @@ class BalancePlan:
             f"per-sample activations {', '.join(f'{r / 1024:.0f} KiB' for r in self.rates)}; "
             f"chose chunks {chosen}, predicted peaks {predicted} MiB (equal peaks minimise the largest)"
         )
+
+
+def imbalance_warning(labels: Sequence[str], capacities: Sequence[DeviceCapacity]) -> str | None:
+    """nn.DataParallel's ``_check_balance``: a device with < 75% of another's memory or cores.
+
+    Returns:
+        The warning to give (naming both devices, the numbers and the fix), or None when balanced.
+
+    Example:
+        >>> imbalance_warning(["cuda:0", "cuda:1"], [DeviceCapacity(24 << 30, 80), DeviceCapacity(8 << 30, 40)])[:40]
+        'cuda:1 has 33% of the memory of cuda:0 '
+    """
+    for what, values in (("memory", [c.memory for c in capacities]), ("cores", [c.cores for c in capacities])):
+        low = min(range(len(values)), key=values.__getitem__)
+        high = max(range(len(values)), key=values.__getitem__)
+        if values[high] > 0 and values[low] / values[high] < _IMBALANCE:
+            return (
+                f"{labels[low]} has {values[low] / values[high]:.0%} of the {what} of {labels[high]} "
+                f"({values[low]:,} vs {values[high]:,}); with an even split the smaller device limits every step. "
+                f"Pass chunk_sizes='auto' to size each device's chunk by its measured memory and speed, "
+                f"or leave {labels[low]} out of the devices"
+            )
+    return None
 
 
 def water_fill(bases: Sequence[float], rates: Sequence[float], batch: int) -> list[int]:
@@ -133,14 +157,28 @@ class AutoBalancer:
         self.devices = list(devices)
         self.plans: dict[int, BalancePlan] = {}
         self.seen: set[int] = set()
-        self.optimizer: weakref.ref[torch.optim.Optimizer] | None = None
-        # DataParallel keeps the optimizer state on the primary; the probe must count it, so
-        # remember the optimizer that steps this module's parameters (a global hook: no new API).
-        self._param_ids = {id(p) for p in module.parameters()}
-        self._hook = register_optimizer_step_post_hook(_OptimizerSpotter(weakref.ref(self)))
+        self.attach(module)
 
-    def __del__(self) -> None:
-        self._hook.remove()
+    def attach(self, module: nn.Module) -> None:
+        """Watch for the optimizer that steps ``module``'s parameters (again, for a copied model).
+
+        DataParallel keeps the optimizer state on the primary; the probe must count it, so the
+        balancer remembers that optimizer, spotted by a process-wide optimizer-step hook (no new
+        API for the user). The hook is removed by :meth:`close`.
+        """
+        self.optimizer: weakref.ref[torch.optim.Optimizer] | None = None
+        self._param_ids = {id(p) for p in module.parameters()}
+        self.hook = register_optimizer_step_post_hook(_OptimizerSpotter(weakref.ref(self)))
+
+    def close(self) -> None:
+        """Remove the optimizer hook (DataParallel calls this from its ``close()`` and when collected)."""
+        self.hook.remove()
+
+    def __getstate__(self) -> dict[str, object]:
+        state = self.__dict__.copy()  # a copy is attached to its own model (DataParallel.__setstate__)
+        for name in ("hook", "optimizer", "_param_ids"):
+            state.pop(name, None)
+        return state
 
     def sizes(self, batch: int, probe: Callable[[list[int]], None], wrapper: nn.Module) -> list[int] | None:
         """Chunk sizes for ``batch``, probing first if this batch size is new; None: use an even split."""
@@ -206,20 +244,28 @@ def _identical(devices: Sequence[ReplicaDevice]) -> bool:
 
 
 class _preserved:
-    """Restore parameter gradients, buffers and RNG state after the probe step."""
+    """Keep the probe step out of the user's gradients, buffers and RNG state.
+
+    The gradients are set aside (each ``.grad`` set to None) before the probe and put back after
+    it: the probe's backward writes into fresh tensors, so gradients that were zeroed in place
+    (``zero_grad(set_to_none=False)``) or accumulated over micro-batches stay exactly as they were.
+    """
 
     def __init__(self, wrapper: nn.Module) -> None:
         self.module: nn.Module = wrapper.module  # type: ignore[assignment]
 
     def __enter__(self) -> None:
-        self.grads = [(p, p.grad) for p in self.module.parameters()]
+        tensors = [*self.module.parameters(), *(b for b in self.module.buffers() if b.requires_grad)]
+        self.grads = [(t, t.grad) for t in tensors]
+        for tensor in tensors:
+            tensor.grad = None
         self.buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
 
     def __exit__(self, *exc: object) -> None:
-        for param, grad in self.grads:
-            param.grad = grad
+        for tensor, grad in self.grads:
+            tensor.grad = grad
         with torch.no_grad():
             for buffer, saved in self.buffers:
                 buffer.copy_(saved)

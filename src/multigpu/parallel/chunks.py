@@ -12,6 +12,7 @@ A replica whose chunk is 0 does not run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,11 @@ class ChunkPolicy:
             raise ConfigError(
                 f"chunk_sizes={list(self.spec)} has {len(self.spec)} entries for {self.replicas} devices; "
                 "give one size or weight per device"
+            )
+        if not all(_finite(v) for v in self.spec) or not _finite(sum(map(_as_float, self.spec))):
+            raise ConfigError(
+                f"chunk_sizes={list(self.spec)} must hold finite numbers (no NaN or infinity, and a total "
+                "below 1e308); give sizes like [24, 40] or weights like [0.4, 0.6]"
             )
         if any(v < 0 for v in self.spec) or sum(self.spec) <= 0:
             raise ConfigError(
@@ -56,6 +62,17 @@ class ChunkPolicy:
                 )
             return [int(v) for v in self.spec]
         return proportional_sizes(batch, self.spec)
+
+
+def _as_float(value: float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float range
+        return math.inf
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(_as_float(value))
 
 
 def proportional_sizes(batch: int, weights: Sequence[float]) -> list[int]:
@@ -84,7 +101,11 @@ def build_policy(chunk_sizes: Sequence[float] | str | None, replicas: int) -> Ch
             "'auto', or None"
         )
     try:
+        if any(isinstance(v, (bool, str, bytes)) for v in chunk_sizes):
+            raise TypeError("not a number")
         values = tuple(float(v) if isinstance(v, float) else int(v) for v in chunk_sizes)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"chunk_sizes={list(chunk_sizes)!r} must hold numbers") from exc
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ConfigError(
+            f"chunk_sizes={list(chunk_sizes)!r} must hold numbers: sizes like [24, 40] or weights like [0.4, 0.6]"
+        ) from exc
     return ChunkPolicy(values, replicas)

@@ -21,7 +21,11 @@ def scatter(
     tensor: torch.Tensor, sizes: Sequence[int], devices: Sequence[torch.device], dim: int
 ) -> list[torch.Tensor]:
     """Split ``tensor`` on ``dim`` into ``sizes`` and place chunk i on ``devices[i]`` (differentiable)."""
-    chunks = tensor.split(list(sizes), dim)
+    if tensor.layout == torch.sparse_coo:  # sparse tensors have no views: copy each chunk out
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        chunks = tuple(tensor.narrow_copy(dim, start, size) for start, size in zip(starts, sizes))
+    else:
+        chunks = tensor.split(list(sizes), dim)
     return [chunk.to(device, non_blocking=True) for chunk, device in zip(chunks, devices)]
 
 

@@ -8,6 +8,8 @@ batch. What it keeps from nn.DataParallel and what it fixes is listed in the REA
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import chain
@@ -15,17 +17,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from multigpu.checkpoint.keys import strip_prefixes
-from multigpu.devices import DeviceSpec, ReplicaDevice, parse_devices
+from multigpu.devices import DeviceSpec, ReplicaDevice, device_capacity, parse_devices, parse_output_device
 from multigpu.errors import ConfigError, PlacementError
 from multigpu.parallel import backward
-from multigpu.parallel.balance import AutoBalancer, BalancePlan
+from multigpu.parallel.balance import AutoBalancer, BalancePlan, imbalance_warning
 from multigpu.parallel.chunks import build_policy
-from multigpu.parallel.parallel_apply import parallel_apply
-from multigpu.parallel.replicate import replicate
+from multigpu.parallel.replicas import build_replicas
 from multigpu.parallel.scatter_gather import ScalarRule, batch_size, gather, scatter
+from multigpu.parallel.state_keys import add_module_prefix, drop_module_prefix
 from multigpu.parallel.structure import iter_tensors, map_leaves
+from multigpu.parallel.threads import ReplicaThreads, run_replicas
 from multigpu.profiling import phases
 from multigpu.profiling.phases import phase
 
@@ -83,20 +86,23 @@ class DataParallel(nn.Module):
         parallel_backward: bool = True,
     ) -> None:
         super().__init__()
+        _refuse_wrapper(module)
         if device_ids is not None and devices is not None:
             raise ConfigError("pass device_ids or devices, not both; devices accepts every form device_ids does")
         if scalar_outputs not in _SCALAR_RULES:
             raise ConfigError(f"scalar_outputs={scalar_outputs!r} is not one of {_SCALAR_RULES}")
-        if dim < 0:
-            raise ConfigError(f"dim={dim} must be >= 0 (the batch dimension counted from the front)")
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise ConfigError(f"dim={dim!r} must be an int: the batch dimension (negative counts from the last)")
         self.module = module
-        self.replica_devices: list[ReplicaDevice] = parse_devices(devices if device_ids is None else list(device_ids))
+        self.replica_devices: list[ReplicaDevice] = parse_devices(devices if device_ids is None else device_ids)
         self.device_ids = [d.device.index for d in self.replica_devices]
         self.src_device_obj = self.replica_devices[0].device
-        self.output_device = _output_device(output_device, self.src_device_obj)
+        self.output_device = parse_output_device(output_device, self.src_device_obj)
         self.dim = dim
         auto = isinstance(chunk_sizes, str) and chunk_sizes == "auto"
         self.chunk_policy = build_policy(None if auto else chunk_sizes, len(self.replica_devices))
+        if chunk_sizes is None:
+            _check_balance(self.replica_devices)
         self.balancer = AutoBalancer(self.replica_devices, module) if auto else None
         self.loss_fn = loss_fn
         self.loss_reduction: ScalarRule = _loss_reduction(loss_fn, loss_reduction)
@@ -106,13 +112,16 @@ class DataParallel(nn.Module):
         self.replica_outputs: list[Any] = []
         self._primary_label = self.replica_devices[0].label
         self._param_bytes_cache: int | None = None
-        self._register_state_dict_hook(_drop_module_prefix)
-        self._register_load_state_dict_pre_hook(_add_module_prefix)
+        self._own_threads()
+        self._register_state_dict_hook(drop_module_prefix)
+        self._register_load_state_dict_pre_hook(add_module_prefix, with_module=True)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         target = self._pop_target(kwargs)
         owns_loss = target is not None
         if len(self.replica_devices) == 1 and not owns_loss and self.gather_outputs:
+            # nn.DataParallel's one-device path: the inputs moved to the device, the module called as it is
+            inputs, kwargs = _on_device((inputs, kwargs), self.src_device_obj)
             return self.module(*inputs, **kwargs)
         self._check_placement()
         batch = batch_size((inputs, kwargs, target), self.dim)
@@ -120,6 +129,29 @@ class DataParallel(nn.Module):
             sizes = [1] + [0] * (len(self.replica_devices) - 1)
             return self._combine([self._run_one(self.module, inputs, kwargs, target)], sizes[:1], owns_loss)
         return self._step(inputs, kwargs, target, self._chunk_sizes(batch, inputs, kwargs, target))
+
+    def close(self) -> None:
+        """Release what this model holds outside itself: its replica threads and, with
+        ``chunk_sizes="auto"``, the process-wide optimizer hook. Done by itself when the model is
+        garbage-collected; call it to release them now. The model stays usable (its calls then
+        start threads that end after each step)."""
+        self._finalizer()
+
+    def _own_threads(self) -> None:
+        # The finalizer holds the pool and the balancer, never the model, so the model can be collected.
+        self._threads = ReplicaThreads()
+        self._finalizer = weakref.finalize(self, _release, self._threads, self.balancer)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()  # a copy (deepcopy, pickle) gets threads and a finalizer of its own
+        del state["_threads"], state["_finalizer"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if self.balancer is not None:
+            self.balancer.attach(self.module)
+        self._own_threads()
 
     @property
     def balance_plans(self) -> dict[int, BalancePlan]:
@@ -137,13 +169,13 @@ class DataParallel(nn.Module):
             outputs = self._forward_parallel_backward(chunks, active)
         else:
             with phase("replicate", self._primary_label, nbytes=self._param_bytes(len(active))):
-                replicas = replicate(self.module, [d.device for d in active], detach=False)
-            outputs = parallel_apply(self._replica_fn(replicas.modules, chunks, active), active)
+                replicas = build_replicas(self.module, [d.device for d in active], detach=False)
+            outputs = run_replicas(self._replica_fn(replicas.modules, chunks, active), active, self._threads)
         return self._combine(outputs, [s for s in sizes if s > 0], target is not None)
 
     def _forward_parallel_backward(self, chunks: list[Any], active: list[ReplicaDevice]) -> list[Any]:
         with phase("replicate", self._primary_label, nbytes=self._param_bytes(len(active))):
-            replicas = replicate(self.module, [d.device for d in active], detach=True)
+            replicas = build_replicas(self.module, [d.device for d in active], detach=True)
         trainable = [j for j, p in enumerate(replicas.params) if p.requires_grad]
         sources: list[torch.Tensor] = []
         leaf_chunks: list[Any] = []
@@ -152,7 +184,7 @@ class DataParallel(nn.Module):
             leaves: list[torch.Tensor] = []
             leaf_chunks.append(map_leaves(lambda leaf, _: _as_leaf(leaf, sources, leaves), chunk))  # noqa: B023 (called at once, inside this iteration)
             input_leaves.append(leaves)
-        outputs = parallel_apply(self._replica_fn(replicas.modules, leaf_chunks, active), active)
+        outputs = run_replicas(self._replica_fn(replicas.modules, leaf_chunks, active), active, self._threads)
         graphs = [
             backward.ReplicaGraph(
                 outputs=[t for t in iter_tensors(out) if t.requires_grad],
@@ -163,7 +195,8 @@ class DataParallel(nn.Module):
         ]
         if not any(g.outputs for g in graphs):
             return outputs
-        plan = backward.BackwardPlan(graphs, active, self.src_device_obj, [replicas.params[j] for j in trainable])
+        params = [replicas.params[j] for j in trainable]
+        plan = backward.BackwardPlan(graphs, active, self.src_device_obj, params, self._threads)
         connected = iter(backward.connect(plan, sources))
         return [
             map_leaves(lambda t, _: next(connected) if isinstance(t, torch.Tensor) and t.requires_grad else t, out)
@@ -237,7 +270,7 @@ class DataParallel(nn.Module):
     def _needs_grad(self, inputs: Any, kwargs: Any) -> bool:
         if not torch.is_grad_enabled():
             return False
-        if any(p.requires_grad for p in self.module.parameters()):
+        if any(t.requires_grad for t in chain(self.module.parameters(), self.module.buffers())):
             return True
         return any(t.requires_grad for t in iter_tensors((inputs, kwargs)))
 
@@ -292,23 +325,34 @@ def _as_leaf(leaf: Any, sources: list[torch.Tensor], leaves: list[torch.Tensor])
     return made
 
 
-def _output_device(spec: int | str | torch.device | None, primary: torch.device) -> torch.device:
-    if spec is None:
-        return primary
-    if isinstance(spec, int):
-        return torch.device(primary.type, spec)
-    device = torch.device(spec)
-    return torch.device("cpu") if device.type == "cpu" else device
+def _refuse_wrapper(module: nn.Module) -> None:
+    if isinstance(module, (DataParallel, nn.DataParallel, DistributedDataParallel)):
+        raise ConfigError(
+            f"module is already a {type(module).__name__}; wrapping it again would split every chunk a "
+            "second time. Wrap the bare model instead: DataParallel(model.module, ...) "
+            "(multigpu.unwrap(model) returns it). A DataParallel inside the model, such as a teacher "
+            "called in forward, is fine"
+        )
 
 
-def _drop_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """state_dict hook: save the wrapped module's keys without the ``module.`` segment."""
-    inner = prefix + "module."
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
+def _check_balance(devices: Sequence[ReplicaDevice]) -> None:
+    """nn.DataParallel's imbalance warning, pointing at chunk_sizes='auto' (accelerators only)."""
+    capacities = [device_capacity(d) for d in devices]
+    if len(devices) < 2 or any(c is None for c in capacities):
+        return
+    message = imbalance_warning([d.label for d in devices], [c for c in capacities if c is not None])
+    if message is not None:
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
-def _add_module_prefix(state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-    """load_state_dict pre-hook: accept bare, ``module.`` and ``_orig_mod.`` keys alike."""
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        state_dict[prefix + "module." + strip_prefixes(key[len(prefix) :])] = state_dict.pop(key)
+def _release(threads: ReplicaThreads, balancer: AutoBalancer | None) -> None:
+    threads.close()
+    if balancer is not None:
+        balancer.close()
+
+
+def _on_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor on ``device``; ``obj`` itself (not rebuilt) when all already are."""
+    if all(t.device == device for t in iter_tensors(obj)):
+        return obj
+    return map_leaves(lambda t, _: t.to(device) if isinstance(t, torch.Tensor) else t, obj)

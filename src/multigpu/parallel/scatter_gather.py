@@ -1,7 +1,9 @@
 """Scatter inputs into per-replica chunks and gather replica outputs back, on any device.
 
 Scatter splits every tensor on ``dim`` with the same chunk sizes; tensors without that dim
-(scalars) and non-tensors are shared by every replica. Gather concatenates tensors on ``dim``
+(scalars) and non-tensors are shared by every replica. A negative ``dim`` counts from each
+tensor's last dimension, as in nn.DataParallel. Sparse COO inputs are split too; other sparse
+layouts are refused with the conversion that works. Gather concatenates tensors on ``dim``
 on the output device, combines 0-dim outputs (a per-replica loss) by the scalar rule, and keeps
 container types. Both are plain differentiable tensor ops: the gradient of a gathered output
 flows back to the replica that produced it.
@@ -22,6 +24,11 @@ from multigpu.parallel.structure import iter_tensors, map_leaves, zip_leaves
 ScalarRule = Literal["mean", "sum", "stack"]
 
 
+def has_dim(tensor: torch.Tensor, dim: int) -> bool:
+    """Whether ``tensor`` has dimension ``dim`` (negative: counted from its last one)."""
+    return tensor.dim() > dim if dim >= 0 else tensor.dim() >= -dim
+
+
 def batch_size(inputs: Any, dim: int) -> int | None:
     """The size of ``dim`` shared by every scatterable tensor in ``inputs`` (None: nothing to split).
 
@@ -32,8 +39,13 @@ def batch_size(inputs: Any, dim: int) -> int | None:
 
     def check(leaf: Any, path: str) -> None:
         nonlocal found
-        if not isinstance(leaf, torch.Tensor) or leaf.dim() <= dim:
+        if not isinstance(leaf, torch.Tensor) or not has_dim(leaf, dim):
             return
+        if leaf.layout not in (torch.strided, torch.sparse_coo):
+            raise ScatterError(
+                f"input{path} is a {leaf.layout} tensor, which cannot be split into chunks along dim {dim}; "
+                "pass it as a dense tensor (x.to_dense()) or a sparse COO tensor (x.to_sparse_coo())"
+            )
         size = leaf.size(dim)
         if found is None:
             found = (size, path)
@@ -87,7 +99,7 @@ def scatter(inputs: Any, chunk_sizes: Sequence[int], devices: Sequence[ReplicaDe
     for tensor in iter_tensors(inputs):
         if id(tensor) in pieces:
             continue
-        if tensor.dim() > dim:
+        if has_dim(tensor, dim):
             pieces[id(tensor)] = comm.scatter(tensor, sizes, targets, dim)
         else:
             pieces[id(tensor)] = comm.broadcast(tensor, targets)
@@ -112,8 +124,12 @@ def gather(
     mean-reduced loss over the whole batch; ``"sum"`` adds them (sum-reduced losses);
     ``"stack"`` returns the vector of per-replica values as nn.DataParallel does. ``None``
     stays ``None``; other non-tensors are kept when every replica agrees, else listed per replica.
+
+    Raises:
+        GatherError: the replicas' outputs differ in structure, in type, or in shape other than
+            along ``dim`` (naming the replicas and shapes).
     """
-    if len(outputs) == 1:
+    if len(outputs) == 1 and scalar_rule != "stack":
         return map_leaves(lambda leaf, _: _move(leaf, target), outputs[0])
 
     def combine(leaves: list[Any], path: str) -> Any:
@@ -122,17 +138,37 @@ def gather(
             return leaves[0] if all(_same(leaves[0], leaf) for leaf in leaves) else list(leaves)
         if len(tensors) != len(leaves):
             raise GatherError(f"output{path} is a tensor on some replicas and not on others; return the same types")
+        _check_shapes(tensors, path, dim)
         moved = [t.to(target) for t in tensors]
         if moved[0].dim() == 0:
             return _combine_scalars(moved, chunk_sizes, scalar_rule)
-        if moved[0].dim() <= dim:
-            raise GatherError(
-                f"output{path} has shape {tuple(moved[0].shape)}, too few dims to gather on dim {dim}; "
-                "return a batch-shaped tensor or a 0-dim scalar"
-            )
         return torch.cat(moved, dim)
 
     return zip_leaves(combine, outputs)
+
+
+def _check_shapes(tensors: list[torch.Tensor], path: str, dim: int) -> None:
+    """Tensors that can be concatenated on ``dim`` (or 0-dim scalars), or a GatherError naming them."""
+    shapes = [tuple(t.shape) for t in tensors]
+    listed = ", ".join(f"replica {i}: {shape}" for i, shape in enumerate(shapes))
+    if len({len(shape) for shape in shapes}) > 1:
+        raise GatherError(
+            f"output{path} has a different number of dims on different replicas ({listed}); "
+            "every replica must return tensors of the same rank"
+        )
+    if not shapes[0]:
+        return
+    if not has_dim(tensors[0], dim):
+        raise GatherError(
+            f"output{path} has shape {shapes[0]}, too few dims to gather on dim {dim}; "
+            "return a batch-shaped tensor or a 0-dim scalar"
+        )
+    axis = dim % len(shapes[0])
+    if len({shape[:axis] + shape[axis + 1 :] for shape in shapes}) > 1:
+        raise GatherError(
+            f"output{path} differs in shape across replicas in more than the batch dim {dim} ({listed}); "
+            "replicas must return tensors that differ only in their batch dimension"
+        )
 
 
 def _combine_scalars(values: list[torch.Tensor], chunk_sizes: Sequence[int], rule: ScalarRule) -> torch.Tensor:

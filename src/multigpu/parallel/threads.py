@@ -3,33 +3,126 @@
 Threads start with default thread-local state: grad mode on and autocast off. Each task
 re-enters the caller's grad mode and autocast (enabled flag *and* dtype) for its device type,
 so ``torch.no_grad()`` and ``torch.autocast(..., dtype=torch.bfloat16)`` around the model call
-reach every replica. Replica 0 runs on the calling thread; the others on a shared pool of
-long-lived threads (starting threads every step would cost more than small models compute).
+reach every replica. Replica 0 runs on the calling thread; the others on the worker threads of a
+:class:`ReplicaThreads` pool that the caller owns (each DataParallel owns one; starting threads
+every step would cost more than small models compute).
+
+The pool never makes a task wait for a free worker: when every worker is busy it starts another.
+That is what lets a DataParallel run inside a replica of another one (a teacher model called in the
+student's forward, a DataParallel nested in a wrapped model) without deadlock: the outer step's
+workers wait on the inner step's, which run on threads of their own.
 
 An exception in a replica is re-raised in the caller with the replica index and device in its
-message and the replica's traceback attached.
+message and the replica's traceback attached (torch's ``ExceptionWrapper``, which keeps the
+message of a ``KeyError`` readable).
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
-import traceback
+import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+from torch._utils import ExceptionWrapper
 
 from multigpu.devices import ReplicaDevice
 from multigpu.profiling.memory import replica_scope
 
 T = TypeVar("T")
 
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_lock = threading.Lock()
+_Task = tuple[Callable[[], Any], "Future[Any]"]
+
+
+class ReplicaThreads:
+    """Worker threads for replicas, owned by one object (a DataParallel) and ended by :meth:`close`.
+
+    Workers are started on demand and kept while idle, so a steady training loop reuses the same
+    threads every step; a task submitted while every worker is busy gets a new one, never a wait.
+    After :meth:`close` the pool still runs what it is given, on threads that end after their task.
+
+    Example:
+        >>> threads = ReplicaThreads()
+        >>> threads.submit(lambda: 2 + 2).result()
+        4
+        >>> threads.close()
+    """
+
+    def __init__(self, name: str = "multigpu-replica") -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[_Task | None]] = []
+        self._threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+        self._closed = False
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on an idle worker, or on a new one when none is idle."""
+        future: Future[T] = Future()
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            thread = threading.Thread(
+                target=_work, args=(inbox, weakref.ref(self)), name=f"{self.name}-{len(self._threads)}", daemon=True
+            )
+            self._threads.add(thread)
+            thread.start()
+        inbox.put((fn, future))
+        return future
+
+    def threads(self) -> list[threading.Thread]:
+        """The worker threads still alive (idle or busy)."""
+        return [t for t in list(self._threads) if t.is_alive()]
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """End the idle workers (waiting up to ``timeout_s`` for them); busy ones end after their task."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for inbox in idle:
+            inbox.put(None)
+        for thread in self.threads():
+            if thread is not threading.current_thread():
+                thread.join(timeout_s)
+
+    def _take_back(self, inbox: queue.SimpleQueue[_Task | None]) -> bool:
+        """A worker finished its task: keep it idle (True) or let it end (False, after close)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._idle.append(inbox)
+            return True
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ReplicaThreads:
+        return ReplicaThreads(self.name)  # a copy of the owner gets its own workers
+
+    def __reduce__(self) -> tuple[type[ReplicaThreads], tuple[str]]:
+        return (ReplicaThreads, (self.name,))
+
+
+def _work(inbox: queue.SimpleQueue[_Task | None], pool: weakref.ref[ReplicaThreads]) -> None:
+    # Holds the pool weakly: an owner that is garbage-collected without close() still frees it.
+    while True:
+        task = inbox.get()
+        if task is None:
+            return
+        fn, future = task
+        del task
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+        del fn, future  # drop the result and the task's references before waiting again
+        owner = pool()
+        if owner is None or not owner._take_back(inbox):
+            return
+        del owner
 
 
 @dataclass(frozen=True)
@@ -57,12 +150,15 @@ class ThreadState:
             yield
 
 
-def parallel_apply(fn: Callable[[int], T], devices: Sequence[ReplicaDevice], *, what: str = "forward") -> list[T]:
+def run_replicas(
+    fn: Callable[[int], T], devices: Sequence[ReplicaDevice], threads: ReplicaThreads, *, what: str = "forward"
+) -> list[T]:
     """Call ``fn(i)`` for every replica i, in parallel, and return the results in order.
 
     Args:
         fn: the work of replica i; it runs inside the caller's grad mode and autocast state.
         devices: the devices of the replicas (``len(devices)`` calls are made).
+        threads: the pool the replicas other than the first run on.
         what: the phase, named in error messages ("forward", "backward").
 
     Raises:
@@ -81,12 +177,7 @@ def parallel_apply(fn: Callable[[int], T], devices: Sequence[ReplicaDevice], *, 
     # CPU replicas share the process's intra-op pool (torch.set_num_threads is process-wide).
     # Re-dividing it per step was measured slower than leaving it alone: resizing the pool
     # costs more than the brief oversubscription (benchmarks/step_time.py).
-    return _run_all(task, devices, what)
-
-
-def _run_all(task: Callable[[int], T], devices: Sequence[ReplicaDevice], what: str) -> list[T]:
-    pool = _get_pool(len(devices) - 1)
-    futures: list[Future[T]] = [pool.submit(_run_named, task, i, devices[i], what) for i in range(1, len(devices))]
+    futures = [threads.submit(_bind(task, i, devices[i], what)) for i in range(1, len(devices))]
     results: list[Any] = [None] * len(devices)
     first_error: BaseException | None = None
     try:
@@ -103,6 +194,10 @@ def _run_all(task: Callable[[int], T], devices: Sequence[ReplicaDevice], what: s
     return results
 
 
+def _bind(task: Callable[[int], T], i: int, device: ReplicaDevice, what: str) -> Callable[[], T]:
+    return lambda: _run_named(task, i, device, what)
+
+
 def _run_named(task: Callable[[int], T], i: int, device: ReplicaDevice, what: str) -> T:
     try:
         return task(i)
@@ -110,27 +205,19 @@ def _run_named(task: Callable[[int], T], i: int, device: ReplicaDevice, what: st
         raise _named_error(exc, i, device, what) from exc
 
 
-def _named_error(exc: Exception, i: int, device: ReplicaDevice, what: str) -> Exception:
-    detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    message = f"Caught {type(exc).__name__} in replica {i} on device {device.label} during {what}.\n{detail}"
+def _named_error(exc: Exception, i: int, device: ReplicaDevice, what: str) -> BaseException:
+    """The replica's exception, rebuilt by torch's ExceptionWrapper with where it happened."""
+    wrapper = ExceptionWrapper(
+        (type(exc), exc, exc.__traceback__), where=f"in replica {i} on device {device.label} during {what}"
+    )
     try:
-        return type(exc)(message)
-    except Exception:  # exception types whose constructor takes other arguments
-        return RuntimeError(message)
+        wrapper.reraise()
+    except BaseException as named:
+        return named
+    raise AssertionError("ExceptionWrapper.reraise returned")  # pragma: no cover (reraise always raises)
 
 
 def _device_context(device: torch.device) -> Any:
     if device.type == "cuda":
         return torch.cuda.device(device)
     return contextlib.nullcontext()
-
-
-def _get_pool(workers: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_size < workers:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="multigpu-replica")
-            _pool_size = workers
-        return _pool
