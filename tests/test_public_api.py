@@ -29,6 +29,7 @@ PUBLIC = {
     "Resumed",
     "ScatterError",
     "clean_state_dict",
+    "data_parallel",
     "find_latest",
     "load",
     "parse_devices",
@@ -38,12 +39,21 @@ PUBLIC = {
     "unwrap",
 }
 
+PARALLEL = {"DataParallel", "data_parallel", "gather", "parallel_apply", "replicate", "scatter"}
+
 COMMANDS = {"advise", "bandwidth", "ckpt", "demo", "env", "launch", "profile"}
 
 
 def test_package_exports() -> None:
     assert set(multigpu.__all__) == PUBLIC
     assert all(hasattr(multigpu, name) for name in PUBLIC)
+
+
+def test_parallel_exports_torch_nn_parallels_functional_primitives() -> None:
+    import multigpu.parallel
+
+    assert set(multigpu.parallel.__all__) == PARALLEL
+    assert all(callable(getattr(multigpu.parallel, name)) for name in PARALLEL)
 
 
 def test_subcommands() -> None:

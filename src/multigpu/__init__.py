@@ -21,7 +21,7 @@ from multigpu.errors import (
     PlacementError,
     ScatterError,
 )
-from multigpu.parallel import DataParallel
+from multigpu.parallel import DataParallel, data_parallel
 from multigpu.profiling.memory import DeviceMemory, track_memory
 from multigpu.profiling.step import ProfileConfig, profile_steps
 from multigpu.session import Session, SessionConfig
@@ -49,6 +49,7 @@ __all__ = [
     "Session",
     "SessionConfig",
     "clean_state_dict",
+    "data_parallel",
     "find_latest",
     "is_main_process",
     "launch",
