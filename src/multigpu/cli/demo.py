@@ -5,6 +5,10 @@ batch for every run. Print a table; write the loss curves and per-device memory 
 
     multigpu demo                       # about a minute on a 2-core machine
     multigpu demo --devices cpu:4 --epochs 3 --out demo-out
+    multigpu demo --dtype float64       # every run ends on the one-device weights to ~1e-15
+
+Every run gets the same warm-up (a few untimed steps on a throwaway model first, and its own
+first steps left out of samples/s), so that no run's speed includes the process's cold start.
 """
 
 from __future__ import annotations
@@ -23,8 +27,16 @@ from torch import nn
 from multigpu.demo.data import load_digits
 from multigpu.demo.ddp import run_ddp
 from multigpu.demo.figures import plot_losses, plot_memory
-from multigpu.demo.train import Plan, RunResult, TrainConfig, max_weight_difference, steps_per_run, train_run
-from multigpu.devices import accelerator_type
+from multigpu.demo.train import (
+    Plan,
+    RunResult,
+    TrainConfig,
+    max_weight_difference,
+    steps_per_run,
+    train_run,
+    warm_up,
+)
+from multigpu.devices import accelerator_type, parse_devices
 from multigpu.parallel import DataParallel
 
 HELP = "train a digits CNN on one device, with DataParallel and with DDP, then report"
@@ -41,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=TrainConfig.lr, help="SGD learning rate")
     parser.add_argument("--seed", type=int, default=TrainConfig.seed, help="seed for weights and data order")
     parser.add_argument(
+        "--dtype",
+        choices=("float32", "float64"),
+        default=TrainConfig.dtype,
+        help="float64 shows that what separates the runs' weights is float32 rounding",
+    )
+    parser.add_argument(
         "--ddp-processes",
         default="auto",
         metavar="N",
@@ -56,11 +74,12 @@ def default_devices() -> str:
 def build_plans(devices: str, primary: str) -> list[Plan]:
     """The runs of the demo: the one-device oracle, standard DataParallel, balanced DataParallel."""
     criterion = nn.CrossEntropyLoss()
+    replicas = f"{len(parse_devices(devices))} replicas"
     return [
         Plan("one device", primary, lambda m: m.to(primary)),
-        Plan("DataParallel", devices, lambda m: DataParallel(m.to(primary), devices=devices)),
+        Plan(f"DataParallel, {replicas}", devices, lambda m: DataParallel(m.to(primary), devices=devices)),
         Plan(
-            "DataParallel, balanced",
+            f"DataParallel, balanced, {replicas}",
             devices,
             lambda m: DataParallel(m.to(primary), devices=devices, loss_fn=criterion, chunk_sizes="auto"),
             loss_on_replicas=True,
@@ -69,20 +88,24 @@ def build_plans(devices: str, primary: str) -> list[Plan]:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = Console(width=None if sys.stdout.isatty() else 124)
     devices = args.devices or default_devices()
     primary = "cuda:0" if devices.startswith("cuda") else "cpu"
-    config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed, dtype=args.dtype)
     data = load_digits(seed=args.seed).to(primary)
     plans = build_plans(devices, primary)
     console.print(
         f"[bold]multigpu demo[/]: digits CNN, {len(data.train_y)} train / {len(data.test_y)} test images, "
-        f"global batch {config.batch_size}, {config.epochs} epochs, devices {devices}"
+        f"global batch {config.batch_size}, {config.epochs} epochs, {config.dtype}, devices {devices}"
     )
     runs: list[RunResult] = []
     with Progress(
-        TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+        TextColumn("{task.description:<36}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as progress:
+        task = progress.add_task("warm-up (every run, untimed)", total=len(plans))
+        for plan in plans:
+            warm_up(plan, data, config)
+            progress.advance(task)
         for plan in plans:
             task = progress.add_task(plan.name, total=steps_per_run(data, config))
             runs.append(train_run(plan, data, config, on_step=partial(progress.advance, task)))
@@ -100,14 +123,15 @@ def run(args: argparse.Namespace) -> int:
 def _table(runs: list[RunResult], plans: list[Plan]) -> Table:
     table = Table(
         title="Same seed, same global batch: one device vs DataParallel vs DDP",
-        caption="max |Δw|: largest difference from the one-device run's final weights (runs that sum the "
-        "loss per chunk round differently, and SGD amplifies that over the steps); memory: peak of one "
-        "step on the primary over the largest other device",
+        caption="max |Δw|: largest difference from the one-device run's weights after the first step and at "
+        "the end. The replicas sum the same gradients over chunks instead of the whole batch, which float32 "
+        "rounds differently; SGD with momentum amplifies those last bits over the run (--dtype float64: "
+        "all runs agree to 1e-15). memory: peak of one step on the primary over the largest other device",
     )
-    columns = ("run", "devices", "accuracy", "samples/s", "final loss", "max |Δw|", "memory primary/other")
-    for column in columns:
-        text = column in ("run", "devices")
-        table.add_column(column, justify="left" if text else "right", no_wrap=text)
+    # two-line headers keep the table within a 124-column terminal (and the README)
+    columns = ("run", "devices", "accuracy", "samples/s", "final\nloss", "max |Δw|\nstep 1", "max |Δw|\nend")
+    for column in (*columns, "memory\nprimary/other"):
+        table.add_column(column, justify="left" if column in ("run", "devices") else "right", no_wrap=True)
     for result, plan in zip(runs, plans):
         peaks = [m.peak for m in result.memory]
         ratio = f"{peaks[0] / max(peaks[1:]):.2f}" if len(peaks) > 1 else "—"
@@ -117,6 +141,7 @@ def _table(runs: list[RunResult], plans: list[Plan]) -> Table:
             f"{result.accuracy:.1%}",
             f"{result.samples_per_s:,.0f}",
             f"{result.losses[-1]:.4f}",
+            "—" if result is runs[0] else f"{max_weight_difference(result, runs[0], first_step=True):.1e}",
             "—" if result is runs[0] else f"{max_weight_difference(result, runs[0]):.1e}",
             ratio,
         )

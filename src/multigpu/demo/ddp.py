@@ -57,6 +57,10 @@ def run_ddp(config: TrainConfig, *, nproc_per_node: int | str = "auto", timeout_
             str(config.lr),
             "--seed",
             str(config.seed),
+            "--dtype",
+            config.dtype,
+            "--warmup-steps",
+            str(config.warmup_steps),
         ]
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
@@ -68,18 +72,22 @@ def run_ddp(config: TrainConfig, *, nproc_per_node: int | str = "auto", timeout_
     result = RunResult(f"DDP, {saved['world_size']} processes")
     result.losses, result.accuracy = saved["losses"], saved["accuracy"]
     result.samples_per_s, result.state = saved["samples_per_s"], saved["state"]
+    result.first_state = saved["first_state"]
     return result
 
 
 def _train(args: argparse.Namespace) -> None:
     with Session(strategy="ddp", seed=args.seed) as session:
+        dtype = TrainConfig(dtype=args.dtype).torch_dtype
         data = load_digits(seed=args.seed).to(session.device)
+        train_x, test_x = data.train_x.to(dtype), data.test_x.to(dtype)
         torch.manual_seed(args.seed)
-        bare = build_cnn()
+        bare = build_cnn().to(dtype)
         model = session.setup_model(bare)
         optimizer = torch.optim.SGD(bare.parameters(), lr=args.lr, momentum=0.9)
         order = torch.Generator().manual_seed(args.seed)
         losses: list[float] = []
+        first_state: dict[str, torch.Tensor] = {}
         samples, elapsed = 0, 0.0
         for _ in range(args.epochs):
             perm = torch.randperm(len(data.train_y), generator=order)
@@ -88,18 +96,23 @@ def _train(args: argparse.Namespace) -> None:
                 mine = idx.tensor_split(session.world_size)[session.global_rank]
                 began = time.perf_counter()
                 with session.micro_step(model):
-                    summed = nn.functional.cross_entropy(model(data.train_x[mine]), data.train_y[mine], reduction="sum")
+                    summed = nn.functional.cross_entropy(model(train_x[mine]), data.train_y[mine], reduction="sum")
                     loss = summed * session.world_size / len(idx)
                     session.backward(loss)
                 session.step(optimizer)
-                elapsed += time.perf_counter() - began
-                samples += len(idx)
+                if len(losses) >= args.warmup_steps:  # the same warm-up as every other run
+                    elapsed += time.perf_counter() - began
+                    samples += len(idx)
                 losses.append(session.reduce(loss.detach()))  # the mean loss of the global batch
+                if len(losses) == 1:
+                    first_state = {k: v.detach().cpu().clone() for k, v in bare.state_dict().items()}
         if session.is_main_process:
             with torch.no_grad():
-                accuracy = float((bare.eval()(data.test_x).argmax(dim=1) == data.test_y).float().mean())
+                accuracy = float((bare.eval()(test_x).argmax(dim=1) == data.test_y).float().mean())
             state = {k: v.detach().cpu().clone() for k, v in bare.state_dict().items()}
-            result = {"losses": losses, "accuracy": accuracy, "samples_per_s": samples / elapsed, "state": state}
+            speed = samples / elapsed if elapsed else 0.0
+            result = {"losses": losses, "accuracy": accuracy, "samples_per_s": speed, "state": state}
+            result["first_state"] = first_state
             torch.save({**result, "world_size": session.world_size}, args.out)
 
 
@@ -110,6 +123,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
+    parser.add_argument("--dtype", choices=("float32", "float64"), default=TrainConfig.dtype)
+    parser.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
     return parser.parse_args(argv)
 
 
