@@ -16,7 +16,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks
 import multigpu
 from tests.models import mlp
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(60, method="thread")  # a hang ends the run with a stack dump
 
 
 class ThreadSpy(nn.Module):

@@ -14,7 +14,7 @@ import multigpu
 from multigpu.errors import ConfigError
 from tests.models import assert_same_grads, mlp
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(60, method="thread")  # a hang ends the run with a stack dump
 
 
 class Student(nn.Module):
