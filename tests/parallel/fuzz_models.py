@@ -3,19 +3,23 @@
 A :class:`Spec` picks a trunk (Linear, Conv1d/Conv2d with groups, Embedding with Long inputs,
 GRU, LSTM), a norm (BatchNorm, LayerNorm), and the structures that have broken data-parallel
 engines before: tied weights, a submodule used twice, a buffer that requires grad,
-ParameterList/ParameterDict, an unused branch, Dropout (drawn only for eval), kwargs (a per-sample
-tensor, a shared 0-dim tensor, a non-tensor), and outputs as a tensor, dict, tuple, dataclass or a
-nested mix, optionally with a 0-dim output. The batch may sit on any ``dim``: the network moves it
-to the front on entry and back on exit.
+ParameterList/ParameterDict, an unused branch, frozen parameters, a DataParallel nested inside,
+Dropout (drawn only for eval), kwargs (a per-sample tensor, a shared 0-dim tensor, a non-tensor),
+and outputs as a tensor, dict, tuple, dataclass or a nested mix (with None and an integer tensor),
+optionally with a 0-dim output. The batch may sit on any ``dim``: the network moves it to the
+front on entry and back on exit.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+import multigpu
 
 WIDTH = 8
 CLASSES = 3
@@ -37,6 +41,8 @@ class Spec:
     output: str  # "tensor" | "dict" | "tuple" | "dataclass" | "nested"
     scalar: bool  # add a 0-dim output (a mean over the batch)
     kwargs: bool  # a per-sample mask, a shared 0-dim scale and a string flag
+    nested: int = 0  # > 0: the shared block is itself a DataParallel over that many CPU replicas
+    frozen: bool = False  # the trunk's parameters do not require grad
 
     @property
     def long_inputs(self) -> bool:
@@ -67,7 +73,9 @@ class FuzzNet(nn.Module):
         self.trunk = _trunk(spec)
         self.norm = nn.LayerNorm(WIDTH) if spec.norm == "layer" else nn.Identity()
         self.drop = nn.Dropout(0.5) if spec.dropout else nn.Identity()
-        self.block = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+        self.block: nn.Module = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+        if spec.nested:
+            self.block = multigpu.DataParallel(self.block, devices=f"cpu:{spec.nested}")
         self.proj = nn.Linear(WIDTH, WIDTH)
         self.proj2 = nn.Linear(WIDTH, WIDTH, bias=False)
         if spec.tied:
@@ -80,6 +88,8 @@ class FuzzNet(nn.Module):
         if spec.unused:
             self.unused = nn.Linear(WIDTH, WIDTH)
         self.head = nn.Linear(WIDTH, CLASSES)
+        if spec.frozen:
+            self.trunk.requires_grad_(False)
 
     def forward(
         self, x: torch.Tensor, *, mask: torch.Tensor | None = None, scale: torch.Tensor | None = None, flag: str = ""
@@ -97,9 +107,10 @@ class FuzzNet(nn.Module):
         if mask is not None and scale is not None:
             h = h * mask.movedim(self.dim, 0) * scale + (0.5 if flag == "on" else 0.0)
         logits = self.head(h)
-        return self._structure(logits.movedim(0, self.dim), h.movedim(0, self.dim))
+        pred = logits.argmax(-1, keepdim=True)  # an integer output, batch first like the others
+        return self._structure(*(t.movedim(0, self.dim) for t in (logits, h, pred)))
 
-    def _structure(self, logits: torch.Tensor, hidden: torch.Tensor) -> Any:
+    def _structure(self, logits: torch.Tensor, hidden: torch.Tensor, pred: torch.Tensor) -> Any:
         kind = self.spec.output
         if kind == "tensor":
             out: Any = logits
@@ -110,7 +121,9 @@ class FuzzNet(nn.Module):
         elif kind == "dataclass":
             out = FuzzOut(logits, hidden, "same on every replica")
         else:
-            out = {"out": (logits, {"hidden": hidden}), "count": 3}
+            out = {"out": (logits, {"hidden": hidden}), "count": 3, "none": None}
+            if not torch.is_autocast_enabled("cpu"):  # bf16 near-ties could flip an argmax
+                out["pred"] = pred
         if self.spec.scalar:
             out = (out, logits.float().pow(2).mean())
         return out
@@ -142,3 +155,13 @@ def _features(trunk: nn.Module, spec: Spec, x: torch.Tensor) -> torch.Tensor:
         return trunk(x).mean(1)
     seq, _ = trunk["rnn"](trunk["embed"](x))  # type: ignore[index]
     return seq[:, -1]
+
+
+def one_device(net: FuzzNet) -> FuzzNet:
+    """The oracle: a copy of ``net`` with any nested DataParallel replaced by its module."""
+    ref = copy.deepcopy(net)
+    if isinstance(ref.block, multigpu.DataParallel):
+        inner = ref.block.module
+        ref.block.close()
+        ref.block = inner
+    return ref

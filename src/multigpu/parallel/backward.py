@@ -3,7 +3,7 @@
 Why: on CPU the autograd engine runs backward on the thread that called ``loss.backward()``, so
 replicas that ran their forward in parallel would run their backward one after another (on CUDA
 the engine has a thread per device and overlaps them by itself). Here each replica computes on
-*leaf* copies of the parameters and inputs (see :mod:`multigpu.parallel.replicate`); the
+*leaf* copies of the parameters and inputs (see :mod:`multigpu.parallel.replicas`); the
 replica outputs enter the caller's graph through :class:`_ReplicaBoundary`, whose backward
 calls ``torch.autograd.backward`` on every replica's own graph in a replica thread, then sums
 the leaves' gradients onto the primary's parameters and returns the inputs' gradients.
