@@ -67,7 +67,7 @@ class FuzzOut:
 class FuzzNet(nn.Module):
     """The network a :class:`Spec` describes; ``dim`` is where inputs and outputs keep the batch."""
 
-    def __init__(self, spec: Spec, dim: int) -> None:
+    def __init__(self, spec: Spec, dim: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.spec, self.dim = spec, dim
         self.trunk = _trunk(spec)
@@ -80,8 +80,6 @@ class FuzzNet(nn.Module):
         self.proj2 = nn.Linear(WIDTH, WIDTH, bias=False)
         if spec.tied:
             self.proj2.weight = self.proj.weight
-        if spec.grad_buffer:
-            self.register_buffer("gain", torch.linspace(0.5, 1.5, WIDTH).requires_grad_())
         if spec.param_containers:
             self.plist = nn.ParameterList([nn.Parameter(torch.randn(WIDTH) * 0.1) for _ in range(2)])
             self.pdict = nn.ParameterDict({"shift": nn.Parameter(torch.randn(WIDTH) * 0.1)})
@@ -90,6 +88,9 @@ class FuzzNet(nn.Module):
         self.head = nn.Linear(WIDTH, CLASSES)
         if spec.frozen:
             self.trunk.requires_grad_(False)
+        self.to(dtype)  # before the buffer that requires grad: .to() would make it a non-leaf
+        if spec.grad_buffer:
+            self.register_buffer("gain", torch.linspace(0.5, 1.5, WIDTH, dtype=dtype).requires_grad_())
 
     def forward(
         self, x: torch.Tensor, *, mask: torch.Tensor | None = None, scale: torch.Tensor | None = None, flag: str = ""
@@ -125,7 +126,7 @@ class FuzzNet(nn.Module):
             if not torch.is_autocast_enabled("cpu"):  # bf16 near-ties could flip an argmax
                 out["pred"] = pred
         if self.spec.scalar:
-            out = (out, logits.float().pow(2).mean())
+            out = (out, logits.to(torch.promote_types(logits.dtype, torch.float32)).pow(2).mean())
         return out
 
 
