@@ -41,8 +41,9 @@ class DataParallel(nn.Module):
     Args:
         module: the model, with its parameters and buffers on the primary device.
         device_ids: accelerator indices, as in nn.DataParallel (``[0, 1]``).
-        output_device: where outputs are gathered (default: the primary device).
-        dim: the batch dimension of inputs and outputs.
+        output_device: where outputs are gathered (default: the primary device): an accelerator
+            index (``-1``: the CPU, as in nn.DataParallel), a device string or a torch.device.
+        dim: the batch dimension of inputs and outputs (negative: counted from each tensor's last).
         devices: any devices instead of ``device_ids``: ``"cpu:2"``, ``"cuda:0,1"``,
             ``["cuda:0", "cuda:1"]``. Default (neither given): every visible GPU, else the CPU.
         chunk_sizes: how to split the batch: ``None`` (even), ints summing to the batch
@@ -63,6 +64,14 @@ class DataParallel(nn.Module):
         parallel_backward: run each replica's backward in its own thread (needed for CPU
             replicas to overlap). ``False`` uses the autograd engine's own path, which supports
             ``create_graph=True``.
+
+    The model owns its replica threads: :meth:`close` ends them (and the auto-balancer's
+    optimizer hook) at once; garbage collection does the same. A DataParallel may run inside
+    another one's forward (a teacher model); wrapping a wrapper is refused (``ConfigError``).
+
+    Raises:
+        ConfigError: an option outside what it accepts, or ``module`` already a DataParallel/DDP.
+        DeviceError: devices or ``output_device`` that do not parse or are not there.
 
     Example:
         >>> model = DataParallel(nn.Linear(8, 2), devices="cpu:2")
