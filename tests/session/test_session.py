@@ -125,7 +125,7 @@ def test_unknown_strategy_names_the_choices() -> None:
 def test_unknown_precision_and_bad_accumulation() -> None:
     with pytest.raises(ConfigError, match=r"precision='fp8' is not one of \['bf16', 'fp16', 'fp32'\]"):
         SessionConfig(precision="fp8")
-    with pytest.raises(ConfigError, match="accumulate=0 must be >= 1"):
+    with pytest.raises(ConfigError, match="accumulate=0 must be an integer >= 1"):
         SessionConfig(accumulate=0)
     with pytest.raises(ConfigError, match="not both"):
         Session(SessionConfig(), strategy="single")

@@ -20,9 +20,9 @@ train.py``, ``multigpu launch --strategy ddp --nproc-per-node 2 train.py``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -30,51 +30,17 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from multigpu.checkpoint.keys import unwrap
-from multigpu.devices import DeviceSpec
 from multigpu.distributed import collectives, data, runtime
 from multigpu.distributed.collectives import ReduceOp
 from multigpu.distributed.data import EpochLoader
 from multigpu.distributed.failures import explain_collective_failures
 from multigpu.errors import ConfigError
-from multigpu.parallel.structure import map_leaves
-from multigpu.session.precision import PRECISIONS, Precision, build_precision
-from multigpu.session.strategies import STRATEGIES, Strategy, build_strategy
+from multigpu.parallel.structure import iter_tensors, map_leaves
+from multigpu.session.config import SessionConfig
+from multigpu.session.precision import Precision, build_precision
+from multigpu.session.strategies import Strategy, build_strategy
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SessionConfig:
-    """How a :class:`Session` trains.
-
-    Attributes:
-        strategy: ``single``, ``dp``, ``ddp`` or ``auto`` (see :mod:`multigpu.session.strategies`).
-        precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast and a gradient scaler).
-        accumulate: micro-steps per optimizer step (gradient accumulation; 1 = none).
-        devices: the devices of ``single`` / ``dp`` (``"cpu:2"``, ``"cuda:0,1"``); None: defaults.
-        seed: seeds torch when the session starts (same on every rank) and the loader's shuffle.
-        timeout_s: how long a collective waits for a missing rank before failing (ddp); None:
-            ``multigpu launch --collective-timeout`` if given, else 600 s.
-    """
-
-    strategy: str = "auto"
-    precision: str = "fp32"
-    accumulate: int = 1
-    devices: DeviceSpec = None
-    seed: int = 0
-    timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.strategy != "auto" and self.strategy not in STRATEGIES:
-            raise ConfigError(
-                f"strategy={self.strategy!r} is not one of {['auto', *STRATEGIES]}; use e.g. strategy='ddp'"
-            )
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision={self.precision!r} is not one of {sorted(PRECISIONS)}; use e.g. 'bf16'")
-        if self.accumulate < 1:
-            raise ConfigError(f"accumulate={self.accumulate} must be >= 1 (1 = step after every batch)")
-        if self.timeout_s is not None and self.timeout_s <= 0:
-            raise ConfigError(f"timeout_s={self.timeout_s} must be > 0 seconds")
 
 
 class Session:
@@ -252,11 +218,14 @@ class Session:
             max_grad_norm: clip the gradients' total norm to this first (after fp16 unscaling).
 
         Returns:
-            Whether the parameters were updated: False inside a window, and under fp16 when the
-            scaler skipped a step whose gradients overflowed (step a scheduler only on True).
+            Whether the parameters were updated: False inside a window; False when the window
+            ran no backward (no parameter has a gradient: the optimizer is not called, so
+            momentum and weight decay do not move them either); and under fp16 when the scaler
+            skipped a step whose gradients overflowed (step a scheduler only on True).
 
         Raises:
-            ConfigError: no micro-step ran since the last step (so no gradients to apply).
+            ConfigError: no micro-step ran since the last step (so no gradients to apply), or
+                ``max_grad_norm`` is not a finite number > 0.
         """
         _, precision = self._started()
         if self._micro == 0:
@@ -264,7 +233,12 @@ class Session:
                 "session.step() found no micro-step since the last step; run the forward and "
                 "session.backward(loss) inside 'with session.micro_step(model):' before it"
             )
+        if max_grad_norm is not None and not _is_positive(max_grad_norm):
+            raise ConfigError(f"max_grad_norm={max_grad_norm!r} must be a finite number > 0 (or None: no clipping)")
         if not self.should_step:
+            return False
+        if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+            self._micro = 0  # a window with no backward (e.g. every batch skipped): nothing to apply
             return False
         short = self._micro < self.config.accumulate
         if short or max_grad_norm is not None:
@@ -317,7 +291,7 @@ class Session:
         results: list[torch.Tensor] = []
         with torch.no_grad(), precision.autocast():
             for batch in self.batches(loader):
-                result = fn(batch).detach()
+                result = _per_sample(fn(batch), _rows(batch)).detach()
                 results.append((result.float() if result.is_floating_point() else result).cpu())
         values = torch.cat(results) if results else torch.empty(0)
         return collectives.gather_by_index(values, indices, len(dataset))  # type: ignore[arg-type]
@@ -338,6 +312,27 @@ def _both(first: AbstractContextManager[Any], second: AbstractContextManager[Any
 
 
 _END: Any = object()
+
+
+def _is_positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _rows(batch: Any) -> int | None:
+    """The batch's sample count: dim 0 of its first tensor (None when it holds none)."""
+    return next((int(t.shape[0]) for t in iter_tensors(batch) if t.dim()), None)
+
+
+def _per_sample(result: Any, rows: int | None) -> torch.Tensor:
+    """``result`` when it is a tensor of one row per sample of the batch; else a ConfigError that says what it is."""
+    fix = "evaluate needs one row per sample, e.g. fn=lambda batch: model(batch[0]).argmax(1)"
+    if not isinstance(result, torch.Tensor):
+        raise ConfigError(f"evaluate's fn returned a {type(result).__name__}, not a tensor; {fix}")
+    if result.dim() == 0:
+        raise ConfigError(f"evaluate's fn returned a 0-dimensional tensor (one value for the batch); {fix}")
+    if rows is not None and result.shape[0] != rows:
+        raise ConfigError(f"evaluate's fn returned {result.shape[0]} row(s) for a batch of {rows} samples; {fix}")
+    return result
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
