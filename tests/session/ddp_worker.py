@@ -20,13 +20,19 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 sys.path.insert(0, str(Path(__file__).parent))
 from oracle import build_model, regression_data
 
+from multigpu.errors import ConfigError
 from multigpu.session import Session
 
 
-def train(session: Session, dataset: TensorDataset, global_batch: int, lr: float = 0.2) -> dict[str, Any]:
+def train(
+    session: Session, dataset: TensorDataset, global_batch: int, lr: float = 0.2, *, own_loader: bool = False
+) -> dict[str, Any]:
     model = session.setup_model(build_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    loader = session.build_loader(dataset, batch_size=global_batch)
+    if own_loader:  # the user's one-device DataLoader, rebuilt: same global batches as build_loader
+        loader: Any = session.setup_dataloader(DataLoader(dataset, batch_size=global_batch, shuffle=True))
+    else:
+        loader = session.build_loader(dataset, batch_size=global_batch)
     losses, steps = [], 0
     for _ in range(2):
         for x, y in session.batches(loader):
@@ -67,12 +73,24 @@ def epochs(session: Session) -> dict[str, Any]:
     }
 
 
+def unsharded_refused(session: Session, dataset: TensorDataset) -> str:
+    """The error a one-device DataLoader gets from session.batches under ddp (it trained every sample on every rank)."""
+    try:
+        for _ in session.batches(DataLoader(dataset, batch_size=8, shuffle=True)):
+            pass
+    except ConfigError as exc:
+        return str(exc)
+    return "not refused"
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     dataset = regression_data(32)
     with Session(strategy="ddp", timeout_s=60) as session:
         results: dict[str, Any] = {"world_size": session.world_size, "rank": session.global_rank}
         results["fp32"] = train(session, dataset, global_batch=8)
+        results["own_loader"] = train(Session(strategy="ddp").start(), dataset, global_batch=8, own_loader=True)
+        results["unsharded_refused"] = unsharded_refused(session, dataset)
         # Further configurations share the process group the first session opened.
         results["accumulate"] = train(Session(strategy="ddp", accumulate=2).start(), dataset, global_batch=8)
         # 4 batches per epoch in windows of 3: the short window (1 batch) must sync and step.

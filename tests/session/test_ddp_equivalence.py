@@ -43,6 +43,20 @@ def test_two_processes_end_with_the_weights_of_one_device(ranks: list[dict[str, 
         _assert_same_weights(rank["fp32"]["state_dict"], want)
 
 
+def test_an_own_dataloader_set_up_by_the_session_trains_like_one_device(ranks: list[dict[str, Any]]) -> None:
+    # before setup_dataloader, a one-device DataLoader under ddp trained every sample on every rank
+    want = plain_train(regression_data(32), global_batch=8).state_dict()
+    for rank in ranks:
+        assert rank["own_loader"]["steps"] == 8
+        _assert_same_weights(rank["own_loader"]["state_dict"], want)
+
+
+def test_an_unsharded_dataloader_is_refused_naming_setup_dataloader(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        assert "RandomSampler, which is not sharded: each of the 2 processes" in rank["unsharded_refused"]
+        assert "session.setup_dataloader(loader)" in rank["unsharded_refused"]
+
+
 def test_accumulation_matches_one_device_on_the_combined_batch(ranks: list[dict[str, Any]]) -> None:
     want = plain_train(regression_data(32), global_batch=8, accumulate=2).state_dict()
     for rank in ranks:

@@ -18,6 +18,9 @@ Policy (the same under every strategy, so one script gives the same global batch
   instead pads the permutation with its first samples up to a multiple of ``W`` and keeps the
   short last batch: the same step count as one device, but under DDP the last global batch holds
   up to ``W - 1`` repeats of the epoch's first samples.
+- **A user's own DataLoader** is rebuilt to this policy by
+  :func:`multigpu.distributed.loaders.shard_dataloader` (``session.setup_dataloader``); iterable
+  datasets are strided between ranks there.
 - **Evaluation.** No shuffle, padded to a multiple of the world size; per-sample results are
   gathered by dataset index so the padding collapses (:func:`multigpu.distributed.collectives.gather_by_index`):
   exactly ``len(dataset)`` results.

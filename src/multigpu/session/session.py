@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from multigpu.checkpoint.keys import unwrap
-from multigpu.distributed import collectives, data, runtime
+from multigpu.distributed import collectives, data, loaders, runtime
 from multigpu.distributed.collectives import ReduceOp
 from multigpu.distributed.data import EpochLoader
 from multigpu.distributed.failures import explain_collective_failures
@@ -154,6 +154,25 @@ class Session:
             **loader_kwargs,
         )
 
+    def setup_dataloader(self, loader: DataLoader) -> EpochLoader[Any]:
+        """Your DataLoader, rebuilt so that its ``batch_size`` is the global batch, sharded under ddp.
+
+        The map-style dataset gets the per-epoch-seeded sampler of :meth:`build_loader` (the
+        loader's shuffle kept, its order drawn from the session's seed); an iterable dataset is
+        strided between ranks. ``collate_fn``, workers, ``pin_memory``, ``drop_last`` and the other
+        loader settings are kept; what cannot be kept (a custom sampler or batch sampler, a
+        DataLoader subclass) is refused. Rules: :mod:`multigpu.distributed.loaders`. Every
+        strategy rebuilds it, so one script gets the same global batches anywhere.
+
+        Example:
+            >>> loader = session.setup_dataloader(DataLoader(dataset, batch_size=64, shuffle=True))  # doctest: +SKIP
+
+        Raises:
+            ConfigError: a loader that cannot be rebuilt (the message says what to do instead), or
+                a ``batch_size`` that does not divide by the world size.
+        """
+        return loaders.shard_dataloader(loader, self._started()[0].shard, seed=self.config.seed)
+
     def batches(self, batches: Iterable[T]) -> Iterator[T]:
         """Each batch moved to the device; under ddp all ranks stop at the shortest rank's end.
 
@@ -161,7 +180,12 @@ class Session:
         micro-steps are stepped in that epoch, not mixed into the next one (see :meth:`step`).
         It reads one batch ahead to know which is last. Every rank must iterate it (it agrees on
         the step count with the other ranks).
+
+        Raises:
+            ConfigError: under ddp, a DataLoader over a map-style dataset that is not sharded
+                (every rank would train on every sample): pass it through :meth:`setup_dataloader`.
         """
+        loaders.check_sharded(batches, self._started()[0].shard)
         device = self.device
         outer = self._last_batch  # an evaluate() inside a training loop must not reset the loop's flag
         ahead = iter(data.even_batches(batches))
