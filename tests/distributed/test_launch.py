@@ -124,6 +124,9 @@ def test_bad_launch_options_are_config_errors() -> None:
         LaunchConfig(nnodes="2")
     with pytest.raises(ConfigError, match="master_port=70000 is not a TCP port"):
         LaunchConfig(master_port=70000)
+    for grace in (0.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=r"grace_period_s=.* must be a finite number of seconds > 0"):
+            LaunchConfig(grace_period_s=grace)
 
 
 def test_missing_script_is_reported(tmp_path: Path) -> None:
@@ -177,6 +180,7 @@ def test_cli_flags_are_the_documented_surface() -> None:
             "--devices",
             "--threads-per-process",
             "--collective-timeout",
+            "--grace-period",
             "--no-bind-cores",
         ]
     )
@@ -256,7 +260,8 @@ def test_process_count_and_devices_must_fit_the_strategy() -> None:
 
 _AFFINITY_SCRIPT = """
 import json, os, sys
-print("cores", os.environ["LOCAL_RANK"], json.dumps(sorted(os.sched_getaffinity(0))), flush=True)
+# one write per line: with PYTHONUNBUFFERED, print's pieces from two workers interleave
+os.write(1, f"cores {os.environ['LOCAL_RANK']} {json.dumps(sorted(os.sched_getaffinity(0)))}\\n".encode())
 """
 
 

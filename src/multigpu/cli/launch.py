@@ -76,6 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with the likely cause (default 600)",
     )
     parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGINT/SIGTERM/SIGHUP the launcher forwards the signal to every worker and kills those "
+        "still running after this long (default 30)",
+    )
+    parser.add_argument(
         "--max-restarts", type=int, default=0, metavar="K", help="restart all workers this often after a failure"
     )
     parser.add_argument(
@@ -136,6 +144,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         threads_per_process=args.threads_per_process,
         bind_cores=args.bind_cores,
         collective_timeout_s=args.collective_timeout,
+        grace_period_s=args.grace_period,
     )
 
 

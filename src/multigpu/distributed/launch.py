@@ -22,9 +22,10 @@ Example::
 from __future__ import annotations
 
 import errno
+import math
 import os
+import signal
 import socket
-import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 
 from multigpu.devices import accelerator_type, device_count
 from multigpu.distributed.runtime import check_world_matches_devices, configured_threads
+from multigpu.distributed.supervise import run_supervised
 from multigpu.errors import ConfigError, LaunchError
 
 LAUNCH_STRATEGIES = ("auto", "single", "dp", "ddp")
@@ -64,6 +66,8 @@ class LaunchConfig:
             (:mod:`multigpu.distributed.affinity`); None: on when the node has no GPU.
         collective_timeout_s: seconds a collective waits for a rank that stopped calling it before
             every rank fails with the likely cause (None: 600).
+        grace_period_s: after SIGINT, SIGTERM or SIGHUP reaches the launcher (forwarded to every
+            worker), how long the workers get to exit before they are killed.
         extra_env: more variables for the workers (on top of the launcher's environment).
     """
 
@@ -82,6 +86,7 @@ class LaunchConfig:
     threads_per_process: int | None = None
     bind_cores: bool | None = None
     collective_timeout_s: float | None = None
+    grace_period_s: float = 30.0
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -97,6 +102,8 @@ class LaunchConfig:
             raise ConfigError(f"master_port={self.master_port} is not a TCP port; pick one in 1..65535")
         if self.collective_timeout_s is not None and self.collective_timeout_s <= 0:
             raise ConfigError(f"collective_timeout_s={self.collective_timeout_s} must be > 0 seconds")
+        if not math.isfinite(self.grace_period_s) or self.grace_period_s <= 0:
+            raise ConfigError(f"grace_period_s={self.grace_period_s} must be a finite number of seconds > 0")
         if self.threads_per_process is not None and self.threads_per_process < 1:
             raise ConfigError(f"threads_per_process={self.threads_per_process} must be >= 1")
         one_process = self.strategy in ("single", "dp")
@@ -269,18 +276,28 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
     strategy = resolve_strategy(config, nproc)
     if strategy != "ddp":
         env = {**os.environ, **worker_env(config, strategy, 1)}
-        return subprocess.call([sys.executable, script, *script_args], env=env)
-    return _run_torchrun(build_torchrun_args(config, script, script_args), worker_env(config, strategy, nproc), script)
+        return run_supervised([sys.executable, script, *script_args], env, grace_s=config.grace_period_s)
+    args = build_torchrun_args(config, script, script_args)
+    # torch elastic's agent forwards SIGINT/SIGTERM/SIGHUP to the workers and kills them after
+    # its shutdown timeout (whole seconds, read from this variable when the agent is configured)
+    agent = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(config.grace_period_s))}
+    return _run_torchrun(args, {**worker_env(config, strategy, nproc), **agent}, script)
 
 
 def _run_torchrun(args: list[str], env: dict[str, str], script: str) -> int:
     # Imported here: torch.distributed.run pulls in the elastic agent, only needed for ddp.
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     with _environment(env):
         try:
             run(parse_args(args))
+        except (SignalException, KeyboardInterrupt) as exc:
+            # the agent has already ended the workers (SIGKILL after the grace period)
+            signum = exc.sigval if isinstance(exc, SignalException) else signal.SIGINT
+            print(f"multigpu launch: stopped by {signal.Signals(signum).name}; workers ended", file=sys.stderr)
+            return 128 + int(signum)
         except ChildFailedError as exc:
             rank, failure = exc.get_first_failure()
             print(
