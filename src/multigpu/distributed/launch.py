@@ -9,8 +9,8 @@ rendezvous or collectives. What it adds:
 - a per-process thread count (``OMP_NUM_THREADS``): the node's cores divided by its processes,
   unless the user set it;
 - each worker runs under :mod:`multigpu.distributed._entry`, whose ``@record`` writes the
-  exception to torch elastic's error file, so a failing worker's rank and traceback appear in
-  the launcher's output;
+  exception to torch elastic's error file; the launcher names the rank whose failure caused the
+  others and prints its traceback (:mod:`multigpu.distributed.root_cause`);
 - ``single`` and ``dp`` run the script in one ordinary process, with the same script.
 
 Example::
@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from multigpu.devices import accelerator_type, device_count
+from multigpu.distributed.root_cause import format_summary, from_torch
 from multigpu.distributed.runtime import check_world_matches_devices, configured_threads
 from multigpu.distributed.supervise import run_supervised
 from multigpu.errors import ConfigError, LaunchError
@@ -262,8 +263,8 @@ def worker_env(config: LaunchConfig, strategy: str, nproc: int) -> dict[str, str
 def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -> int:
     """Run ``script`` under ``config.strategy``; returns the exit code (0 when every worker succeeded).
 
-    A failed ``ddp`` worker's rank, exit code and traceback are printed to stderr by torch
-    elastic's failure summary.
+    When ``ddp`` workers fail, the rank whose failure caused the others is printed to stderr with
+    its exit code and traceback, then one line per other failed rank.
 
     Raises:
         LaunchError: the script does not exist, the master port is taken or the master address is
@@ -299,13 +300,9 @@ def _run_torchrun(args: list[str], env: dict[str, str], script: str) -> int:
             print(f"multigpu launch: stopped by {signal.Signals(signum).name}; workers ended", file=sys.stderr)
             return 128 + int(signum)
         except ChildFailedError as exc:
-            rank, failure = exc.get_first_failure()
-            print(
-                f"multigpu launch: {script} failed on rank {rank} (local_rank {failure.local_rank}, "
-                f"exit code {failure.exitcode}); the failing rank's traceback is in the summary below.\n{exc}",
-                file=sys.stderr,
-                flush=True,
-            )
+            # torch's own summary names the earliest error file by whole-second timestamp, often a
+            # rank that failed only because the cause's rank exited: name the cause instead
+            print(format_summary(script, from_torch(exc.failures)), file=sys.stderr, flush=True)
             return 1
     return 0
 
