@@ -61,6 +61,9 @@ def test_multi_node_and_elastic_options_reach_torchrun() -> None:
     ]:
         assert args[args.index(flag) + 1] == value
     assert "--local-addr" not in args  # several nodes: do not pin the agent to loopback
+    config = LaunchConfig(nproc_per_node=1, nnodes="2", master_addr="10.0.0.1", local_addr="10.0.0.2")
+    args = build_torchrun_args(config, "t.py", [])
+    assert args[args.index("--local-addr") + 1] == "10.0.0.2"  # the address the other nodes reach
 
 
 def test_a_port_in_use_is_reported_with_the_fix() -> None:
@@ -173,6 +176,7 @@ def test_cli_flags_are_the_documented_surface() -> None:
             "--node-rank",
             "--master-addr",
             "--master-port",
+            "--local-addr",
             "--max-restarts",
             "--rdzv-backend",
             "--rdzv-endpoint",

@@ -1,13 +1,16 @@
 """Worker for the multi-process session tests: run every scenario in one launched job (launches are slow).
 
-    multigpu launch --strategy ddp --nproc-per-node 2 tests/session/ddp_worker.py OUT_DIR
+    multigpu launch --strategy ddp --nproc-per-node 2 tests/session/ddp_worker.py OUT_DIR CASES.json
 
 Each rank writes OUT_DIR/rank<R>.pt with one entry per scenario; the tests compare them with plain
-single-device PyTorch (tests/session/oracle.py).
+single-device PyTorch (tests/session/oracle.py). ``fuzz`` holds the final weights of every case
+of CASES.json (the differential fuzzer's drawn cases, tests/session/fuzz_cases.py), each trained
+with a fresh ddp Session in the same process group.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
+from fuzz_cases import Case, run_case
 from oracle import build_model, regression_data
 
 from multigpu.errors import ConfigError
@@ -106,6 +110,8 @@ def main() -> None:
         results["evaluate"] = session.evaluate(lambda batch: batch[0] * 2, eleven, batch_size=4)
         value = session.global_rank + 1.0
         results["reduce"] = {op: session.reduce(value, op) for op in ("mean", "sum", "max", "min")}
+        cases = [Case.from_json(data) for data in json.loads(Path(sys.argv[2]).read_text())]
+        results["fuzz"] = [run_case(case, "ddp") for case in cases]
         torch.save(results, out / f"rank{session.global_rank}.pt")
 
 

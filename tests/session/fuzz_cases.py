@@ -4,7 +4,7 @@ A :class:`Case` is plain data (it travels to the ddp workers as JSON): a small m
 vocabulary of layers, a dataset, a global batch, an accumulation count and an optimizer. The same
 Session loop (:func:`train_session`) runs it under ``single``, ``dp`` and ``ddp``;
 :func:`plain_train` runs it as a plain PyTorch loop on one device. Shared by
-``test_differential.py`` and ``fuzz_worker.py``.
+``test_differential.py`` and ``ddp_worker.py``.
 
 Not in the vocabulary, on purpose: BatchNorm (each ddp rank and each dp replica normalises its own
 part of the batch, as in torch's DDP and nn.DataParallel: a known difference, not a bug), Dropout
@@ -14,6 +14,7 @@ in training mode (each strategy draws its own random masks) and parameters that 
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -53,6 +54,15 @@ class Case:
     @staticmethod
     def from_json(data: dict[str, Any]) -> Case:
         return Case(**{**data, "blocks": tuple(data["blocks"])})
+
+
+EXAMPLES = int(os.environ.get("MULTIGPU_FUZZ_EXAMPLES", "0")) or None  # a long run's case count
+
+
+def ddp_cases() -> list[Case]:
+    """The cases the ddp launch trains: fixed (the same on every run), 6 in CI."""
+    rng = random.Random(20240611)
+    return [draw_case(rng) for _ in range(EXAMPLES or 6)]
 
 
 def draw_case(rng: random.Random) -> Case:

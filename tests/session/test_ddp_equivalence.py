@@ -1,6 +1,7 @@
 """Two real gloo processes under the ddp strategy against plain PyTorch on one device.
 
-One launch runs every scenario (tests/session/ddp_worker.py); each test checks one of them.
+One launch runs every scenario (tests/session/ddp_worker.py, started by the ``ranks`` fixture in
+tests/session/conftest.py); each test checks one of them.
 """
 
 from __future__ import annotations
@@ -13,20 +14,11 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from tests.distributed.launching import multigpu_launch
 from tests.session.oracle import plain_train, regression_data
 
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
-
-
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("ddp")
-    done = multigpu_launch("--strategy", "ddp", "--nproc-per-node", "2", str(WORKER), str(out), timeout_s=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
 
 
 def _assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -5,8 +5,9 @@ Conv1d, LayerNorm, GRU, Embedding input, a submodule used twice, tied weights), 
 batch, accumulation 1-3, SGD with or without momentum, and build_loader or the user's own
 DataLoader. The oracle is a plain PyTorch loop on one device over the same global batches.
 
-CI runs a fixed-seed profile: a few cases in this process (single and dp) and a few in one ddp
-launch of two gloo processes that runs them all. ``MULTIGPU_FUZZ_EXAMPLES=2000`` runs a long one.
+CI runs a fixed-seed profile: a few cases in this process (single and dp) and a few in the one ddp
+launch of two gloo processes the session tests share (tests/session/conftest.py), which trains
+them all in the same workers. ``MULTIGPU_FUZZ_EXAMPLES=2000`` runs a long one.
 
 Tolerance (float32): rtol 1e-4, atol 1e-5 on every weight. The strategies add the same
 per-sample gradients in another order (two replicas' or two ranks' sums, then the all-reduce;
@@ -18,24 +19,17 @@ missed step moves the weights by 1e-3 or more.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.distributed.launching import multigpu_launch
-from tests.session.fuzz_cases import Case, draw_case, plain_train, run_case
+from tests.session.fuzz_cases import EXAMPLES, Case, ddp_cases, draw_case, plain_train, run_case
 
-EXAMPLES = int(os.environ.get("MULTIGPU_FUZZ_EXAMPLES", "0")) or None
 RTOL, ATOL = 1e-4, 1e-5
-WORKER = Path(__file__).with_name("fuzz_worker.py")
-
-
 WORST = {"abs": 0.0, "rel": 0.0}  # the largest differences seen, printed by a long run (pytest -s)
 
 
@@ -59,32 +53,12 @@ def test_single_and_dp_end_with_the_weights_of_one_device(rng: random.Random) ->
         print(f"single/dp so far: largest |dw| {WORST['abs']:.2e}, largest |dw|/(|w|+atol) {WORST['rel']:.2e}")
 
 
-def ddp_cases() -> list[Case]:
-    rng = random.Random(20240611)  # fixed: the same cases on every run
-    return [draw_case(rng) for _ in range(EXAMPLES or 6)]
-
-
-@pytest.fixture(scope="module")
-def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, torch.Tensor]]]:
-    out = tmp_path_factory.mktemp("fuzz")
-    cases = out / "cases.json"
-    cases.write_text(json.dumps([case.to_json() for case in ddp_cases()]))
-    timeout = 120 + 2 * len(ddp_cases())
-    done = multigpu_launch(
-        "--strategy", "ddp", "--nproc-per-node", "2", str(WORKER), str(cases), str(out), timeout_s=timeout
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [torch.load(out / f"rank{rank}.pt") for rank in (0, 1)]
-
-
 @pytest.mark.multiprocess
-def test_ddp_on_two_processes_ends_with_the_weights_of_one_device(
-    ddp_results: list[list[dict[str, torch.Tensor]]],
-) -> None:
+def test_ddp_on_two_processes_ends_with_the_weights_of_one_device(ranks: list[dict[str, Any]]) -> None:
     cases = ddp_cases()
-    for rank in ddp_results:
-        assert len(rank) == len(cases)
-    for case, got0, got1 in zip(cases, *ddp_results):
+    for rank in ranks:
+        assert len(rank["fuzz"]) == len(cases)
+    for case, got0, got1 in zip(cases, ranks[0]["fuzz"], ranks[1]["fuzz"]):
         want = plain_train(case)
         assert_same_weights(got0, want, case)
         for key in got0:  # the ranks hold one model

@@ -68,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rank 0's port; default: a free port on one node (checked free when given)",
     )
     parser.add_argument(
+        "--local-addr",
+        default=None,
+        metavar="ADDR",
+        help="this node's address as the other nodes reach it (several nodes; default: its host name)",
+    )
+    parser.add_argument(
         "--collective-timeout",
         type=float,
         default=None,
@@ -135,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        local_addr=args.local_addr,
         max_restarts=args.max_restarts,
         rdzv_backend=args.rdzv_backend,
         rdzv_endpoint=args.rdzv_endpoint,

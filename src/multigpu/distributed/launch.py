@@ -56,6 +56,9 @@ class LaunchConfig:
         master_addr: rank 0's address; default loopback on one node (required for several nodes
             unless ``rdzv_endpoint`` is given).
         master_port: rank 0's port; None picks a free one on a single node.
+        local_addr: this node's address, as the other nodes reach it (several nodes); None:
+            torchrun's default, the host name, which inside a container or network namespace
+            may resolve to an address the other nodes cannot reach.
         max_restarts: how often torchrun restarts the workers after a failure.
         rdzv_backend: ``static`` (fixed ranks, the default) or ``c10d`` (elastic).
         rdzv_endpoint: ``host:port`` of the c10d rendezvous (``c10d`` backend).
@@ -78,6 +81,7 @@ class LaunchConfig:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    local_addr: str | None = None
     max_restarts: int = 0
     rdzv_backend: str = "static"
     rdzv_endpoint: str | None = None
@@ -236,6 +240,8 @@ def build_torchrun_args(config: LaunchConfig, script: str, script_args: Sequence
         args += ["--rdzv-conf", config.rdzv_conf]
     if not config.multi_node:
         args += ["--local-addr", addr]
+    elif config.local_addr:
+        args += ["--local-addr", config.local_addr]
     return [*args, "--module", _ENTRY_MODULE, script, *script_args]
 
 
