@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import json
 import os
 import re
@@ -16,9 +17,16 @@ import pytest
 from multigpu.cli import launch as launch_cli
 from multigpu.devices import accelerator_type
 from multigpu.distributed.affinity import core_share
-from multigpu.distributed.launch import LaunchConfig, build_torchrun_args, launch, resolve_strategy, worker_env
+from multigpu.distributed.launch import (
+    LaunchConfig,
+    build_torchrun_args,
+    launch,
+    resolve_strategy,
+    waiting_message,
+    worker_env,
+)
 from multigpu.distributed.runtime import LaunchError
-from multigpu.errors import ConfigError
+from multigpu.errors import ConfigError, DeviceError
 from tests.conftest import free_port
 from tests.distributed.launching import multigpu_launch
 
@@ -85,6 +93,47 @@ def test_a_master_address_of_another_machine_is_not_reported_as_a_port_in_use() 
     ) as caught:
         build_torchrun_args(LaunchConfig(nproc_per_node=2, master_addr="192.0.2.1", master_port=port), "t.py", [])
     assert "in use" not in str(caught.value)
+
+
+def test_a_foreign_master_address_without_a_port_fails_before_the_store_retries() -> None:
+    # it retried for 71 s and printed 211 lines of TCPStore errors before failing
+    began = time.monotonic()
+    with pytest.raises(LaunchError, match=r"master address 192\.0\.2\.1 is not one of this machine's addresses"):
+        build_torchrun_args(LaunchConfig(nproc_per_node=2, master_addr="192.0.2.1"), "t.py", [])
+    assert time.monotonic() - began < 5
+
+
+def test_dp_devices_are_checked_before_the_script_runs(tmp_path: Path) -> None:
+    # the script used to start, print its own traceback, and only then fail with the DeviceError
+    ran = tmp_path / "ran"
+    script = tmp_path / "t.py"
+    script.write_text(f"open({str(ran)!r}, 'w').close()\n")
+    with pytest.raises(DeviceError, match=r"cpu:0"):
+        launch(LaunchConfig(strategy="dp", devices="cpu:0"), str(script))
+    assert not ran.exists()
+
+
+def test_a_node_waiting_for_the_others_says_where_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    # the rendezvous itself (torchrun) is not started: this checks what the launcher says before it
+    monkeypatch.setattr(importlib.import_module("multigpu.distributed.launch"), "_run_torchrun", lambda *_: 0)
+    config = LaunchConfig(
+        strategy="ddp", nproc_per_node=2, nnodes="2", node_rank=1, master_addr="10.0.0.1", master_port=29500
+    )
+    assert launch(config, str(script)) == 0
+    err = capsys.readouterr().err
+    assert (
+        err.count("multigpu launch: node 1 of 2 (2 processes here) waiting for the other nodes at 10.0.0.1:29500") == 1
+    )
+    elastic = LaunchConfig(
+        nproc_per_node=1, nnodes="1:3", rdzv_backend="c10d", rdzv_endpoint="10.0.0.1:29400", rdzv_id="job7"
+    )
+    assert waiting_message(elastic, 1) == (
+        "1 processes here waiting for 1:3 node(s) to join at 10.0.0.1:29400 (c10d rendezvous, id 'job7')"
+    )
 
 
 def test_a_refused_bind_names_the_os_reason_not_a_port_in_use(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,17 +21,16 @@ Example::
 
 from __future__ import annotations
 
-import errno
 import math
 import os
 import signal
-import socket
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from multigpu.devices import accelerator_type, device_count
+from multigpu.devices import accelerator_type, device_count, parse_devices
+from multigpu.distributed.preflight import check_listen_address
 from multigpu.distributed.root_cause import format_summary, from_torch
 from multigpu.distributed.runtime import check_world_matches_devices, configured_threads
 from multigpu.distributed.supervise import run_supervised
@@ -160,41 +159,6 @@ def resolve_strategy(config: LaunchConfig, nproc: int) -> str:
     return "ddp" if nproc > 1 or config.multi_node else "single"
 
 
-def check_port_free(addr: str, port: int) -> None:
-    """Fail early, with the fix, when rank 0 cannot listen on ``addr:port`` (instead of a store timeout later).
-
-    Single-node runs bind the rendezvous store on ``addr``. The address family comes from ``addr``
-    (``::1`` binds an IPv6 socket). Only "address in use" means the port is taken.
-
-    Raises:
-        LaunchError: something listens there already, ``addr`` is not one of this machine's
-            addresses (or does not resolve), or the OS refuses the bind (the reason is shown).
-    """
-    use_local = "single-node runs bind there: pass --master-addr 127.0.0.1, or leave --master-addr out"
-    try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as exc:
-        raise LaunchError(f"master address {addr!r} does not resolve ({exc.strerror}); {use_local}") from exc
-    with socket.socket(family, kind, proto) as sock:
-        try:
-            sock.bind(sockaddr)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise LaunchError(
-                    f"master port {port} on {addr} is in use ({exc.strerror}); pass another --master-port, "
-                    "or leave it out to pick a free port"
-                ) from exc
-            if exc.errno == errno.EADDRNOTAVAIL:
-                raise LaunchError(
-                    f"master address {addr} is not one of this machine's addresses ({exc.strerror}); {use_local}"
-                ) from exc
-            # e.g. EACCES for a port below 1024: neither "in use" nor a foreign address.
-            raise LaunchError(
-                f"cannot listen on master port {port} on {addr} ({exc.strerror}); {use_local}, and pass a "
-                "--master-port of 1024 or more, or leave it out"
-            ) from exc
-
-
 def build_torchrun_args(config: LaunchConfig, script: str, script_args: Sequence[str]) -> list[str]:
     """torchrun's argument list for a ``ddp`` run of ``script`` (ports resolved, checked).
 
@@ -208,8 +172,8 @@ def build_torchrun_args(config: LaunchConfig, script: str, script_args: Sequence
     port = config.master_port
     backend = config.rdzv_backend
     endpoint: str | None
-    if not config.multi_node and port is not None:
-        check_port_free(addr, port)
+    if not config.multi_node:  # rank 0's store binds here: a foreign address or a taken port fails now,
+        check_listen_address(addr, port or 0)  # not after a minute of store retries
     if not config.multi_node and port is None and config.rdzv_endpoint is None:
         # No port given on one node: the c10d store binds port 0 itself, so no other process can
         # take the port between choosing it and binding it (what torchrun --standalone does).
@@ -281,6 +245,8 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
         raise LaunchError(f"script {script!r} does not exist; pass the path of a Python file, e.g. examples/train.py")
     nproc = 1 if config.strategy in ("single", "dp") else resolve_nproc(config)
     strategy = resolve_strategy(config, nproc)
+    if config.devices is not None:
+        parse_devices(config.devices)  # a DeviceError here, not after the script started
     if strategy != "ddp":
         env = {**os.environ, **worker_env(config, strategy, 1)}
         return run_supervised([sys.executable, script, *script_args], env, grace_s=config.grace_period_s)
@@ -288,7 +254,29 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
     # torch elastic's agent forwards SIGINT/SIGTERM/SIGHUP to the workers and kills them after
     # its shutdown timeout (whole seconds, read from this variable when the agent is configured)
     agent = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(config.grace_period_s))}
+    if config.multi_node:  # the rendezvous waits silently for the other nodes: say where and for whom
+        print(f"multigpu launch: {waiting_message(config, nproc)}", file=sys.stderr, flush=True)
     return _run_torchrun(args, {**worker_env(config, strategy, nproc), **agent}, script)
+
+
+def waiting_message(config: LaunchConfig, nproc: int) -> str:
+    """What a multi-node launcher says once before its rendezvous waits for the other nodes.
+
+    Example:
+        >>> waiting_message(LaunchConfig(nnodes="2", node_rank=1, master_addr="10.0.0.1", master_port=29500), 4)
+        'node 1 of 2 (4 processes here) waiting for the other nodes at 10.0.0.1:29500 (static rendezvous)'
+    """
+    nodes = config.nnodes.split(":")[-1].strip()
+    if config.rdzv_backend == "c10d":
+        where = config.rdzv_endpoint or f"{config.master_addr}:{config.master_port or 29500}"
+        return (
+            f"{nproc} processes here waiting for {config.nnodes} node(s) to join at {where} "
+            f"(c10d rendezvous, id {config.rdzv_id!r})"
+        )
+    return (
+        f"node {config.node_rank} of {nodes} ({nproc} processes here) waiting for the other nodes at "
+        f"{config.master_addr}:{config.master_port or 29500} (static rendezvous)"
+    )
 
 
 def _run_torchrun(args: list[str], env: dict[str, str], script: str) -> int:
