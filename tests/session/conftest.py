@@ -16,9 +16,15 @@ WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
 @pytest.fixture(scope="session")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def ddp_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder the shared ddp launch writes into."""
+    return tmp_path_factory.mktemp("ddp")
+
+
+@pytest.fixture(scope="session")
+def ranks(ddp_out: Path) -> list[dict[str, Any]]:
     """What each of two real gloo processes wrote (tests/session/ddp_worker.py), rank 0 first."""
-    out = tmp_path_factory.mktemp("ddp")
+    out = ddp_out
     cases = out / "cases.json"
     drawn = ddp_cases()
     cases.write_text(json.dumps([case.to_json() for case in drawn]))

@@ -110,6 +110,11 @@ def main() -> None:
         results["evaluate"] = session.evaluate(lambda batch: batch[0] * 2, eleven, batch_size=4)
         value = session.global_rank + 1.0
         results["reduce"] = {op: session.reduce(value, op) for op in ("mean", "sum", "max", "min")}
+        results["ranks"] = (session.rank, session.global_rank, session.local_rank)
+        logged = Session(strategy="ddp", run_dir=out / "run").start()
+        for step in range(3):  # every rank logs; only the main process writes
+            logged.log({"loss": float(step), "rank": float(session.global_rank)}, step)
+        logged.close()
         cases = [Case.from_json(data) for data in json.loads(Path(sys.argv[2]).read_text())]
         results["fuzz"] = [run_case(case, "ddp") for case in cases]
         torch.save(results, out / f"rank{session.global_rank}.pt")

@@ -6,6 +6,7 @@ tests/session/conftest.py); each test checks one of them.
 
 from __future__ import annotations
 
+import csv
 import math
 from pathlib import Path
 from typing import Any
@@ -112,3 +113,15 @@ def test_evaluation_gathers_each_sample_exactly_once(ranks: list[dict[str, Any]]
 def test_metrics_reduce_over_processes(ranks: list[dict[str, Any]]) -> None:
     for rank in ranks:  # rank r contributes r + 1
         assert rank["reduce"] == {"mean": 1.5, "sum": 3.0, "max": 2.0, "min": 1.0}
+
+
+def test_each_process_knows_its_rank_and_local_rank(ranks: list[dict[str, Any]]) -> None:
+    assert [r["ranks"] for r in ranks] == [(0, 0, 0), (1, 1, 1)]
+
+
+def test_every_rank_logs_but_only_the_main_process_writes(ranks: list[dict[str, Any]], ddp_out: Path) -> None:
+    with (ddp_out / "run" / "metrics.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    assert [(r["step"], r["metric"], float(r["value"])) for r in rows] == [
+        (str(step), name, value) for step in range(3) for name, value in (("loss", float(step)), ("rank", 0.0))
+    ]

@@ -216,7 +216,7 @@ def even_batches(batches: Iterable[T]) -> Iterator[T]:
     if not in_process_group():
         yield from batches
         return
-    length = _known_len(batches)
+    length = known_len(batches)
     if length is not None:
         steps = all_agree_min(length)
         for step, batch in enumerate(batches):
@@ -236,7 +236,7 @@ def even_batches(batches: Iterable[T]) -> Iterator[T]:
 _END: Any = object()
 
 
-def _known_len(batches: Iterable[Any]) -> int | None:
+def known_len(batches: Iterable[Any]) -> int | None:
     """``len(batches)``, or None when it has no length.
 
     A DataLoader over an IterableDataset is ``Sized`` by type but its ``len()`` raises TypeError

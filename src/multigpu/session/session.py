@@ -21,8 +21,10 @@ train.py``, ``multigpu launch --strategy ddp --nproc-per-node 2 train.py``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -35,9 +37,12 @@ from multigpu.distributed.collectives import ReduceOp
 from multigpu.distributed.data import EpochLoader
 from multigpu.distributed.failures import explain_collective_failures
 from multigpu.errors import ConfigError
-from multigpu.parallel.structure import iter_tensors, map_leaves
+from multigpu.parallel.structure import map_leaves
 from multigpu.session.config import SessionConfig
+from multigpu.session.evaluation import per_sample_result
+from multigpu.session.metrics import MetricsLog
 from multigpu.session.precision import Precision, build_precision
+from multigpu.session.progress import with_progress
 from multigpu.session.strategies import Strategy, build_strategy
 
 T = TypeVar("T")
@@ -67,6 +72,7 @@ class Session:
         self.precision: Precision | None = None
         self._micro = 0  # micro-steps since the last optimizer step
         self._last_batch = False  # the batch in flight is the last of session.batches(...)
+        self._metrics: MetricsLog | None = None  # created by the first log()
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -86,6 +92,8 @@ class Session:
 
     def close(self) -> None:
         """Leave the process group (ddp). Every rank must call it; safe to call twice."""
+        if self._metrics is not None:
+            self._metrics.close()
         if self.strategy is not None:
             self.strategy.teardown()
             self.strategy = None
@@ -120,7 +128,18 @@ class Session:
 
     @property
     def global_rank(self) -> int:
+        """This process's rank among all processes of the run (0 in one process)."""
         return self._started()[0].shard.rank
+
+    @property
+    def rank(self) -> int:
+        """The same as :attr:`global_rank` (torch.distributed's ``get_rank()``)."""
+        return self.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (its GPU index under ddp; 0 in one process)."""
+        return self._started()[0].local_rank
 
     @property
     def is_main_process(self) -> bool:
@@ -173,13 +192,14 @@ class Session:
         """
         return loaders.shard_dataloader(loader, self._started()[0].shard, seed=self.config.seed)
 
-    def batches(self, batches: Iterable[T]) -> Iterator[T]:
+    def batches(self, batches: Iterable[T], *, progress: bool = False, description: str = "batches") -> Iterator[T]:
         """Each batch moved to the device; under ddp all ranks stop at the shortest rank's end.
 
         The last batch closes the accumulation window even when it is short: the epoch's last
         micro-steps are stepped in that epoch, not mixed into the next one (see :meth:`step`).
         It reads one batch ahead to know which is last. Every rank must iterate it (it agrees on
-        the step count with the other ranks).
+        the step count with the other ranks). ``progress=True`` draws a progress bar (rich) on
+        the main process, labelled ``description``.
 
         Raises:
             ConfigError: under ddp, a DataLoader over a map-style dataset that is not sharded
@@ -188,7 +208,9 @@ class Session:
         loaders.check_sharded(batches, self._started()[0].shard)
         device = self.device
         outer = self._last_batch  # an evaluate() inside a training loop must not reset the loop's flag
-        ahead = iter(data.even_batches(batches))
+        ahead: Iterator[T] = iter(data.even_batches(batches))
+        if progress and self.is_main_process:
+            ahead = with_progress(ahead, total=data.known_len(batches), description=description)
         upcoming = next(ahead, _END)
         try:
             while upcoming is not _END:
@@ -290,6 +312,30 @@ class Session:
         if self.is_main_process:
             print(*args, **kwargs, flush=True)
 
+    @property
+    def run_dir(self) -> Path:
+        """The folder :meth:`log` writes into: ``SessionConfig.run_dir``, else ``runs/<start time>-<strategy>``."""
+        return self._metrics_log().folder
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Append scalar ``metrics`` at ``step`` to ``run_dir/metrics.csv`` (and TensorBoard when installed).
+
+        Only the main process writes, so every rank may call it without duplicates; nothing is
+        communicated (log ``session.reduce(loss)`` for the mean over processes). See
+        :mod:`multigpu.session.metrics` for the file's form.
+
+        Example:
+            >>> session.log({"loss": session.reduce(loss), "lr": 0.1}, step)  # doctest: +SKIP
+        """
+        self._metrics_log().log(metrics, step)
+
+    def _metrics_log(self) -> MetricsLog:
+        if self._metrics is None:
+            strategy, _ = self._started()
+            folder = self.config.run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{strategy.name}"
+            self._metrics = MetricsLog(Path(folder), enabled=strategy.is_main_process)
+        return self._metrics
+
     def barrier(self) -> None:
         """Wait for every rank (no-op in one process). Every rank must call it."""
         with explain_collective_failures("barrier"):
@@ -315,7 +361,7 @@ class Session:
         results: list[torch.Tensor] = []
         with torch.no_grad(), precision.autocast():
             for batch in self.batches(loader):
-                result = _per_sample(fn(batch), _rows(batch)).detach()
+                result = per_sample_result(fn(batch), batch).detach()
                 results.append((result.float() if result.is_floating_point() else result).cpu())
         values = torch.cat(results) if results else torch.empty(0)
         return collectives.gather_by_index(values, indices, len(dataset))  # type: ignore[arg-type]
@@ -340,23 +386,6 @@ _END: Any = object()
 
 def _is_positive(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
-def _rows(batch: Any) -> int | None:
-    """The batch's sample count: dim 0 of its first tensor (None when it holds none)."""
-    return next((int(t.shape[0]) for t in iter_tensors(batch) if t.dim()), None)
-
-
-def _per_sample(result: Any, rows: int | None) -> torch.Tensor:
-    """``result`` when it is a tensor of one row per sample of the batch; else a ConfigError that says what it is."""
-    fix = "evaluate needs one row per sample, e.g. fn=lambda batch: model(batch[0]).argmax(1)"
-    if not isinstance(result, torch.Tensor):
-        raise ConfigError(f"evaluate's fn returned a {type(result).__name__}, not a tensor; {fix}")
-    if result.dim() == 0:
-        raise ConfigError(f"evaluate's fn returned a 0-dimensional tensor (one value for the batch); {fix}")
-    if rows is not None and result.shape[0] != rows:
-        raise ConfigError(f"evaluate's fn returned {result.shape[0]} row(s) for a batch of {rows} samples; {fix}")
-    return result
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
