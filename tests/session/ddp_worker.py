@@ -66,6 +66,22 @@ def uneven(session: Session) -> dict[str, Any]:
     return {"sized": sized, "unsized": unsized, "stream_loader": stream}
 
 
+class Numbers(IterableDataset):  # type: ignore[type-arg]
+    """The stream 0, 1, ..., count - 1 (the same on every rank: setup_dataloader strides it)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(torch.tensor(i) for i in range(self.count))
+
+
+def strided_stream(session: Session) -> list[list[int]]:
+    """This rank's batches of a 10-item stream set up as global batches of 4 (drop_last)."""
+    loader = session.setup_dataloader(DataLoader(Numbers(10), batch_size=4, drop_last=True))
+    return [batch.tolist() for batch in session.batches(loader)]
+
+
 def epochs(session: Session) -> dict[str, Any]:
     loader = session.build_loader(TensorDataset(torch.arange(10)), batch_size=2)
     # 23 samples, global batch 8: one device takes 2 steps; padding to 24 once gave ddp a third
@@ -105,6 +121,7 @@ def main() -> None:
         for precision in ("bf16", "fp16"):
             results[precision] = train(Session(strategy="ddp", precision=precision).start(), dataset, 8, lr=0.1)
         results["uneven"] = uneven(session)
+        results["strided_stream"] = strided_stream(session)
         results["epochs"] = epochs(session)
         eleven = TensorDataset(torch.arange(11.0))
         results["evaluate"] = session.evaluate(lambda batch: batch[0] * 2, eleven, batch_size=4)

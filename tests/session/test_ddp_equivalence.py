@@ -83,6 +83,12 @@ def test_uneven_inputs_stop_together_at_the_shortest_rank(ranks: list[dict[str, 
         assert rank["uneven"] == {"sized": 3, "unsized": 3, "stream_loader": 3}
 
 
+def test_an_iterable_dataset_is_strided_into_the_one_device_global_batches(ranks: list[dict[str, Any]]) -> None:
+    # one device: [0..3], [4..7] (drop_last drops [8, 9]); rank r takes items r, r+2, ...
+    assert ranks[0]["strided_stream"] == [[0, 2], [4, 6]]
+    assert ranks[1]["strided_stream"] == [[1, 3], [5, 7]]
+
+
 def test_sampler_shuffles_per_epoch_and_ranks_share_one_permutation(ranks: list[dict[str, Any]]) -> None:
     dataset = TensorDataset(torch.arange(10))
     for epoch in (0, 1):
