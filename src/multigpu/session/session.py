@@ -6,6 +6,7 @@ A complete loop (``examples/train.py`` is the runnable version)::
         model = session.setup_model(build_model())               # moved, wrapped
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         loader = session.build_loader(dataset, batch_size=64)   # the global batch, sharded under ddp
+        # or your own: session.setup_dataloader(DataLoader(dataset, batch_size=64, shuffle=True))
         for epoch in range(3):
             for x, y in session.batches(loader):                 # on the device; ranks stop together
                 with session.micro_step(model):                  # autocast; no grad sync while accumulating
@@ -13,6 +14,7 @@ A complete loop (``examples/train.py`` is the runnable version)::
                     session.backward(loss)
                 session.step(optimizer)                          # steps every `accumulate` micro-steps
             session.print(epoch, session.reduce(loss))           # printed once, averaged over processes
+            session.log({"loss": session.reduce(loss)}, epoch)    # one metrics.csv, by the main process
 
 Launch it: ``python train.py`` (single, or dp on several GPUs), ``multigpu launch --strategy dp
 train.py``, ``multigpu launch --strategy ddp --nproc-per-node 2 train.py``.
