@@ -136,6 +136,21 @@ def test_a_node_waiting_for_the_others_says_where_once(
     )
 
 
+@pytest.mark.multiprocess
+def test_a_rendezvous_that_never_meets_ends_in_a_launch_error_not_a_python_traceback(tmp_path: Path) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    port = str(free_port())  # nothing listens there, and this node does not host it (is_host=0)
+    done = multigpu_launch(
+        "--strategy", "ddp", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=0,read_timeout=2", str(script),
+        timeout_s=90,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "multigpu launch: the rendezvous failed, so no worker started: RendezvousConnectionError" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_a_refused_bind_names_the_os_reason_not_a_port_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(self: socket.socket, address: object) -> None:
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))

@@ -281,13 +281,23 @@ def waiting_message(config: LaunchConfig, nproc: int) -> str:
 
 def _run_torchrun(args: list[str], env: dict[str, str], script: str) -> int:
     # Imported here: torch.distributed.run pulls in the elastic agent, only needed for ddp.
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     with _environment(env):
         try:
             run(parse_args(args))
+        except (RendezvousError, DistError) as exc:  # before any worker ran: the nodes never met
+            cause = f"{type(exc).__name__}: {exc}" + (f" ({exc.__cause__})" if exc.__cause__ else "")
+            raise LaunchError(
+                f"the rendezvous failed, so no worker started: {cause.splitlines()[0]} -- check that every node "
+                "runs a launcher with the same --rdzv-endpoint or --master-addr/--master-port, that the address is "
+                "reachable from every node, and (c10d) that one node hosts it (--rdzv-conf is_host=1 where the "
+                "host name does not name that node)"
+            ) from exc
         except (SignalException, KeyboardInterrupt) as exc:
             # the agent has already ended the workers (SIGKILL after the grace period)
             signum = exc.sigval if isinstance(exc, SignalException) else signal.SIGINT
