@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,6 +55,66 @@ def run_together(
             if proc.poll() is None:
                 _kill_tree(proc)
     return done
+
+
+def start_launch(*args: str) -> subprocess.Popen[str]:
+    """``multigpu launch ARGS`` started in a session of its own (signals sent to it reach it alone); stop it with
+    :func:`kill_tree`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "multigpu", "launch", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def read_lines_until(proc: subprocess.Popen[str], prefix: str, count: int, *, timeout_s: float) -> list[str]:
+    """The first ``count`` lines of ``proc``'s stdout that start with ``prefix`` (AssertionError after ``timeout_s``)."""
+    found: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(prefix):
+                found.append(line.strip())
+                if len(found) == count:
+                    break
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not done.wait(timeout_s) or len(found) < count:
+        kill_tree(proc)
+        raise AssertionError(
+            f"{proc.args}: {len(found)} of {count} {prefix!r} lines (output ended, or {timeout_s} s passed)\n{proc.stderr.read() if proc.stderr else ''}"
+        )
+    return found
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The processes of ``pids`` that still run (zombies, which have ended, excluded)."""
+    running = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            running.append(pid)
+    return running
+
+
+def kill_tree(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL ``proc`` and every descendant, and reap ``proc``."""
+    _kill_tree(proc)
+    proc.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren, ...)."""
+    return _descendants(pid)
 
 
 def _kill_tree(proc: subprocess.Popen[str]) -> None:

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from torch.utils.data import DistributedSampler, IterableDataset, TensorDataset
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import IterableDataset, TensorDataset
 
 from multigpu.distributed.data import ShardSpec, build_epoch_loader, even_batches, per_process_batch, shard_indices
 from multigpu.errors import ConfigError
 
 
 def _batches(
-    n: int, global_batch: int, world: int, epoch: int = 0, *, shuffle: bool = True, drop_last: bool = True
+    n: int,
+    global_batch: int,
+    world: int,
+    epoch: int = 0,
+    *,
+    shuffle: bool = True,
+    drop_last: bool = True,
+    seed: int = 0,
 ) -> list[list[list[int]]]:
     """Per rank, the list of index batches of one epoch (ranks simulated in this process)."""
     out = []
@@ -21,6 +32,7 @@ def _batches(
             global_batch=global_batch,
             shard=ShardSpec(world_size=world, rank=rank),
             shuffle=shuffle,
+            seed=seed,
             drop_last=drop_last,
         )
         loader.set_epoch(epoch)
@@ -34,18 +46,18 @@ def _global_steps(per_rank: list[list[list[int]]]) -> list[list[int]]:
     return [sorted(i for batches in per_rank for i in batches[k]) for k in range(len(per_rank[0]))]
 
 
-def _one_device_order(n: int, epoch: int, *, shuffle: bool) -> list[int]:
-    """The oracle's sample order: plain torch's DistributedSampler with one replica."""
-    sampler: DistributedSampler[int] = DistributedSampler(
-        TensorDataset(torch.arange(n)), num_replicas=1, rank=0, shuffle=shuffle, seed=0
-    )  # type: ignore[arg-type]
-    sampler.set_epoch(epoch)
-    return list(sampler)
+def _one_device_order(n: int, epoch: int, *, shuffle: bool, seed: int = 0) -> list[int]:
+    """The oracle's sample order: one seeded permutation per epoch (``randperm(seed + epoch)``), or dataset order."""
+    if not shuffle:
+        return list(range(n))
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
-def _one_device_batches(n: int, global_batch: int, epoch: int, *, shuffle: bool, drop_last: bool) -> list[list[int]]:
+def _one_device_batches(
+    n: int, global_batch: int, epoch: int, *, shuffle: bool, drop_last: bool, seed: int = 0
+) -> list[list[int]]:
     """The oracle's batches (sorted): one device, that order, batched in turn."""
-    order = _one_device_order(n, epoch, shuffle=shuffle)
+    order = _one_device_order(n, epoch, shuffle=shuffle, seed=seed)
     batches = [sorted(order[k : k + global_batch]) for k in range(0, n, global_batch)]
     return [b for b in batches if len(b) == global_batch] if drop_last else batches
 
@@ -72,6 +84,38 @@ def test_ddp_takes_exactly_the_one_device_batches_and_no_sample_twice(
         assert steps == _one_device_batches(n, global_batch, epoch, shuffle=shuffle, drop_last=True)
         trained = [i for batch in steps for i in batch]
         assert len(trained) == len(set(trained)) == n // global_batch * global_batch
+
+
+_EXAMPLES = int(os.environ.get("MULTIGPU_FUZZ_EXAMPLES", "40"))
+
+
+@settings(max_examples=_EXAMPLES, derandomize=True, deadline=None)
+@given(
+    world=st.integers(1, 8),
+    per_rank=st.integers(1, 9),
+    n=st.integers(1, 300),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 2**31),
+    epoch=st.integers(0, 50),
+)
+def test_global_batches_equal_the_one_device_batches_for_drawn_configurations(
+    world: int, per_rank: int, n: int, shuffle: bool, drop_last: bool, seed: int, epoch: int
+) -> None:
+    """torch's DistributedSampler + DataLoader(drop_last) give one device's global batches; drop_last=False pads."""
+    global_batch = world * per_rank
+    if drop_last and n < global_batch:
+        return  # refused with a ConfigError (test_a_dataset_smaller_than_one_global_batch_names_a_batch_that_fits)
+    steps = _global_steps(_batches(n, global_batch, world, epoch, shuffle=shuffle, drop_last=drop_last, seed=seed))
+    want = _one_device_batches(n, global_batch, epoch, shuffle=shuffle, drop_last=drop_last, seed=seed)
+    assert len(steps) == len(want)
+    if drop_last:
+        assert steps == want
+        return
+    assert steps[:-1] == want[:-1]
+    order = _one_device_order(n, epoch, shuffle=shuffle, seed=seed)
+    padding = (order * world)[: -n % world]  # the first samples again (cyclically when n < world)
+    assert steps[-1] == sorted(want[-1] + padding)  # the documented repeats of the epoch's first samples
 
 
 @pytest.mark.parametrize(("n", "global_batch", "world"), [(37, 8, 4), (1797, 36, 4)])

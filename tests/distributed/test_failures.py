@@ -31,3 +31,11 @@ def test_other_errors_pass_through_unchanged() -> None:
     with pytest.raises(RuntimeError, match=r"^shape mismatch$"):
         with explain_collective_failures("the loss all_reduce"):
             raise RuntimeError("shape mismatch")
+
+
+def test_a_vanished_peer_s_address_is_named() -> None:
+    with pytest.raises(PeerExitedError, match=r"another rank \(the peer at \[10\.213\.7\.2\]:14561\) exited"):
+        with explain_collective_failures("backward"):
+            raise RuntimeError(
+                "[../gloo/transport/tcp/pair.cc:537] Read error [10.213.7.2]:14561: Connection reset by peer."
+            )

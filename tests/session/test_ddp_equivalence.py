@@ -1,10 +1,12 @@
 """Two real gloo processes under the ddp strategy against plain PyTorch on one device.
 
-One launch runs every scenario (tests/session/ddp_worker.py); each test checks one of them.
+One launch runs every scenario (tests/session/ddp_worker.py, started by the ``ranks`` fixture in
+tests/session/conftest.py); each test checks one of them.
 """
 
 from __future__ import annotations
 
+import csv
 import math
 from pathlib import Path
 from typing import Any
@@ -13,20 +15,11 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from tests.distributed.launching import multigpu_launch
 from tests.session.oracle import plain_train, regression_data
 
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
-
-
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("ddp")
-    done = multigpu_launch("--strategy", "ddp", "--nproc-per-node", "2", str(WORKER), str(out), timeout_s=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
 
 
 def _assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -41,6 +34,20 @@ def test_two_processes_end_with_the_weights_of_one_device(ranks: list[dict[str, 
     for rank in ranks:
         assert rank["fp32"]["steps"] == 8  # 2 epochs x 32 samples / global batch 8
         _assert_same_weights(rank["fp32"]["state_dict"], want)
+
+
+def test_an_own_dataloader_set_up_by_the_session_trains_like_one_device(ranks: list[dict[str, Any]]) -> None:
+    # before setup_dataloader, a one-device DataLoader under ddp trained every sample on every rank
+    want = plain_train(regression_data(32), global_batch=8).state_dict()
+    for rank in ranks:
+        assert rank["own_loader"]["steps"] == 8
+        _assert_same_weights(rank["own_loader"]["state_dict"], want)
+
+
+def test_an_unsharded_dataloader_is_refused_naming_setup_dataloader(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        assert "RandomSampler, which is not sharded: each of the 2 processes" in rank["unsharded_refused"]
+        assert "session.setup_dataloader(loader)" in rank["unsharded_refused"]
 
 
 def test_accumulation_matches_one_device_on_the_combined_batch(ranks: list[dict[str, Any]]) -> None:
@@ -76,6 +83,12 @@ def test_uneven_inputs_stop_together_at_the_shortest_rank(ranks: list[dict[str, 
         assert rank["uneven"] == {"sized": 3, "unsized": 3, "stream_loader": 3}
 
 
+def test_an_iterable_dataset_is_strided_into_the_one_device_global_batches(ranks: list[dict[str, Any]]) -> None:
+    # one device: [0..3], [4..7] (drop_last drops [8, 9]); rank r takes items r, r+2, ...
+    assert ranks[0]["strided_stream"] == [[0, 2], [4, 6]]
+    assert ranks[1]["strided_stream"] == [[1, 3], [5, 7]]
+
+
 def test_sampler_shuffles_per_epoch_and_ranks_share_one_permutation(ranks: list[dict[str, Any]]) -> None:
     dataset = TensorDataset(torch.arange(10))
     for epoch in (0, 1):
@@ -106,3 +119,15 @@ def test_evaluation_gathers_each_sample_exactly_once(ranks: list[dict[str, Any]]
 def test_metrics_reduce_over_processes(ranks: list[dict[str, Any]]) -> None:
     for rank in ranks:  # rank r contributes r + 1
         assert rank["reduce"] == {"mean": 1.5, "sum": 3.0, "max": 2.0, "min": 1.0}
+
+
+def test_each_process_knows_its_rank_and_local_rank(ranks: list[dict[str, Any]]) -> None:
+    assert [r["ranks"] for r in ranks] == [(0, 0, 0), (1, 1, 1)]
+
+
+def test_every_rank_logs_but_only_the_main_process_writes(ranks: list[dict[str, Any]], ddp_out: Path) -> None:
+    with (ddp_out / "run" / "metrics.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    assert [(r["step"], r["metric"], float(r["value"])) for r in rows] == [
+        (str(step), name, value) for step in range(3) for name, value in (("loss", float(step)), ("rank", 0.0))
+    ]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from multigpu.errors import ConfigError, DeviceError, LaunchError
 from multigpu.parallel import DataParallel
@@ -15,10 +17,15 @@ from tests.conftest import free_port
 from tests.session.oracle import build_model, plain_train, regression_data
 
 
-def _session_train(session: Session, dataset: TensorDataset, global_batch: int) -> torch.nn.Module:
+def _session_train(
+    session: Session, dataset: TensorDataset, global_batch: int, *, own_loader: bool = False
+) -> torch.nn.Module:
     model = session.setup_model(build_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
-    loader = session.build_loader(dataset, batch_size=global_batch)
+    if own_loader:
+        loader: Any = session.setup_dataloader(DataLoader(dataset, batch_size=global_batch, shuffle=True))
+    else:
+        loader = session.build_loader(dataset, batch_size=global_batch)
     for _ in range(2):
         for x, y in session.batches(loader):
             with session.micro_step(model):
@@ -27,12 +34,13 @@ def _session_train(session: Session, dataset: TensorDataset, global_batch: int) 
     return session.unwrap(model)
 
 
+@pytest.mark.parametrize("own_loader", [False, True])
 @pytest.mark.parametrize("strategy", ["single", "dp"])
 @pytest.mark.parametrize("accumulate", [1, 2, 3])  # 3: each epoch's 4 batches end in a short window
-def test_one_process_strategies_match_plain_pytorch(strategy: str, accumulate: int) -> None:
+def test_one_process_strategies_match_plain_pytorch(strategy: str, accumulate: int, own_loader: bool) -> None:
     dataset = regression_data(32)
     with Session(strategy=strategy, accumulate=accumulate, devices="cpu:2" if strategy == "dp" else None) as session:
-        got = _session_train(session, dataset, global_batch=8)
+        got = _session_train(session, dataset, global_batch=8, own_loader=own_loader)
     want = plain_train(dataset, global_batch=8, accumulate=accumulate)
     for (name, p), q in zip(got.named_parameters(), want.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
@@ -125,7 +133,7 @@ def test_unknown_strategy_names_the_choices() -> None:
 def test_unknown_precision_and_bad_accumulation() -> None:
     with pytest.raises(ConfigError, match=r"precision='fp8' is not one of \['bf16', 'fp16', 'fp32'\]"):
         SessionConfig(precision="fp8")
-    with pytest.raises(ConfigError, match="accumulate=0 must be >= 1"):
+    with pytest.raises(ConfigError, match="accumulate=0 must be an integer >= 1"):
         SessionConfig(accumulate=0)
     with pytest.raises(ConfigError, match="not both"):
         Session(SessionConfig(), strategy="single")

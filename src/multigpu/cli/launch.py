@@ -68,12 +68,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rank 0's port; default: a free port on one node (checked free when given)",
     )
     parser.add_argument(
+        "--local-addr",
+        default=None,
+        metavar="ADDR",
+        help="this node's address as the other nodes reach it (several nodes; default: its host name)",
+    )
+    parser.add_argument(
         "--collective-timeout",
         type=float,
         default=None,
         metavar="SECONDS",
         help="how long a collective waits for a rank that stopped calling it before every rank fails "
         "with the likely cause (default 600)",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGINT/SIGTERM/SIGHUP the launcher forwards the signal to every worker and kills those "
+        "still running after this long (default 30)",
     )
     parser.add_argument(
         "--max-restarts", type=int, default=0, metavar="K", help="restart all workers this often after a failure"
@@ -127,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        local_addr=args.local_addr,
         max_restarts=args.max_restarts,
         rdzv_backend=args.rdzv_backend,
         rdzv_endpoint=args.rdzv_endpoint,
@@ -136,6 +151,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         threads_per_process=args.threads_per_process,
         bind_cores=args.bind_cores,
         collective_timeout_s=args.collective_timeout,
+        grace_period_s=args.grace_period,
     )
 
 

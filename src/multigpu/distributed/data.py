@@ -8,17 +8,19 @@ Policy (the same under every strategy, so one script gives the same global batch
   epoch without the classic forgotten ``sampler.set_epoch(epoch)``. Rank ``r`` of ``W`` takes
   positions ``r, r+W, r+2W, ...`` and batches them by ``global_batch // W``; so global batch ``k``
   is the same set of samples as the single-process batch ``k`` of the same permutation.
-- **A dataset that does not divide** by the global batch (``drop_last=True``, the default): the
-  permutation is cut to its first ``(len(dataset) // global_batch) * global_batch`` positions
-  before the ranks stride it (:class:`TrainSampler`). Every rank then takes the same number of
-  full batches, as many steps as one device takes, and no sample is trained twice in an epoch;
-  with shuffle, the left-out remainder is a different random set each epoch. (Cutting only to a
-  multiple of the world size, or padding up to one, is not enough: the per-rank remainders can
-  still fill one more per-rank batch, a global step that one device never takes.) A dataset
-  smaller than one global batch is refused (its epochs would be empty). ``drop_last=False`` instead pads the
-  permutation with its first samples up to a multiple of ``W`` and keeps the short last batch:
-  the same step count as one device, but under DDP the last global batch holds up to ``W - 1``
-  repeats of the epoch's first samples.
+- **A dataset that does not divide** by the global batch (``drop_last=True``, the default): torch's
+  ``DistributedSampler(drop_last=True)`` cuts the permutation to a multiple of ``W`` and the
+  ``DataLoader(drop_last=True)`` drops each rank's short last batch. What remains is exactly the
+  first ``(len(dataset) // global_batch) * global_batch`` positions: every rank takes the same
+  number of full batches, as many steps as one device takes, and no sample is trained twice in an
+  epoch; with shuffle, the left-out remainder is a different random set each epoch. A dataset
+  smaller than one global batch is refused (its epochs would be empty). ``drop_last=False``
+  instead pads the permutation with its first samples up to a multiple of ``W`` and keeps the
+  short last batch: the same step count as one device, but under DDP the last global batch holds
+  up to ``W - 1`` repeats of the epoch's first samples.
+- **A user's own DataLoader** is rebuilt to this policy by
+  :func:`multigpu.distributed.loaders.shard_dataloader` (``session.setup_dataloader``); iterable
+  datasets are strided between ranks there.
 - **Evaluation.** No shuffle, padded to a multiple of the world size; per-sample results are
   gathered by dataset index so the padding collapses (:func:`multigpu.distributed.collectives.gather_by_index`):
   exactly ``len(dataset)`` results.
@@ -72,77 +74,43 @@ def per_process_batch(global_batch: int, shard: ShardSpec) -> int:
     return global_batch // shard.world_size
 
 
-class TrainSampler(DistributedSampler):
-    """This rank's share of one seeded per-epoch permutation, cut to whole global batches.
+def build_train_sampler(
+    dataset: Sized, shard: ShardSpec, *, global_batch: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True
+) -> DistributedSampler:
+    """The training sampler of this shard: torch's ``DistributedSampler``, one seeded permutation per epoch.
 
-    A ``DistributedSampler`` (same permutation, same ``set_epoch``) that also knows the global
-    batch: with ``drop_last=True`` it keeps only the first ``(len(dataset) // global_batch) *
-    global_batch`` positions of the permutation before striding, so global batch ``k`` under
-    ``W`` ranks is exactly batch ``k`` of one device and no position is padding. With
-    ``drop_last=False`` it is torch's sampler unchanged (padded to a multiple of ``W``).
+    With ``drop_last`` torch's sampler cuts the permutation to a multiple of the world size and the
+    loader (built with ``drop_last`` too) drops each rank's short last batch; together that keeps
+    exactly the first ``(len(dataset) // global_batch) * global_batch`` positions, so global batch
+    ``k`` under ``W`` ranks is batch ``k`` of one device (``tests/distributed/test_data.py`` checks
+    it against one device over drawn sizes, world sizes, batches, seeds and epochs).
 
     Args:
         dataset: a map-style dataset (has ``__len__``).
         shard: this process's shard.
-        global_batch: samples per step over all processes (a multiple of the world size).
-        shuffle: a new seeded permutation every epoch; dataset order otherwise.
+        global_batch: samples per step over all processes (checked to divide by the world size).
+        shuffle: a new seeded permutation every epoch (``set_epoch``); dataset order otherwise.
         seed: the permutation seed (the same on every rank).
-        drop_last: cut the permutation to whole global batches (see above).
-
-    Example:
-        >>> data = list(range(10))
-        >>> [list(TrainSampler(data, ShardSpec(world_size=2, rank=r), global_batch=4, shuffle=False))
-        ...  for r in (0, 1)]
-        [[0, 2, 4, 6], [1, 3, 5, 7]]
-    """
-
-    def __init__(
-        self,
-        dataset: Sized,
-        shard: ShardSpec,
-        *,
-        global_batch: int,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = True,
-    ) -> None:
-        super().__init__(
-            dataset,  # type: ignore[arg-type]
-            num_replicas=shard.world_size,
-            rank=shard.rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-        )
-        self.global_batch = global_batch
-        if drop_last:
-            # Whole global batches, not just a multiple of W: otherwise the per-rank remainders
-            # can fill one more per-rank batch, a global step that one device never takes.
-            self.total_size = len(dataset) // global_batch * global_batch
-            self.num_samples = self.total_size // shard.world_size
-
-    def __iter__(self) -> Iterator[int]:
-        if not self.drop_last:
-            return super().__iter__()
-        if self.shuffle:  # DistributedSampler's permutation, so one-device oracles built on it hold
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
-        else:
-            order = list(range(len(self.dataset)))  # type: ignore[arg-type]
-        return iter(order[self.rank : self.total_size : self.num_replicas])
-
-
-def build_train_sampler(
-    dataset: Sized, shard: ShardSpec, *, global_batch: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True
-) -> TrainSampler:
-    """The training sampler of this shard: one seeded permutation per epoch, shared by all ranks.
+        drop_last: cut to whole global batches (with a ``drop_last`` loader); else pad to ``W``.
 
     Raises:
         ConfigError: ``global_batch`` does not divide by the world size (see :func:`per_process_batch`).
+
+    Example:
+        >>> data = list(range(10))
+        >>> [list(build_train_sampler(data, ShardSpec(world_size=2, rank=r), global_batch=4, shuffle=False))
+        ...  for r in (0, 1)]
+        [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
     """
     per_process_batch(global_batch, shard)  # validates, with a message that names a fix
-    return TrainSampler(dataset, shard, global_batch=global_batch, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    return DistributedSampler(
+        dataset,  # type: ignore[arg-type]
+        num_replicas=shard.world_size,
+        rank=shard.rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+    )
 
 
 def build_eval_sampler(dataset: Sized, shard: ShardSpec) -> DistributedSampler:
@@ -155,8 +123,8 @@ class EpochLoader(Generic[T]):
 
     Args:
         loader: the DataLoader, built on ``sampler``.
-        sampler: its sampler (a :class:`TrainSampler` from :func:`build_epoch_loader`; any
-            ``DistributedSampler`` works): the object whose ``set_epoch`` is called.
+        sampler: its ``DistributedSampler`` (from :func:`build_train_sampler`): the object whose
+            ``set_epoch`` is called; None for a loader without one (an iterable dataset).
 
     Example:
         >>> data = torch.utils.data.TensorDataset(torch.arange(8.0))
@@ -165,7 +133,7 @@ class EpochLoader(Generic[T]):
         ([2, 2], 2)
     """
 
-    def __init__(self, loader: DataLoader, sampler: DistributedSampler) -> None:
+    def __init__(self, loader: DataLoader, sampler: DistributedSampler | None) -> None:
         self.loader = loader
         self.sampler = sampler
         self.epoch = 0  # the epoch the next iteration will use
@@ -175,7 +143,8 @@ class EpochLoader(Generic[T]):
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[T]:
-        self.sampler.set_epoch(self.epoch)
+        if self.sampler is not None:
+            self.sampler.set_epoch(self.epoch)
         self.epoch += 1
         return iter(self.loader)
 
@@ -202,7 +171,7 @@ def build_epoch_loader(
         shuffle: a new seeded permutation every epoch.
         seed: the permutation seed (the same on every rank).
         drop_last: train whole global batches only: the same steps as one device, no sample twice
-            (see :class:`TrainSampler`). ``False`` keeps a short last batch, padded under DDP.
+            (see :func:`build_train_sampler`). ``False`` keeps a short last batch, padded under DDP.
         **loader_kwargs: passed to DataLoader (``num_workers``, ``pin_memory``, ``collate_fn``...).
 
     Returns:
@@ -247,7 +216,7 @@ def even_batches(batches: Iterable[T]) -> Iterator[T]:
     if not in_process_group():
         yield from batches
         return
-    length = _known_len(batches)
+    length = known_len(batches)
     if length is not None:
         steps = all_agree_min(length)
         for step, batch in enumerate(batches):
@@ -267,7 +236,7 @@ def even_batches(batches: Iterable[T]) -> Iterator[T]:
 _END: Any = object()
 
 
-def _known_len(batches: Iterable[Any]) -> int | None:
+def known_len(batches: Iterable[Any]) -> int | None:
     """``len(batches)``, or None when it has no length.
 
     A DataLoader over an IterableDataset is ``Sized`` by type but its ``len()`` raises TypeError

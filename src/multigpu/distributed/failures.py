@@ -20,6 +20,7 @@ from multigpu.errors import CollectiveTimeoutError, MultigpuError, PeerExitedErr
 
 _TIMEOUT = re.compile(r"timed? ?out|timeout|deadline", re.IGNORECASE)
 _TIMEOUT_MS = re.compile(r"(\d+)\s*ms", re.IGNORECASE)
+_PEER_ADDRESS = re.compile(r"\[[0-9A-Fa-f.:]+\]:\d+")
 _PEER_GONE = re.compile(
     r"connection (closed|reset) by peer|broken pipe|connection refused|socket closed|\bEOF\b",
     re.IGNORECASE,
@@ -48,7 +49,7 @@ def explain_collective_failures(operation: str) -> Iterator[None]:
         if _TIMEOUT.search(text):
             raise CollectiveTimeoutError(_timeout_message(operation, text)) from exc
         if _PEER_GONE.search(text):
-            raise PeerExitedError(_peer_message(operation)) from exc
+            raise PeerExitedError(_peer_message(operation, text)) from exc
         raise
 
 
@@ -75,9 +76,11 @@ def _timeout_message(operation: str, text: str) -> str:
     )
 
 
-def _peer_message(operation: str) -> str:
+def _peer_message(operation: str, text: str) -> str:
+    found = _PEER_ADDRESS.search(text)  # gloo names the peer's address: on several nodes, it says which node
+    peer = f" (the peer at {found.group(0)})" if found else ""
     return (
-        f"{operation} on {_where()} failed because another rank exited (crashed or was killed) "
-        "while this one waited for it. Look for the first failing rank's traceback above; this "
-        "error is a consequence, not the cause."
+        f"{operation} on {_where()} failed because another rank{peer} exited (crashed or was killed) "
+        "while this one waited for it. Look for the first failing rank's traceback above (on that "
+        "node's launcher when it ran elsewhere); this error is a consequence, not the cause."
     )

@@ -9,8 +9,8 @@ rendezvous or collectives. What it adds:
 - a per-process thread count (``OMP_NUM_THREADS``): the node's cores divided by its processes,
   unless the user set it;
 - each worker runs under :mod:`multigpu.distributed._entry`, whose ``@record`` writes the
-  exception to torch elastic's error file, so a failing worker's rank and traceback appear in
-  the launcher's output;
+  exception to torch elastic's error file; the launcher names the rank whose failure caused the
+  others and prints its traceback (:mod:`multigpu.distributed.root_cause`);
 - ``single`` and ``dp`` run the script in one ordinary process, with the same script.
 
 Example::
@@ -21,17 +21,19 @@ Example::
 
 from __future__ import annotations
 
-import errno
+import math
 import os
-import socket
-import subprocess
+import signal
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from multigpu.devices import accelerator_type, device_count
+from multigpu.devices import accelerator_type, device_count, parse_devices
+from multigpu.distributed.preflight import check_listen_address
+from multigpu.distributed.root_cause import format_summary, from_torch
 from multigpu.distributed.runtime import check_world_matches_devices, configured_threads
+from multigpu.distributed.supervise import run_supervised
 from multigpu.errors import ConfigError, LaunchError
 
 LAUNCH_STRATEGIES = ("auto", "single", "dp", "ddp")
@@ -53,6 +55,9 @@ class LaunchConfig:
         master_addr: rank 0's address; default loopback on one node (required for several nodes
             unless ``rdzv_endpoint`` is given).
         master_port: rank 0's port; None picks a free one on a single node.
+        local_addr: this node's address, as the other nodes reach it (several nodes); None:
+            torchrun's default, the host name, which inside a container or network namespace
+            may resolve to an address the other nodes cannot reach.
         max_restarts: how often torchrun restarts the workers after a failure.
         rdzv_backend: ``static`` (fixed ranks, the default) or ``c10d`` (elastic).
         rdzv_endpoint: ``host:port`` of the c10d rendezvous (``c10d`` backend).
@@ -64,6 +69,8 @@ class LaunchConfig:
             (:mod:`multigpu.distributed.affinity`); None: on when the node has no GPU.
         collective_timeout_s: seconds a collective waits for a rank that stopped calling it before
             every rank fails with the likely cause (None: 600).
+        grace_period_s: after SIGINT, SIGTERM or SIGHUP reaches the launcher (forwarded to every
+            worker), how long the workers get to exit before they are killed.
         extra_env: more variables for the workers (on top of the launcher's environment).
     """
 
@@ -73,6 +80,7 @@ class LaunchConfig:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    local_addr: str | None = None
     max_restarts: int = 0
     rdzv_backend: str = "static"
     rdzv_endpoint: str | None = None
@@ -82,6 +90,7 @@ class LaunchConfig:
     threads_per_process: int | None = None
     bind_cores: bool | None = None
     collective_timeout_s: float | None = None
+    grace_period_s: float = 30.0
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -97,6 +106,8 @@ class LaunchConfig:
             raise ConfigError(f"master_port={self.master_port} is not a TCP port; pick one in 1..65535")
         if self.collective_timeout_s is not None and self.collective_timeout_s <= 0:
             raise ConfigError(f"collective_timeout_s={self.collective_timeout_s} must be > 0 seconds")
+        if not math.isfinite(self.grace_period_s) or self.grace_period_s <= 0:
+            raise ConfigError(f"grace_period_s={self.grace_period_s} must be a finite number of seconds > 0")
         if self.threads_per_process is not None and self.threads_per_process < 1:
             raise ConfigError(f"threads_per_process={self.threads_per_process} must be >= 1")
         one_process = self.strategy in ("single", "dp")
@@ -148,41 +159,6 @@ def resolve_strategy(config: LaunchConfig, nproc: int) -> str:
     return "ddp" if nproc > 1 or config.multi_node else "single"
 
 
-def check_port_free(addr: str, port: int) -> None:
-    """Fail early, with the fix, when rank 0 cannot listen on ``addr:port`` (instead of a store timeout later).
-
-    Single-node runs bind the rendezvous store on ``addr``. The address family comes from ``addr``
-    (``::1`` binds an IPv6 socket). Only "address in use" means the port is taken.
-
-    Raises:
-        LaunchError: something listens there already, ``addr`` is not one of this machine's
-            addresses (or does not resolve), or the OS refuses the bind (the reason is shown).
-    """
-    use_local = "single-node runs bind there: pass --master-addr 127.0.0.1, or leave --master-addr out"
-    try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as exc:
-        raise LaunchError(f"master address {addr!r} does not resolve ({exc.strerror}); {use_local}") from exc
-    with socket.socket(family, kind, proto) as sock:
-        try:
-            sock.bind(sockaddr)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise LaunchError(
-                    f"master port {port} on {addr} is in use ({exc.strerror}); pass another --master-port, "
-                    "or leave it out to pick a free port"
-                ) from exc
-            if exc.errno == errno.EADDRNOTAVAIL:
-                raise LaunchError(
-                    f"master address {addr} is not one of this machine's addresses ({exc.strerror}); {use_local}"
-                ) from exc
-            # e.g. EACCES for a port below 1024: neither "in use" nor a foreign address.
-            raise LaunchError(
-                f"cannot listen on master port {port} on {addr} ({exc.strerror}); {use_local}, and pass a "
-                "--master-port of 1024 or more, or leave it out"
-            ) from exc
-
-
 def build_torchrun_args(config: LaunchConfig, script: str, script_args: Sequence[str]) -> list[str]:
     """torchrun's argument list for a ``ddp`` run of ``script`` (ports resolved, checked).
 
@@ -196,8 +172,8 @@ def build_torchrun_args(config: LaunchConfig, script: str, script_args: Sequence
     port = config.master_port
     backend = config.rdzv_backend
     endpoint: str | None
-    if not config.multi_node and port is not None:
-        check_port_free(addr, port)
+    if not config.multi_node:  # rank 0's store binds here: a foreign address or a taken port fails now,
+        check_listen_address(addr, port or 0)  # not after a minute of store retries
     if not config.multi_node and port is None and config.rdzv_endpoint is None:
         # No port given on one node: the c10d store binds port 0 itself, so no other process can
         # take the port between choosing it and binding it (what torchrun --standalone does).
@@ -228,6 +204,8 @@ def build_torchrun_args(config: LaunchConfig, script: str, script_args: Sequence
         args += ["--rdzv-conf", config.rdzv_conf]
     if not config.multi_node:
         args += ["--local-addr", addr]
+    elif config.local_addr:
+        args += ["--local-addr", config.local_addr]
     return [*args, "--module", _ENTRY_MODULE, script, *script_args]
 
 
@@ -255,8 +233,8 @@ def worker_env(config: LaunchConfig, strategy: str, nproc: int) -> dict[str, str
 def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -> int:
     """Run ``script`` under ``config.strategy``; returns the exit code (0 when every worker succeeded).
 
-    A failed ``ddp`` worker's rank, exit code and traceback are printed to stderr by torch
-    elastic's failure summary.
+    When ``ddp`` workers fail, the rank whose failure caused the others is printed to stderr with
+    its exit code and traceback, then one line per other failed rank.
 
     Raises:
         LaunchError: the script does not exist, the master port is taken or the master address is
@@ -267,28 +245,68 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
         raise LaunchError(f"script {script!r} does not exist; pass the path of a Python file, e.g. examples/train.py")
     nproc = 1 if config.strategy in ("single", "dp") else resolve_nproc(config)
     strategy = resolve_strategy(config, nproc)
+    if config.devices is not None:
+        parse_devices(config.devices)  # a DeviceError here, not after the script started
     if strategy != "ddp":
         env = {**os.environ, **worker_env(config, strategy, 1)}
-        return subprocess.call([sys.executable, script, *script_args], env=env)
-    return _run_torchrun(build_torchrun_args(config, script, script_args), worker_env(config, strategy, nproc), script)
+        return run_supervised([sys.executable, script, *script_args], env, grace_s=config.grace_period_s)
+    args = build_torchrun_args(config, script, script_args)
+    # torch elastic's agent forwards SIGINT/SIGTERM/SIGHUP to the workers and kills them after
+    # its shutdown timeout (whole seconds, read from this variable when the agent is configured)
+    agent = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(config.grace_period_s))}
+    if config.multi_node:  # the rendezvous waits silently for the other nodes: say where and for whom
+        print(f"multigpu launch: {waiting_message(config, nproc)}", file=sys.stderr, flush=True)
+    return _run_torchrun(args, {**worker_env(config, strategy, nproc), **agent}, script)
+
+
+def waiting_message(config: LaunchConfig, nproc: int) -> str:
+    """What a multi-node launcher says once before its rendezvous waits for the other nodes.
+
+    Example:
+        >>> waiting_message(LaunchConfig(nnodes="2", node_rank=1, master_addr="10.0.0.1", master_port=29500), 4)
+        'node 1 of 2 (4 processes here) waiting for the other nodes at 10.0.0.1:29500 (static rendezvous)'
+    """
+    nodes = config.nnodes.split(":")[-1].strip()
+    if config.rdzv_backend == "c10d":
+        where = config.rdzv_endpoint or f"{config.master_addr}:{config.master_port or 29500}"
+        return (
+            f"{nproc} processes here waiting for {config.nnodes} node(s) to join at {where} "
+            f"(c10d rendezvous, id {config.rdzv_id!r})"
+        )
+    return (
+        f"node {config.node_rank} of {nodes} ({nproc} processes here) waiting for the other nodes at "
+        f"{config.master_addr}:{config.master_port or 29500} (static rendezvous)"
+    )
 
 
 def _run_torchrun(args: list[str], env: dict[str, str], script: str) -> int:
     # Imported here: torch.distributed.run pulls in the elastic agent, only needed for ddp.
+    from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     with _environment(env):
         try:
             run(parse_args(args))
+        except (RendezvousError, DistError) as exc:  # before any worker ran: the nodes never met
+            cause = f"{type(exc).__name__}: {exc}" + (f" ({exc.__cause__})" if exc.__cause__ else "")
+            raise LaunchError(
+                f"the rendezvous failed, so no worker started: {cause.splitlines()[0]} -- check that every node "
+                "runs a launcher with the same --rdzv-endpoint or --master-addr/--master-port, that the address is "
+                "reachable from every node, and (c10d) that one node hosts it (--rdzv-conf is_host=1 where the "
+                "host name does not name that node)"
+            ) from exc
+        except (SignalException, KeyboardInterrupt) as exc:
+            # the agent has already ended the workers (SIGKILL after the grace period)
+            signum = exc.sigval if isinstance(exc, SignalException) else signal.SIGINT
+            print(f"multigpu launch: stopped by {signal.Signals(signum).name}; workers ended", file=sys.stderr)
+            return 128 + int(signum)
         except ChildFailedError as exc:
-            rank, failure = exc.get_first_failure()
-            print(
-                f"multigpu launch: {script} failed on rank {rank} (local_rank {failure.local_rank}, "
-                f"exit code {failure.exitcode}); the failing rank's traceback is in the summary below.\n{exc}",
-                file=sys.stderr,
-                flush=True,
-            )
+            # torch's own summary names the earliest error file by whole-second timestamp, often a
+            # rank that failed only because the cause's rank exited: name the cause instead
+            print(format_summary(script, from_torch(exc.failures)), file=sys.stderr, flush=True)
             return 1
     return 0
 

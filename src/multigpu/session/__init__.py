@@ -1,7 +1,8 @@
 """One training-loop API for every strategy (single / dp / ddp), precision and accumulation."""
 
+from multigpu.session.config import SessionConfig
 from multigpu.session.precision import PRECISIONS, Precision, build_precision
-from multigpu.session.session import Session, SessionConfig
+from multigpu.session.session import Session
 from multigpu.session.strategies import STRATEGIES, Strategy, build_strategy, resolve_strategy_name
 
 __all__ = [

@@ -6,6 +6,7 @@ A complete loop (``examples/train.py`` is the runnable version)::
         model = session.setup_model(build_model())               # moved, wrapped
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         loader = session.build_loader(dataset, batch_size=64)   # the global batch, sharded under ddp
+        # or your own: session.setup_dataloader(DataLoader(dataset, batch_size=64, shuffle=True))
         for epoch in range(3):
             for x, y in session.batches(loader):                 # on the device; ranks stop together
                 with session.micro_step(model):                  # autocast; no grad sync while accumulating
@@ -13,6 +14,7 @@ A complete loop (``examples/train.py`` is the runnable version)::
                     session.backward(loss)
                 session.step(optimizer)                          # steps every `accumulate` micro-steps
             session.print(epoch, session.reduce(loss))           # printed once, averaged over processes
+            session.log({"loss": session.reduce(loss)}, epoch)    # one metrics.csv, by the main process
 
 Launch it: ``python train.py`` (single, or dp on several GPUs), ``multigpu launch --strategy dp
 train.py``, ``multigpu launch --strategy ddp --nproc-per-node 2 train.py``.
@@ -20,9 +22,11 @@ train.py``, ``multigpu launch --strategy ddp --nproc-per-node 2 train.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -30,51 +34,20 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from multigpu.checkpoint.keys import unwrap
-from multigpu.devices import DeviceSpec
-from multigpu.distributed import collectives, data, runtime
+from multigpu.distributed import collectives, data, loaders, runtime
 from multigpu.distributed.collectives import ReduceOp
 from multigpu.distributed.data import EpochLoader
 from multigpu.distributed.failures import explain_collective_failures
 from multigpu.errors import ConfigError
 from multigpu.parallel.structure import map_leaves
-from multigpu.session.precision import PRECISIONS, Precision, build_precision
-from multigpu.session.strategies import STRATEGIES, Strategy, build_strategy
+from multigpu.session.config import SessionConfig
+from multigpu.session.evaluation import per_sample_result
+from multigpu.session.metrics import MetricsLog
+from multigpu.session.precision import Precision, build_precision
+from multigpu.session.progress import with_progress
+from multigpu.session.strategies import Strategy, build_strategy
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SessionConfig:
-    """How a :class:`Session` trains.
-
-    Attributes:
-        strategy: ``single``, ``dp``, ``ddp`` or ``auto`` (see :mod:`multigpu.session.strategies`).
-        precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast and a gradient scaler).
-        accumulate: micro-steps per optimizer step (gradient accumulation; 1 = none).
-        devices: the devices of ``single`` / ``dp`` (``"cpu:2"``, ``"cuda:0,1"``); None: defaults.
-        seed: seeds torch when the session starts (same on every rank) and the loader's shuffle.
-        timeout_s: how long a collective waits for a missing rank before failing (ddp); None:
-            ``multigpu launch --collective-timeout`` if given, else 600 s.
-    """
-
-    strategy: str = "auto"
-    precision: str = "fp32"
-    accumulate: int = 1
-    devices: DeviceSpec = None
-    seed: int = 0
-    timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.strategy != "auto" and self.strategy not in STRATEGIES:
-            raise ConfigError(
-                f"strategy={self.strategy!r} is not one of {['auto', *STRATEGIES]}; use e.g. strategy='ddp'"
-            )
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision={self.precision!r} is not one of {sorted(PRECISIONS)}; use e.g. 'bf16'")
-        if self.accumulate < 1:
-            raise ConfigError(f"accumulate={self.accumulate} must be >= 1 (1 = step after every batch)")
-        if self.timeout_s is not None and self.timeout_s <= 0:
-            raise ConfigError(f"timeout_s={self.timeout_s} must be > 0 seconds")
 
 
 class Session:
@@ -101,6 +74,7 @@ class Session:
         self.precision: Precision | None = None
         self._micro = 0  # micro-steps since the last optimizer step
         self._last_batch = False  # the batch in flight is the last of session.batches(...)
+        self._metrics: MetricsLog | None = None  # created by the first log()
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -120,6 +94,8 @@ class Session:
 
     def close(self) -> None:
         """Leave the process group (ddp). Every rank must call it; safe to call twice."""
+        if self._metrics is not None:
+            self._metrics.close()
         if self.strategy is not None:
             self.strategy.teardown()
             self.strategy = None
@@ -154,7 +130,18 @@ class Session:
 
     @property
     def global_rank(self) -> int:
+        """This process's rank among all processes of the run (0 in one process)."""
         return self._started()[0].shard.rank
+
+    @property
+    def rank(self) -> int:
+        """The same as :attr:`global_rank` (torch.distributed's ``get_rank()``)."""
+        return self.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (its GPU index under ddp; 0 in one process)."""
+        return self._started()[0].local_rank
 
     @property
     def is_main_process(self) -> bool:
@@ -188,17 +175,44 @@ class Session:
             **loader_kwargs,
         )
 
-    def batches(self, batches: Iterable[T]) -> Iterator[T]:
+    def setup_dataloader(self, loader: DataLoader) -> EpochLoader[Any]:
+        """Your DataLoader, rebuilt so that its ``batch_size`` is the global batch, sharded under ddp.
+
+        The map-style dataset gets the per-epoch-seeded sampler of :meth:`build_loader` (the
+        loader's shuffle kept, its order drawn from the session's seed); an iterable dataset is
+        strided between ranks. ``collate_fn``, workers, ``pin_memory``, ``drop_last`` and the other
+        loader settings are kept; what cannot be kept (a custom sampler or batch sampler, a
+        DataLoader subclass) is refused. Rules: :mod:`multigpu.distributed.loaders`. Every
+        strategy rebuilds it, so one script gets the same global batches anywhere.
+
+        Example:
+            >>> loader = session.setup_dataloader(DataLoader(dataset, batch_size=64, shuffle=True))  # doctest: +SKIP
+
+        Raises:
+            ConfigError: a loader that cannot be rebuilt (the message says what to do instead), or
+                a ``batch_size`` that does not divide by the world size.
+        """
+        return loaders.shard_dataloader(loader, self._started()[0].shard, seed=self.config.seed)
+
+    def batches(self, batches: Iterable[T], *, progress: bool = False, description: str = "batches") -> Iterator[T]:
         """Each batch moved to the device; under ddp all ranks stop at the shortest rank's end.
 
         The last batch closes the accumulation window even when it is short: the epoch's last
         micro-steps are stepped in that epoch, not mixed into the next one (see :meth:`step`).
         It reads one batch ahead to know which is last. Every rank must iterate it (it agrees on
-        the step count with the other ranks).
+        the step count with the other ranks). ``progress=True`` draws a progress bar (rich) on
+        the main process, labelled ``description``.
+
+        Raises:
+            ConfigError: under ddp, a DataLoader over a map-style dataset that is not sharded
+                (every rank would train on every sample): pass it through :meth:`setup_dataloader`.
         """
+        loaders.check_sharded(batches, self._started()[0].shard)
         device = self.device
         outer = self._last_batch  # an evaluate() inside a training loop must not reset the loop's flag
-        ahead = iter(data.even_batches(batches))
+        ahead: Iterator[T] = iter(data.even_batches(batches))
+        if progress and self.is_main_process:
+            ahead = with_progress(ahead, total=data.known_len(batches), description=description)
         upcoming = next(ahead, _END)
         try:
             while upcoming is not _END:
@@ -252,11 +266,14 @@ class Session:
             max_grad_norm: clip the gradients' total norm to this first (after fp16 unscaling).
 
         Returns:
-            Whether the parameters were updated: False inside a window, and under fp16 when the
-            scaler skipped a step whose gradients overflowed (step a scheduler only on True).
+            Whether the parameters were updated: False inside a window; False when the window
+            ran no backward (no parameter has a gradient: the optimizer is not called, so
+            momentum and weight decay do not move them either); and under fp16 when the scaler
+            skipped a step whose gradients overflowed (step a scheduler only on True).
 
         Raises:
-            ConfigError: no micro-step ran since the last step (so no gradients to apply).
+            ConfigError: no micro-step ran since the last step (so no gradients to apply), or
+                ``max_grad_norm`` is not a finite number > 0.
         """
         _, precision = self._started()
         if self._micro == 0:
@@ -264,7 +281,12 @@ class Session:
                 "session.step() found no micro-step since the last step; run the forward and "
                 "session.backward(loss) inside 'with session.micro_step(model):' before it"
             )
+        if max_grad_norm is not None and not _is_positive(max_grad_norm):
+            raise ConfigError(f"max_grad_norm={max_grad_norm!r} must be a finite number > 0 (or None: no clipping)")
         if not self.should_step:
+            return False
+        if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+            self._micro = 0  # a window with no backward (e.g. every batch skipped): nothing to apply
             return False
         short = self._micro < self.config.accumulate
         if short or max_grad_norm is not None:
@@ -292,6 +314,30 @@ class Session:
         if self.is_main_process:
             print(*args, **kwargs, flush=True)
 
+    @property
+    def run_dir(self) -> Path:
+        """The folder :meth:`log` writes into: ``SessionConfig.run_dir``, else ``runs/<start time>-<strategy>``."""
+        return self._metrics_log().folder
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Append scalar ``metrics`` at ``step`` to ``run_dir/metrics.csv`` (and TensorBoard when installed).
+
+        Only the main process writes, so every rank may call it without duplicates; nothing is
+        communicated (log ``session.reduce(loss)`` for the mean over processes). See
+        :mod:`multigpu.session.metrics` for the file's form.
+
+        Example:
+            >>> session.log({"loss": session.reduce(loss), "lr": 0.1}, step)  # doctest: +SKIP
+        """
+        self._metrics_log().log(metrics, step)
+
+    def _metrics_log(self) -> MetricsLog:
+        if self._metrics is None:
+            strategy, _ = self._started()
+            folder = self.config.run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{strategy.name}"
+            self._metrics = MetricsLog(Path(folder), enabled=strategy.is_main_process)
+        return self._metrics
+
     def barrier(self) -> None:
         """Wait for every rank (no-op in one process). Every rank must call it."""
         with explain_collective_failures("barrier"):
@@ -317,7 +363,7 @@ class Session:
         results: list[torch.Tensor] = []
         with torch.no_grad(), precision.autocast():
             for batch in self.batches(loader):
-                result = fn(batch).detach()
+                result = per_sample_result(fn(batch), batch).detach()
                 results.append((result.float() if result.is_floating_point() else result).cpu())
         values = torch.cat(results) if results else torch.empty(0)
         return collectives.gather_by_index(values, indices, len(dataset))  # type: ignore[arg-type]
@@ -338,6 +384,10 @@ def _both(first: AbstractContextManager[Any], second: AbstractContextManager[Any
 
 
 _END: Any = object()
+
+
+def _is_positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

@@ -55,6 +55,11 @@ class Strategy(ABC):
     def is_main_process(self) -> bool:
         return True
 
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (its device index on GPUs)."""
+        return 0
+
     def setup(self) -> None:  # noqa: B027 (optional hook: a no-op by default)
         """Prepare the process (join the process group under ddp)."""
 
@@ -152,6 +157,10 @@ class DDPStrategy(Strategy):
     @property
     def is_main_process(self) -> bool:
         return self.env.is_main_process
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
 
     def setup(self) -> None:
         self._owns_group = runtime.setup_process_group(self.env, self._device, timeout_s=self.timeout_s)

@@ -1,0 +1,138 @@
+"""Which worker's failure ended a ddp run: the cause, not the ranks that failed because of it.
+
+When rank 1 raises while rank 0 waits in a collective, rank 0 fails too, a moment later, with a
+:class:`~multigpu.errors.PeerExitedError` (or, if rank 1 hangs instead, a
+:class:`~multigpu.errors.CollectiveTimeoutError`). torch elastic reports as root cause the failure
+with the earliest error-file timestamp, in whole seconds, ties going to the lowest rank, so it
+named rank 0's consequence in 9 of 24 runs. :func:`root_cause` picks instead:
+
+1. among the failures that are not consequences of another rank's, the earliest by the error
+   file's modification time (nanoseconds), so two failures within one second keep their order;
+2. else the earliest *consequence*: a ``PeerExitedError``, a ``CollectiveTimeoutError``, or a
+   backend error that says a peer closed the connection or a collective timed out (a rank hung
+   and was stopped, or the cause ran on another node); the summary says it is a consequence;
+3. last, the workers the agent itself stopped once another had failed: ended by SIGTERM without
+   an error file (torch elastic lists them among the failures too).
+
+:func:`format_summary` then prints the cause's traceback and one line per other failure.
+
+Example:
+    >>> cause = WorkerFailure(rank=1, local_rank=1, exitcode=1, pid=7, message="ValueError: x", traceback="")
+    >>> root_cause([cause]).rank
+    1
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Messages of a rank that failed because another one did (multigpu's explained errors, and the raw
+# backend errors of a collective whose peer went away or never came).
+_CONSEQUENCE = re.compile(
+    r"^(PeerExitedError|CollectiveTimeoutError)\b"
+    r"|connection (closed|reset) by peer|broken pipe|timed? ?out waiting|ncclRemoteError|NCCL communicator was aborted",
+    re.IGNORECASE | re.MULTILINE,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerFailure:
+    """One failed worker, as the agent saw it.
+
+    Attributes:
+        rank: its global rank.
+        local_rank: its rank on this node.
+        exitcode: its exit code (negative: the signal that ended it).
+        pid: its process id.
+        message: ``"Type: message"`` from its error file, or the signal that ended it.
+        traceback: its Python traceback (empty when it wrote no error file).
+        when_ns: when it failed: the error file's modification time, else the agent's timestamp.
+    """
+
+    rank: int
+    local_rank: int
+    exitcode: int
+    pid: int
+    message: str
+    traceback: str
+    when_ns: int = 0
+
+    @property
+    def is_consequence(self) -> bool:
+        """Whether it failed because another rank did (it lost a peer or timed out waiting for one)."""
+        return bool(_CONSEQUENCE.search(self.message))
+
+    @property
+    def stopped_by_launcher(self) -> bool:
+        """Ended by SIGTERM without an error: how the agent stops the other workers after a failure."""
+        return self.exitcode == -signal.SIGTERM and not self.traceback
+
+    @property
+    def _tier(self) -> int:
+        return 2 if self.stopped_by_launcher else int(self.is_consequence)
+
+
+def from_torch(failures: Mapping[int, Any]) -> list[WorkerFailure]:
+    """torch elastic's ``ChildFailedError.failures`` (global rank -> ``ProcessFailure``) as :class:`WorkerFailure`."""
+    return [_from_process_failure(rank, failure) for rank, failure in failures.items()]
+
+
+def _from_process_failure(rank: int, failure: Any) -> WorkerFailure:
+    message, traceback = failure.message, ""
+    if isinstance(message, dict):  # written by @record: {"message": "Type: text", "extraInfo": {...}}
+        traceback = str(message.get("extraInfo", {}).get("py_callstack", ""))
+        message = message.get("message", "")
+    try:
+        when_ns = os.stat(failure.error_file).st_mtime_ns
+    except (OSError, TypeError, ValueError):
+        when_ns = int(failure.timestamp) * 1_000_000_000
+    return WorkerFailure(
+        rank=rank,
+        local_rank=failure.local_rank,
+        exitcode=failure.exitcode,
+        pid=failure.pid,
+        message=str(message),
+        traceback=traceback,
+        when_ns=when_ns,
+    )
+
+
+def root_cause(failures: Sequence[WorkerFailure]) -> WorkerFailure:
+    """The failure that caused the others (see the module docstring). ``failures`` must not be empty."""
+    return min(failures, key=lambda f: (f._tier, f.when_ns, f.rank))
+
+
+def format_summary(script: str, failures: Sequence[WorkerFailure]) -> str:
+    """The launcher's report: the failing rank and its traceback first, then every other failure in one line."""
+    cause = root_cause(failures)
+    head = (
+        f"multigpu launch: {script} failed on rank {cause.rank} (local_rank {cause.local_rank}, "
+        f"exit code {cause.exitcode}): {_first_line(cause.message)}"
+    )
+    if cause.is_consequence or cause.stopped_by_launcher:
+        head += (
+            "\n  (this rank lost a peer or timed out waiting for one: the cause is a rank that hung, was killed "
+            "without an error, or ran on another node; look at that node's launcher)"
+        )
+    lines = [head]
+    if cause.traceback:
+        lines += ["", f"Traceback of rank {cause.rank}:", cause.traceback.rstrip()]
+    others = sorted((f for f in failures if f is not cause), key=lambda f: f.rank)
+    if others:
+        lines += ["", "Other ranks that failed (consequences or later errors):"]
+        lines += [f"  rank {f.rank} (local_rank {f.local_rank}, exit code {f.exitcode}): {_outcome(f)}" for f in others]
+    return "\n".join(lines)
+
+
+def _outcome(failure: WorkerFailure) -> str:
+    said = _first_line(failure.message)
+    return f"{said} (stopped by the launcher)" if failure.stopped_by_launcher else said
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "no error message (see the worker's output above)"

@@ -1,0 +1,107 @@
+"""Run the one worker process of a ``single`` or ``dp`` launch, and never leave it behind.
+
+``multigpu launch --strategy single|dp`` starts the script as a child process. Killing the
+launcher (SIGTERM from a scheduler, SIGHUP from a closed terminal, Ctrl-C) must end the script
+too; a plain ``subprocess.call`` left it running. :func:`run_supervised`:
+
+- starts the child in a session (and process group) of its own, as torch elastic does with ddp
+  workers, so a terminal's Ctrl-C reaches the launcher once and the launcher forwards it once;
+- forwards SIGINT, SIGTERM and SIGHUP to the child's process group (the script and anything it
+  started, e.g. DataLoader workers);
+- after the first forwarded signal, gives the group ``grace_s`` seconds to exit, then SIGKILLs it;
+- once the child has exited after a signal, SIGKILLs whatever is left in its process group.
+
+ddp launches get the same from torch elastic's agent (it handles SIGINT, SIGTERM, SIGHUP and
+SIGQUIT, and kills its workers after its shutdown timeout, which ``multigpu launch`` sets to the
+same grace period).
+
+Example:
+    >>> run_supervised([sys.executable, "-c", "pass"], dict(os.environ), grace_s=5.0)
+    0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_POLL_S = 0.1
+
+
+def run_supervised(argv: Sequence[str], env: dict[str, str], *, grace_s: float) -> int:
+    """Run ``argv`` to its end, forwarding termination signals; returns its exit code.
+
+    Args:
+        argv: the child's command line.
+        env: its environment.
+        grace_s: seconds the child gets after a forwarded signal before it is killed.
+
+    Returns:
+        The child's exit code; ``128 + N`` when it ended by signal ``N`` (as shells report it),
+        or when it was killed after ignoring the forwarded signal ``N`` for ``grace_s``.
+    """
+    received: list[int] = []
+    started: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        if started:
+            _signal_group(started[0].pid, signum)
+
+    # Handlers first: a signal between starting the child and installing them would end the
+    # launcher alone. One that arrives before the child exists is sent to it once it does.
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        child = subprocess.Popen(list(argv), env=env, start_new_session=True)
+    except BaseException:
+        _restore(previous)
+        raise
+    started.append(child)
+    for signum in received:
+        _signal_group(child.pid, signum)
+    try:
+        return _wait(child, received, grace_s)
+    finally:
+        _restore(previous)
+        if received or child.poll() is None:  # stopped by a signal (or by an error here): sweep the group
+            _signal_group(child.pid, signal.SIGKILL)
+            child.wait()
+
+
+def _wait(child: subprocess.Popen[bytes], received: list[int], grace_s: float) -> int:
+    deadline: float | None = None
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            code = child.wait(timeout=_POLL_S)
+            return 128 - code if code < 0 else code
+        if received and deadline is None:
+            deadline = time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() >= deadline:
+            name = signal.Signals(received[0]).name
+            print(
+                f"multigpu launch: the script did not exit within {grace_s:g} s of {name}; killing it",
+                file=sys.stderr,
+                flush=True,
+            )
+            _signal_group(child.pid, signal.SIGKILL)
+            child.wait()
+            return 128 + received[0]
+
+
+def _restore(previous: dict[signal.Signals, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    """Send ``signum`` to the process group ``pid`` leads (gone already: nothing to do)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signum)

@@ -1,0 +1,88 @@
+"""How a :class:`multigpu.session.Session` trains: one keyword-only dataclass, validated when built.
+
+Every field is checked for its type and range in ``__post_init__``, so a wrong value fails where
+it is written, with a :class:`~multigpu.errors.ConfigError` that shows the value and the fix,
+instead of a raw ``TypeError`` deep inside a step (or, worse, a silently wrong step: a float
+``accumulate=1.5`` would step on 4/3 of the mean gradient).
+
+Example:
+    >>> SessionConfig(strategy="single", accumulate=2).accumulate
+    2
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from pathlib import Path
+
+from multigpu.devices import DeviceSpec
+from multigpu.errors import ConfigError
+from multigpu.session.precision import PRECISIONS
+from multigpu.session.strategies import STRATEGIES
+
+_MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes up to 64 bits; the loader adds the epoch
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionConfig:
+    """How a :class:`~multigpu.session.Session` trains.
+
+    Attributes:
+        strategy: ``single``, ``dp``, ``ddp`` or ``auto`` (see :mod:`multigpu.session.strategies`).
+        precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast and a gradient scaler).
+        accumulate: micro-steps per optimizer step (gradient accumulation; 1 = none); an integer.
+        devices: the devices of ``single`` / ``dp`` (``"cpu:2"``, ``"cuda:0,1"``); None: defaults.
+        seed: seeds torch when the session starts (same on every rank) and the loader's shuffle;
+            an integer in ``[0, 2**63 - 1]``.
+        timeout_s: how long a collective waits for a missing rank before failing (ddp); None:
+            ``multigpu launch --collective-timeout`` if given, else 600 s.
+        run_dir: the folder :meth:`~multigpu.session.Session.log` writes ``metrics.csv`` (and
+            TensorBoard events) into; None: ``runs/<strategy>`` under the working directory,
+            created on the first ``log``.
+    """
+
+    strategy: str = "auto"
+    precision: str = "fp32"
+    accumulate: int = 1
+    devices: DeviceSpec = None
+    seed: int = 0
+    timeout_s: float | None = None
+    run_dir: str | Path | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("strategy", self.strategy, ["auto", *STRATEGIES], "strategy='ddp'")
+        _check_choice("precision", self.precision, sorted(PRECISIONS), "precision='bf16'")
+        if not _is_int(self.accumulate) or self.accumulate < 1:
+            raise ConfigError(
+                f"accumulate={self.accumulate!r} must be an integer >= 1 (micro-steps per optimizer step; "
+                "1 = step after every batch), e.g. accumulate=2"
+            )
+        if not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED:
+            raise ConfigError(f"seed={self.seed!r} must be an integer in [0, 2**63 - 1], e.g. seed=0")
+        # numpy integers pass as integers; keep plain ints so arithmetic and printing stay Python's
+        object.__setattr__(self, "accumulate", int(self.accumulate))
+        object.__setattr__(self, "seed", int(self.seed))
+        if self.timeout_s is not None and not _is_positive_seconds(self.timeout_s):
+            raise ConfigError(
+                f"timeout_s={self.timeout_s!r} must be a finite number of seconds > 0, e.g. timeout_s=600 "
+                "(or None for the launcher's --collective-timeout, else 600)"
+            )
+        if self.run_dir is not None and not isinstance(self.run_dir, (str, Path)):
+            raise ConfigError(f"run_dir={self.run_dir!r} must be a folder path (str or Path), e.g. run_dir='runs/a'")
+
+
+def _check_choice(name: str, value: object, choices: list[str], example: str) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {choices}; use e.g. {example}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_positive_seconds(value: object) -> bool:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    return math.isfinite(float(value)) and float(value) > 0

@@ -1,0 +1,113 @@
+"""The failure named as the cause of a ddp run's end, chosen from real torch elastic error files."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
+
+from multigpu.distributed.root_cause import format_summary, from_torch, root_cause
+from multigpu.errors import CollectiveTimeoutError, PeerExitedError
+
+
+def _error_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, error: BaseException, *, mtime_ns: int
+) -> str:
+    """The error file torch elastic's @record writes for ``error`` (its real writer), dated ``mtime_ns``."""
+    path = tmp_path / f"{name}.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    try:
+        raise error
+    except BaseException as exc:
+        ErrorHandler().record_exception(exc)
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+    return str(path)
+
+
+def _failures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, errors: dict[int, tuple[BaseException, int]]
+) -> dict[int, ProcessFailure]:
+    """Global rank -> torch's ProcessFailure, read back from real error files (as the agent reads them)."""
+    return {
+        rank: ProcessFailure(
+            local_rank=rank,
+            pid=1000 + rank,
+            exitcode=1,
+            error_file=_error_file(tmp_path, monkeypatch, f"rank{rank}", error, mtime_ns=mtime_ns),
+        )
+        for rank, (error, mtime_ns) in errors.items()
+    }
+
+
+_SECOND = int(time.time()) * 1_000_000_000  # error files written within one second share this timestamp
+
+
+@pytest.mark.parametrize("cause_rank", [0, 1, 3])
+@pytest.mark.parametrize(
+    "consequence",
+    [
+        PeerExitedError("lost a peer"),
+        CollectiveTimeoutError("timed out"),
+        RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242"),
+    ],
+)
+def test_the_cause_is_named_even_when_a_consequence_shares_its_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cause_rank: int, consequence: BaseException
+) -> None:
+    errors = {rank: (consequence, _SECOND + 900_000_000) for rank in range(4)}
+    errors[cause_rank] = (ValueError("rank broke on purpose"), _SECOND + 100_000_000)
+    failures = _failures(tmp_path, monkeypatch, errors)
+    if cause_rank:  # what torch picked: the lowest rank among equal whole-second timestamps
+        assert ChildFailedError("train.py", failures).get_first_failure()[0] == 0
+    cause = root_cause(from_torch(failures))
+    assert (cause.rank, cause.message) == (cause_rank, "ValueError: rank broke on purpose")
+    summary = format_summary("train.py", from_torch(failures))
+    assert summary.startswith(f"multigpu launch: train.py failed on rank {cause_rank} (local_rank {cause_rank}")
+    assert f"Traceback of rank {cause_rank}:" in summary and "raise error" in summary
+    assert summary.count("exit code 1): " + type(consequence).__name__) == 3
+
+
+def test_of_two_causes_the_earlier_wins_within_one_second(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    failures = _failures(
+        tmp_path,
+        monkeypatch,
+        {0: (KeyError("later"), _SECOND + 700_000_000), 1: (ValueError("first"), _SECOND + 200_000_000)},
+    )
+    assert root_cause(from_torch(failures)).rank == 1
+
+
+def test_when_every_failure_is_a_consequence_the_summary_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failures = _failures(tmp_path, monkeypatch, {0: (CollectiveTimeoutError("reduce timed out"), _SECOND)})
+    summary = format_summary("train.py", from_torch(failures))
+    assert "failed on rank 0 (local_rank 0, exit code 1): CollectiveTimeoutError: reduce timed out" in summary
+    assert "this rank lost a peer or timed out waiting for one" in summary
+
+
+def test_a_worker_killed_by_a_signal_without_an_error_file_can_be_the_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failures = _failures(tmp_path, monkeypatch, {0: (PeerExitedError("lost a peer"), _SECOND)})
+    failures[1] = ProcessFailure(local_rank=1, pid=1001, exitcode=-9, error_file=str(tmp_path / "none.json"))
+    cause = root_cause(from_torch(failures))
+    assert cause.rank == 1 and "SIGKILL" in cause.message
+    assert "failed on rank 1 (local_rank 1, exit code -9): Signal 9 (SIGKILL)" in format_summary(
+        "t.py", from_torch(failures)
+    )
+
+
+def test_a_worker_the_launcher_stopped_is_not_the_cause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # rank 1 hung; rank 0 timed out; the agent then SIGTERMed rank 1 and listed it among the failures
+    failures = _failures(tmp_path, monkeypatch, {0: (CollectiveTimeoutError("reduce timed out"), _SECOND)})
+    failures[1] = ProcessFailure(local_rank=1, pid=1001, exitcode=-15, error_file=str(tmp_path / "none.json"))
+    summary = format_summary("t.py", from_torch(failures))
+    assert "failed on rank 0 (local_rank 0, exit code 1): CollectiveTimeoutError" in summary
+    assert (
+        "  rank 1 (local_rank 1, exit code -15): Signal 15 (SIGTERM) received by PID 1001 (stopped by the launcher)"
+        in summary
+    )
