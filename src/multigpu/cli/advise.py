@@ -141,6 +141,7 @@ def _measured(args: argparse.Namespace, gpu: hardware.GpuSpec | None, batch: int
     from multigpu.planning import factory
     from multigpu.planning.calibrate import measure_host_costs
     from multigpu.planning.counting import count_step
+    from multigpu.planning.host import backward_host_s, forward_host_s
     from multigpu.planning.measure import measure_cpu_platform, measure_workload
 
     factory.load_factory(args.model)  # a bad path is the first thing to report
@@ -161,7 +162,8 @@ def _measured(args: argparse.Namespace, gpu: hardware.GpuSpec | None, batch: int
     host = measure_host_costs(replicate="multigpu")
     w = measure_workload(model, probe, optimizer=args.optimizer, name=args.model, host=host)
     busbw = args.busbw * 1e9 if args.busbw else None
-    return w, measure_cpu_platform(model, probe[: max(1, len(probe) // 2)], busbw=busbw, host=host)
+    host_s = forward_host_s(w.counts, host) + backward_host_s(w.counts, host)
+    return w, measure_cpu_platform(model, probe[: max(1, len(probe) // 2)], busbw=busbw, host=host, host_s=host_s)
 
 
 def _overrides(w: Workload, args: argparse.Namespace) -> Workload:

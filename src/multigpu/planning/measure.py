@@ -164,17 +164,37 @@ def _sharing_copy(model: nn.Module) -> nn.Module:
     return clone
 
 
+def device_contention(solo_s: float, together_s: float, host_s: float = 0.0) -> float:
+    """How much slower a replica's device share runs while the others run (at least 1).
+
+    ``solo_s`` and ``together_s`` are one replica's step alone and with the others; ``host_s``, the
+    host's share of it (the model charges the GIL's queue to the host, not to the device).
+
+    Example:
+        >>> device_contention(1.0, 1.5), device_contention(1.0, 1.5, host_s=0.5)
+        (1.5, 2.0)
+    """
+    device = max(solo_s - host_s, _MIN_DEVICE_SHARE * solo_s)
+    return max(1.0, (together_s - solo_s + device) / device)
+
+
 def replica_contention(
-    model: nn.Module, chunk: torch.Tensor, *, replicas: int = 2, loss_fn: LossFn = default_loss, rounds: int = 5
+    model: nn.Module,
+    chunk: torch.Tensor,
+    *,
+    replicas: int = 2,
+    loss_fn: LossFn = default_loss,
+    rounds: int = 5,
+    host_s: float = 0.0,
 ) -> float:
-    """How much slower one replica's forward + backward runs while ``replicas`` run in threads.
+    """How much slower one replica's device share runs while ``replicas`` run in threads.
 
     Solo and concurrent runs alternate over ``rounds``, so a change in machine load touches both;
-    the ratio of the best times is returned (at least 1).
+    the best times go to :func:`device_contention`.
     """
     with ReplicaProbe(model, chunk, replicas=replicas, loss_fn=loss_fn) as probe:
         solo, together = zip(*(probe.times() for _ in range(rounds)))
-    return max(1.0, min(together) / min(solo))
+    return device_contention(min(solo), min(together), host_s)
 
 
 def thread_handoff_s(repeats: int = 50) -> float:
@@ -192,6 +212,7 @@ def measure_cpu_platform(
     loss_fn: LossFn = default_loss,
     rounds: int = 5,
     host: HostCosts | None = None,
+    host_s: float = 0.0,
 ) -> Platform:
     """This CPU as a platform for ``replicas`` replicas of ``model`` (``chunk``: one replica's batch).
 
@@ -199,6 +220,7 @@ def measure_cpu_platform(
         busbw: measured all-reduce bus bandwidth in bytes/s (``allreduce_busbw`` in a gloo group,
             or ``multigpu bandwidth``); defaults to the memory bandwidth.
         host: this machine's host costs (default: measured now, with the engine's replicate).
+        host_s: the host's share of one replica's step on ``chunk`` (counts x host costs).
     """
     mem_bw = memory_bandwidth()
     return Platform(
@@ -209,7 +231,7 @@ def measure_cpu_platform(
         peer_copies=False,
         overlap=0.0,  # replicas fill the cores: a communication thread takes cycles from compute
         cores=os.cpu_count() or 1,
-        contention=replica_contention(model, chunk, replicas=replicas, loss_fn=loss_fn, rounds=rounds),
+        contention=replica_contention(model, chunk, replicas=replicas, loss_fn=loss_fn, rounds=rounds, host_s=host_s),
         thread_overhead_s=thread_handoff_s(),
         host=host if host is not None else measure_host_costs(replicate="multigpu"),
         synchronous=True,
