@@ -16,3 +16,7 @@ def build_tokens() -> nn.Module:
 
 def not_a_module() -> int:
     return 3
+
+
+def raises() -> nn.Module:
+    raise RuntimeError("weights file missing")

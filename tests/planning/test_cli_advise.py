@@ -251,7 +251,10 @@ def test_table_fits_80_columns_when_piped(tmp_path: Path) -> None:
         (["--model", f"{TINY}:build"], r"pass --input-shape, e.g. 512"),
         (["--model", f"{TINY}:nope", "--input-shape", "32"], r"cannot import 'nope'"),
         (["--model", f"{TINY}:not_a_module", "--input-shape", "32"], r"returned int, not an nn.Module"),
-        (["--model", "resnet50", "--gpu", "t4", "--link", "pcie3", "--devices", "0"], r"device counts \[0\] must be"),
+        (
+            ["--model", "resnet50", "--gpu", "t4", "--link", "pcie3", "--devices", "0"],
+            r"--devices '0' must be positive integers",
+        ),
         (
             ["--model", "resnet50", "--gpu", "t4", "--link", "pcie3", "--batch", "8", "--global-batch", "64"],
             r"not --batch and --global-batch",
@@ -269,6 +272,16 @@ def test_table_fits_80_columns_when_piped(tmp_path: Path) -> None:
             ["--model", f"{TINY}:build", "--input-shape", "32", "--input-dtype", "bf17"],
             r"--input-dtype 'bf17' is not one of",
         ),
+        (
+            ["--model", "resnet50", "--gpu", "t4", "--link", "pcie3", "--devices", "a,b"],
+            r"--devices 'a,b' must be positive integers",
+        ),
+        (
+            ["--model", f"{TINY}:raises", "--input-shape", "3", "--gpu", "t4", "--link", "pcie3"],
+            r"factory raised RuntimeError: weights file missing on the meta device",
+        ),
+        (["--model", "resnet50", "--gpu", "t4", "--busbw", "0"], r"bandwidths must be > 0"),
+        (["--model", "resnet50", "--gpu", "t4", "--link", "pcie3", "--batch", "0"], r"--batch 0 must be >= 1"),
     ],
 )
 def test_bad_input_is_reported_with_the_fix(

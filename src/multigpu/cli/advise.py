@@ -161,7 +161,9 @@ def _measured(args: argparse.Namespace, gpu: hardware.GpuSpec | None, batch: int
     probe = factory.sample_inputs(min(batch, factory.PROBE_BATCH), shape, args.input_dtype, "cpu")
     host = measure_host_costs(replicate="multigpu")
     w = measure_workload(model, probe, optimizer=args.optimizer, name=args.model, host=host)
-    busbw = args.busbw * 1e9 if args.busbw else None
+    if args.busbw is not None and args.busbw <= 0:
+        raise ConfigError(f"--busbw {args.busbw} must be > 0 GB/s (a measured all-reduce bus bandwidth)")
+    busbw = args.busbw * 1e9 if args.busbw is not None else None
     host_s = forward_host_s(w.counts, host) + backward_host_s(w.counts, host)
     return w, measure_cpu_platform(model, probe[: max(1, len(probe) // 2)], busbw=busbw, host=host, host_s=host_s)
 
@@ -184,7 +186,7 @@ def _gpu_platform(args: argparse.Namespace, gpu: hardware.GpuSpec) -> Platform:
 
     if args.busbw is None and not args.link:
         raise ConfigError(f"--gpu {gpu.name} needs --link (one of {', '.join(hardware.LINKS)}) or a measured --busbw")
-    device_link = hardware.measured_link(args.busbw * 1e9) if args.busbw else hardware.link(args.link)
+    device_link = hardware.measured_link(args.busbw * 1e9) if args.busbw is not None else hardware.link(args.link)
     network = hardware.link(args.network) if args.network else None
     return gpu_platform(
         gpu,
@@ -200,7 +202,7 @@ def _plan(args: argparse.Namespace) -> tuple[Workload, Platform, list[Row], dict
     from multigpu.planning.advise import evaluate
     from multigpu.planning.factory import parse_shape
 
-    counts = [int(s) for s in args.devices.split(",") if s.strip()]
+    counts = list(parse_shape(args.devices, flag="--devices") or ())
     batches = _batches(args)
     gpu = _gpu(args)
     plat: Platform | None = None
@@ -228,7 +230,7 @@ def _plan(args: argparse.Namespace) -> tuple[Workload, Platform, list[Row], dict
     return w, plat, evaluate(w, plat, counts, **batches), batches
 
 
-def _inputs(args: argparse.Namespace, w: Workload, plat: Platform, batches: dict[str, Any]) -> dict[str, Any]:
+def _inputs(w: Workload, plat: Platform, rows: list[Row], batches: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": w.name,
         "params": w.params,
@@ -240,7 +242,7 @@ def _inputs(args: argparse.Namespace, w: Workload, plat: Platform, batches: dict
         "precision": w.precision,
         "platform": plat.name,
         "memory_bytes_per_device": plat.memory_bytes,
-        "devices": sorted({int(s) for s in args.devices.split(",") if s.strip()}),
+        "devices": sorted({r.devices for r in rows}),
         **batches,
     }
 
@@ -258,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         return 2
     rec = recommend(rows, plat.memory_bytes)
-    plan = to_json(rows, rec, _inputs(args, w, plat, batches))
+    plan = to_json(rows, rec, _inputs(w, plat, rows, batches))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "advise.json").write_text(json.dumps(plan, indent=2) + "\n")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -116,6 +116,52 @@ def _storage_key(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
+@dataclass
+class _Passes:
+    """What the three counting passes saw."""
+
+    output: Any = None
+    module_calls: int = 0
+    saved: dict[int, int] = field(default_factory=dict)  # storage -> bytes, saved for backward
+    forward_ops: OpCounter = field(default_factory=OpCounter)
+    backward_ops: OpCounter = field(default_factory=OpCounter)
+    flops: FlopCounterMode = field(
+        default_factory=lambda: FlopCounterMode(
+            display=False, custom_mapping={aten.convolution_backward: _conv_backward_flop}
+        )
+    )
+
+
+def _run_passes(model: nn.Module, inputs: torch.Tensor, loss_fn: LossFn) -> _Passes:
+    """Three passes, so that no counter sees another's work: unpacking saved tensors through hooks
+    adds a detach per tensor to backward, and FlopCounterMode's module tracker adds autograd hooks."""
+    seen = _Passes()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.saved[_storage_key(t)] = t.untyped_storage().nbytes()
+        return t
+
+    def called(*_: object) -> None:
+        seen.module_calls += 1
+
+    hook = nn.modules.module.register_module_forward_pre_hook(called)
+    try:
+        with seen.forward_ops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            seen.output = model(inputs)
+            loss_fn(seen.output)
+        hook.remove()
+        loss = loss_fn(model(inputs))
+        with seen.backward_ops:
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        with seen.flops:
+            loss_fn(model(inputs)).backward()
+    finally:
+        hook.remove()
+        model.zero_grad(set_to_none=True)
+    return seen
+
+
 def count_step(model: nn.Module, inputs: torch.Tensor, *, loss_fn: LossFn = default_loss) -> Counted:
     """Count one forward, loss and backward of ``model`` on ``inputs`` (meta tensors cost nothing).
 
@@ -133,55 +179,31 @@ def count_step(model: nn.Module, inputs: torch.Tensor, *, loss_fn: LossFn = defa
     if inputs.dim() == 0 or inputs.shape[0] == 0:
         raise ConfigError(f"inputs of shape {tuple(inputs.shape)} hold no batch; pass at least one sample on dim 0")
     not_activations = {_storage_key(t) for t in [*model.parameters(), *model.buffers(), inputs]}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[_storage_key(t)] = t.untyped_storage().nbytes()
-        return t
-
-    calls = [0]
-    hook = nn.modules.module.register_module_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    forward_ops, backward_ops = OpCounter(), OpCounter()
-    # Three passes, so that no counter sees another's work: unpacking saved tensors through hooks
-    # adds a detach per tensor to backward, and FlopCounterMode's module tracker adds autograd hooks.
-    flops = FlopCounterMode(display=False, custom_mapping={aten.convolution_backward: _conv_backward_flop})
     try:
-        with forward_ops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = model(inputs)
-            loss_fn(output)
-        hook.remove()
-        loss = loss_fn(model(inputs))
-        with backward_ops:
-            loss.backward()
-        model.zero_grad(set_to_none=True)
-        with flops:
-            loss_fn(model(inputs)).backward()
+        seen = _run_passes(model, inputs, loss_fn)
     except (NotImplementedError, RuntimeError) as exc:
         raise ConfigError(
             f"counting one step of {type(model).__name__} failed: {exc}; if an op has no meta kernel, plan "
             "on this CPU (no --gpu) or pass --compute-ms, --activation-mb and --output-mb"
         ) from exc
-    finally:
-        hook.remove()
-    model.zero_grad(set_to_none=True)
-    first = output if isinstance(output, torch.Tensor) else output[0]
-    per_op = flops.get_flop_counts().get("Global", {})
+    first = seen.output if isinstance(seen.output, torch.Tensor) else seen.output[0]
+    per_op = seen.flops.get_flop_counts().get("Global", {})
     counts = StepCounts(
         modules=sum(1 for _ in model.modules()),
         tensors=sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers()),
-        module_calls=calls[0],
-        forward_ops=forward_ops.total,
-        backward_ops=backward_ops.total,
-        forward_kernels=forward_ops.ops["kernels"],
-        backward_kernels=backward_ops.ops["kernels"],
+        module_calls=seen.module_calls,
+        forward_ops=seen.forward_ops.total,
+        backward_ops=seen.backward_ops.total,
+        forward_kernels=seen.forward_ops.ops["kernels"],
+        backward_kernels=seen.backward_ops.ops["kernels"],
     )
     return Counted(
         batch=int(inputs.shape[0]),
         counts=counts,
-        flops=float(flops.get_total_flops()),
+        flops=float(seen.flops.get_total_flops()),
         conv_flops=float(sum(n for op, n in per_op.items() if op in _CONVOLUTIONS)),
         params=sum(p.numel() for p in model.parameters() if p.requires_grad),
-        saved_bytes=sum(n for key, n in saved.items() if key not in not_activations),
+        saved_bytes=sum(n for key, n in seen.saved.items() if key not in not_activations),
         output_bytes=first.numel() * first.element_size(),
         input_bytes=inputs.numel() * inputs.element_size(),
     )

@@ -64,18 +64,22 @@ def load_factory(path: str) -> Callable[[], object]:
 def build(path: str, *, meta: bool) -> nn.Module:
     """Call the factory at ``path`` (on the meta device when ``meta``) and check it built a module."""
     factory = load_factory(path)
-    if meta:
-        with torch.device("meta"):
+    try:
+        if meta:
+            with torch.device("meta"):
+                made = factory()
+        else:
             made = factory()
-    else:
-        made = factory()
+    except Exception as exc:  # the user's code: any failure becomes one clear line
+        where = " on the meta device (a GPU plan builds it without data; plan on this CPU to build it for real)" if meta else ""
+        raise ConfigError(f"--model {path!r}: the factory raised {type(exc).__name__}: {exc}{where}") from exc
     if not isinstance(made, nn.Module):
         raise ConfigError(f"--model {path!r} returned {type(made).__name__}, not an nn.Module")
     return made
 
 
 def parse_shape(text: str | None, *, flag: str = "--input-shape") -> tuple[int, ...] | None:
-    """``"3,224,224"`` -> ``(3, 224, 224)``; None stays None.
+    """``"3,224,224"`` -> ``(3, 224, 224)``; None stays None (also for device counts and chunk sizes).
 
     Raises:
         ConfigError: a part that is not a positive integer.
