@@ -1,6 +1,6 @@
 """Planner accuracy on this CPU: predicted vs measured step time, five models x three strategies.
 
-    python benchmarks/planner_accuracy.py [--pairs 9] [--models mlp,cnn-bn,...]
+    python benchmarks/planner_accuracy.py [--pairs 7] [--models mlp,cnn-bn,...]
 
 Models: an MLP, a CNN with BatchNorm, a small transformer with an Embedding, a grouped-conv net
 and an LSTM. Strategies: ``single`` (one process, one thread), ``dp`` (``multigpu.DataParallel``
@@ -105,10 +105,10 @@ def build(name: str) -> nn.Module:
 # global batch and the inputs of one sample
 MODELS: dict[str, tuple[int, Callable[[int, torch.Generator], torch.Tensor]]] = {
     "mlp": (512, lambda n, g: torch.randn(n, 512, generator=g)),
-    "cnn-bn": (128, lambda n, g: torch.randn(n, 3, 32, 32, generator=g)),
+    "cnn-bn": (64, lambda n, g: torch.randn(n, 3, 32, 32, generator=g)),
     "transformer": (64, lambda n, g: torch.randint(0, 1000, (n, 32), generator=g)),
-    "grouped-conv": (128, lambda n, g: torch.randn(n, 3, 32, 32, generator=g)),
-    "lstm": (128, lambda n, g: torch.randn(n, 32, 64, generator=g)),
+    "grouped-conv": (64, lambda n, g: torch.randn(n, 3, 32, 32, generator=g)),
+    "lstm": (64, lambda n, g: torch.randn(n, 32, 64, generator=g)),
 }
 
 
@@ -291,7 +291,7 @@ def figure(results: dict[tuple[str, str], list[tuple[float, float]]], path: Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=9, help="calibration/measurement pairs per row (median)")
+    parser.add_argument("--pairs", type=int, default=7, help="calibration/measurement pairs per row (median)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per replica, as each DDP process has

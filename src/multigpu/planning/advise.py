@@ -153,7 +153,21 @@ def recommend(rows: Sequence[Row], memory_limit: float | None = None) -> Recomme
         runner = max(others, key=lambda r: r.step.throughput if r.fits else 0.0)
         why = "does not fit" if not runner.fits else f"{runner.step.throughput:,.0f} samples/s"
         sentence += f"; {LABELS[runner.strategy]} on {runner.devices}: {why}"
-    return Recommendation(best.strategy, best.devices, sentence + ".")
+    return Recommendation(best.strategy, best.devices, sentence + "." + _slower_than_one(rows))
+
+
+def _slower_than_one(rows: Sequence[Row]) -> str:
+    """A sentence naming the device counts where DataParallel is predicted slower than one device."""
+    single = next((r for r in rows if r.strategy == "single"), None)
+    slower = [
+        r.devices
+        for r in rows
+        if single is not None and r.strategy == "dp" and r.step.throughput < single.step.throughput
+    ]
+    if not slower:
+        return ""
+    counts = ", ".join(map(str, slower))
+    return f" DataParallel is slower than one device on {counts} devices: its host work (replicate, forwards through one GIL) outgrows the work per device."
 
 
 def to_json(rows: Sequence[Row], rec: Recommendation, inputs: dict[str, Any]) -> dict[str, Any]:

@@ -71,7 +71,11 @@ def build(path: str, *, meta: bool) -> nn.Module:
         else:
             made = factory()
     except Exception as exc:  # the user's code: any failure becomes one clear line
-        where = " on the meta device (a GPU plan builds it without data; plan on this CPU to build it for real)" if meta else ""
+        where = (
+            " on the meta device (a GPU plan builds it without data; plan on this CPU to build it for real)"
+            if meta
+            else ""
+        )
         raise ConfigError(f"--model {path!r}: the factory raised {type(exc).__name__}: {exc}{where}") from exc
     if not isinstance(made, nn.Module):
         raise ConfigError(f"--model {path!r} returned {type(made).__name__}, not an nn.Module")
