@@ -269,7 +269,7 @@ def figure(results: dict[tuple[str, str], list[tuple[float, float]]], path: Path
     from multigpu.report.figures import pyplot, save_figure
 
     fig, ax = pyplot().subplots(figsize=(6.0, 5.0))
-    markers = {"single": "o", "dp": "s", "ddp": "^"}
+    markers = {"single": ("o", "C0"), "dp": ("s", "C1"), "ddp": ("^", "C2")}
     ms = {
         k: (statistics.median(p for p, _ in v) * 1e3, statistics.median(m for _, m in v) * 1e3)
         for k, v in results.items()
@@ -277,9 +277,12 @@ def figure(results: dict[tuple[str, str], list[tuple[float, float]]], path: Path
     top = max(max(v) for v in ms.values()) * 1.2
     ax.plot([0, top], [0, top], color="grey", lw=1, label="predicted = measured")
     ax.fill_between([0, top], [0, top * GOAL[0]], [0, top * GOAL[1]], color="grey", alpha=0.15, label="within 25%")
+    labelled: set[str] = set()
     for (model, strategy), (pred, meas) in ms.items():
-        ax.scatter(meas, pred, marker=markers[strategy], s=40)
-        ax.annotate(f"{model} {strategy}", (meas, pred), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        marker, color = markers[strategy]
+        ax.scatter(meas, pred, marker=marker, color=color, s=40, label=None if strategy in labelled else strategy)
+        labelled.add(strategy)
+        ax.annotate(model, (meas, pred), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("measured ms / step (median)")
     ax.set_ylabel("predicted ms / step (median)")
     ax.set_xscale("log")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from multigpu.planning import cases
+from multigpu.planning import cases, host
 
 
 @pytest.mark.parametrize("overlap", [0.0, 0.2, 0.5, 0.75])
@@ -45,9 +47,20 @@ def test_horovod_vgg16_scales_worst() -> None:
         assert abs(row.predicted - row.published) <= 0.05, row
 
 
-def test_dataparallel_regimes_of_public_reports() -> None:
-    # No per-case factor: the same constants as every other case (host costs measured, launch cited).
-    eight, two, four = cases.dataparallel_regimes()
+@pytest.mark.parametrize("host_scale", [0.5, 1.0, 2.0])
+def test_dataparallel_regimes_of_public_reports(host_scale: float) -> None:
+    # No per-case factor: the same constants as every other case (host costs measured, launch cited),
+    # and the regimes hold for a server host twice as fast or twice as slow as the one measured.
+    h = host.DEFAULT_HOST
+    scaled = replace(
+        h,
+        op_s=h.op_s * host_scale,
+        module_call_s=h.module_call_s * host_scale,
+        backward_op_s=h.backward_op_s * host_scale,
+        replicate_module_s=h.replicate_module_s * host_scale,
+        replicate_tensor_s=h.replicate_tensor_s * host_scale,
+    )
+    eight, two, four = cases.dataparallel_regimes(scaled)
     assert eight.predicted >= 2.0, eight  # DP at least 2x slower than DDP, ResNet-50 on 8 A100s
     assert eight.faster_predicted == "ddp"
     for row in (two, four):  # ResNet-50 at 32x32, 256 per GPU: DataParallel below one GPU

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from multigpu.planning import hardware, models
 from multigpu.planning.costs import predict_step
+from multigpu.planning.host import DEFAULT_HOST, HostCosts
 from multigpu.planning.platform import DEFAULT_GPU_OVERLAP, Platform, gpu_platform
 from multigpu.planning.workload import Workload
 
@@ -144,17 +145,18 @@ def horovod_scaling(overlap: float = DEFAULT_GPU_OVERLAP) -> list[CaseRow]:
     return rows
 
 
-def dataparallel_regimes() -> list[CaseRow]:
+def dataparallel_regimes(host: HostCosts = DEFAULT_HOST) -> list[CaseRow]:
     """Public reports of ordinary nn.DataParallel training, reproduced qualitatively (issue 14).
 
     DataParallel is 2-4x slower than DDP for ResNet-50 on 8 A100-class GPUs, and slower than one
     GPU for ResNet-50 on 32x32 images at 256 per GPU on 2 and 4 GPUs. Setups: A100 80 GB on
     NVLink (nvlink-a100), pageable inputs, the resnet50 preset (compute from FLOPs), 32 images per
     GPU at 224x224 (the PyTorch DDP benchmark's batch), and 256 per GPU at 32x32. ``published``
-    holds the bound the reports give: DP/DDP >= 2, DP/single throughput < 1.
+    holds the bound the reports give: DP/DDP >= 2, DP/single throughput < 1. ``host``: the host
+    costs of the machine driving the GPUs (default: measured on the development machine).
     """
     gpu = hardware.gpu("a100-80gb")
-    plat = gpu_platform(gpu, hardware.link("nvlink-a100"))
+    plat = gpu_platform(gpu, hardware.link("nvlink-a100"), host=host)
     rows = []
     w = models.workload("resnet50", gpu)
     dp = predict_step("dp", w, plat, devices=8, per_device_batch=32).total_s

@@ -65,16 +65,17 @@ class HostCosts:
 
 
 # Measured on the development machine (AMD EPYC, 2 shared cores, torch 2.13 CPU build) with
-# `python -m multigpu.planning.calibrate` (median of runs, each the fastest of 15 repeats);
+# `python -m multigpu.planning.calibrate` (median of 12 runs over a morning, each the fastest of 7-15
+# repeats; single runs ranged about 2x on this shared machine);
 # replicate is torch.nn.parallel.replicate's, what nn.DataParallel runs on GPUs. A GPU server's
 # host differs by tens of percent: calibrate there for precision.
 DEFAULT_HOST = HostCosts(
     op_s=5.0e-6,
-    module_call_s=1.8e-6,
-    backward_op_s=9.0e-6,
-    gil_contention=1.24,
-    replicate_module_s=24e-6,
-    replicate_tensor_s=6.0e-6,
+    module_call_s=1.6e-6,
+    backward_op_s=7.0e-6,
+    gil_contention=1.1,
+    replicate_module_s=22e-6,
+    replicate_tensor_s=5.0e-6,
     source="measured on the development machine (python -m multigpu.planning.calibrate)",
 )
 
