@@ -218,7 +218,7 @@ def _ddp_worker(rank: int, name: str, port: int, out_dir: str, pairs: int) -> No
             dist.barrier()
             both = fastest_s(lambda: (compute(), dist.barrier()), 1)  # both at once, the slower sets the pace
             opt_s = fastest_s(plain_opt.step, 1)
-            busbw = allreduce_busbw(grad_bytes, repeats=1)
+            busbw = allreduce_busbw(grad_bytes, repeats=3)  # one all-reduce of a small model swings 10x
             dist.barrier()
             rows.append(f"{solo} {both} {opt_s} {busbw} {fastest_s(ddp_step, 1)}\n")
         Path(out_dir, f"rank{rank}.txt").write_text("".join(rows))
