@@ -1,6 +1,6 @@
 """Planner accuracy on this CPU: predicted vs measured step time, five models x three strategies.
 
-    python benchmarks/planner_accuracy.py [--pairs 7] [--models mlp,cnn-bn,...]
+    python benchmarks/planner_accuracy.py [--pairs 11] [--models mlp,cnn-bn,...]
 
 Models: an MLP, a CNN with BatchNorm, a small transformer with an Embedding, a grouped-conv net
 and an LSTM. Strategies: ``single`` (one process, one thread), ``dp`` (``multigpu.DataParallel``
@@ -294,7 +294,7 @@ def figure(results: dict[tuple[str, str], list[tuple[float, float]]], path: Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=7, help="calibration/measurement pairs per row (median)")
+    parser.add_argument("--pairs", type=int, default=11, help="calibration/measurement pairs per row (median)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per replica, as each DDP process has
