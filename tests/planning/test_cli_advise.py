@@ -1,14 +1,22 @@
-"""`multigpu advise`: the table, the one-sentence recommendation, the figure, and its errors."""
+"""`multigpu advise`: the table, the one-sentence recommendation, JSON, the figure, and its errors."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from multigpu.cli import advise
 from multigpu.cli.main import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = "tests.planning._tiny_model"
 
 
 def test_advise_flags_are_a_decision() -> None:
@@ -20,11 +28,7 @@ def test_advise_flags_are_a_decision() -> None:
         "--help",
         "--model",
         "--input-shape",
-        "--gpu",
-        "--link",
-        "--busbw",
-        "--devices",
-        "--batch",
+        "--input-dtype",
         "--optimizer",
         "--precision",
         "--params",
@@ -32,18 +36,35 @@ def test_advise_flags_are_a_decision() -> None:
         "--activation-mb",
         "--output-mb",
         "--utilization",
-        "--overlap",
+        "--gpu",
+        "--gpu-tflops",
+        "--gpu-mem-gb",
+        "--gpu-mem-bw",
+        "--link",
+        "--busbw",
         "--devices-per-node",
         "--network",
-        "--figure",
+        "--pin-memory",
+        "--overlap",
+        "--devices",
+        "--batch",
+        "--global-batch",
+        "--chunk-sizes",
+        "--json",
+        "--out",
         "--no-figure",
     }
 
 
-def test_preset_on_gpus_prints_table_recommendation_and_figure(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def _json(argv: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> dict[str, Any]:
+    assert main(["advise", *argv, "--json", "--out", str(tmp_path / "out")]) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+
+def test_preset_prints_table_recommendation_and_writes_to_the_out_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    figure = tmp_path / "advise.png"
+    monkeypatch.chdir(tmp_path)
     argv = [
         "advise",
         "--model",
@@ -56,39 +77,169 @@ def test_preset_on_gpus_prints_table_recommendation_and_figure(
         "1,2",
         "--batch",
         "4",
-        "--figure",
-        str(figure),
+        "--out",
+        "plans",
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "DDP" in out and "DP-bal" in out and "peak GiB/24" in out
-    # Without P2P, all-reduce through host memory costs more than DataParallel's copies do not.
+    assert "dp-balanced" in out and "peak GiB/24" in out
     assert "Use DDP on 2 devices" in out or "Use DataParallel on 2 devices" in out
-    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "plans" / "advise.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "plans" / "advise.json").read_text())["rows"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plans"]  # nothing in the current folder
 
 
-def test_measured_bandwidth_replaces_the_link(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["advise", "--model", "resnet50", "--gpu", "a100-80gb", "--busbw", "0.5", "--devices", "1,8", "--no-figure"]
-    assert main(argv) == 0
-    assert "measured" in capsys.readouterr().out
+def test_json_plan_uses_the_session_vocabulary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _json(
+        ["--model", "resnet50", "--gpu", "a100-80gb", "--link", "nvlink-a100", "--devices", "1,2,8"], capsys, tmp_path
+    )
+    assert set(plan) == {"inputs", "rows", "recommendation"}
+    assert {r["strategy"] for r in plan["rows"]} == {"single", "dp", "dp-balanced", "ddp"}
+    assert set(plan["rows"][0]) == {
+        "strategy",
+        "devices",
+        "batch_per_device",
+        "step_ms",
+        "samples_per_s",
+        "scaling",
+        "peak_bytes",
+        "fits",
+    }
+    assert plan["recommendation"] == {"strategy": "ddp", "devices": 8, "reason": plan["recommendation"]["reason"]}
+    assert plan["inputs"]["model"] == "resnet50" and plan["inputs"]["per_device_batch"] == 32
 
 
-def test_factory_model_is_measured_on_this_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+def test_dataparallel_regimes_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--model", "resnet50", "--gpu", "a100-80gb", "--link", "nvlink-a100"]
+    big = _json([*common, "--devices", "1,8", "--batch", "32"], capsys, tmp_path)
+    ms = {r["strategy"]: r["step_ms"] for r in big["rows"] if r["devices"] == 8}
+    assert ms["dp"] / ms["ddp"] >= 2
+    small = _json([*common, "--input-shape", "3,32,32", "--devices", "1,2,4", "--batch", "256"], capsys, tmp_path)
+    tput = {(r["strategy"], r["devices"]): r["samples_per_s"] for r in small["rows"]}
+    assert tput[("dp", 2)] < tput[("single", 1)] and tput[("dp", 4)] < tput[("single", 1)]
+
+
+def test_global_batch_chunk_sizes_and_a_custom_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gpu = ["--gpu-tflops", "30", "--gpu-mem-gb", "24", "--gpu-mem-bw", "900", "--link", "pcie4"]
+    plan = _json(["--model", "resnet50", *gpu, "--devices", "1,4", "--global-batch", "96"], capsys, tmp_path)
+    assert {tuple(r["batch_per_device"]) for r in plan["rows"] if r["strategy"] != "dp-balanced"} == {
+        (96,),
+        (24, 24, 24, 24),
+    }
+    assert plan["inputs"]["platform"].startswith("custom") and plan["inputs"]["memory_bytes_per_device"] == 24 * 2**30
+    plan = _json(
+        [
+            "--model",
+            "gpt2-124m",
+            "--gpu",
+            "a100-80gb",
+            "--gpu-mem-gb",
+            "40",
+            "--link",
+            "pcie4",
+            "--chunk-sizes",
+            "4,19,19,18",
+        ],
+        capsys,
+        tmp_path,
+    )
+    assert [r["batch_per_device"] for r in plan["rows"] if r["strategy"] == "dp"] == [[4, 19, 19, 18]]
+
+
+def test_a_factory_model_is_counted_on_the_meta_device_for_a_gpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "--model",
+        f"{TINY}:build_tokens",
+        "--input-shape",
+        "16",
+        "--input-dtype",
+        "long",
+        "--gpu",
+        "h100",
+        "--link",
+        "nvlink-h100",
+        "--batch",
+        "400",
+    ]
+    plan = _json([*argv, "--devices", "1,2"], capsys, tmp_path)
+    assert plan["inputs"]["params"] == 100 * 8 + 8 * 16 * 4 + 4
+    assert plan["inputs"]["input_bytes_per_sample"] == 16 * 8  # int64 ids
+
+
+def test_a_factory_from_the_current_folder_on_this_cpu_shows_its_real_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "mynet.py").write_text(
+        "from torch import nn\n\ndef build():\n    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "mynet", raising=False)
+    assert (
+        main(
+            [
+                "advise",
+                "--model",
+                "mynet:build",
+                "--input-shape",
+                "32",
+                "--devices",
+                "1,2",
+                "--global-batch",
+                "64",
+                "--no-figure",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "2.4 k params" in out and "peak KiB" in out  # 2,372 parameters, not "0.0M"
+    assert "Predicted step on cpu" in out and re.search(r"Use \S+", out)
+
+
+def test_on_cpu_the_recommendation_is_never_slower_than_single(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = _json(
+        ["--model", f"{TINY}:build", "--input-shape", "32", "--devices", "1,2", "--global-batch", "64"],
+        capsys,
+        tmp_path,
+    )
+    rec = plan["recommendation"]
+    chosen = next(r for r in plan["rows"] if (r["strategy"], r["devices"]) == (rec["strategy"], rec["devices"]))
+    single = next(r for r in plan["rows"] if r["strategy"] == "single")
+    assert chosen["samples_per_s"] >= single["samples_per_s"]
+
+
+def test_table_fits_80_columns_when_piped(tmp_path: Path) -> None:
     argv = [
         "advise",
         "--model",
-        "tests.planning._tiny_model:build",
-        "--input-shape",
-        "32",
+        "gpt2-124m",
+        "--gpu",
+        "a100-80gb",
+        "--link",
+        "pcie4",
         "--devices",
-        "1,2",
+        "1,2,4,8",
         "--batch",
-        "16",
-        "--no-figure",
+        "8",
     ]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "Predicted step on cpu" in out and "Use " in out
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(
+        [sys.executable, "-m", "multigpu", *argv, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    table = done.stdout.split("inputs:")[0].splitlines()
+    assert max(len(line) for line in table) <= 80
+    assert "…" not in done.stdout.split("inputs:")[0]
+    rows = [line.split() for line in table if line.strip().startswith(("single", "dp", "ddp"))]
+    assert [r[1] for r in rows] == ["1", "2", "2", "2", "4", "4", "4", "8", "8", "8"]  # the N column is there
 
 
 @pytest.mark.parametrize(
@@ -96,18 +247,47 @@ def test_factory_model_is_measured_on_this_cpu(capsys: pytest.CaptureFixture[str
     [
         (["--model", "gpt2-124m"], r"preset 'gpt2-124m' needs --gpu"),
         (["--model", "gpt2-124m", "--gpu", "t4"], r"--gpu t4 needs --link \(one of pcie3"),
-        (["--model", "resnet"], r"neither a preset nor 'package.module:factory'"),
-        (["--model", "tests.planning._tiny_model:build"], r"pass --input-shape, e.g. 512"),
-        (["--model", "tests.planning._tiny_model:nope", "--input-shape", "32"], r"cannot import 'nope'"),
+        (["--model", "resnet"], r"neither a preset \(gpt2-124m, resnet50.*\) nor 'package.module:factory'"),
+        (["--model", f"{TINY}:build"], r"pass --input-shape, e.g. 512"),
+        (["--model", f"{TINY}:nope", "--input-shape", "32"], r"cannot import 'nope'"),
+        (["--model", f"{TINY}:not_a_module", "--input-shape", "32"], r"returned int, not an nn.Module"),
         (
-            ["--model", "tests.planning._tiny_model:not_a_module", "--input-shape", "32"],
-            r"returned int, not an nn.Module",
+            ["--model", "resnet50", "--gpu", "t4", "--link", "pcie3", "--devices", "0"],
+            r"--devices '0' must be positive integers",
         ),
-        (["--model", "resnet50", "--gpu", "t4", "--link", "pcie3", "--devices", "0"], r"device counts \[0\] must be"),
+        (
+            ["--model", "resnet50", "--gpu", "t4", "--link", "pcie3", "--batch", "8", "--global-batch", "64"],
+            r"not --batch and --global-batch",
+        ),
+        (
+            ["--model", "resnet50", "--gpu", "t4", "--link", "pcie3", "--chunk-sizes", "4,x"],
+            r"--chunk-sizes '4,x' must be positive integers",
+        ),
+        (
+            ["--model", "resnet50", "--gpu", "t4", "--link", "pcie3", "--input-shape", "32,32"],
+            r"does not fit preset 'resnet50'",
+        ),
+        (["--model", "resnet50", "--gpu-tflops", "30", "--link", "pcie3"], r"missing --gpu-mem-gb, --gpu-mem-bw"),
+        (
+            ["--model", f"{TINY}:build", "--input-shape", "32", "--input-dtype", "bf17"],
+            r"--input-dtype 'bf17' is not one of",
+        ),
+        (
+            ["--model", "resnet50", "--gpu", "t4", "--link", "pcie3", "--devices", "a,b"],
+            r"--devices 'a,b' must be positive integers",
+        ),
+        (
+            ["--model", f"{TINY}:raises", "--input-shape", "3", "--gpu", "t4", "--link", "pcie3"],
+            r"factory raised RuntimeError: weights file missing on the meta device",
+        ),
+        (["--model", "resnet50", "--gpu", "t4", "--busbw", "0"], r"bandwidths must be > 0"),
+        (["--model", "resnet50", "--gpu", "t4", "--link", "pcie3", "--batch", "0"], r"--batch 0 must be >= 1"),
     ],
 )
-def test_bad_input_is_reported_with_the_fix(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["advise", *argv, "--no-figure"]) == 2
+def test_bad_input_is_reported_with_the_fix(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(["advise", *argv, "--no-figure", "--out", str(tmp_path)]) == 2
     assert re.search(message, " ".join(capsys.readouterr().out.split()))  # rich wraps long lines
 
 

@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from multigpu.errors import ConfigError
 from multigpu.planning import costs, hardware, models
 from multigpu.planning.costs import predict_step, ring_allreduce_s
+from multigpu.planning.host import HostCosts
 from multigpu.planning.platform import Platform, gpu_platform
-from multigpu.planning.workload import Workload
+from multigpu.planning.workload import StepCounts, Workload
 
 
 def _plat(link: str = "nvlink-v100", overlap: float = 0.5) -> Platform:
@@ -29,9 +32,74 @@ def test_ring_allreduce_follows_nccl_tests_bus_bandwidth() -> None:
 def test_single_step_is_compute_plus_optimizer() -> None:
     w = _work(optimizer="adam")
     step = predict_step("single", w, _plat(), devices=1, per_device_batch=32)
-    assert step.parts["compute"] == pytest.approx(32 * 2e-3)
+    assert step.parts["forward"] + step.parts["backward"] == pytest.approx(32 * 2e-3)
+    assert step.parts["backward"] == pytest.approx(32 * 2e-3 * 2 / 3)
     assert step.parts["optimizer"] == pytest.approx(50e6 * 28 / 900e9)
     assert step.total_s == pytest.approx(sum(step.parts.values()))
+
+
+def test_gpu_host_time_hides_behind_device_time_until_it_is_longer() -> None:
+    # 1000 forward ops at 10 us + 5 us launch = 15 ms of host time per forward.
+    counts = StepCounts(forward_ops=1000, forward_kernels=1000)
+    host = HostCosts(
+        op_s=1e-5,
+        module_call_s=0.0,
+        backward_op_s=0.0,
+        gil_contention=1.0,
+        replicate_module_s=0.0,
+        replicate_tensor_s=0.0,
+    )
+    plat = replace(_plat(), host=host.on_gpu(5e-6))
+    long = predict_step("single", _work(counts=counts), plat, devices=1, per_device_batch=32)
+    assert long.parts["forward"] == pytest.approx(32 * 2e-3 / 3)  # 21 ms on the device: host hidden
+    short = predict_step("single", _work(counts=counts), plat, devices=1, per_device_batch=4)
+    assert short.parts["forward"] == pytest.approx(1000 * 15e-6)  # 2.7 ms on the device: host-bound
+
+
+def test_cpu_host_time_adds_to_compute() -> None:
+    counts = StepCounts(forward_ops=100, backward_ops=200)
+    host = HostCosts(
+        op_s=1e-5,
+        module_call_s=0.0,
+        backward_op_s=2e-5,
+        gil_contention=1.0,
+        replicate_module_s=0.0,
+        replicate_tensor_s=0.0,
+    )
+    plat = Platform(
+        name="cpu",
+        memory_bytes=None,
+        memory_bandwidth=10e9,
+        link=hardware.measured_link(1e9),
+        peer_copies=False,
+        synchronous=True,
+        host=host,
+    )
+    step = predict_step("single", _work(counts=counts), plat, devices=1, per_device_batch=3)
+    assert step.parts["forward"] == pytest.approx(100 * 1e-5 + 3 * 2e-3 / 3)
+    assert step.parts["backward"] == pytest.approx(200 * 2e-5 + 3 * 2e-3 * 2 / 3)
+
+
+def test_dataparallel_pays_replicate_and_a_gil_queue_of_forwards() -> None:
+    counts = StepCounts(modules=100, tensors=300, forward_ops=2000, forward_kernels=1500, module_calls=100)
+    host = HostCosts(
+        op_s=5e-6,
+        module_call_s=2e-6,
+        backward_op_s=5e-6,
+        gil_contention=1.25,
+        replicate_module_s=2e-5,
+        replicate_tensor_s=5e-6,
+    )
+    plat = replace(_plat(), host=host.on_gpu(5e-6))
+    w = _work(counts=counts, compute_s_per_sample=1e-5)  # tiny compute: the host decides
+    dp = predict_step("dp", w, plat, devices=4, per_device_batch=32)
+    h_f = 100 * 2e-6 + 2000 * 5e-6 + 1500 * 5e-6
+    assert dp.parts["replicate"] == pytest.approx(4 * (100 * 2e-5 + 300 * 5e-6))
+    assert dp.parts["forward"] == pytest.approx(4 * 1.25 * h_f)  # four replicas take turns on one GIL
+    ddp = predict_step("ddp", w, plat, devices=4, per_device_batch=32)
+    assert ddp.parts["forward"] == pytest.approx(h_f)  # a process each: no queue
+    single = predict_step("single", w, plat, devices=1, per_device_batch=32)
+    assert dp.throughput < single.throughput < ddp.throughput  # DataParallel below one device
 
 
 def test_ddp_exposes_at_least_the_last_bucket_and_at_most_everything() -> None:
@@ -57,7 +125,7 @@ def test_ddp_buckets_cover_every_gradient_with_a_small_first_bucket() -> None:
 
 def test_dataparallel_pays_for_the_primary_and_ddp_does_not() -> None:
     w = _work(output_bytes_per_sample=20e6)
-    dp = predict_step("dataparallel", w, _plat("pcie3"), devices=4, per_device_batch=32)
+    dp = predict_step("dp", w, _plat("pcie3"), devices=4, per_device_batch=32)
     ddp = predict_step("ddp", w, _plat("pcie3"), devices=4, per_device_batch=32)
     assert dp.parts["broadcast"] == pytest.approx(w.weight_bytes / hardware.link("pcie3").copy_bandwidth)
     # three quarters of the batch's outputs cross to the primary, and their gradients come back
@@ -67,10 +135,8 @@ def test_dataparallel_pays_for_the_primary_and_ddp_does_not() -> None:
 
 def test_loss_on_replicas_halves_the_gather() -> None:
     plat = _plat("pcie3")
-    with_grad = predict_step("dataparallel", _work(), plat, devices=2, per_device_batch=8).parts["gather"]
-    without = predict_step("dataparallel", _work(loss_on_replicas=True), plat, devices=2, per_device_batch=8).parts[
-        "gather"
-    ]
+    with_grad = predict_step("dp", _work(), plat, devices=2, per_device_batch=8).parts["gather"]
+    without = predict_step("dp", _work(loss_on_replicas=True), plat, devices=2, per_device_batch=8).parts["gather"]
     assert without == pytest.approx(with_grad / 2)
 
 
@@ -85,16 +151,22 @@ def test_cpu_replicas_copy_nothing_and_slow_each_other() -> None:
         cores=2,
         contention=1.2,
     )
-    dp = predict_step("dataparallel", _work(), plat, devices=2, per_device_batch=16)
+    dp = predict_step("dp", _work(), plat, devices=2, per_device_batch=16)
     assert dp.parts["broadcast"] == dp.parts["gather"] == dp.parts["scatter"] == 0.0
-    assert dp.parts["compute"] == pytest.approx(16 * 2e-3 * 1.2)
+    assert dp.parts["forward"] + dp.parts["backward"] == pytest.approx(16 * 2e-3 * 1.2)
     assert plat.compute_slowdown(4) == pytest.approx(2.4)  # twice the replicas of cores
 
 
 def test_balanced_dataparallel_gives_the_primary_fewer_samples() -> None:
     w = models.workload("gpt2-124m", hardware.gpu("titan-rtx"))
-    step = predict_step("dataparallel-balanced", w, _plat(), devices=2, per_device_batch=8)
+    step = predict_step("dp-balanced", w, _plat(), devices=2, per_device_batch=8)
     assert step.chunks[0] < step.chunks[1] and sum(step.chunks) == 16
+
+
+def test_explicit_chunks_are_planned_as_given() -> None:
+    step = predict_step("dp", _work(), _plat(), chunks=[4, 19, 19, 18])
+    assert step.chunks == (4, 19, 19, 18) and step.devices == 4
+    assert predict_step("single", _work(), _plat(), chunks=[4, 19, 19, 18]).chunks == (60,)
 
 
 def test_ddp_across_nodes_uses_the_network() -> None:
@@ -109,12 +181,16 @@ def test_bad_requests_say_what_to_do() -> None:
     plat = gpu_platform(
         hardware.gpu("v100-32gb"), hardware.link("nvlink-v100"), network=hardware.link("ib-hdr"), devices_per_node=8
     )
-    with pytest.raises(ConfigError, match=r"strategy='fsdp' is not one of single, dataparallel"):
+    with pytest.raises(ConfigError, match=r"strategy='fsdp' is not one of single, dp, dp-balanced, ddp"):
         predict_step("fsdp", _work(), plat, devices=2, per_device_batch=4)
-    with pytest.raises(ConfigError, match=r"devices=0 and per_device_batch=4 must both be >= 1"):
+    with pytest.raises(
+        ConfigError, match=r"devices=0, per_device_batch=4, chunks=None: every device needs >= 1 sample"
+    ):
         predict_step("ddp", _work(), plat, devices=0, per_device_batch=4)
+    with pytest.raises(ConfigError, match=r"chunks=\[4, 0\]: every device needs >= 1 sample"):
+        predict_step("dp", _work(), plat, chunks=[4, 0])
     with pytest.raises(ConfigError, match=r"cannot span 16 devices over nodes of 8; use strategy='ddp'"):
-        predict_step("dataparallel", _work(), plat, devices=16, per_device_batch=4)
+        predict_step("dp", _work(), plat, devices=16, per_device_batch=4)
     with pytest.raises(ConfigError, match=r"overlap=1.5 must be within \[0, 1\]"):
         gpu_platform(hardware.gpu("t4"), hardware.link("pcie3"), overlap=1.5)
     with pytest.raises(ConfigError, match=r"compute_s_per_sample=0 must be > 0; measure it"):

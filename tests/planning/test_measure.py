@@ -5,7 +5,13 @@ import torch
 from torch import nn
 
 from multigpu.errors import ConfigError
-from multigpu.planning.measure import count_flops, measure_workload, memory_bandwidth, replica_contention
+from multigpu.planning.measure import (
+    ReplicaProbe,
+    device_seconds,
+    measure_workload,
+    memory_bandwidth,
+    replica_contention,
+)
 
 
 def test_measure_workload_counts_parameters_inputs_outputs_and_saved_activations() -> None:
@@ -20,16 +26,22 @@ def test_measure_workload_counts_parameters_inputs_outputs_and_saved_activations
     # saved too (ReLU's input) unless fused; so 128 floats per sample at least, 2x128 at most.
     assert 128 * 4 <= w.activation_bytes_per_sample <= 2 * 128 * 4 + 8 * 4
     assert w.compute_s_per_sample > 0 and w.optimizer_s is not None and w.optimizer_s > 0
+    assert w.counts.modules == 4 and w.counts.module_calls == 4 and w.counts.tensors == 4
 
 
-def test_count_flops_of_a_linear_layer() -> None:
-    # forward x @ W^T and the weight gradient: two (32 x 64) @ (64 x 8) products, 2 FLOPs per MAC.
-    assert count_flops(nn.Linear(64, 8, bias=False), torch.randn(32, 64)) == 2 * (2 * 32 * 64 * 8)
+def test_host_share_is_taken_out_of_the_timed_step_with_a_floor() -> None:
+    assert device_seconds(1.0, 0.25) == pytest.approx(0.75)
+    assert device_seconds(1.0, 0.0) == pytest.approx(1.0)
+    # host costs measured on a busy machine can exceed the step: the device keeps a tenth
+    assert device_seconds(1.0, 5.0) == pytest.approx(0.1)
 
 
 def test_cpu_probes_return_plausible_values() -> None:
     assert memory_bandwidth(nbytes=8 * 2**20, repeats=3) > 1e8  # > 0.1 GB/s on any machine
     assert replica_contention(nn.Linear(256, 256), torch.randn(64, 256), rounds=1) >= 1.0
+    with ReplicaProbe(nn.Linear(8, 8), torch.randn(4, 8)) as probe:
+        solo, together = probe.times(repeats=1)
+    assert solo > 0 and together > 0
 
 
 def test_empty_batch_is_refused() -> None:
@@ -41,5 +53,5 @@ def test_empty_batch_is_refused() -> None:
 def test_measure_workload_on_a_cuda_device() -> None:
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()
     w = measure_workload(model, torch.randn(64, 256, device="cuda"), repeats=3)
-    assert w.params == 256 * 256 + 256 + 256 * 10 + 10
+    assert w.params == 256 * 256 + 256 * 10 + 256 + 10
     assert w.compute_s_per_sample > 0 and w.activation_bytes_per_sample >= 256 * 4

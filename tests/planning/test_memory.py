@@ -25,7 +25,7 @@ def test_bytes_per_parameter_match_the_published_rules() -> None:
 
 def test_dataparallel_primary_carries_optimizer_state_and_gathered_outputs() -> None:
     w = _w(activation_bytes_per_sample=50e6, output_bytes_per_sample=10e6)
-    primary, other = device_memory("dataparallel", w, PLAT, [16, 16])
+    primary, other = device_memory("dp", w, PLAT, [16, 16])
     # primary: 16 B/param + 16 samples + gathered outputs (32 samples, with their gradients)
     assert primary == pytest.approx(100e6 * 16 + 16 * 60e6 + 32 * 10e6 * 2 + PLAT.context_bytes)
     # replica: its copies of weights and gradients + its 16 samples
@@ -41,9 +41,9 @@ def test_ddp_holds_full_state_and_one_bucket_buffer_per_process() -> None:
 
 def test_balanced_chunks_lower_the_peak() -> None:
     w = models.workload("gpt2-124m", hardware.gpu("titan-rtx"))
-    even = device_memory("dataparallel", w, PLAT, [8, 8])
+    even = device_memory("dp", w, PLAT, [8, 8])
     sizes = balanced_chunks(w, PLAT, 2, 16)
-    balanced = device_memory("dataparallel", w, PLAT, sizes)
+    balanced = device_memory("dp", w, PLAT, sizes)
     assert sum(sizes) == 16 and sizes[0] < 8
     assert max(balanced) < max(even)
 

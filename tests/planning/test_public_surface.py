@@ -8,27 +8,40 @@ from multigpu.planning import hardware, models
 
 def test_public_names() -> None:
     assert sorted(planning.__all__) == [
+        "HostCosts",
         "Platform",
         "Recommendation",
         "Row",
+        "StepCounts",
         "StepTime",
         "Workload",
+        "count_step",
         "evaluate",
         "gpu_platform",
+        "measure_host_costs",
         "measure_workload",
         "predict_step",
         "recommend",
+        "to_json",
     ]
 
 
 def test_presets() -> None:
     assert sorted(models.PRESETS) == ["gpt2-124m", "inception-v3", "resnet101", "resnet50", "vgg16"]
     assert sorted(hardware.GPUS) == [
+        "a10",
         "a100-40gb",
         "a100-80gb",
+        "gtx-1080-ti",
         "h100-80gb",
         "h200-141gb",
+        "l4",
+        "l40s",
         "p100-16gb",
+        "rtx-2080-ti",
+        "rtx-3090",
+        "rtx-4090",
+        "rtx-a6000",
         "t4",
         "titan-rtx",
         "v100-16gb",

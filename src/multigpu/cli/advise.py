@@ -1,118 +1,171 @@
 """Predict step time, throughput and memory of each strategy at each device count, and recommend one.
 
-Built-in models (sizes and FLOPs from their papers; compute = FLOPs at 30% of the GPU's fp32 peak):
+Built-in models (sizes, FLOPs and host counts from their papers and equivalent module trees):
 
-    multigpu advise --model gpt2-124m --gpu titan-rtx --link nvlink-titan-rtx --devices 1,2 --batch 4
-    multigpu advise --model resnet50 --gpu v100-32gb --link nvlink-v100 --devices 1,2,4,8 --batch 32
+    multigpu advise --model resnet50 --gpu a100-80gb --link nvlink-a100 --devices 1,2,4,8 --batch 32
+    multigpu advise --model resnet50 --input-shape 3,32,32 --gpu a100-80gb --link nvlink-a100 --global-batch 1024
 
-Your own model (a factory ``package.module:function`` returning an nn.Module), measured here:
+Your own model (a factory ``package.module:function`` returning an nn.Module, found from the
+current folder too): counted on the meta device for a GPU plan (nothing runs, any size), or
+measured here at a small batch for a plan on this CPU:
 
-    multigpu advise --model mypkg.nets:build --input-shape 512 --devices 1,2          # on this CPU
-    multigpu advise --model mypkg.nets:build --input-shape 3,224,224 --gpu a100-80gb --link nvlink-a100
+    multigpu advise --model mynet:build --input-shape 3,224,224 --gpu h100 --link nvlink-h100
+    multigpu advise --model mynet:build --input-shape 128 --input-dtype long --devices 1,2   # this CPU
 
-With --gpu, a measured model's sizes carry over and its compute comes from its counted FLOPs
-(torch's FlopCounterMode) at --utilization of the GPU's fp32 peak; --compute-ms replaces that.
-
-A bandwidth measured by ``multigpu bandwidth`` replaces the link preset: ``--busbw 180`` (GB/s).
-Equations, assumptions and sources: docs/planning.md.
+Any GPU: a preset (--gpu), or its figures (--gpu-tflops, --gpu-mem-gb, --gpu-mem-bw). A bandwidth
+measured by ``multigpu bandwidth`` replaces the link preset: ``--busbw 180`` (GB/s). ``--json``
+prints the plan for programs; the figure and advise.json go to --out. Equations, assumptions and
+sources: docs/planning.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import json
 from dataclasses import replace
-from typing import Any
-
-import torch
-from rich.console import Console
-from rich.table import Table
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from multigpu.errors import ConfigError, MultigpuError
 from multigpu.planning import hardware, models
-from multigpu.planning.advise import Row, evaluate, plot_throughput, recommend
-from multigpu.planning.measure import count_flops, measure_cpu_platform, measure_workload
-from multigpu.planning.platform import DEFAULT_GPU_OVERLAP, Platform, gpu_platform
-from multigpu.planning.workload import OPTIMIZER_TRAFFIC, PRECISION_WEIGHT_BYTES, Workload
+from multigpu.planning.platform import DEFAULT_GPU_OVERLAP
+from multigpu.planning.workload import OPTIMIZER_TRAFFIC, PRECISION_WEIGHT_BYTES
+
+if TYPE_CHECKING:
+    from multigpu.planning.advise import Row
+    from multigpu.planning.platform import Platform
+    from multigpu.planning.workload import Workload
 
 HELP = "predict time and memory of each strategy and device count, and recommend one"
+DEFAULT_BATCH = 32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    model = parser.add_argument_group("model")
+    model.add_argument(
         "--model", required=True, help=f"a preset ({', '.join(models.PRESETS)}) or 'package.module:factory'"
     )
-    parser.add_argument("--input-shape", help="per-sample input shape for a factory model, e.g. 512 or 3,224,224")
-    parser.add_argument("--gpu", help=f"GPU preset: {', '.join(hardware.GPUS)} (default: plan on this CPU)")
-    parser.add_argument("--link", help=f"link between devices: {', '.join(hardware.LINKS)}")
-    parser.add_argument(
-        "--busbw", type=float, help="measured all-reduce bus bandwidth in GB/s (multigpu bandwidth); replaces --link"
+    model.add_argument("--input-shape", help="per-sample input shape, e.g. 512 or 3,224,224 (presets: rescales them)")
+    model.add_argument(
+        "--input-dtype", default="float32", help="input dtype for a factory model: float32 or long (token ids)"
     )
-    parser.add_argument(
-        "--devices", default="1,2,4,8", help="device counts to compare, comma-separated (default 1,2,4,8)"
-    )
-    parser.add_argument("--batch", type=int, default=32, help="samples per device per step (default 32)")
-    parser.add_argument(
+    model.add_argument(
         "--optimizer", default="adam", choices=sorted(OPTIMIZER_TRAFFIC), help="optimizer (memory and step time)"
     )
-    parser.add_argument(
+    model.add_argument(
         "--precision", default="fp32", choices=sorted(PRECISION_WEIGHT_BYTES), help="weights/gradients precision"
     )
-    parser.add_argument("--params", type=int, help="override: trainable parameters")
-    parser.add_argument("--compute-ms", type=float, help="override: forward+backward ms per sample on one device")
-    parser.add_argument("--activation-mb", type=float, help="override: MB saved for backward per sample")
-    parser.add_argument(
-        "--output-mb", type=float, help="override: MB of outputs per sample (DataParallel gathers them)"
+    model.add_argument("--params", type=int, help="override: trainable parameters")
+    model.add_argument("--compute-ms", type=float, help="override: forward+backward device ms per sample on one device")
+    model.add_argument("--activation-mb", type=float, help="override: MB saved for backward per sample")
+    model.add_argument("--output-mb", type=float, help="override: MB of outputs per sample (DataParallel gathers them)")
+    model.add_argument(
+        "--utilization", type=float, default=models.FP32_UTILIZATION, help="share of fp32 peak reached (FLOPs -> time)"
     )
-    parser.add_argument(
-        "--utilization",
-        type=float,
-        default=models.FP32_UTILIZATION,
-        help="share of fp32 peak used to turn FLOPs into time",
+
+    hw = parser.add_argument_group("hardware")
+    hw.add_argument("--gpu", help=f"GPU preset: {', '.join(hardware.GPUS)} (default: plan on this CPU)")
+    hw.add_argument("--gpu-tflops", type=float, help="any other GPU: dense fp32 TFLOPS (with --gpu: overrides)")
+    hw.add_argument("--gpu-mem-gb", type=float, help="any other GPU: memory in GB")
+    hw.add_argument("--gpu-mem-bw", type=float, help="any other GPU: memory bandwidth in GB/s")
+    hw.add_argument("--link", help=f"link between devices: {', '.join(hardware.LINKS)}")
+    hw.add_argument(
+        "--busbw", type=float, help="measured all-reduce bus bandwidth in GB/s (multigpu bandwidth); replaces --link"
     )
-    parser.add_argument(
-        "--overlap",
-        type=float,
-        default=DEFAULT_GPU_OVERLAP,
-        help="share of hideable all-reduce hidden behind backward (GPU)",
+    hw.add_argument("--devices-per-node", type=int, help="devices per machine; more devices span nodes over --network")
+    hw.add_argument("--network", help="link between nodes, e.g. ib-hdr")
+    hw.add_argument("--pin-memory", action="store_true", help="inputs come pinned (DataLoader(pin_memory=True))")
+    hw.add_argument(
+        "--overlap", type=float, default=DEFAULT_GPU_OVERLAP, help="share of hideable all-reduce hidden (GPU)"
     )
-    parser.add_argument(
-        "--devices-per-node", type=int, help="devices per machine; more devices span nodes over --network"
+
+    plan = parser.add_argument_group("plan")
+    plan.add_argument(
+        "--devices", default="1,2,4,8", help="device counts to compare, comma-separated (default 1,2,4,8)"
     )
-    parser.add_argument("--network", help="link between nodes, e.g. ib-hdr")
-    parser.add_argument("--figure", default="advise.png", help="PNG of throughput vs devices (default advise.png)")
-    parser.add_argument("--no-figure", action="store_true", help="do not write the PNG")
+    plan.add_argument("--batch", type=int, help=f"samples per device per step (default {DEFAULT_BATCH})")
+    plan.add_argument("--global-batch", type=int, help="samples per step, split over the devices (instead of --batch)")
+    plan.add_argument("--chunk-sizes", help="one DataParallel split to plan, e.g. 4,19,19,18 (instead of --batch)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON (inputs, rows, recommendation)")
+    plan.add_argument("--out", default="advise-out", help="folder for advise.png and advise.json (default advise-out)")
+    plan.add_argument("--no-figure", action="store_true", help="do not write advise.png")
 
 
-def _load_factory(path: str) -> torch.nn.Module:
-    module_name, _, attr = path.partition(":")
-    if not attr:
-        raise ConfigError(
-            f"--model {path!r} is neither a preset nor 'package.module:factory'; presets: {', '.join(models.PRESETS)}"
+def _gpu(args: argparse.Namespace) -> hardware.GpuSpec | None:
+    figures = (args.gpu_tflops, args.gpu_mem_gb, args.gpu_mem_bw)
+    base = hardware.gpu(args.gpu) if args.gpu else None
+    if all(f is None for f in figures):
+        return base
+    return hardware.custom_gpu(
+        fp32_tflops=args.gpu_tflops, memory_gb=args.gpu_mem_gb, memory_bandwidth_gbs=args.gpu_mem_bw, base=base
+    )
+
+
+def _batches(args: argparse.Namespace) -> dict[str, Any]:
+    """Exactly one of per-device batch, global batch, chunk sizes (the per-device batch by default)."""
+    given = [
+        flag
+        for flag, v in (
+            ("--batch", args.batch),
+            ("--global-batch", args.global_batch),
+            ("--chunk-sizes", args.chunk_sizes),
         )
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"--model {path!r}: cannot import {attr!r} from {module_name!r} ({exc})") from exc
-    made = factory()
-    if not isinstance(made, torch.nn.Module):
-        raise ConfigError(f"--model {path!r} returned {type(made).__name__}, not an nn.Module")
-    return made
+        if v is not None
+    ]
+    if len(given) > 1:
+        raise ConfigError(f"pass one of --batch, --global-batch and --chunk-sizes, not {' and '.join(given)}")
+    if args.chunk_sizes is not None:
+        from multigpu.planning.factory import parse_shape
+
+        return {"chunk_sizes": list(parse_shape(args.chunk_sizes, flag="--chunk-sizes") or ())}
+    if args.global_batch is not None:
+        if args.global_batch < 1:
+            raise ConfigError(f"--global-batch {args.global_batch} must be >= 1")
+        return {"global_batch": args.global_batch}
+    batch = DEFAULT_BATCH if args.batch is None else args.batch
+    if batch < 1:
+        raise ConfigError(f"--batch {batch} must be >= 1 (samples per device)")
+    return {"per_device_batch": batch}
 
 
-def _measured(args: argparse.Namespace, gpu: hardware.GpuSpec | None) -> tuple[Workload, torch.nn.Module, torch.Tensor]:
-    model = _load_factory(args.model)
-    if not args.input_shape:
+def _counting_batch(batches: dict[str, Any]) -> int:
+    if "chunk_sizes" in batches:
+        return sum(batches["chunk_sizes"])
+    if "global_batch" in batches:
+        return int(batches["global_batch"])
+    return int(batches["per_device_batch"])
+
+
+def _measured(args: argparse.Namespace, gpu: hardware.GpuSpec | None, batch: int) -> tuple[Workload, Platform | None]:
+    """A factory model: counted on the meta device for a GPU, measured at a probe batch on this CPU."""
+    from multigpu.planning import factory
+    from multigpu.planning.calibrate import measure_host_costs
+    from multigpu.planning.counting import count_step
+    from multigpu.planning.host import backward_host_s, forward_host_s
+    from multigpu.planning.measure import measure_cpu_platform, measure_workload
+
+    factory.load_factory(args.model)  # a bad path is the first thing to report
+    shape = factory.parse_shape(args.input_shape)
+    if shape is None:
         raise ConfigError(
-            f"--model {args.model!r} is measured on sample inputs: pass --input-shape, e.g. 512 or 3,224,224"
+            f"--model {args.model!r} is counted on sample inputs: pass --input-shape, e.g. 512 or 3,224,224"
         )
-    shape = tuple(int(s) for s in args.input_shape.split(",") if s.strip())
-    inputs = torch.randn(args.batch, *shape)
-    w = measure_workload(model, inputs, optimizer=args.optimizer, name=args.model)
-    if gpu is not None:  # CPU time does not carry over to a GPU; FLOPs do
-        flops = count_flops(model, inputs) / args.batch
-        w = replace(w, compute_s_per_sample=flops / (gpu.fp32_flops * args.utilization), optimizer_s=None)
-    return w, model, inputs
+    if gpu is not None:
+        model = factory.build(args.model, meta=True)
+        counted = count_step(model, factory.sample_inputs(batch, shape, args.input_dtype, "meta"))
+        w = models.counted_workload(
+            counted, gpu, name=args.model, utilization=args.utilization, optimizer=args.optimizer
+        )
+        return w, None
+    model = factory.build(args.model, meta=False)
+    probe = factory.sample_inputs(min(batch, factory.PROBE_BATCH), shape, args.input_dtype, "cpu")
+    host = measure_host_costs(replicate="multigpu")
+    w = measure_workload(model, probe, optimizer=args.optimizer, name=args.model, host=host)
+    if args.busbw is not None and args.busbw <= 0:
+        raise ConfigError(f"--busbw {args.busbw} must be > 0 GB/s (a measured all-reduce bus bandwidth)")
+    busbw = args.busbw * 1e9 if args.busbw is not None else None
+    host_s = forward_host_s(w.counts, host) + backward_host_s(w.counts, host)
+    return w, measure_cpu_platform(model, probe[: max(1, len(probe) // 2)], busbw=busbw, host=host, host_s=host_s)
 
 
 def _overrides(w: Workload, args: argparse.Namespace) -> Workload:
@@ -128,107 +181,95 @@ def _overrides(w: Workload, args: argparse.Namespace) -> Workload:
     return replace(w, **changes)
 
 
-def _platform(
-    args: argparse.Namespace, gpu: hardware.GpuSpec | None, model: torch.nn.Module | None, inputs: torch.Tensor | None
-) -> Platform:
-    busbw = args.busbw * 1e9 if args.busbw else None
-    if gpu is None:
-        if model is None or inputs is None:
-            raise ConfigError(
-                f"--model {args.model} is a GPU preset: pass --gpu (one of {', '.join(hardware.GPUS)}) and --link"
-            )
-        return measure_cpu_platform(model, inputs[: max(1, args.batch // 2)], busbw=busbw)
-    if busbw is None and not args.link:
-        raise ConfigError(f"--gpu {args.gpu} needs --link (one of {', '.join(hardware.LINKS)}) or a measured --busbw")
-    device_link = hardware.measured_link(busbw) if busbw else hardware.link(args.link)
+def _gpu_platform(args: argparse.Namespace, gpu: hardware.GpuSpec) -> Platform:
+    from multigpu.planning.platform import gpu_platform
+
+    if args.busbw is None and not args.link:
+        raise ConfigError(f"--gpu {gpu.name} needs --link (one of {', '.join(hardware.LINKS)}) or a measured --busbw")
+    device_link = hardware.measured_link(args.busbw * 1e9) if args.busbw is not None else hardware.link(args.link)
     network = hardware.link(args.network) if args.network else None
-    return gpu_platform(gpu, device_link, network=network, devices_per_node=args.devices_per_node, overlap=args.overlap)
+    return gpu_platform(
+        gpu,
+        device_link,
+        network=network,
+        devices_per_node=args.devices_per_node,
+        overlap=args.overlap,
+        pinned=args.pin_memory,
+    )
 
 
-_SHORT = {"single": "single", "dataparallel": "DP", "dataparallel-balanced": "DP-bal", "ddp": "DDP"}
+def _plan(args: argparse.Namespace) -> tuple[Workload, Platform, list[Row], dict[str, Any]]:
+    from multigpu.planning.advise import evaluate
+    from multigpu.planning.factory import parse_shape
 
-
-def _chunks(chunks: tuple[int, ...]) -> str:
-    if len(set(chunks)) == 1:
-        return str(chunks[0])
-    others = chunks[1:]
-    rest = str(others[0]) if len(set(others)) == 1 else f"{min(others)}-{max(others)}"
-    return f"{chunks[0]} | {rest}"
-
-
-def _memory(memory: list[float]) -> str:
-    if len(memory) == 1 or len({round(m / 2**27) for m in memory}) == 1:
-        return f"{memory[0] / 2**30:.2f}"
-    return f"{memory[0] / 2**30:.2f} | {max(memory[1:]) / 2**30:.2f}"
-
-
-def _table(rows: list[Row], plat: Platform) -> Table:
-    limit = f"/{plat.memory_bytes / 2**30:.0f}" if plat.memory_bytes else ""
-    table = Table(title=f"Predicted step on {plat.name} (primary | others)", title_style="bold")
-    for col in (
-        "strategy",
-        "N",
-        "batch/dev",
-        "step ms",
-        "samples/s",
-        "scaling",
-        "overhead ms",
-        f"peak GiB{limit}",
-        "fits",
-    ):
-        table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
-    for r in rows:
-        table.add_row(
-            _SHORT[r.strategy],
-            str(r.devices),
-            _chunks(r.step.chunks),
-            f"{r.step.total_s * 1e3:.1f}",
-            f"{r.step.throughput:,.0f}",
-            f"{r.efficiency:.0%}",
-            f"{(r.step.total_s - r.step.parts['compute']) * 1e3:.1f}",
-            _memory(r.memory),
-            "yes" if r.fits else "[red]no[/red]",
+    counts = list(parse_shape(args.devices, flag="--devices") or ())
+    batches = _batches(args)
+    gpu = _gpu(args)
+    plat: Platform | None = None
+    if args.model.lower() in models.PRESETS:
+        if gpu is None:
+            raise ConfigError(
+                f"preset {args.model!r} needs --gpu (one of {', '.join(hardware.GPUS)}) or --gpu-tflops ..."
+            )
+        w = models.workload(
+            args.model,
+            gpu,
+            utilization=args.utilization,
+            optimizer=args.optimizer,
+            input_shape=parse_shape(args.input_shape),
         )
-    return table
+    else:
+        w, plat = _measured(args, gpu, _counting_batch(batches))
+    w = _overrides(w, args)
+    if gpu is not None:
+        plat = _gpu_platform(args, gpu)
+    if plat is None:
+        raise ConfigError(
+            "no platform: pass --gpu (or --gpu-tflops ...) for a GPU plan, or a factory model for this CPU"
+        )
+    return w, plat, evaluate(w, plat, counts, **batches), batches
 
 
-def _breakdown(row: Row) -> str:
-    """Where one step's time goes, largest first (ms)."""
-    parts = sorted(((v, k) for k, v in row.step.parts.items() if v * 1e3 >= 0.05), reverse=True)
-    return f"  {_SHORT[row.strategy]} x{row.devices} step (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for v, k in parts)
+def _inputs(w: Workload, plat: Platform, rows: list[Row], batches: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": w.name,
+        "params": w.params,
+        "compute_ms_per_sample": w.compute_s_per_sample * 1e3,
+        "activation_bytes_per_sample": w.activation_bytes_per_sample,
+        "output_bytes_per_sample": w.output_bytes_per_sample,
+        "input_bytes_per_sample": w.input_bytes_per_sample,
+        "optimizer": w.optimizer,
+        "precision": w.precision,
+        "platform": plat.name,
+        "memory_bytes_per_device": plat.memory_bytes,
+        "devices": sorted({r.devices for r in rows}),
+        **batches,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from multigpu.planning.advise import plot_throughput, recommend, to_json
+    from multigpu.planning.table import print_plan
+
     console = Console()
     try:
-        counts = [int(s) for s in args.devices.split(",") if s.strip()]
-        gpu = hardware.gpu(args.gpu) if args.gpu else None
-        model = inputs = None
-        if args.model.lower() in models.PRESETS:
-            if gpu is None:
-                raise ConfigError(f"preset {args.model!r} needs --gpu (one of {', '.join(hardware.GPUS)})")
-            w = models.workload(args.model, gpu, utilization=args.utilization, optimizer=args.optimizer)
-        else:
-            w, model, inputs = _measured(args, gpu)
-        w = _overrides(w, args)
-        plat = _platform(args, gpu, model, inputs)
-        rows = evaluate(w, plat, counts, args.batch)
+        w, plat, rows, batches = _plan(args)
     except (MultigpuError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         return 2
-    console.print(_table(rows, plat))
-    console.print(
-        f"inputs: {w.name}, {w.params / 1e6:.1f}M params, {w.compute_s_per_sample * 1e3:.2f} ms/sample compute, "
-        f"{w.activation_bytes_per_sample / 1e6:.0f} MB activations and {w.output_bytes_per_sample / 1e6:.1f} MB outputs per sample, "
-        f"{args.batch} samples per device, {w.optimizer} {w.precision}",
-        soft_wrap=True,
-    )
     rec = recommend(rows, plat.memory_bytes)
-    console.print(f"[bold]{rec.sentence}[/bold]", soft_wrap=True)
-    for r in rows:
-        if r.devices == rec.devices and r.strategy in ("dataparallel", "ddp"):
-            console.print(_breakdown(r), soft_wrap=True)
+    plan = to_json(rows, rec, _inputs(w, plat, rows, batches))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "advise.json").write_text(json.dumps(plan, indent=2) + "\n")
+    figure = None
     if not args.no_figure:
-        path = plot_throughput(rows, args.figure, f"{w.name} on {plat.name}, batch {args.batch} per device")
-        console.print(f"figure: {path}")
+        figure = plot_throughput(rows, out / "advise.png", f"{w.name} on {plat.name}")
+    if args.json:
+        print(json.dumps(plan, indent=2))
+        return 0
+    print_plan(console, w, plat, rows, rec)
+    console.print(f"written: {out / 'advise.json'}" + (f", {figure}" if figure else ""), soft_wrap=True)
     return 0

@@ -1,8 +1,10 @@
 """Predict: per-step time and per-device memory of each strategy, and which to use.
 
-Modules: hardware (GPU and link presets with sources), workload (what is trained), models
-(built-in presets), platform (devices + links), costs (time), memory (bytes per device),
-measure (one-device measurement), cases (published end-to-end results), advise (the answer).
+Modules: hardware (GPU and link presets with sources), workload (what is trained), counting (one
+step counted on the meta device), host (the host's share: Python, dispatch, launches, the GIL),
+calibrate (the host constants, measured), models (built-in presets), factory (a user's model by
+import path), platform (devices + links), costs (time), memory (bytes per device), measure
+(timings on this CPU), cases (published results), advise (the answer), table (the answer, printed).
 The equations: docs/planning.md.
 
 Example:
@@ -14,21 +16,29 @@ Example:
     'ddp'
 """
 
-from multigpu.planning.advise import Recommendation, Row, evaluate, recommend
+from multigpu.planning.advise import Recommendation, Row, evaluate, recommend, to_json
+from multigpu.planning.calibrate import measure_host_costs
 from multigpu.planning.costs import StepTime, predict_step
+from multigpu.planning.counting import count_step
+from multigpu.planning.host import HostCosts
 from multigpu.planning.measure import measure_workload
 from multigpu.planning.platform import Platform, gpu_platform
-from multigpu.planning.workload import Workload
+from multigpu.planning.workload import StepCounts, Workload
 
 __all__ = [
+    "HostCosts",
     "Platform",
     "Recommendation",
     "Row",
+    "StepCounts",
     "StepTime",
     "Workload",
+    "count_step",
     "evaluate",
     "gpu_platform",
+    "measure_host_costs",
     "measure_workload",
     "predict_step",
     "recommend",
+    "to_json",
 ]

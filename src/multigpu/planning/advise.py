@@ -1,4 +1,7 @@
-"""The answer: every strategy at every device count, and the one to use, with its reason.
+"""The answer: every strategy at every device count, the one to use with its reason, and its JSON.
+
+Strategy names are the Session's: ``single``, ``dp``, ``dp-balanced`` (DataParallel with chunk
+sizes that even out memory) and ``ddp``.
 
 Example:
     >>> from multigpu.planning import hardware, models
@@ -14,20 +17,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from multigpu.errors import ConfigError
+from multigpu.parallel.scatter_gather import even_chunk_sizes
 from multigpu.planning.costs import StepTime, predict_step
 from multigpu.planning.memory import device_memory
 from multigpu.planning.platform import Platform
 from multigpu.planning.workload import Workload
 
-MULTI_DEVICE = ("dataparallel", "dataparallel-balanced", "ddp")
-LABELS = {
-    "single": "single device",
-    "dataparallel": "DataParallel",
-    "dataparallel-balanced": "balanced DataParallel",
-    "ddp": "DDP",
-}
+MULTI_DEVICE = ("dp", "dp-balanced", "ddp")
+LABELS = {"single": "single device", "dp": "DataParallel", "dp-balanced": "balanced DataParallel", "ddp": "DDP"}
 
 
 @dataclass(frozen=True)
@@ -50,73 +50,145 @@ class Row:
 
 @dataclass(frozen=True)
 class Recommendation:
-    strategy: str
+    strategy: str  # one of the row strategies, or "none" when nothing fits
     devices: int
     sentence: str
 
 
-def _row(strategy: str, w: Workload, plat: Platform, devices: int, batch: int, single_tput: float | None) -> Row:
-    step = predict_step(strategy, w, plat, devices=devices, per_device_batch=batch)
+def _row(strategy: str, w: Workload, plat: Platform, chunks: Sequence[int], single_tput: float | None) -> Row:
+    step = predict_step(strategy, w, plat, chunks=chunks)
     mem = device_memory(strategy, w, plat, step.chunks)
     fits = plat.memory_bytes is None or max(mem) <= plat.memory_bytes
     base = single_tput if single_tput is not None else step.throughput
-    return Row(step, mem, fits, step.throughput / (devices * base))
+    return Row(step, mem, fits, step.throughput / (step.devices * base))
 
 
-def evaluate(w: Workload, plat: Platform, device_counts: Sequence[int], per_device_batch: int) -> list[Row]:
+def evaluate(
+    w: Workload,
+    plat: Platform,
+    device_counts: Sequence[int],
+    per_device_batch: int | None = None,
+    *,
+    global_batch: int | None = None,
+    chunk_sizes: Sequence[int] | None = None,
+) -> list[Row]:
     """Predict every strategy at every device count (1 device: the single-device baseline).
 
+    Pass exactly one batch: ``per_device_batch`` (every device gets it: weak scaling),
+    ``global_batch`` (split evenly, as DataParallel does: strong scaling; one device runs all of
+    it), or ``chunk_sizes`` (one DataParallel split to plan, e.g. ``[4, 19, 19, 18]``: the dp row
+    uses it, dp-balanced and ddp split its sum their own way; ``device_counts`` is ignored).
+
     Raises:
-        ConfigError: an empty or non-positive device count list.
+        ConfigError: not exactly one batch, an empty or non-positive device count list, a batch
+            smaller than a device count.
     """
+    given = [x is not None for x in (per_device_batch, global_batch, chunk_sizes)]
+    if sum(given) != 1:
+        raise ConfigError("pass exactly one of --batch (per device), --global-batch and --chunk-sizes")
+    if chunk_sizes is not None:
+        if not chunk_sizes or min(chunk_sizes) < 1:
+            raise ConfigError(f"chunk sizes {list(chunk_sizes)} must be >= 1 each, e.g. 4,19,19,18")
+        device_counts = [1, len(chunk_sizes)]
     if not device_counts or min(device_counts) < 1:
         raise ConfigError(
             f"device counts {list(device_counts)} must be a non-empty list of integers >= 1, e.g. 1,2,4,8"
         )
-    single = _row("single", w, plat, 1, per_device_batch, None)
+    total = sum(chunk_sizes) if chunk_sizes is not None else global_batch
+
+    def split(n: int) -> list[int]:
+        if total is None:
+            return [per_device_batch or 0] * n
+        if total < n:
+            raise ConfigError(
+                f"global batch {total} is smaller than {n} devices; raise --global-batch or use fewer devices"
+            )
+        return even_chunk_sizes(total, n)
+
+    single = _row("single", w, plat, split(1), None)
     rows = [single]
     for n in sorted(set(device_counts) - {1}):
         for strategy in MULTI_DEVICE:
             if strategy != "ddp" and not plat.single_process(n):
                 continue  # one process cannot span nodes
-            rows.append(_row(strategy, w, plat, n, per_device_batch, single.step.throughput))
+            given_split = chunk_sizes is not None and strategy == "dp"
+            rows.append(_row(strategy, w, plat, list(chunk_sizes) if given_split else split(n), single.step.throughput))  # type: ignore[arg-type]
     return rows
 
 
-def _gb(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.1f} GiB"
+def format_bytes(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps a digit before the point: 512 B, 3.4 MiB, 24.7 GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def recommend(rows: Sequence[Row], memory_limit: float | None = None) -> Recommendation:
-    """The fastest strategy that fits at the largest device count, in one sentence with its numbers."""
-    top = max(r.devices for r in rows)
-    candidates = [r for r in rows if r.devices == top]
-    fitting = sorted((r for r in candidates if r.fits), key=lambda r: r.step.total_s)
+    """The fitting row with the highest throughput, in one sentence with its numbers.
+
+    Single device is a candidate like any other, so a strategy predicted slower than one device is
+    never recommended; among rows within 2% of the best, the fewest devices win.
+    """
+    fitting = [r for r in rows if r.fits]
     if not fitting:
-        smallest = min(candidates, key=lambda r: max(r.memory))
-        limit = f" > {_gb(memory_limit)} per device" if memory_limit else ""
+        smallest = min(rows, key=lambda r: max(r.memory))
+        limit = f" > {format_bytes(memory_limit)} per device" if memory_limit else ""
         return Recommendation(
             "none",
-            top,
-            f"Nothing fits on {top} devices: the smallest peak is {_gb(max(smallest.memory))} "
-            f"({LABELS[smallest.strategy]}){limit}; lower the per-device batch or use a larger device.",
+            smallest.devices,
+            f"Nothing fits: the smallest peak is {format_bytes(max(smallest.memory))} ({LABELS[smallest.strategy]} "
+            f"on {smallest.devices}){limit}; lower the batch or use a larger device.",
         )
-    best = fitting[0]
+    top = max(r.step.throughput for r in fitting)
+    best = min((r for r in fitting if r.step.throughput >= 0.98 * top), key=lambda r: (r.devices, r.step.total_s))
+    plural = "s" if best.devices > 1 else ""
     sentence = (
-        f"Use {LABELS[best.strategy]} on {top} device{'s' if top > 1 else ''}: "
-        f"{best.step.total_s * 1e3:.1f} ms per step, {best.step.throughput:,.0f} samples/s, "
-        f"{best.efficiency:.0%} scaling efficiency, peak {_gb(max(best.memory))} per device"
+        f"Use {LABELS[best.strategy]} on {best.devices} device{plural}: {best.step.total_s * 1e3:.1f} ms per step, "
+        f"{best.step.throughput:,.0f} samples/s, {best.efficiency:.0%} scaling efficiency, "
+        f"peak {format_bytes(max(best.memory))} per device"
     )
-    others = [r for r in candidates if r is not best]
+    others = [r for r in rows if r is not best and r.devices == max(x.devices for x in rows)]
     if others:
-        runner = min(others, key=lambda r: r.step.total_s)
-        why = (
-            "does not fit"
-            if not runner.fits
-            else f"{runner.step.total_s * 1e3:.1f} ms, {runner.step.total_s / best.step.total_s:.2f}x slower"
-        )
-        sentence += f"; {LABELS[runner.strategy]} {why}"
-    return Recommendation(best.strategy, top, sentence + ".")
+        runner = max(others, key=lambda r: r.step.throughput if r.fits else 0.0)
+        why = "does not fit" if not runner.fits else f"{runner.step.throughput:,.0f} samples/s"
+        sentence += f"; {LABELS[runner.strategy]} on {runner.devices}: {why}"
+    return Recommendation(best.strategy, best.devices, sentence + "." + _slower_than_one(rows))
+
+
+def _slower_than_one(rows: Sequence[Row]) -> str:
+    """A sentence naming the device counts where DataParallel is predicted slower than one device."""
+    single = next((r for r in rows if r.strategy == "single"), None)
+    slower = [
+        r.devices
+        for r in rows
+        if single is not None and r.strategy == "dp" and r.step.throughput < single.step.throughput
+    ]
+    if not slower:
+        return ""
+    counts = ", ".join(map(str, slower))
+    return f" DataParallel is slower than one device on {counts} devices: its host work (replicate, forwards through one GIL) outgrows the work per device."
+
+
+def to_json(rows: Sequence[Row], rec: Recommendation, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The plan as plain data: ``{"inputs", "rows", "recommendation"}`` (the schema of ``advise --json``)."""
+    return {
+        "inputs": inputs,
+        "rows": [
+            {
+                "strategy": r.strategy,
+                "devices": r.devices,
+                "batch_per_device": list(r.step.chunks),
+                "step_ms": r.step.total_s * 1e3,
+                "samples_per_s": r.step.throughput,
+                "scaling": r.efficiency,
+                "peak_bytes": [int(m) for m in r.memory],
+                "fits": r.fits,
+            }
+            for r in rows
+        ],
+        "recommendation": {"strategy": rec.strategy, "devices": rec.devices, "reason": rec.sentence},
+    }
 
 
 def plot_throughput(rows: Sequence[Row], path: str | Path, title: str) -> Path:
@@ -130,7 +202,7 @@ def plot_throughput(rows: Sequence[Row], path: str | Path, title: str) -> Path:
     for strategy in MULTI_DEVICE:
         pts = [(1, single.step.throughput)] + [(r.devices, r.step.throughput) for r in rows if r.strategy == strategy]
         if len(pts) > 1:
-            ax.plot(*zip(*pts), marker="o", label=LABELS[strategy])
+            ax.plot(*zip(*pts), marker="o", label=f"{strategy} ({LABELS[strategy]})")
         for r in rows:
             if r.strategy == strategy and not r.fits:
                 ax.plot(r.devices, r.step.throughput, "x", color="red", markersize=10)

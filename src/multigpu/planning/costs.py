@@ -1,11 +1,14 @@
-"""Per-step time of single device, DataParallel, balanced DataParallel and DDP (one equation each).
+"""Per-step time of single device, DataParallel (``dp``), balanced DataParallel and DDP: one equation each.
 
-Every term is a byte count over a bandwidth or a per-sample compute time times a batch; the
-equations, their assumptions and their sources are on one page: docs/planning.md.
+Every term is a byte count over a bandwidth, a per-sample compute time times a batch, or a host
+count times a host cost (:mod:`multigpu.planning.host`); the equations, their assumptions and
+their sources are on one page: docs/planning.md. With ``F``/``K`` the device time of forward /
+backward, ``H_f``/``H_b`` the host's, and ``chain`` the sum on a CPU or the longer on a GPU:
 
-    single       T = h2d(b) + b*c + opt
-    dataparallel T = h2d(B) + scatter + broadcast(W) + max_i(b_i)*c*s(N) + gather(+grad) + reduce(G) + opt + threads
-    ddp          T = h2d(b) + b*c*s(N) + exposed_allreduce(G) + bucket copies + opt
+    single  T = h2d(b) + chain(H_f, F) + chain(H_b, K) + opt
+    dp      T = h2d(B) + scatter + R(N) + broadcast(W) + max(chain(H_f, F_max), N sigma H_f)
+                + chain(H_b, K_max) + gather(+grad) + reduce(G) + opt + threads
+    ddp     T = h2d(b) + chain(H_f, F) + chain(H_b, K) + exposed_allreduce(G) + bucket copies + opt
 
 Example:
     >>> from multigpu.planning import hardware, models
@@ -23,9 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from multigpu.errors import ConfigError
-from multigpu.planning import memory
+from multigpu.planning import host, memory
 from multigpu.planning.platform import Platform
 from multigpu.planning.workload import Workload
+from multigpu.profiling.bandwidth import bus_factor
 
 MIB = 2**20
 DDP_BUCKET_BYTES = 25 * MIB  # torch DDP default bucket_cap_mb
@@ -58,7 +62,20 @@ def _copy_s(nbytes: float, plat: Platform) -> float:
 
 
 def _h2d_s(nbytes: float, plat: Platform) -> float:
-    return nbytes / plat.host_bandwidth if plat.host_bandwidth else 0.0
+    bandwidth = plat.input_bandwidth()
+    return nbytes / bandwidth if bandwidth else 0.0
+
+
+def _phases(w: Workload, plat: Platform, samples: int, replicas: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one replica of ``samples``: host and device chained."""
+    device = samples * w.compute_s_per_sample * plat.compute_slowdown(replicas)
+    forward = host.chain(
+        host.forward_host_s(w.counts, plat.host), device * (1 - w.backward_fraction), synchronous=plat.synchronous
+    )
+    backward = host.chain(
+        host.backward_host_s(w.counts, plat.host), device * w.backward_fraction, synchronous=plat.synchronous
+    )
+    return forward, backward
 
 
 def _optimizer_s(w: Workload, plat: Platform) -> float:
@@ -68,9 +85,11 @@ def _optimizer_s(w: Workload, plat: Platform) -> float:
 def single_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
     """One device, the whole batch."""
     b = sum(chunks)
+    forward, backward = _phases(w, plat, b, 1)
     parts = {
         "inputs": _h2d_s(b * w.input_bytes_per_sample, plat),
-        "compute": b * w.compute_s_per_sample,
+        "forward": forward,
+        "backward": backward,
         "optimizer": _optimizer_s(w, plat),
     }
     return StepTime("single", 1, (b,), sum(parts.values()), parts)
@@ -81,32 +100,36 @@ def dataparallel_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> Ste
     n, batch = len(chunks), sum(chunks)
     away = batch - chunks[0]  # samples whose inputs and outputs cross the link
     gathered = away * w.output_bytes_per_sample * (1 if w.loss_on_replicas else 2)
+    forward, backward = _phases(w, plat, max(chunks), n)
     parts = {
         "inputs": _h2d_s(batch * w.input_bytes_per_sample, plat),
         "scatter": _copy_s(away * w.input_bytes_per_sample, plat),
+        "replicate": host.replicate_s(w.counts, plat.host, n),
         "broadcast": _copy_s(w.weight_bytes, plat),
-        "compute": max(chunks) * w.compute_s_per_sample * plat.compute_slowdown(n),
+        # the replicas' forwards take turns on the GIL; backward runs in the engine's C++ threads
+        "forward": host.threaded_forward_s(w.counts, plat.host, n, forward),
+        "backward": backward,
         "gather": _copy_s(gathered, plat),
         # NCCL/peer reduce moves the gradients once; the sums read two and write one per replica.
         "reduce": _copy_s(w.grad_bytes, plat) + (n - 1) * 3 * w.grad_bytes / plat.memory_bandwidth,
         "optimizer": _optimizer_s(w, plat),
         "threads": 2 * n * plat.thread_overhead_s,
     }
-    return StepTime("dataparallel", n, tuple(chunks), sum(parts.values()), parts)
+    return StepTime("dp", n, tuple(chunks), sum(parts.values()), parts)
 
 
 def balanced_dataparallel_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
     """DataParallel with chunk sizes that even out per-device memory (the primary takes fewer)."""
     sizes = memory.balanced_chunks(w, plat, len(chunks), sum(chunks))
     step = dataparallel_step(w, plat, sizes)
-    return StepTime("dataparallel-balanced", step.devices, step.chunks, step.total_s, step.parts)
+    return StepTime("dp-balanced", step.devices, step.chunks, step.total_s, step.parts)
 
 
 def ring_allreduce_s(nbytes: float, devices: int, busbw: float) -> float:
-    """Seconds of a ring all-reduce of ``nbytes``: algbw = busbw * n / (2(n-1)) (nccl-tests)."""
+    """Seconds of a ring all-reduce of ``nbytes``: algbw = busbw / (2(n-1)/n) (nccl-tests)."""
     if devices <= 1:
         return 0.0
-    return nbytes * 2 * (devices - 1) / devices / busbw
+    return nbytes * bus_factor("all-reduce", devices) / busbw
 
 
 def ddp_buckets(w: Workload) -> list[tuple[float, float]]:
@@ -148,11 +171,12 @@ def exposed_allreduce_s(w: Workload, plat: Platform, devices: int, backward_s: f
 def ddp_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
     """One process per device; gradients all-reduced in buckets, overlapped with backward."""
     n, b = len(chunks), max(chunks)
-    compute = b * w.compute_s_per_sample * plat.compute_slowdown(n)
-    comm_total, exposed = exposed_allreduce_s(w, plat, n, compute * w.backward_fraction)
+    forward, backward = _phases(w, plat, b, n)
+    comm_total, exposed = exposed_allreduce_s(w, plat, n, backward)
     parts = {
         "inputs": _h2d_s(b * w.input_bytes_per_sample, plat),
-        "compute": compute,
+        "forward": forward,
+        "backward": backward,
         "allreduce": exposed,
         # DDP copies gradients into its bucket buffers and back (no gradient_as_bucket_view).
         "buckets": 2 * w.grad_bytes / plat.memory_bandwidth if n > 1 else 0.0,
@@ -163,37 +187,51 @@ def ddp_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
 
 STRATEGIES: dict[str, Callable[[Workload, Platform, Sequence[int]], StepTime]] = {
     "single": single_step,
-    "dataparallel": dataparallel_step,
-    "dataparallel-balanced": balanced_dataparallel_step,
+    "dp": dataparallel_step,
+    "dp-balanced": balanced_dataparallel_step,
     "ddp": ddp_step,
 }
 
 
-def predict_step(strategy: str, w: Workload, plat: Platform, *, devices: int, per_device_batch: int) -> StepTime:
+def predict_step(
+    strategy: str,
+    w: Workload,
+    plat: Platform,
+    *,
+    devices: int | None = None,
+    per_device_batch: int | None = None,
+    chunks: Sequence[int] | None = None,
+) -> StepTime:
     """Predict one training step.
 
     Args:
-        strategy: ``single``, ``dataparallel``, ``dataparallel-balanced`` or ``ddp``.
-        w: the workload (per-sample compute, sizes).
+        strategy: ``single``, ``dp``, ``dp-balanced`` or ``ddp`` (the Session's names).
+        w: the workload (per-sample compute, sizes, host counts).
         plat: the devices and links.
-        devices: how many devices (1 for ``single``).
+        devices: how many devices (1 for ``single``), with ``per_device_batch`` samples each;
         per_device_batch: samples per device; the global batch is ``devices * per_device_batch``.
+        chunks: instead of the two above, the samples of each device (``dp-balanced`` re-splits
+            their sum; ``single`` runs their sum).
 
     Returns:
         The step's total seconds and their parts.
 
     Raises:
-        ConfigError: an unknown strategy, a device count below 1, or DataParallel across nodes.
+        ConfigError: an unknown strategy, a device count or batch below 1, or DataParallel across nodes.
     """
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy!r} is not one of {', '.join(STRATEGIES)}")
-    if devices < 1 or per_device_batch < 1:
-        raise ConfigError(f"devices={devices} and per_device_batch={per_device_batch} must both be >= 1")
-    if strategy.startswith("dataparallel") and not plat.single_process(devices):
+    sizes = list(chunks) if chunks is not None else [per_device_batch or 0] * (devices or 0)
+    if not sizes or min(sizes) < 1:
         raise ConfigError(
-            f"{strategy} runs in one process, so it cannot span {devices} devices over nodes of "
+            f"devices={devices}, per_device_batch={per_device_batch}, chunks={chunks}: every device needs "
+            ">= 1 sample; pass devices >= 1 and per_device_batch >= 1, or chunks like [4, 19, 19, 18]"
+        )
+    if strategy.startswith("dp") and not plat.single_process(len(sizes)):
+        raise ConfigError(
+            f"{strategy} runs in one process, so it cannot span {len(sizes)} devices over nodes of "
             f"{plat.devices_per_node}; use strategy='ddp'"
         )
     if strategy == "single":
-        devices = 1
-    return STRATEGIES[strategy](w, plat, [per_device_batch] * devices)
+        sizes = [sum(sizes)]
+    return STRATEGIES[strategy](w, plat, sizes)

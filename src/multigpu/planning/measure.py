@@ -1,10 +1,11 @@
-"""Quick measurements on one device: a model's workload, and this CPU as a platform.
+"""Quick measurements on this CPU: a model's workload, and this CPU as a platform.
 
-``measure_workload`` times forward + backward of one batch and the optimizer step (best of
-repeats), counts the bytes saved for backward, the outputs, the inputs and the parameters.
-``measure_cpu_platform`` measures what CPU replicas share: memory bandwidth (a copy), how much
-each replica slows when two run at once (plain PyTorch in two threads, no multigpu code), and
-the cost of handing work to a thread. ``allreduce_busbw`` times an all-reduce in a process group.
+``measure_workload`` counts one step (:mod:`multigpu.planning.counting`), times forward + backward
+of one batch and the optimizer step (fastest of repeats), and keeps as per-sample compute what
+the host's share (counts x host costs) leaves. ``measure_cpu_platform`` measures what CPU
+replicas share: memory bandwidth (a copy), how much each replica slows when two run at once
+(plain PyTorch in two threads, no multigpu code), the host costs (:mod:`multigpu.planning.calibrate`)
+and the cost of handing work to a thread. ``allreduce_busbw`` times an all-reduce in a process group.
 
 Example:
     >>> from torch import nn
@@ -18,85 +19,52 @@ from __future__ import annotations
 import copy
 import os
 import threading
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 from torch import nn
 
 from multigpu.errors import ConfigError
+from multigpu.planning.calibrate import fastest_s, measure_host_costs
+from multigpu.planning.counting import LossFn, count_step, default_loss
 from multigpu.planning.hardware import measured_link
+from multigpu.planning.host import DEFAULT_HOST, HostCosts, backward_host_s, forward_host_s
 from multigpu.planning.platform import Platform
 from multigpu.planning.workload import Workload
+from multigpu.profiling.bandwidth import bus_factor
 
-LossFn = Callable[[Any], torch.Tensor]
-
-
-def _default_loss(output: Any) -> torch.Tensor:
-    tensor = output if isinstance(output, torch.Tensor) else output[0]
-    return tensor.float().square().mean()
-
-
-def fastest_s(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    """The fastest of ``repeats`` timed calls: noise from other work only ever adds time (timeit's advice)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def _saved_bytes(model: nn.Module, inputs: torch.Tensor, loss_fn: LossFn) -> tuple[int, int]:
-    """(bytes saved for backward by forward and loss, bytes of the outputs); storages counted once."""
-    seen: dict[tuple[int, torch.device], int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        seen[(storage.data_ptr(), t.device)] = storage.nbytes()
-        return t
-
-    not_activations = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    not_activations.add(inputs.untyped_storage().data_ptr())
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        output = model(inputs)
-        loss = loss_fn(output)
-    out = output if isinstance(output, torch.Tensor) else output[0]
-    saved = sum(n for (ptr, _), n in seen.items() if ptr not in not_activations)
-    del output, loss
-    return saved, out.numel() * out.element_size()
+# Per-sample compute never drops below this share of the measured step: host costs measured on a
+# busy machine can exceed what the step itself took.
+_MIN_DEVICE_SHARE = 0.1
 
 
 def measure_workload(
     model: nn.Module,
     inputs: torch.Tensor,
     *,
-    loss_fn: LossFn = _default_loss,
+    loss_fn: LossFn = default_loss,
     optimizer: str = "sgd-momentum",
     repeats: int = 7,
     name: str = "model",
+    host: HostCosts = DEFAULT_HOST,
 ) -> Workload:
     """Measure ``model`` on the device its parameters are on, with a batch ``inputs``.
 
     Args:
         model: the model, on its device.
-        inputs: one batch (dim 0 is the batch).
+        inputs: one batch (dim 0 is the batch); a small one is enough, compute scales linearly.
         loss_fn: output -> scalar loss (default: mean square of the first output).
         optimizer: ``sgd``, ``sgd-momentum``, ``adam`` or ``adamw``: the step that is timed.
         repeats: timed repeats; the fastest is kept (other work on the machine only adds time).
         name: the workload's name in reports.
+        host: the host costs whose share of the timed step is not per-sample compute.
 
     Returns:
-        Per-sample compute seconds, activation/output/input bytes per sample, parameters and
-        the measured optimizer step.
+        Per-sample compute seconds, activation/output/input bytes per sample, parameters, host
+        counts and the measured optimizer step.
     """
-    if inputs.dim() == 0 or inputs.shape[0] == 0:
-        raise ConfigError(f"inputs of shape {tuple(inputs.shape)} hold no batch; pass at least one sample on dim 0")
-    batch = inputs.shape[0]
+    counted = count_step(model, inputs, loss_fn=loss_fn)
+    batch = counted.batch
     opt = _build_optimizer(optimizer, model)
     sync = torch.cuda.synchronize if inputs.is_cuda else (lambda: None)
 
@@ -105,20 +73,31 @@ def measure_workload(
         loss_fn(model(inputs)).backward()
         sync()  # a sync point: the time must include the device's work
 
-    compute_s = fastest_s(compute, repeats)
+    step_s = fastest_s(compute, repeats)
     optimizer_s = fastest_s(lambda: (opt.step(), sync()), repeats)
-    saved, out_bytes = _saved_bytes(model, inputs, loss_fn)
     model.zero_grad(set_to_none=True)
+    host_s = forward_host_s(counted.counts, host) + backward_host_s(counted.counts, host)
     return Workload(
         name=name,
-        params=sum(p.numel() for p in model.parameters() if p.requires_grad),
-        compute_s_per_sample=compute_s / batch,
-        input_bytes_per_sample=inputs.numel() * inputs.element_size() / batch,
-        output_bytes_per_sample=out_bytes / batch,
-        activation_bytes_per_sample=saved / batch,
+        params=counted.params,
+        compute_s_per_sample=device_seconds(step_s, host_s) / batch,
+        input_bytes_per_sample=counted.input_bytes / batch,
+        output_bytes_per_sample=counted.output_bytes / batch,
+        activation_bytes_per_sample=counted.saved_bytes / batch,
         optimizer=optimizer,
         optimizer_s=optimizer_s,
+        counts=counted.counts,
     )
+
+
+def device_seconds(step_s: float, host_s: float) -> float:
+    """What a timed step leaves to the device once the host's share is out (at least a tenth of it).
+
+    Example:
+        >>> device_seconds(1.0, 0.25), device_seconds(1.0, 5.0)
+        (0.75, 0.1)
+    """
+    return max(step_s - host_s, _MIN_DEVICE_SHARE * step_s)
 
 
 def _build_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
@@ -152,7 +131,7 @@ class ReplicaProbe:
         ...     solo, together = probe.times(repeats=1)
     """
 
-    def __init__(self, model: nn.Module, chunk: torch.Tensor, *, replicas: int = 2, loss_fn: LossFn = _default_loss):
+    def __init__(self, model: nn.Module, chunk: torch.Tensor, *, replicas: int = 2, loss_fn: LossFn = default_loss):
         self._copies = [_sharing_copy(model) for _ in range(replicas)]
         self._chunk, self._loss_fn = chunk, loss_fn
         self._pool = ThreadPoolExecutor(max_workers=replicas, thread_name_prefix="multigpu-probe")
@@ -161,10 +140,10 @@ class ReplicaProbe:
         self._copies[i].zero_grad(set_to_none=True)
         self._loss_fn(self._copies[i](self._chunk)).backward()
 
-    def times(self, *, repeats: int = 3, warmup: int = 2) -> tuple[float, float]:
+    def times(self, *, repeats: int = 3) -> tuple[float, float]:
         """(one replica alone, all at once): best forward + backward seconds of ``repeats``."""
-        together = fastest_s(lambda: list(self._pool.map(self._one, range(len(self._copies)))), repeats, warmup)
-        solo = fastest_s(lambda: self._pool.submit(self._one, 0).result(), repeats, warmup)
+        together = fastest_s(lambda: list(self._pool.map(self._one, range(len(self._copies)))), repeats)
+        solo = fastest_s(lambda: self._pool.submit(self._one, 0).result(), repeats)
         return solo, together
 
     def close(self) -> None:
@@ -185,23 +164,43 @@ def _sharing_copy(model: nn.Module) -> nn.Module:
     return clone
 
 
+def device_contention(solo_s: float, together_s: float, host_s: float = 0.0) -> float:
+    """How much slower a replica's device share runs while the others run (at least 1).
+
+    ``solo_s`` and ``together_s`` are one replica's step alone and with the others; ``host_s``, the
+    host's share of it (the model charges the GIL's queue to the host, not to the device).
+
+    Example:
+        >>> device_contention(1.0, 1.5), device_contention(1.0, 1.5, host_s=0.5)
+        (1.5, 2.0)
+    """
+    device = max(solo_s - host_s, _MIN_DEVICE_SHARE * solo_s)
+    return max(1.0, (together_s - solo_s + device) / device)
+
+
 def replica_contention(
-    model: nn.Module, chunk: torch.Tensor, *, replicas: int = 2, loss_fn: LossFn = _default_loss, rounds: int = 5
+    model: nn.Module,
+    chunk: torch.Tensor,
+    *,
+    replicas: int = 2,
+    loss_fn: LossFn = default_loss,
+    rounds: int = 5,
+    host_s: float = 0.0,
 ) -> float:
-    """How much slower one replica's forward + backward runs while ``replicas`` run in threads.
+    """How much slower one replica's device share runs while ``replicas`` run in threads.
 
     Solo and concurrent runs alternate over ``rounds``, so a change in machine load touches both;
-    the ratio of the best times is returned (at least 1).
+    the best times go to :func:`device_contention`.
     """
     with ReplicaProbe(model, chunk, replicas=replicas, loss_fn=loss_fn) as probe:
         solo, together = zip(*(probe.times() for _ in range(rounds)))
-    return max(1.0, min(together) / min(solo))
+    return device_contention(min(solo), min(together), host_s)
 
 
 def thread_handoff_s(repeats: int = 50) -> float:
     """Seconds to hand one task to a waiting pool thread and get its result back."""
     with ThreadPoolExecutor(max_workers=1) as pool:
-        return fastest_s(lambda: pool.submit(threading.get_ident).result(), repeats, warmup=5)
+        return fastest_s(lambda: pool.submit(threading.get_ident).result(), repeats)
 
 
 def measure_cpu_platform(
@@ -210,14 +209,18 @@ def measure_cpu_platform(
     *,
     replicas: int = 2,
     busbw: float | None = None,
-    loss_fn: LossFn = _default_loss,
+    loss_fn: LossFn = default_loss,
     rounds: int = 5,
+    host: HostCosts | None = None,
+    host_s: float = 0.0,
 ) -> Platform:
     """This CPU as a platform for ``replicas`` replicas of ``model`` (``chunk``: one replica's batch).
 
     Args:
         busbw: measured all-reduce bus bandwidth in bytes/s (``allreduce_busbw`` in a gloo group,
             or ``multigpu bandwidth``); defaults to the memory bandwidth.
+        host: this machine's host costs (default: measured now, with the engine's replicate).
+        host_s: the host's share of one replica's step on ``chunk`` (counts x host costs).
     """
     mem_bw = memory_bandwidth()
     return Platform(
@@ -228,8 +231,10 @@ def measure_cpu_platform(
         peer_copies=False,
         overlap=0.0,  # replicas fill the cores: a communication thread takes cycles from compute
         cores=os.cpu_count() or 1,
-        contention=replica_contention(model, chunk, replicas=replicas, loss_fn=loss_fn, rounds=rounds),
+        contention=replica_contention(model, chunk, replicas=replicas, loss_fn=loss_fn, rounds=rounds, host_s=host_s),
         thread_overhead_s=thread_handoff_s(),
+        host=host if host is not None else measure_host_costs(replicate="multigpu"),
+        synchronous=True,
     )
 
 
@@ -243,15 +248,4 @@ def allreduce_busbw(nbytes: int, *, repeats: int = 7) -> float:
     world = dist.get_world_size()
     tensor = torch.ones(max(1, nbytes // 4))
     seconds = fastest_s(lambda: dist.all_reduce(tensor), repeats)
-    return tensor.numel() * 4 / seconds * 2 * (world - 1) / world
-
-
-def count_flops(model: nn.Module, inputs: torch.Tensor, *, loss_fn: LossFn = _default_loss) -> float:
-    """FLOPs of one forward + backward of ``inputs`` (torch's FlopCounterMode: matmuls and convolutions)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with counter:
-        loss_fn(model(inputs)).backward()
-    model.zero_grad(set_to_none=True)
-    return float(counter.get_total_flops())
+    return tensor.numel() * 4 / seconds * bus_factor("all-reduce", world)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from multigpu.parallel.balance import water_fill
+from multigpu.parallel.scatter_gather import even_chunk_sizes
 from multigpu.planning.platform import Platform
 from multigpu.planning.workload import OPTIMIZER_STATE, PRECISION_GRAD_BYTES, PRECISION_WEIGHT_BYTES, Workload
 
@@ -50,7 +52,7 @@ def device_memory(strategy: str, w: Workload, plat: Platform, chunks: Sequence[i
     """Peak bytes on each device (index 0 is the primary for DataParallel).
 
     Args:
-        strategy: ``single``, ``dataparallel``, ``dataparallel-balanced`` or ``ddp``.
+        strategy: ``single``, ``dp``, ``dp-balanced`` or ``ddp``.
         w: the workload.
         plat: the platform (CUDA context per process, whether replicas copy weights).
         chunks: samples per device.
@@ -69,8 +71,9 @@ def device_memory(strategy: str, w: Workload, plat: Platform, chunks: Sequence[i
 def balanced_chunks(w: Workload, plat: Platform, devices: int, batch: int) -> list[int]:
     """DataParallel chunk sizes that make every device's peak memory as equal as they can be.
 
-    The primary carries the optimizer state and the gathered outputs, so it takes fewer samples.
-    Solves ``b_0*p + E_0 = b_i*p + E`` with ``sum(b) = batch`` (p: bytes per sample), then rounds.
+    The primary carries the optimizer state and the gathered outputs, so it takes fewer samples:
+    device i's peak is ``E_i + b_i * p`` (p: bytes per sample), levelled by the engine's own
+    water-filling (:func:`multigpu.parallel.balance.water_fill`), as ``chunk_sizes="auto"`` does.
 
     Example:
         >>> from multigpu.planning.workload import Workload
@@ -82,23 +85,6 @@ def balanced_chunks(w: Workload, plat: Platform, devices: int, batch: int) -> li
     """
     per_sample = _per_sample(w)
     if devices == 1 or per_sample <= 0:
-        return _even(batch, devices)
-    e0 = _state(w) + _gathered(w, batch)
-    e = _replica_copies(w, plat)
-    level = (batch * per_sample + e0 + (devices - 1) * e) / devices
-    first = min(float(batch), max(0.0, (level - e0) / per_sample))
-    rest = (batch - first) / (devices - 1)
-    return _fill([first] + [rest] * (devices - 1), [e0] + [e] * (devices - 1), per_sample, batch)
-
-
-def _even(batch: int, devices: int) -> list[int]:
-    return [batch // devices + (1 if i < batch % devices else 0) for i in range(devices)]
-
-
-def _fill(exact: list[float], fixed: list[float], per_sample: float, batch: int) -> list[int]:
-    """Round ``exact`` down, then give each left-over sample to the device left lowest in memory."""
-    sizes = [int(x) for x in exact]
-    for _ in range(batch - sum(sizes)):
-        i = min(range(len(sizes)), key=lambda k: (fixed[k] + (sizes[k] + 1) * per_sample, k))
-        sizes[i] += 1
-    return sizes
+        return even_chunk_sizes(batch, devices)
+    bases = [_state(w) + _gathered(w, batch)] + [_replica_copies(w, plat)] * (devices - 1)
+    return water_fill(bases, [per_sample] * devices, batch)

@@ -16,14 +16,19 @@ from dataclasses import dataclass
 
 from multigpu.errors import ConfigError
 from multigpu.planning.hardware import GpuSpec, LinkSpec, link
+from multigpu.planning.host import DEFAULT_HOST, HostCosts
 
 # Share of the communication that *could* hide behind backward (bucketed all-reduce) that does.
 # 1 would be the ideal of the DDP design; published end-to-end runs hide less (comm kernels
 # compete with compute for SMs and memory bandwidth). 0.5 is the neutral midpoint; the
-# validation holds for every value in [0, 0.8] (tests/planning/test_cases.py sweeps it).
+# validation holds for every value in [0, 0.75] (tests/planning/test_cases.py sweeps it).
 DEFAULT_GPU_OVERLAP = 0.5
 # Per replica and per phase (forward, backward): handing work to a pool thread and collecting it.
 DEFAULT_THREAD_OVERHEAD_S = 1e-4
+# Host -> device copies from pageable memory are staged through a pinned buffer by the driver:
+# 4.5 GB/s pageable vs 5.9 GB/s pinned measured on PCIe x16 Gen2 (J. Habich, "PCI express pinned
+# host memory", 2009). A DataLoader without pin_memory=True hands the step pageable tensors.
+PAGEABLE_FRACTION = 4.5 / 5.9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,12 +39,15 @@ class Platform:
     memory_bytes: float | None  # per device; None: no limit is checked
     memory_bandwidth: float  # bytes/s, for optimizer steps and DDP bucket copies
     link: LinkSpec  # between devices of one node
-    host_bandwidth: float | None = None  # bytes/s host -> device for inputs; None: inputs already there
+    host_bandwidth: float | None = None  # bytes/s host -> device from pinned memory; None: inputs already there
+    pinned: bool = False  # inputs in pinned memory (DataLoader(pin_memory=True)); else pageable copies
     peer_copies: bool = True  # False: replicas share memory (CPU) and DataParallel copies are free
     overlap: float = DEFAULT_GPU_OVERLAP  # share of hideable all-reduce that hides behind backward
     cores: int | None = None  # CPU: cores the replicas share; None: each device computes alone
     contention: float = 1.0  # slowdown of each replica while ``cores`` replicas run at once (measured)
     thread_overhead_s: float = DEFAULT_THREAD_OVERHEAD_S
+    host: HostCosts = DEFAULT_HOST  # Python, dispatcher and launch costs of the host driving the devices
+    synchronous: bool = False  # True on CPU: an op runs on the thread that issues it (host and compute add up)
     context_bytes: float = 0.0  # per process (CUDA context)
     devices_per_node: int | None = None  # None: one node holds every device
     network: LinkSpec | None = None  # between nodes
@@ -53,6 +61,12 @@ class Platform:
             raise ConfigError(f"memory_bandwidth={self.memory_bandwidth} must be > 0 bytes/s")
         if self.devices_per_node is not None and self.network is None:
             raise ConfigError("devices_per_node is set but no network links the nodes; pass network=link('ib-hdr')")
+
+    def input_bandwidth(self) -> float | None:
+        """Bytes/s of the host -> device copy of a batch (pageable copies are slower)."""
+        if self.host_bandwidth is None:
+            return None
+        return self.host_bandwidth * (1.0 if self.pinned else PAGEABLE_FRACTION)
 
     def compute_slowdown(self, replicas: int) -> float:
         """How much slower each replica computes while ``replicas`` run at once (1 on GPUs)."""
@@ -78,14 +92,22 @@ def gpu_platform(
     network: LinkSpec | None = None,
     devices_per_node: int | None = None,
     overlap: float = DEFAULT_GPU_OVERLAP,
+    pinned: bool = False,
+    host: HostCosts = DEFAULT_HOST,
 ) -> Platform:
-    """A platform of ``spec`` GPUs joined by ``device_link`` (and ``network`` across nodes)."""
+    """A platform of ``spec`` GPUs joined by ``device_link`` (and ``network`` across nodes).
+
+    ``host``: the CPU side's costs (default: measured on the development machine); every kernel
+    also pays :data:`multigpu.planning.host.GPU_LAUNCH_S`.
+    """
     return Platform(
         name=f"{spec.name} / {device_link.name}" + (f" / {network.name}" if network else ""),
         memory_bytes=spec.memory_bytes,
         memory_bandwidth=spec.memory_bandwidth,
         link=device_link,
         host_bandwidth=link(spec.host_link).copy_bandwidth,
+        pinned=pinned,
+        host=host.on_gpu(),
         overlap=overlap,
         context_bytes=spec.context_bytes,
         devices_per_node=devices_per_node,

@@ -1,7 +1,9 @@
 """What is trained: the numbers the time and memory models need from a model and its step.
 
-A :class:`Workload` comes from a quick measurement on one device (:mod:`multigpu.planning.measure`),
-from a built-in preset (:mod:`multigpu.planning.models`), or from flags.
+A :class:`Workload` comes from counting a model's step on the meta device
+(:mod:`multigpu.planning.counting`) and, on this CPU, timing it (:mod:`multigpu.planning.measure`),
+from a built-in preset (:mod:`multigpu.planning.models`), or from flags. Its :class:`StepCounts`
+are what the host (Python, the dispatcher, kernel launches) pays per step, whatever the batch.
 
 Example:
     >>> w = Workload(name="mlp", params=2_000_000, compute_s_per_sample=1e-4)
@@ -11,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from multigpu.errors import ConfigError
 
@@ -28,6 +30,32 @@ PRECISION_GRAD_BYTES = {"fp32": 4.0, "amp": 4.0}
 
 
 @dataclass(frozen=True, kw_only=True)
+class StepCounts:
+    """What one training step asks of the host, independent of the batch (all zero: not counted).
+
+    Counted by :func:`multigpu.planning.counting.count_step`; each is a plain count.
+    """
+
+    modules: int = 0  # modules in the tree: DataParallel's replicate copies each, per replica, per step
+    tensors: int = 0  # parameters + buffers: replicate hands each to every replica
+    module_calls: int = 0  # nn.Module calls in forward (Python hook machinery each)
+    forward_ops: int = 0  # aten ops dispatched by forward and the loss
+    backward_ops: int = 0  # aten ops dispatched by backward
+    forward_kernels: int = 0  # of the forward ops, those that launch a device kernel (not views)
+    backward_kernels: int = 0
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"StepCounts.{name}={getattr(self, name)} must be >= 0 (a count)")
+        if self.forward_kernels > self.forward_ops or self.backward_kernels > self.backward_ops:
+            raise ConfigError(
+                f"kernels ({self.forward_kernels} forward, {self.backward_kernels} backward) cannot exceed the "
+                f"ops that launch them ({self.forward_ops}, {self.backward_ops})"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class Workload:
     """One model's training step, per sample where it scales with the batch.
 
@@ -36,7 +64,7 @@ class Workload:
 
     name: str
     params: int  # trainable parameters
-    compute_s_per_sample: float  # forward + backward seconds per sample on one device
+    compute_s_per_sample: float  # forward + backward device seconds per sample (host overhead apart)
     backward_fraction: float = 2 / 3  # share of compute in backward (backward ~ 2x forward)
     input_bytes_per_sample: float = 0.0
     output_bytes_per_sample: float = 0.0  # what DataParallel gathers on the primary
@@ -46,6 +74,7 @@ class Workload:
     optimizer: str = "adam"
     precision: str = "fp32"
     optimizer_s: float | None = None  # measured optimizer step; None: from memory bandwidth
+    counts: StepCounts = StepCounts()  # host work per step (zero: host overhead not modelled)
 
     def __post_init__(self) -> None:
         if self.params <= 0:
@@ -79,6 +108,4 @@ class Workload:
 
     def with_compute(self, compute_s_per_sample: float) -> Workload:
         """The same workload at another per-sample compute time (another GPU)."""
-        fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        fields["compute_s_per_sample"] = compute_s_per_sample
-        return Workload(**fields)
+        return replace(self, compute_s_per_sample=compute_s_per_sample)

@@ -1,0 +1,156 @@
+"""Measure this machine's host costs (:class:`~multigpu.planning.host.HostCosts`) in about a second.
+
+Each constant is the fastest of ``repeats`` timings of a probe (other work on a shared machine
+only adds time) divided by the items it holds, counted as :mod:`multigpu.planning.counting` counts:
+
+- ``op_s``: ``y = y.add(1)`` on a one-element tensor, from Python (one dispatched op each);
+- ``module_call_s``: an ``nn.Sequential`` of ``nn.Identity`` modules (calls without ops);
+- ``backward_op_s``: backward of a chain of multiplications, over the ops it dispatches;
+- ``gil_contention``: the op loop on ``threads`` long-lived threads at once, over ``threads`` times
+  one thread's time (1: the GIL serialises them perfectly; above 1: taking turns costs extra);
+- ``replicate_module_s`` / ``replicate_tensor_s``: replicating a tree of empty modules, and one
+  module holding many parameters, per module and per tensor. ``replicate="torch"`` times
+  ``torch.nn.parallel.replicate`` (what nn.DataParallel runs on GPUs; its CUDA-only coalesced
+  broadcast replaced by detached views, whose bytes the broadcast term of the model pays);
+  ``"multigpu"`` times the engine's own :func:`multigpu.parallel.replicate.replicate`.
+
+Run it:  python -m multigpu.planning.calibrate
+
+Example:
+    >>> measure_host_costs(items=200, repeats=2).op_s > 0
+    True
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
+
+import torch
+from torch import nn
+
+from multigpu.errors import ConfigError
+from multigpu.parallel.replicate import replicate
+from multigpu.planning.counting import OpCounter
+from multigpu.planning.host import HostCosts
+from multigpu.profiling.bandwidth import time_per_op
+
+
+def fastest_s(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` calls after one warm-up (the profiler's timer, one call per loop)."""
+    return time_per_op(fn, lambda: None, iters=1, repeats=repeats)
+
+
+def _op_loop(items: int) -> Callable[[], object]:
+    x = torch.ones(1)
+
+    def run() -> None:
+        y = x
+        for _ in range(items):
+            y = y.add(1)
+
+    return run
+
+
+def _module_call_s(items: int, repeats: int) -> float:
+    modules, x = nn.Sequential(*[nn.Identity() for _ in range(items)]), torch.ones(1)
+    return fastest_s(lambda: modules(x), repeats) / items
+
+
+def _backward_op_s(items: int, repeats: int) -> float:
+    x = torch.ones(1, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        y = x
+        for _ in range(items):
+            y = y * 1.0
+        return y
+
+    counter = OpCounter()
+    loss = forward()
+    with counter:
+        loss.backward()
+    both = fastest_s(lambda: forward().backward(), repeats)
+    return max(0.0, both - fastest_s(forward, repeats)) / counter.total
+
+
+def _gil_contention(items: int, repeats: int, threads: int) -> float:
+    loop = _op_loop(items)
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="multigpu-calibrate") as pool:
+        alone = fastest_s(lambda: pool.submit(loop).result(), repeats)
+        together = fastest_s(lambda: [f.result() for f in [pool.submit(loop) for _ in range(threads)]], repeats)
+    return together / (threads * alone)
+
+
+def _views(
+    tensors: Sequence[torch.Tensor], devices: Sequence[object], detach: bool = False
+) -> list[list[torch.Tensor]]:
+    return [[t.detach() for t in tensors] for _ in devices]
+
+
+def _replicate_fn(which: str) -> Callable[[nn.Module], object]:
+    if which == "multigpu":
+        return lambda module: replicate(module, [torch.device("cpu")])
+    if which == "torch":
+        torch_replicate = importlib.import_module("torch.nn.parallel.replicate")
+
+        def run(module: nn.Module) -> object:
+            with mock.patch.object(torch_replicate, "_broadcast_coalesced_reshape", _views):
+                return torch_replicate.replicate(module, [0])
+
+        return run
+    raise ConfigError(f"replicate={which!r} is not one of 'torch' (nn.DataParallel) or 'multigpu' (the engine)")
+
+
+def _replicate_costs(items: int, repeats: int, which: str) -> tuple[float, float]:
+    """(seconds per module, seconds per tensor) of one replica."""
+    run = _replicate_fn(which)
+    modules = nn.Sequential(*[nn.Identity() for _ in range(items)])
+    per_module = fastest_s(lambda: run(modules), repeats) / (items + 1)
+    tensors = nn.ParameterList([nn.Parameter(torch.ones(1)) for _ in range(items)])
+    with_tensors = fastest_s(lambda: run(tensors), repeats)
+    return per_module, max(0.0, with_tensors - per_module) / items
+
+
+def measure_host_costs(
+    *, items: int = 2000, repeats: int = 7, threads: int = 2, replicate: str = "multigpu"
+) -> HostCosts:
+    """This machine's host costs (seconds per item; ``launch_s`` 0: add a GPU's with ``.on_gpu()``).
+
+    Args:
+        items: ops, modules or tensors per probe.
+        repeats: timed repeats per probe; the fastest is kept.
+        threads: threads for the GIL probe (at most the cores free for them).
+        replicate: whose replicate to time: ``"multigpu"`` (the engine, as CPU replicas run it)
+            or ``"torch"`` (nn.DataParallel's, as GPU replicas in public reports run it).
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # one-element ops: the intra-op pool would only add noise
+    try:
+        replicate_module_s, replicate_tensor_s = _replicate_costs(items, repeats, replicate)
+        return HostCosts(
+            op_s=fastest_s(_op_loop(items), repeats) / items,
+            module_call_s=_module_call_s(items, repeats),
+            backward_op_s=_backward_op_s(items, repeats),
+            gil_contention=max(1.0 / threads, _gil_contention(items, repeats, threads)),
+            replicate_module_s=replicate_module_s,
+            replicate_tensor_s=replicate_tensor_s,
+            source=f"measured here (fastest of {repeats}, {items} items per probe, {replicate} replicate)",
+        )
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _main() -> None:
+    for which in ("torch", "multigpu"):
+        host = measure_host_costs(replicate=which, repeats=15)
+        print(f"-- replicate: {which}")
+        for name in ("op_s", "module_call_s", "backward_op_s", "replicate_module_s", "replicate_tensor_s"):
+            print(f"{name:20s} {getattr(host, name) * 1e6:8.2f} us")
+        print(f"{'gil_contention':20s} {host.gil_contention:8.2f}")
+
+
+if __name__ == "__main__":
+    _main()

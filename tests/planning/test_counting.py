@@ -1,0 +1,104 @@
+"""Counting a step on the meta device: FLOPs against analytic counts, ops, bytes, and the presets' numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from multigpu.errors import ConfigError
+from multigpu.planning import models
+from multigpu.planning.counting import count_flops, count_step
+from tests.planning import _reference_nets as nets
+
+
+def _meta(build: object) -> nn.Module:
+    with torch.device("meta"):
+        return build()  # type: ignore[operator, no-any-return]
+
+
+def _training_flops(convs: list[tuple[int, int, int, int, int]], batch: int) -> int:
+    """Analytic forward + backward FLOPs of a conv stack whose input needs no gradient.
+
+    Each conv's forward is 2 x MACs; its weight gradient and input gradient each cost the same
+    (every input-weight-output product of the forward appears once in each), except the first
+    conv's input gradient, which nothing needs.
+    """
+    forward = [2 * nets.conv_macs(*c) * batch for c in convs]
+    return sum(forward) * 3 - forward[0]
+
+
+def test_depthwise_block_backward_is_twice_its_forward_not_one_plus_groups() -> None:
+    # MobileNetV2 inverted residual at 32 channels, expansion 6, 14x14: 1x1 expand, 3x3 depthwise, 1x1 project.
+    block, x = _meta(nets.inverted_residual), torch.empty(4, 32, 14, 14, device="meta")
+    convs = [(32, 192, 1, 1, 14), (192, 192, 3, 192, 14), (192, 32, 1, 1, 14)]
+    assert count_flops(block, x) == _training_flops(convs, 4)
+
+
+def test_grouped_resnext_block_matches_the_analytic_count() -> None:
+    block, x = _meta(nets.resnext_block), torch.empty(2, 256, 14, 14, device="meta")
+    convs = [(256, 128, 1, 1, 14), (128, 128, 3, 32, 14), (128, 256, 1, 1, 14)]
+    assert count_flops(block, x) == _training_flops(convs, 2)
+
+
+def test_torch_alone_overcounts_grouped_convolutions() -> None:
+    # The reason for the correction: FlopCounterMode counts the depthwise weight gradient 192 times.
+    block, x = _meta(nets.inverted_residual), torch.empty(4, 32, 14, 14, device="meta")
+    counter = FlopCounterMode(display=False)
+    with counter:
+        block(x).square().mean().backward()
+    assert counter.get_total_flops() > 2 * count_flops(block, x)
+
+
+def test_linear_layer_counts_forward_and_weight_gradient() -> None:
+    # forward x @ W^T and the weight gradient: two (32 x 64) @ (64 x 8) products, 2 FLOPs per MAC.
+    assert count_flops(nn.Linear(64, 8, bias=False), torch.randn(32, 64)) == 2 * (2 * 32 * 64 * 8)
+
+
+def test_counts_of_a_small_net_on_the_meta_device() -> None:
+    net = _meta(lambda: nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8)))
+    counted = count_step(net, torch.empty(16, 64, device="meta"))
+    assert counted.params == 64 * 32 + 32 + 32 * 8 + 8
+    assert counted.counts.modules == 4 and counted.counts.tensors == 4 and counted.counts.module_calls == 4
+    assert 0 < counted.counts.forward_kernels <= counted.counts.forward_ops
+    assert 0 < counted.counts.backward_kernels <= counted.counts.backward_ops
+    assert counted.input_bytes == 16 * 64 * 4 and counted.output_bytes == 16 * 8 * 4
+    assert counted.saved_bytes >= 16 * 32 * 4  # the hidden activation, at least once
+    assert counted.conv_flops == 0
+
+
+def test_embedding_model_counts_with_token_ids() -> None:
+    net = _meta(lambda: nn.Sequential(nn.Embedding(1000, 16), nn.Flatten(), nn.Linear(16 * 12, 4)))
+    counted = count_step(net, torch.zeros(8, 12, dtype=torch.long, device="meta"))
+    assert counted.input_bytes == 8 * 12 * 8 and counted.params == 1000 * 16 + 16 * 12 * 4 + 4
+
+
+def test_a_model_that_cannot_run_says_what_to_do() -> None:
+    with pytest.raises(ConfigError, match=r"counting one step of Linear failed: .*pass --compute-ms"):
+        count_step(_meta(lambda: nn.Linear(4, 2)), torch.empty(3, 5, device="meta"))
+
+
+@pytest.mark.parametrize(
+    ("preset", "build", "shape", "dtype"),
+    [
+        ("resnet50", nets.resnet50, (3, 224, 224), torch.float32),
+        ("resnet101", nets.resnet101, (3, 224, 224), torch.float32),
+        ("vgg16", nets.vgg16, (3, 224, 224), torch.float32),
+        ("gpt2-124m", nets.GPT2, (1024,), torch.long),
+    ],
+)
+def test_preset_numbers_are_the_counts_of_an_equivalent_tree(
+    preset: str, build: object, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    spec = models.preset(preset)
+    net = _meta(build)
+    x = torch.zeros(2, *shape, dtype=dtype, device="meta")
+    counted = count_step(net, x)
+    assert counted.params == spec.params
+    assert counted.counts == spec.counts
+    # The presets' training FLOPs (3x forward of the papers' figures) agree with the count: within
+    # 3% for the CNNs (MACs x 2); GPT-2's formula counts attention once per token (Kaplan et al.
+    # 2020), the counter counts QK^T and AV apart: 7% more.
+    assert counted.flops / 2 == pytest.approx(3 * spec.forward_flops, rel=0.08 if preset == "gpt2-124m" else 0.03)
+    assert counted.conv_flops / counted.flops == pytest.approx(spec.conv_share, abs=0.01)

@@ -1,0 +1,107 @@
+"""Properties of the cost and memory model over random workloads and platforms (hypothesis)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from multigpu.planning import hardware
+from multigpu.planning.advise import evaluate, recommend, to_json
+from multigpu.planning.costs import predict_step
+from multigpu.planning.host import DEFAULT_HOST
+from multigpu.planning.memory import balanced_chunks, device_memory
+from multigpu.planning.platform import Platform, gpu_platform
+from multigpu.planning.workload import StepCounts, Workload
+
+workloads = st.builds(
+    lambda params, c, act, out, ops, mods: Workload(
+        name="w",
+        params=params,
+        compute_s_per_sample=c,
+        activation_bytes_per_sample=act,
+        output_bytes_per_sample=out,
+        input_bytes_per_sample=1e4,
+        counts=StepCounts(
+            modules=mods,
+            tensors=2 * mods,
+            module_calls=mods,
+            forward_ops=ops,
+            backward_ops=2 * ops,
+            forward_kernels=ops,
+            backward_kernels=ops,
+        ),
+    ),
+    st.integers(1_000, 2_000_000_000),
+    st.floats(1e-7, 1.0),
+    st.floats(0.0, 1e9),
+    st.floats(0.0, 1e8),
+    st.integers(0, 5_000),
+    st.integers(0, 2_000),
+)
+platforms = st.one_of(
+    st.sampled_from(
+        [
+            gpu_platform(hardware.gpu("a100-80gb"), hardware.link("nvlink-a100")),
+            gpu_platform(hardware.gpu("t4"), hardware.link("pcie3"), pinned=True),
+            gpu_platform(hardware.gpu("rtx-4090"), hardware.link("pcie3-nop2p")),
+        ]
+    ),
+    st.builds(
+        lambda contention: Platform(
+            name="cpu",
+            memory_bytes=None,
+            memory_bandwidth=10e9,
+            link=hardware.measured_link(1e9),
+            peer_copies=False,
+            overlap=0.0,
+            cores=2,
+            contention=contention,
+            synchronous=True,
+            host=DEFAULT_HOST,
+        ),
+        st.floats(1.0, 3.0),
+    ),
+)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(workloads, platforms, st.lists(st.integers(1, 512), min_size=1, max_size=8))
+def test_every_step_is_the_sum_of_its_parts_and_grows_with_compute(
+    w: Workload, plat: Platform, chunks: list[int]
+) -> None:
+    for strategy in ("single", "dp", "dp-balanced", "ddp"):
+        step = predict_step(strategy, w, plat, chunks=chunks)
+        assert math.isfinite(step.total_s) and step.total_s > 0
+        assert step.total_s == sum(step.parts.values())
+        assert step.global_batch == sum(chunks)
+        slower = predict_step(strategy, w.with_compute(w.compute_s_per_sample * 2), plat, chunks=chunks)
+        assert slower.total_s >= step.total_s
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(workloads, platforms, st.integers(2, 8), st.integers(8, 4096))
+def test_balanced_chunks_never_raise_the_peak_above_an_even_split(
+    w: Workload, plat: Platform, n: int, batch: int
+) -> None:
+    sizes = balanced_chunks(w, plat, n, batch)
+    assert sum(sizes) == batch and min(sizes) >= 0
+    even = [batch // n + (1 if i < batch % n else 0) for i in range(n)]
+    one_sample = w.activation_bytes_per_sample + w.output_bytes_per_sample
+    assert max(device_memory("dp", w, plat, sizes)) <= max(device_memory("dp", w, plat, even)) + one_sample + 1
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(workloads, platforms, st.integers(1, 256))
+def test_the_recommendation_is_never_below_one_device_and_the_plan_is_json(
+    w: Workload, plat: Platform, batch: int
+) -> None:
+    rows = evaluate(w, plat, [1, 2, 4], global_batch=4 * batch)
+    rec = recommend(rows, plat.memory_bytes)
+    single = next(r for r in rows if r.strategy == "single")
+    if rec.strategy != "none":
+        chosen = next(r for r in rows if (r.strategy, r.devices) == (rec.strategy, rec.devices))
+        assert chosen.fits and (chosen.step.throughput >= single.step.throughput or not single.fits)
+    json.dumps(to_json(rows, rec, {}), allow_nan=False)
