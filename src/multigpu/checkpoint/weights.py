@@ -20,6 +20,7 @@ from torch import nn
 from multigpu.checkpoint.formats import Format, read_tensors, write_tensors
 from multigpu.checkpoint.keys import clean_state_dict, unwrap
 from multigpu.checkpoint.ranks import run_on_main
+from multigpu.checkpoint.sharded import full_state_dict
 from multigpu.errors import CheckpointError
 
 _SHOWN = 6  # keys listed per category in a mismatch message
@@ -48,7 +49,8 @@ def save(
             previous file at ``path`` is unchanged.
 
     Under a process group with several ranks every rank must call it: rank 0 writes, the
-    others wait until the file is complete.
+    others wait until the file is complete. A model sharded by fsdp is gathered first (the
+    whole weights, written once by rank 0, in the same format).
 
     Example:
         >>> import tempfile
@@ -56,7 +58,7 @@ def save(
         >>> sorted(read_tensors(p)[0])
         ['bias', 'weight']
     """
-    state = unwrap(model).state_dict() if isinstance(model, nn.Module) else model
+    state = full_state_dict(unwrap(model)) if isinstance(model, nn.Module) else model  # fsdp: gathered
     tensors = clean_state_dict(state)
     written = run_on_main(lambda: write_tensors(tensors, path, format=format, metadata=metadata), f"saving {path}")
     return Path(written) if written is not None else Path(path)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -37,7 +37,9 @@ from multigpu.distributed.data import EpochLoader
 from multigpu.distributed.failures import explain_collective_failures
 from multigpu.errors import ConfigError
 from multigpu.parallel.structure import map_leaves
-from multigpu.session.precision import PRECISIONS, Precision, build_precision
+from multigpu.session.ddp_options import DDPOptions
+from multigpu.session.fsdp import FSDPOptions
+from multigpu.session.precision import PRECISIONS, Precision
 from multigpu.session.strategies import STRATEGIES, Strategy, build_strategy
 
 T = TypeVar("T")
@@ -48,13 +50,18 @@ class SessionConfig:
     """How a :class:`Session` trains.
 
     Attributes:
-        strategy: ``single``, ``dp``, ``ddp`` or ``auto`` (see :mod:`multigpu.session.strategies`).
+        strategy: ``single``, ``dp``, ``ddp``, ``fsdp`` or ``auto`` (see :mod:`multigpu.session.strategies`).
         precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast and a gradient scaler).
         accumulate: micro-steps per optimizer step (gradient accumulation; 1 = none).
         devices: the devices of ``single`` / ``dp`` (``"cpu:2"``, ``"cuda:0,1"``); None: defaults.
         seed: seeds torch when the session starts (same on every rank) and the loader's shuffle.
         timeout_s: how long a collective waits for a missing rank before failing (ddp); None:
             ``multigpu launch --collective-timeout`` if given, else 600 s.
+        ddp: DDP's knobs under ddp (:class:`multigpu.session.ddp_options.DDPOptions`).
+        fsdp: how fsdp shards the model (:class:`multigpu.session.fsdp.FSDPOptions`).
+        sync_batchnorm: BatchNorm statistics over the global batch under ddp/fsdp (a no-op,
+            with a warning, in one process, whose BatchNorm already sees the whole batch).
+        compile: ``torch.compile`` the wrapped model (:mod:`multigpu.session.compile`).
     """
 
     strategy: str = "auto"
@@ -63,6 +70,10 @@ class SessionConfig:
     devices: DeviceSpec = None
     seed: int = 0
     timeout_s: float | None = None
+    ddp: DDPOptions = field(default_factory=DDPOptions)
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+    sync_batchnorm: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy != "auto" and self.strategy not in STRATEGIES:
@@ -75,6 +86,11 @@ class SessionConfig:
             raise ConfigError(f"accumulate={self.accumulate} must be >= 1 (1 = step after every batch)")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ConfigError(f"timeout_s={self.timeout_s} must be > 0 seconds")
+        for name, kind in (("ddp", DDPOptions), ("fsdp", FSDPOptions)):
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(
+                    f"{name}={getattr(self, name)!r} must be a {kind.__name__}; use e.g. {name}={kind.__name__}()"
+                )
 
 
 class Session:
@@ -111,10 +127,12 @@ class Session:
                 self.config.strategy,
                 devices=self.config.devices,
                 timeout_s=self.config.timeout_s or runtime.collective_timeout_s(),
+                ddp=self.config.ddp,
+                fsdp=self.config.fsdp,
             )
             strategy.setup()
             self.strategy = strategy
-            self.precision = build_precision(self.config.precision, strategy.device.type)
+            self.precision = strategy.build_precision(self.config.precision)
             torch.manual_seed(self.config.seed)
         return self
 
@@ -165,9 +183,14 @@ class Session:
     def setup_model(self, model: nn.Module) -> nn.Module:
         """``model`` moved to the device(s) and wrapped for the strategy. Every rank must call it.
 
-        Build the optimizer from the returned model's parameters (they are the original ones).
+        Build the optimizer afterwards, from the returned model's parameters (under fsdp they are
+        new, sharded parameters; an optimizer built before fails at the first :meth:`step`).
         """
-        return self._started()[0].wrap_model(model)
+        strategy = self._started()[0]
+        if self.config.sync_batchnorm:
+            model = strategy.apply_sync_batchnorm(model)
+        wrapped = strategy.wrap_model(model)
+        return strategy.apply_compile(wrapped) if self.config.compile else wrapped
 
     def build_loader(
         self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, drop_last: bool = True, **loader_kwargs: Any
@@ -258,7 +281,8 @@ class Session:
         Raises:
             ConfigError: no micro-step ran since the last step (so no gradients to apply).
         """
-        _, precision = self._started()
+        strategy, precision = self._started()
+        strategy.check_optimizer(optimizer)
         if self._micro == 0:
             raise ConfigError(
                 "session.step() found no micro-step since the last step; run the forward and "
