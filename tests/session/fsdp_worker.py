@@ -92,6 +92,9 @@ def scenarios(session: Session, out: Path, long: bool) -> dict[str, Any]:
     model = adam.pop("model")
     results["adamw"] = adam
     multigpu.save(model, out / "fsdp.safetensors")  # a collective under fsdp: rank 0 writes
+    reloaded = fresh(seed=5).setup_model(deep_model())  # other initial weights, sharded
+    multigpu.load(reloaded, out / "fsdp.safetensors")  # each rank keeps its slices of the whole file
+    results["reloaded"] = full_weights(reloaded)
     results["unwrapped"] = {"class": type(multigpu.unwrap(model)).__name__, "keys": list(model.state_dict())}
     eleven = TensorDataset(regression_data(11).tensors[0])
     results["evaluate"] = session.evaluate(lambda batch: model(batch[0]), eleven, batch_size=4)

@@ -128,6 +128,11 @@ def test_save_is_a_collective_whose_file_loads_into_the_bare_model(run: tuple[Pa
     assert sorted(read_tensors(path)[0]) == sorted(deep_model().state_dict())
 
 
+def test_the_file_loads_into_a_sharded_model_too(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:  # a model set up with other initial weights, then multigpu.load on every rank
+        _close(rank["reloaded"], rank["adamw"]["state_dict"], atol=0, rtol=0)
+
+
 def test_unwrap_returns_the_sharded_model_with_bare_keys(ranks: list[dict[str, Any]]) -> None:
     # fully_shard swaps the class in place (FSDPSequential derives from Sequential) and adds no prefix
     assert ranks[0]["unwrapped"] == {"class": "FSDPSequential", "keys": list(deep_model().state_dict())}

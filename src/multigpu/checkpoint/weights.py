@@ -20,7 +20,7 @@ from torch import nn
 from multigpu.checkpoint.formats import Format, read_tensors, write_tensors
 from multigpu.checkpoint.keys import clean_state_dict, unwrap
 from multigpu.checkpoint.ranks import run_on_main
-from multigpu.checkpoint.sharded import full_state_dict
+from multigpu.checkpoint.sharded import full_state_dict, shard_like
 from multigpu.errors import CheckpointError
 
 _SHOWN = 6  # keys listed per category in a mismatch message
@@ -89,7 +89,8 @@ def load(
         CheckpointError: keys or shapes differ (``strict``); the message lists the missing,
             unexpected and shape-different keys and the likely cause.
 
-    Any rank may call it; it does not communicate.
+    Any rank may call it; it does not communicate. Into a model sharded by fsdp, each rank
+    reads the whole file and keeps its own slices.
 
     Example:
         >>> import tempfile
@@ -118,7 +119,7 @@ def load_tensors(
     if problem and strict:
         raise CheckpointError(f"{source} does not match {type(bare).__name__}: {problem}")
     usable = {k: v for k, v in found.items() if k in expected and v.shape == expected[k].shape}
-    bare.load_state_dict(usable, strict=False)
+    bare.load_state_dict(shard_like(expected, usable), strict=False)  # fsdp: each rank takes its slices
 
 
 def describe_mismatch(expected: Mapping[str, torch.Tensor], found: Mapping[str, torch.Tensor]) -> str:
