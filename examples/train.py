@@ -4,6 +4,7 @@
     multigpu launch --strategy single examples/train.py
     multigpu launch --strategy dp --devices cpu:2 examples/train.py       # threads, one process
     multigpu launch --strategy ddp --nproc-per-node 2 examples/train.py   # processes, gloo on CPU
+    multigpu launch --strategy fsdp --nproc-per-node 2 examples/train.py  # processes, model sharded
 
 Options: --precision fp32|bf16|fp16, --accumulate N (gradient accumulation), --epochs,
 --batch-size (the global batch, whatever the strategy), --save out.pt (final weights and the
@@ -20,6 +21,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from multigpu.checkpoint.sharded import full_state_dict
 from multigpu.session import Session
 
 
@@ -69,10 +71,10 @@ def main() -> None:
                 f"[{session.strategy_name} x{session.world_size}] epoch {epoch}: "
                 f"loss {losses[-1]:.4f}, accuracy {accuracy:.3f} on {len(predicted)} samples"
             )
+        # Every rank: under fsdp the weights are gathered from the shards (a collective); else a no-op.
+        weights = full_state_dict(session.unwrap(model))
         if args.save and session.is_main_process:
-            torch.save(
-                {"state_dict": session.unwrap(model).state_dict(), "losses": losses, "accuracy": accuracy}, args.save
-            )
+            torch.save({"state_dict": dict(weights), "losses": losses, "accuracy": accuracy}, args.save)
 
 
 if __name__ == "__main__":

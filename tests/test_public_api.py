@@ -18,6 +18,8 @@ PUBLIC = {
     "CollectiveTimeoutError",
     "ConfigError",
     "DataParallel",
+    "DDPOptions",
+    "FSDPOptions",
     "DeviceError",
     "DeviceMemory",
     "GatherError",

@@ -24,7 +24,7 @@ from multigpu.errors import (
 from multigpu.parallel import DataParallel, data_parallel
 from multigpu.profiling.memory import DeviceMemory, track_memory
 from multigpu.profiling.step import ProfileConfig, profile_steps
-from multigpu.session import Session, SessionConfig
+from multigpu.session import DDPOptions, FSDPOptions, Session, SessionConfig
 
 __version__ = "0.1.0"
 
@@ -33,9 +33,11 @@ __all__ = [
     "Checkpointer",
     "CollectiveTimeoutError",
     "ConfigError",
+    "DDPOptions",
     "DataParallel",
     "DeviceError",
     "DeviceMemory",
+    "FSDPOptions",
     "GatherError",
     "LaunchConfig",
     "LaunchError",

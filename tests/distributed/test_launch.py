@@ -184,8 +184,8 @@ def test_an_ipv6_loopback_master_address_with_a_free_port_passes() -> None:
 
 
 def test_bad_launch_options_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match=r"strategy='fsdp' is not one of \('auto', 'single', 'dp', 'ddp'\)"):
-        LaunchConfig(strategy="fsdp")
+    with pytest.raises(ConfigError, match=r"strategy='zero3' is not one of \('auto', 'single', 'dp', 'ddp', 'fsdp'\)"):
+        LaunchConfig(strategy="zero3")
     with pytest.raises(ConfigError, match="nproc_per_node=0: pass a count >= 1 or 'auto'"):
         LaunchConfig(nproc_per_node=0)
     with pytest.raises(ConfigError, match="spans several nodes: pass --master-addr"):
@@ -225,6 +225,13 @@ def test_auto_strategy_is_ddp_for_several_processes() -> None:
     assert resolve_strategy(LaunchConfig(), 2) == "ddp"
     assert resolve_strategy(LaunchConfig(), 1) == "single"
     assert resolve_strategy(LaunchConfig(strategy="dp"), 1) == "dp"
+
+
+def test_fsdp_launches_one_bound_process_per_device_like_ddp() -> None:
+    config = LaunchConfig(strategy="fsdp", nproc_per_node=2, bind_cores=True)
+    assert resolve_strategy(config, 2) == "fsdp"
+    env = worker_env(config, "fsdp", 2)
+    assert env["MULTIGPU_STRATEGY"] == "fsdp" and env["MULTIGPU_BIND_CORES"] == "1"
 
 
 def test_cli_flags_are_the_documented_surface() -> None:

@@ -8,6 +8,8 @@ import multigpu.session
 
 def test_session_surface() -> None:
     assert sorted(multigpu.session.__all__) == [
+        "DDPOptions",
+        "FSDPOptions",
         "PRECISIONS",
         "Precision",
         "STRATEGIES",
@@ -18,7 +20,7 @@ def test_session_surface() -> None:
         "build_strategy",
         "resolve_strategy_name",
     ]
-    assert sorted(multigpu.session.STRATEGIES) == ["ddp", "dp", "single"]
+    assert sorted(multigpu.session.STRATEGIES) == ["ddp", "dp", "fsdp", "single"]
     assert sorted(multigpu.session.PRECISIONS) == ["bf16", "fp16", "fp32"]
 
 

@@ -124,10 +124,10 @@ def test_auto_picks_what_the_launcher_asked_for(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_unknown_strategy_names_the_choices() -> None:
-    with pytest.raises(ConfigError, match=r"strategy='fsdp' is not one of \['auto', 'single', 'dp', 'ddp'\]"):
-        Session(strategy="fsdp")
-    with pytest.raises(ConfigError, match="strategy='fsdp'"):
-        build_strategy("fsdp")
+    with pytest.raises(ConfigError, match=r"strategy='zero3' is not one of \['auto', 'single', 'dp', 'ddp', 'fsdp'\]"):
+        Session(strategy="zero3")
+    with pytest.raises(ConfigError, match="strategy='zero3'"):
+        build_strategy("zero3")
 
 
 def test_unknown_precision_and_bad_accumulation() -> None:

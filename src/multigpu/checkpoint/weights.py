@@ -20,6 +20,7 @@ from torch import nn
 from multigpu.checkpoint.formats import Format, read_tensors, write_tensors
 from multigpu.checkpoint.keys import clean_state_dict, unwrap
 from multigpu.checkpoint.ranks import run_on_main
+from multigpu.checkpoint.sharded import full_state_dict, shard_like
 from multigpu.errors import CheckpointError
 
 _SHOWN = 6  # keys listed per category in a mismatch message
@@ -48,7 +49,8 @@ def save(
             previous file at ``path`` is unchanged.
 
     Under a process group with several ranks every rank must call it: rank 0 writes, the
-    others wait until the file is complete.
+    others wait until the file is complete. A model sharded by fsdp is gathered first (the
+    whole weights, written once by rank 0, in the same format).
 
     Example:
         >>> import tempfile
@@ -56,7 +58,7 @@ def save(
         >>> sorted(read_tensors(p)[0])
         ['bias', 'weight']
     """
-    state = unwrap(model).state_dict() if isinstance(model, nn.Module) else model
+    state = full_state_dict(unwrap(model)) if isinstance(model, nn.Module) else model  # fsdp: gathered
     tensors = clean_state_dict(state)
     written = run_on_main(lambda: write_tensors(tensors, path, format=format, metadata=metadata), f"saving {path}")
     return Path(written) if written is not None else Path(path)
@@ -87,7 +89,8 @@ def load(
         CheckpointError: keys or shapes differ (``strict``); the message lists the missing,
             unexpected and shape-different keys and the likely cause.
 
-    Any rank may call it; it does not communicate.
+    Any rank may call it; it does not communicate. Into a model sharded by fsdp, each rank
+    reads the whole file and keeps its own slices.
 
     Example:
         >>> import tempfile
@@ -116,7 +119,7 @@ def load_tensors(
     if problem and strict:
         raise CheckpointError(f"{source} does not match {type(bare).__name__}: {problem}")
     usable = {k: v for k, v in found.items() if k in expected and v.shape == expected[k].shape}
-    bare.load_state_dict(usable, strict=False)
+    bare.load_state_dict(shard_like(expected, usable), strict=False)  # fsdp: each rank takes its slices
 
 
 def describe_mismatch(expected: Mapping[str, torch.Tensor], found: Mapping[str, torch.Tensor]) -> str:

@@ -1,6 +1,7 @@
 """Run a training script under a strategy: one process, threads (dp), or one process per device (ddp).
 
     multigpu launch --strategy ddp --nproc-per-node 2 examples/train.py --epochs 1
+    multigpu launch --strategy fsdp --nproc-per-node 2 examples/train.py
     multigpu launch --strategy dp --devices cpu:2 examples/train.py
     multigpu launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
 
@@ -38,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategy",
         default="auto",
         choices=LAUNCH_STRATEGIES,
-        help="ddp: one process per device (torchrun); dp: one process, a replica per device in threads; "
+        help="ddp: one process per device (torchrun); fsdp: the same with parameters, gradients and optimizer "
+        "state sharded; dp: one process, a replica per device in threads; "
         "single: one process, one device; auto: ddp for several processes, else single (default)",
     )
     parser.add_argument(

@@ -36,7 +36,8 @@ from multigpu.distributed.runtime import check_world_matches_devices, configured
 from multigpu.distributed.supervise import run_supervised
 from multigpu.errors import ConfigError, LaunchError
 
-LAUNCH_STRATEGIES = ("auto", "single", "dp", "ddp")
+LAUNCH_STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
+_ONE_PROCESS = ("single", "dp")  # every other strategy runs one process per device under torchrun
 LOOPBACK = "127.0.0.1"
 _ENTRY_MODULE = "multigpu.distributed._entry"
 _CPU_AUTO_PROCS = 2  # on CPU, processes share the same cores; 2 exercises the multi-process path
@@ -47,8 +48,9 @@ class LaunchConfig:
     """How to start a script. Multi-node fields follow torchrun's meaning.
 
     Attributes:
-        strategy: ``ddp`` (one process per device), ``dp`` (one process, thread replicas),
-            ``single`` (one process, one device) or ``auto`` (``ddp``, or ``single`` for one process).
+        strategy: ``ddp`` (one process per device), ``fsdp`` (the same, model sharded), ``dp`` (one
+            process, thread replicas), ``single`` (one process, one device) or ``auto`` (``ddp``, or
+            ``single`` for one process).
         nproc_per_node: processes per node, or ``"auto"``: every visible GPU, else 2 on CPU.
         nnodes: node count, or ``"MIN:MAX"`` for an elastic run.
         node_rank: this node's rank (static rendezvous).
@@ -110,7 +112,7 @@ class LaunchConfig:
             raise ConfigError(f"grace_period_s={self.grace_period_s} must be a finite number of seconds > 0")
         if self.threads_per_process is not None and self.threads_per_process < 1:
             raise ConfigError(f"threads_per_process={self.threads_per_process} must be >= 1")
-        one_process = self.strategy in ("single", "dp")
+        one_process = self.strategy in _ONE_PROCESS
         if one_process and isinstance(self.nproc_per_node, int) and self.nproc_per_node > 1:
             raise ConfigError(
                 f"--strategy {self.strategy} runs one process, but --nproc-per-node {self.nproc_per_node} asks for "
@@ -219,7 +221,7 @@ def worker_env(config: LaunchConfig, strategy: str, nproc: int) -> dict[str, str
         threads = max(1, (os.cpu_count() or 1) // nproc)
     env["OMP_NUM_THREADS"] = str(threads)
     bind = config.bind_cores if config.bind_cores is not None else accelerator_type() != "cuda"
-    if bind and strategy == "ddp":
+    if bind and strategy not in _ONE_PROCESS:
         env["MULTIGPU_BIND_CORES"] = "1"
     if config.collective_timeout_s is not None:
         env["MULTIGPU_COLLECTIVE_TIMEOUT"] = str(config.collective_timeout_s)
@@ -243,11 +245,11 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
     """
     if not os.path.isfile(script):
         raise LaunchError(f"script {script!r} does not exist; pass the path of a Python file, e.g. examples/train.py")
-    nproc = 1 if config.strategy in ("single", "dp") else resolve_nproc(config)
+    nproc = 1 if config.strategy in _ONE_PROCESS else resolve_nproc(config)
     strategy = resolve_strategy(config, nproc)
     if config.devices is not None:
         parse_devices(config.devices)  # a DeviceError here, not after the script started
-    if strategy != "ddp":
+    if strategy in _ONE_PROCESS:
         env = {**os.environ, **worker_env(config, strategy, 1)}
         return run_supervised([sys.executable, script, *script_args], env, grace_s=config.grace_period_s)
     args = build_torchrun_args(config, script, script_args)

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from multigpu.devices import DeviceSpec
 from multigpu.errors import ConfigError
+from multigpu.session.ddp_options import DDPOptions
+from multigpu.session.fsdp import FSDPOptions
 from multigpu.session.precision import PRECISIONS
 from multigpu.session.strategies import STRATEGIES
 
@@ -30,7 +32,7 @@ class SessionConfig:
     """How a :class:`~multigpu.session.Session` trains.
 
     Attributes:
-        strategy: ``single``, ``dp``, ``ddp`` or ``auto`` (see :mod:`multigpu.session.strategies`).
+        strategy: ``single``, ``dp``, ``ddp``, ``fsdp`` or ``auto`` (see :mod:`multigpu.session.strategies`).
         precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast and a gradient scaler).
         accumulate: micro-steps per optimizer step (gradient accumulation; 1 = none); an integer.
         devices: the devices of ``single`` / ``dp`` (``"cpu:2"``, ``"cuda:0,1"``); None: defaults.
@@ -41,6 +43,11 @@ class SessionConfig:
         run_dir: the folder :meth:`~multigpu.session.Session.log` writes ``metrics.csv`` (and
             TensorBoard events) into; None: ``runs/<strategy>`` under the working directory,
             created on the first ``log``.
+        ddp: DDP's knobs under ddp (:class:`multigpu.session.ddp_options.DDPOptions`).
+        fsdp: how fsdp shards the model (:class:`multigpu.session.fsdp.FSDPOptions`).
+        sync_batchnorm: BatchNorm statistics over the global batch under ddp/fsdp (a no-op,
+            with a warning, in one process, whose BatchNorm already sees the whole batch).
+        compile: ``torch.compile`` the wrapped model (:mod:`multigpu.session.compile`).
     """
 
     strategy: str = "auto"
@@ -50,6 +57,10 @@ class SessionConfig:
     seed: int = 0
     timeout_s: float | None = None
     run_dir: str | Path | None = None
+    ddp: DDPOptions = field(default_factory=DDPOptions)
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+    sync_batchnorm: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, ["auto", *STRATEGIES], "strategy='ddp'")
@@ -71,6 +82,14 @@ class SessionConfig:
             )
         if self.run_dir is not None and not isinstance(self.run_dir, (str, Path)):
             raise ConfigError(f"run_dir={self.run_dir!r} must be a folder path (str or Path), e.g. run_dir='runs/a'")
+        for name, kind in (("ddp", DDPOptions), ("fsdp", FSDPOptions)):
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(
+                    f"{name}={getattr(self, name)!r} must be a {kind.__name__}; use e.g. {name}={kind.__name__}()"
+                )
+        for name in ("sync_batchnorm", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
 
 
 def _check_choice(name: str, value: object, choices: list[str], example: str) -> None:

@@ -43,7 +43,7 @@ from multigpu.parallel.structure import map_leaves
 from multigpu.session.config import SessionConfig
 from multigpu.session.evaluation import per_sample_result
 from multigpu.session.metrics import MetricsLog
-from multigpu.session.precision import Precision, build_precision
+from multigpu.session.precision import Precision
 from multigpu.session.progress import with_progress
 from multigpu.session.strategies import Strategy, build_strategy
 
@@ -85,10 +85,12 @@ class Session:
                 self.config.strategy,
                 devices=self.config.devices,
                 timeout_s=self.config.timeout_s or runtime.collective_timeout_s(),
+                ddp=self.config.ddp,
+                fsdp=self.config.fsdp,
             )
             strategy.setup()
             self.strategy = strategy
-            self.precision = build_precision(self.config.precision, strategy.device.type)
+            self.precision = strategy.build_precision(self.config.precision)
             torch.manual_seed(self.config.seed)
         return self
 
@@ -152,9 +154,14 @@ class Session:
     def setup_model(self, model: nn.Module) -> nn.Module:
         """``model`` moved to the device(s) and wrapped for the strategy. Every rank must call it.
 
-        Build the optimizer from the returned model's parameters (they are the original ones).
+        Build the optimizer afterwards, from the returned model's parameters (under fsdp they are
+        new, sharded parameters; an optimizer built before fails at the first :meth:`step`).
         """
-        return self._started()[0].wrap_model(model)
+        strategy = self._started()[0]
+        if self.config.sync_batchnorm:
+            model = strategy.apply_sync_batchnorm(model)
+        wrapped = strategy.wrap_model(model)
+        return strategy.apply_compile(wrapped) if self.config.compile else wrapped
 
     def build_loader(
         self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, drop_last: bool = True, **loader_kwargs: Any
@@ -275,7 +282,8 @@ class Session:
             ConfigError: no micro-step ran since the last step (so no gradients to apply), or
                 ``max_grad_norm`` is not a finite number > 0.
         """
-        _, precision = self._started()
+        strategy, precision = self._started()
+        strategy.check_optimizer(optimizer)
         if self._micro == 0:
             raise ConfigError(
                 "session.step() found no micro-step since the last step; run the forward and "

@@ -5,6 +5,8 @@
   loader yields the whole global batch and the engine splits it.
 - ``ddp``: one process per device, started by ``multigpu launch`` (or torchrun), gradients
   all-reduced by torch's ``DistributedDataParallel``; each process loads its shard of the batch.
+- ``fsdp``: as ``ddp``, but parameters, gradients and optimizer state are sharded over the
+  processes by torch's FSDP2 (:mod:`multigpu.session.fsdp`).
 - ``auto``: what ``multigpu launch --strategy`` asked for; else ``ddp`` inside a launched run of
   several processes; else ``dp`` when several GPUs are visible; else ``single``.
 
@@ -15,6 +17,7 @@ the model, how to skip gradient sync while accumulating); everything else is sha
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
@@ -30,6 +33,12 @@ from multigpu.distributed.data import ShardSpec
 from multigpu.distributed.runtime import LaunchEnv
 from multigpu.errors import ConfigError, DeviceError
 from multigpu.parallel import DataParallel
+from multigpu.session import fsdp
+from multigpu.session.compile import apply_compile
+from multigpu.session.ddp_options import DDPOptions, build_ddp
+from multigpu.session.fsdp import FSDPOptions
+from multigpu.session.precision import Precision, build_precision
+from multigpu.session.sync_batchnorm import apply_sync_batchnorm
 
 
 class Strategy(ABC):
@@ -37,9 +46,18 @@ class Strategy(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, *, devices: DeviceSpec = None, timeout_s: float = runtime.DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        *,
+        devices: DeviceSpec = None,
+        timeout_s: float = runtime.DEFAULT_TIMEOUT_S,
+        ddp: DDPOptions | None = None,
+        fsdp: FSDPOptions | None = None,
+    ) -> None:
         self.devices = devices
         self.timeout_s = timeout_s
+        self.ddp = ddp or DDPOptions()  # each strategy reads the options of its own kind only
+        self.fsdp = fsdp or FSDPOptions()
 
     @property
     @abstractmethod
@@ -74,6 +92,26 @@ class Strategy(ABC):
         """The region of an accumulating micro-step: no gradient communication there."""
         return nullcontext()
 
+    def build_precision(self, name: str) -> Precision:
+        """The precision object called ``name`` for this strategy's device."""
+        return build_precision(name, self.device.type)
+
+    def apply_sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        """``model`` with BatchNorm statistics over every process's batch; in one process, unchanged."""
+        warnings.warn(
+            f"sync_batchnorm=True has no effect under strategy {self.name!r}: one process already "
+            "normalizes over the whole batch (it applies under ddp and fsdp)",
+            stacklevel=3,
+        )
+        return model
+
+    def apply_compile(self, model: nn.Module) -> nn.Module:
+        """``model`` (as :meth:`wrap_model` returned it) compiled (see :mod:`multigpu.session.compile`)."""
+        return apply_compile(model)
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: B027 (optional hook)
+        """Fail early when ``optimizer`` cannot train the wrapped model (fsdp: built too early)."""
+
 
 class _OneProcess(Strategy, ABC):
     """Strategies that run in one process: refuse to run as one of several launched processes."""
@@ -93,8 +131,8 @@ class SingleStrategy(_OneProcess):
 
     name: ClassVar[str] = "single"
 
-    def __init__(self, *, devices: DeviceSpec = None, timeout_s: float = runtime.DEFAULT_TIMEOUT_S) -> None:
-        super().__init__(devices=devices, timeout_s=timeout_s)
+    def __init__(self, *, devices: DeviceSpec = None, **options: Any) -> None:
+        super().__init__(devices=devices, **options)
         parsed = parse_devices(devices)
         if devices is not None and len(parsed) > 1:
             raise ConfigError(
@@ -116,8 +154,8 @@ class DataParallelStrategy(_OneProcess):
 
     name: ClassVar[str] = "dp"
 
-    def __init__(self, *, devices: DeviceSpec = None, timeout_s: float = runtime.DEFAULT_TIMEOUT_S) -> None:
-        super().__init__(devices=devices, timeout_s=timeout_s)
+    def __init__(self, *, devices: DeviceSpec = None, **options: Any) -> None:
+        super().__init__(devices=devices, **options)
         spec = devices if devices is not None else runtime.requested_devices()
         replicas = parse_devices(spec)
         if spec is None and len(replicas) == 1 and replicas[0].type == "cpu":
@@ -131,15 +169,23 @@ class DataParallelStrategy(_OneProcess):
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return DataParallel(model.to(self.device), devices=[r.label for r in self.replicas])
 
+    def apply_compile(self, model: nn.Module) -> nn.Module:
+        warnings.warn(
+            "compile=True has no effect under strategy 'dp': its replicas are copied from the model at "
+            "every step, which torch.compile would retrace; compile under 'single', 'ddp' or 'fsdp'",
+            stacklevel=3,
+        )
+        return model
+
 
 class DDPStrategy(Strategy):
     """One process per device, launched; gradients all-reduced by DistributedDataParallel."""
 
     name: ClassVar[str] = "ddp"
 
-    def __init__(self, *, devices: DeviceSpec = None, timeout_s: float = runtime.DEFAULT_TIMEOUT_S) -> None:
-        super().__init__(devices=devices, timeout_s=timeout_s)
-        self.env: LaunchEnv = runtime.require_launch_env("strategy 'ddp'")
+    def __init__(self, *, devices: DeviceSpec = None, **options: Any) -> None:
+        super().__init__(devices=devices, **options)
+        self.env: LaunchEnv = runtime.require_launch_env(f"strategy {self.name!r}")
         self._wrapped: list[weakref.ref[DistributedDataParallel]] = []
         self._owns_group = False  # whether setup created the process group (then teardown ends it)
         self._device = runtime.process_device(self.env)
@@ -183,16 +229,47 @@ class DDPStrategy(Strategy):
         self._owns_group = False
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        model = model.to(self._device)
-        device_ids = [self._device.index] if self._device.type == "cuda" else None
-        wrapped = DistributedDataParallel(model, device_ids=device_ids)  # broadcasts rank 0's weights
+        wrapped = build_ddp(model.to(self._device), self._device, self.ddp)  # broadcasts rank 0's weights
         self._wrapped.append(weakref.ref(wrapped))
         return wrapped
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
+        model = getattr(model, "_orig_mod", model)  # the DDP module inside a torch.compile wrapper
         if isinstance(model, DistributedDataParallel):
             return model.no_sync()
         return nullcontext()
+
+    def apply_sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        return apply_sync_batchnorm(model, self._device)
+
+
+class FSDPStrategy(DDPStrategy):
+    """One process per device, launched; parameters, gradients and optimizer state sharded by FSDP2."""
+
+    name: ClassVar[str] = "fsdp"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._sharded: list[weakref.ref[nn.Module]] = []
+        self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._precision = "fp32"
+
+    def build_precision(self, name: str) -> Precision:
+        self._precision = name  # wrap_model's MixedPrecisionPolicy follows it
+        return fsdp.build_fsdp_precision(name, self._device.type)
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        sharded = fsdp.apply_fsdp(model.to(self._device), self._device, self.fsdp, self._precision)
+        self._sharded.append(weakref.ref(sharded))
+        return sharded
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
+        return fsdp.gradient_sync_off(model)
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer not in self._checked:  # once per optimizer: its parameters do not change
+            fsdp.check_optimizer(optimizer, self._sharded)
+            self._checked.add(optimizer)
 
 
 def _check_ddp_devices(devices: DeviceSpec, env: LaunchEnv) -> list[ReplicaDevice]:
@@ -206,7 +283,9 @@ def _check_ddp_devices(devices: DeviceSpec, env: LaunchEnv) -> list[ReplicaDevic
     return parsed
 
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (SingleStrategy, DataParallelStrategy, DDPStrategy)}
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (SingleStrategy, DataParallelStrategy, DDPStrategy, FSDPStrategy)
+}
 
 
 def resolve_strategy_name(name: str) -> str:
@@ -230,6 +309,13 @@ def resolve_strategy_name(name: str) -> str:
     return "single"
 
 
-def build_strategy(name: str, *, devices: DeviceSpec = None, timeout_s: float = runtime.DEFAULT_TIMEOUT_S) -> Strategy:
+def build_strategy(
+    name: str,
+    *,
+    devices: DeviceSpec = None,
+    timeout_s: float = runtime.DEFAULT_TIMEOUT_S,
+    ddp: DDPOptions | None = None,
+    fsdp: FSDPOptions | None = None,
+) -> Strategy:
     """The strategy object for ``name`` (``auto`` resolved). Does not join any process group yet."""
-    return STRATEGIES[resolve_strategy_name(name)](devices=devices, timeout_s=timeout_s)
+    return STRATEGIES[resolve_strategy_name(name)](devices=devices, timeout_s=timeout_s, ddp=ddp, fsdp=fsdp)
