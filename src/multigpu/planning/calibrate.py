@@ -12,7 +12,7 @@ only adds time) divided by the items it holds, counted as :mod:`multigpu.plannin
   module holding many parameters, per module and per tensor. ``replicate="torch"`` times
   ``torch.nn.parallel.replicate`` (what nn.DataParallel runs on GPUs; its CUDA-only coalesced
   broadcast replaced by detached views, whose bytes the broadcast term of the model pays);
-  ``"multigpu"`` times the engine's own :func:`multigpu.parallel.replicate.replicate`.
+  ``"multigpu"`` times the engine's own :func:`multigpu.parallel.replicas.build_replicas`.
 
 Run it:  python -m multigpu.planning.calibrate
 
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from multigpu.errors import ConfigError
-from multigpu.parallel.replicate import replicate
+from multigpu.parallel.replicas import build_replicas
 from multigpu.planning.counting import OpCounter
 from multigpu.planning.host import HostCosts
 from multigpu.profiling.bandwidth import time_per_op
@@ -92,7 +92,7 @@ def _views(
 
 def _replicate_fn(which: str) -> Callable[[nn.Module], object]:
     if which == "multigpu":
-        return lambda module: replicate(module, [torch.device("cpu")])
+        return lambda module: build_replicas(module, [torch.device("cpu")])
     if which == "torch":
         torch_replicate = importlib.import_module("torch.nn.parallel.replicate")
 
