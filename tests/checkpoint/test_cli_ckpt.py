@@ -107,7 +107,9 @@ def test_public_surface_is_a_decision() -> None:
     }
     assert flags == {
         "inspect": sorted(["--allow-unsafe-pickle", "--max-keys", "-h", "--help"]),
-        "convert": sorted(["--to", "--keep-prefixes", "--strip-prefix", "--allow-unsafe-pickle", "-h", "--help"]),
+        "convert": sorted(
+            ["--to", "--keep-prefixes", "--strip-prefix", "--max-expansion", "--allow-unsafe-pickle", "-h", "--help"]
+        ),
     }
 
 
