@@ -134,10 +134,11 @@ def apply_all(
         for target, before in reversed(applied):
             target.load_state_dict(before)
         restore_rng(rng_before)
-        note = " The model may be partly loaded." if stage in ("model", "random state") else ""
-        raise as_error(
-            exc, folder, f"{stage} state; optimizer, scheduler, scaler and random state were put back.{note}"
-        ) from exc
+        note = "optimizer, scheduler, scaler and random state were put back"
+        note += (
+            "; the model may be partly loaded." if stage in ("model", "random state") else "; the model is unchanged."
+        )
+        raise as_error(exc, folder, stage, note) from exc
 
 
 def _restore_this_rank_rng(checked: TrainingState) -> None:

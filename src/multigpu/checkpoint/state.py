@@ -256,4 +256,7 @@ def _written_here(folder: Path, step: int) -> bool:
 
 def _refuse_at_save(where: str, found: Any, expected: str) -> NoReturn:
     shown = found if isinstance(found, str) else f"a {type(found).__name__} ({reprlib.repr(found)})"
-    raise ConfigError(f"{where} is {shown}; checkpoints hold only {expected}, so they load without unpickling code.")
+    raise ConfigError(
+        f"{where} is {shown}; expected {expected}: checkpoints hold only tensors, numbers, strings, "
+        "lists and dicts, so they load without unpickling code."
+    )

@@ -353,6 +353,8 @@ def _check_buffer(r: Refusal, value: Any, param: torch.Tensor, key: str, where: 
         )
 
 
-def as_error(exc: Exception, file: Path, what: str) -> MultigpuError:
-    """A CheckpointError for an unexpected failure while applying ``what`` from ``file``."""
-    return CheckpointError(f"{str(file)!r}: applying the {what} failed ({type(exc).__name__}: {str(exc)[:300]}).")
+def as_error(exc: Exception, folder: Path, stage: str, note: str) -> MultigpuError:
+    """A CheckpointError for an unexpected failure while applying ``stage`` from ``folder``."""
+    return CheckpointError(
+        f"{str(folder)!r}: applying the {stage} state failed ({type(exc).__name__}: {str(exc)[:300]}); {note}"
+    )
