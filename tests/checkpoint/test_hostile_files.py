@@ -131,3 +131,50 @@ def test_length_field_is_read_as_unsigned(tmp_path: Path) -> None:
     (tmp_path / "w.safetensors").write_bytes(struct.pack("<q", -1) + b"{}")
     with pytest.raises(CheckpointError, match=r"header length is 18446744073709551615 bytes"):
         ckpt.load(nn.Linear(2, 1), tmp_path / "w.safetensors")
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["w.safetensors", "w.pt"])
+def test_a_flipped_bit_in_a_tensor_is_refused(tmp_path: Path, name: str) -> None:
+    source = nn.Linear(64, 64)
+    path = ckpt.save(source, tmp_path / name)
+    raw = path.read_bytes()
+    _flip(path, raw.index(source.weight.detach().numpy().tobytes()[:64]) + 10)  # inside the weight's bytes
+    model = nn.Linear(64, 64)
+    before = _snapshot(model)
+    with pytest.raises(CheckpointError, match=r"w\.(safetensors|pt).* is damaged: .*(checksum|CRC-32)"):
+        ckpt.load(model, path)
+    _assert_untouched(model, before)
+
+
+def test_a_flipped_bit_in_a_header_is_refused_even_by_inspect(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = ckpt.save({"layer.weight": torch.ones(2)}, tmp_path / "w.safetensors")
+    raw = path.read_bytes()
+    _flip(path, raw.index(b"layer.weight"))  # a valid header with another key name: only a checksum tells
+    assert main(["ckpt", "inspect", str(path)]) == 1
+    assert "its header does not match the checksum" in capsys.readouterr().err
+    # A flipped tensor byte leaves the header intact: inspect (headers only) still describes the file.
+    other = ckpt.save({"layer.weight": torch.ones(2)}, tmp_path / "v.safetensors")
+    _flip(other, other.stat().st_size - 1)
+    assert main(["ckpt", "inspect", str(other)]) == 0
+
+
+def test_state_of_one_save_with_weights_of_another_is_refused(tmp_path: Path) -> None:
+    checkpointer = ckpt.Checkpointer(folder=tmp_path)
+    first = checkpointer.save(step=3, model=nn.Linear(2, 2))
+    kept = tmp_path / "kept.safetensors"
+    kept.write_bytes((first / "model.safetensors").read_bytes())
+    checkpointer.save(step=3, model=nn.Linear(2, 2))  # a re-save of the same step: same step metadata
+    (first / "model.safetensors").write_bytes(kept.read_bytes())
+    model = nn.Linear(2, 2)
+    before = _snapshot(model)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors': its checksum is"):
+        checkpointer.resume(model=model)
+    _assert_untouched(model, before)

@@ -160,15 +160,24 @@ def test_damaged_state_changes_nothing_and_names_the_entry(tmp_path: Path, case:
     _assert_same(_random_state(), rng_before)
 
 
-def test_a_weights_file_of_another_model_changes_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bound", [True, False], ids=["state-names-its-weights", "older-state-without-checksum"])
+def test_a_weights_file_of_another_save_changes_nothing(tmp_path: Path, bound: bool) -> None:
     folder = _saved(tmp_path)
-    ckpt.save(
-        nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Dropout(0.2), nn.Linear(48, 7)), folder / "model.safetensors"
-    )
+    other = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Dropout(0.2), nn.Linear(48, 7))
+    ckpt.save(other, folder / "model.safetensors")
+    if not bound:
+        state = torch.load(folder / "state.pt", weights_only=True)
+        del state["model_checksum"]
+        torch.save(state, folder / "state.pt")
     fresh = tr.build_parts()
     tr.train_step(fresh, 5)
     before = _everything(fresh)
-    with pytest.raises(CheckpointError, match=r"model\.safetensors' does not match Sequential.*3\.weight"):
+    expected = (
+        r"model\.safetensors': its checksum is .*the weights saved with state\.pt"
+        if bound
+        else r"model\.safetensors' does not match Sequential.*3\.weight"
+    )
+    with pytest.raises(CheckpointError, match=expected):
         ckpt.Checkpointer(folder=tmp_path).resume(model=fresh.model, optimizer=fresh.optimizer)
     _assert_same(_everything(fresh), before)
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from multigpu.checkpoint.discovery import MODEL_FILE, STATE_FILE
 from multigpu.checkpoint.formats import load_torch_file, read_tensors
+from multigpu.checkpoint.integrity import CHECKSUM_KEY
 from multigpu.checkpoint.keys import unwrap
 from multigpu.checkpoint.naming import parse_aside, parse_step
 from multigpu.checkpoint.ranks import global_rank, world_size
@@ -45,8 +46,8 @@ _ATTEMPTS = 3
 
 def read_checkpoint(
     locate: Callable[[], Path | None], *, allow_unsafe_pickle: bool
-) -> tuple[Path, Any, OrderedDict[str, torch.Tensor]] | None:
-    """The folder ``locate()`` names, its unpickled state and its tensors, read as one version.
+) -> tuple[Path, Any, OrderedDict[str, torch.Tensor], dict[str, str]] | None:
+    """The folder ``locate()`` names, its unpickled state, its tensors and their metadata, read as one version.
 
     Returns:
         ``None`` when ``locate()`` finds no checkpoint.
@@ -58,9 +59,9 @@ def read_checkpoint(
         try:
             before = _identity(folder)
             state = load_torch_file(folder / STATE_FILE, allow_unsafe_pickle=allow_unsafe_pickle)
-            tensors, _ = read_tensors(folder / MODEL_FILE, allow_unsafe_pickle=allow_unsafe_pickle)
+            tensors, metadata = read_tensors(folder / MODEL_FILE, allow_unsafe_pickle=allow_unsafe_pickle)
             if _identity(folder) == before:
-                return folder, state, tensors
+                return folder, state, tensors, metadata
         except FileNotFoundError as exc:
             missing = _missing(folder)
             if missing and locate() == folder:  # not a race with another saver: the folder is incomplete
@@ -78,6 +79,7 @@ def check_all(
     folder: Path,
     state: Any,
     tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str],
     model: nn.Module,
     parts: Mapping[str, Any],
     *,
@@ -88,6 +90,10 @@ def check_all(
     if step_in_name is None:
         step_in_name = parse_aside(folder.name)
     checked = check_training_state(state, folder / STATE_FILE, folder_step=step_in_name, allow_objects=allow_objects)
+    if checked.model_checksum is not None and metadata.get(CHECKSUM_KEY) != checked.model_checksum:
+        Refusal(folder / MODEL_FILE).fail(
+            "its checksum", metadata.get(CHECKSUM_KEY), f"{checked.model_checksum}, the weights saved with state.pt"
+        )
     weights = plan_load(model, tensors, strict=True, source=repr(str(folder / MODEL_FILE)))
     r = Refusal(folder / STATE_FILE)
     for name, target in parts.items():

@@ -40,6 +40,7 @@ from multigpu.checkpoint.discovery import (
     recover_asides,
 )
 from multigpu.checkpoint.formats import write_tensors
+from multigpu.checkpoint.integrity import CHECKSUM_KEY
 from multigpu.checkpoint.keys import unwrap
 from multigpu.checkpoint.lock import folder_lock
 from multigpu.checkpoint.naming import check_count, folder_name
@@ -190,9 +191,9 @@ class Checkpointer:
         read = read_checkpoint(locate, allow_unsafe_pickle=allow_unsafe_pickle)
         if read is None:
             return None
-        found, state, tensors = read
+        found, state, tensors, metadata = read
         parts = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
-        checked, weights = check_all(found, state, tensors, model, parts, allow_objects=allow_unsafe_pickle)
+        checked, weights = check_all(found, state, tensors, metadata, model, parts, allow_objects=allow_unsafe_pickle)
         apply_all(found, checked, weights, model, parts)
         return Resumed(
             path=found,
@@ -224,6 +225,8 @@ class Checkpointer:
             remove_stale_temporaries(self.folder)
             with atomic_folder(target) as tmp:
                 write_tensors(tensors, tmp / MODEL_FILE, metadata={"step": str(state["step"])})
+                # The state names the weights it belongs with (see integrity.py).
+                state["model_checksum"] = read_header(tmp / MODEL_FILE).metadata[CHECKSUM_KEY]
                 atomic_write_file(tmp / STATE_FILE, lambda f: torch.save(state, f))
             self._prune(just_written=state["step"])
         return target

@@ -29,6 +29,7 @@ from typing import NoReturn
 
 import torch
 
+from multigpu.checkpoint.integrity import verify_zip_records
 from multigpu.errors import CheckpointError
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, 30 bytes
@@ -69,8 +70,13 @@ def is_zip(path: str | os.PathLike[str]) -> bool:
         return f.read(4) == _LOCAL_SIGNATURE
 
 
-def check_torch_file(path: str | os.PathLike[str]) -> None:
+def check_torch_file(path: str | os.PathLike[str], *, verify_records: bool = True) -> None:
     """Refuse a torch file that ``torch.load(weights_only=True)`` should not be given.
+
+    Args:
+        path: the file.
+        verify_records: also read every record to check its CRC-32 (a damaged tensor); without
+            it only ``data.pkl`` is read (and checked).
 
     Raises:
         CheckpointError: the file is not a well-formed torch zip, or its pickle wants globals
@@ -95,7 +101,9 @@ def check_torch_file(path: str | os.PathLike[str]) -> None:
                 _fail(path, f"the archive has no {pickle_name!r} record")
             if f"{root}/version" not in names and f"{root}/.data/version" not in names:
                 _fail(path, f"the archive has no {root + '/version'!r} record")
-            data = archive.read(pickle_name)
+            data = archive.read(pickle_name)  # zipfile checks its CRC-32
+            if verify_records:
+                verify_zip_records(path, archive)
     except CheckpointError:
         raise
     except Exception as exc:  # zipfile raises many types for broken archives

@@ -52,6 +52,7 @@ class TrainingState:
     scaler: dict[str, Any] | None
     data_position: dict[str, Any]
     extra: dict[str, Any]
+    model_checksum: str | None  # the checksum of the weights saved with it (older checkpoints: None)
 
 
 class Refusal:
@@ -121,7 +122,11 @@ def check_counters(
         if not allow_objects:
             walk_plain(value, f"entry {entry!r}", r.fail, device=device)
         counters[entry] = value
+    checksum = obj.get("model_checksum")
+    if checksum is not None and (not isinstance(checksum, str) or len(checksum) > 100):
+        r.fail("entry 'model_checksum'", checksum, "a checksum string")
     return TrainingState(
+        model_checksum=checksum,
         step=step,
         epoch=_count(r, obj, "epoch", 0, MAX_STEP),
         world_size=world,
