@@ -178,3 +178,12 @@ def test_state_of_one_save_with_weights_of_another_is_refused(tmp_path: Path) ->
     with pytest.raises(CheckpointError, match=r"model\.safetensors': its checksum is"):
         checkpointer.resume(model=model)
     _assert_untouched(model, before)
+
+
+def test_deep_nesting_is_refused_without_recursing(tmp_path: Path) -> None:
+    # {"model": {"model": ... 1}} 5000 deep, as pickle opcodes (torch.save itself would recurse).
+    key = b"X" + struct.pack("<I", 5) + b"model"
+    pickle_bytes = b"\x80\x02" + (b"}" + key) * 5000 + b"K\x01" + b"s" * 5000 + b"."
+    (tmp_path / "deep.pt").write_bytes(_craft.doctored_torch({}, _craft.with_pickle(pickle_bytes)))
+    with pytest.raises(CheckpointError, match=r"deep\.pt.*holds no flat mapping of tensors"):
+        ckpt.load(nn.Linear(1, 1), tmp_path / "deep.pt")

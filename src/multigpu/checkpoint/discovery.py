@@ -3,7 +3,8 @@
 A checkpoint is complete when its folder has a strict step name (see :mod:`naming`), is a real
 folder (not a symlink), and holds both files as regular files; each file is written atomically
 before the folder gets its name, so present means whole. A step whose folder is missing but
-whose previous copy sits under an aside name (a replacement was interrupted) is found there.
+whose previous copy sits under an aside name (a replacement was interrupted) is found there,
+if that copy's weights header records the same step.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 
 from multigpu.checkpoint.atomic import remove_tree
 from multigpu.checkpoint.naming import ASIDE_MARKER, PREFIX, parse_aside, parse_step
+from multigpu.checkpoint.safetensors_header import read_header
+from multigpu.errors import CheckpointError
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
@@ -45,7 +48,7 @@ def complete_checkpoints(folder: Path, *, warn: bool = True) -> list[Found]:
             ignored.append(name)
         else:
             aside_step = parse_aside(name)
-            if aside_step is not None and is_complete(entry):
+            if aside_step is not None and _is_aside_of(entry, aside_step):
                 asides[aside_step] = entry
     for step, path in asides.items():
         found.setdefault(step, Found(step, path))
@@ -99,11 +102,21 @@ def recover_asides(folder: Path) -> list[Path]:
         final = entry.with_name(entry.name[1:].split(ASIDE_MARKER, 1)[0])
         if is_complete(final):
             remove_tree(entry)  # the replacement finished; this is the old copy
-        elif not os.path.lexists(final) and is_complete(entry):
+        elif not os.path.lexists(final) and _is_aside_of(entry, step):
             os.rename(entry, final)
             restored.append(final)
         # else: something else sits under the step's name; leave both alone
     return restored
+
+
+def _is_aside_of(path: Path, step: int) -> bool:
+    # Hidden entries are ours only if complete and their weights record the step (a cheap header read).
+    if not is_complete(path):
+        return False
+    try:
+        return read_header(path / MODEL_FILE).metadata.get("step") == str(step)
+    except (CheckpointError, OSError):
+        return False
 
 
 def _entries(folder: Path) -> list[Path]:

@@ -39,6 +39,7 @@ _PLAIN_DTYPES = frozenset(DTYPES.values()) | {torch.float64, torch.complex128, t
 _ALIASES_KEY = "multigpu.aliases"
 # Keys under which training scripts commonly nest the model's state dict in a torch file.
 _NESTED_MODEL_KEYS = ("state_dict", "model_state_dict", "model", "module")
+_MAX_NESTING = 4
 
 
 def format_for(path: str | os.PathLike[str], format: Format | None = None) -> Format:
@@ -147,16 +148,19 @@ def read_structure(
 
 def tensors_of(obj: Any, path: str | os.PathLike[str], *, device: str = "cpu") -> OrderedDict[str, torch.Tensor]:
     """The flat key -> tensor mapping inside an object loaded from a torch file."""
-    if isinstance(obj, Mapping) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
-        for key, value in obj.items():
-            if not isinstance(key, str):
-                raise CheckpointError(f"{str(path)!r} has a tensor under the key {key!r}; keys must be strings.")
-            check_plain_tensor(value, f"{str(path)!r}: tensor {key!r}", device=device)
-        return OrderedDict(obj.items())
-    if isinstance(obj, Mapping):
-        for key in _NESTED_MODEL_KEYS:
-            if key in obj and isinstance(obj[key], Mapping):
-                return tensors_of(obj[key], path, device=device)
+    for _ in range(_MAX_NESTING):
+        if isinstance(obj, Mapping) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+            for key, value in obj.items():
+                if not isinstance(key, str):
+                    raise CheckpointError(f"{str(path)!r} has a tensor under the key {key!r}; keys must be strings.")
+                check_plain_tensor(value, f"{str(path)!r}: tensor {key!r}", device=device)
+            return OrderedDict(obj.items())
+        nested = next(
+            (obj[k] for k in _NESTED_MODEL_KEYS if isinstance(obj, Mapping) and isinstance(obj.get(k), Mapping)), None
+        )
+        if nested is None:
+            break
+        obj = nested
     found = list(obj)[:8] if isinstance(obj, Mapping) else type(obj).__name__
     raise CheckpointError(
         f"{str(path)!r} holds no flat mapping of tensors (found {reprlib.repr(found)}); expected a state dict, "
