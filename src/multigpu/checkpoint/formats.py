@@ -25,7 +25,7 @@ import safetensors.torch
 import torch
 
 from multigpu.checkpoint.atomic import atomic_write_file, atomic_write_path
-from multigpu.checkpoint.integrity import CHECKSUM_KEY, PLACEHOLDER, stamp, verify_data, verify_header
+from multigpu.checkpoint.integrity import CHECKSUM_KEY, checksum_of, verify_header, verify_tensors
 from multigpu.checkpoint.safetensors_header import DTYPES, Header, read_header
 from multigpu.checkpoint.torch_zip import check_torch_file, unsafe_message
 from multigpu.errors import CheckpointError, ConfigError
@@ -201,18 +201,17 @@ def write_tensors(
     unique, aliases = _deduplicate(tensors)
     header = {str(k): str(v) for k, v in (metadata or {}).items()}
     header["format"] = "pt"
-    header[CHECKSUM_KEY] = PLACEHOLDER  # filled in once the file is written (see integrity.py)
     if aliases:
         header[_ALIASES_KEY] = json.dumps(aliases)
     else:
         header.pop(_ALIASES_KEY, None)
+    header[CHECKSUM_KEY] = checksum_of(unique, header)  # see integrity.py
     return atomic_write_path(path, lambda tmp: _save_safetensors(unique, tmp, header))
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, header: dict[str, str]) -> None:
     try:
         safetensors.torch.save_file(tensors, str(path), header)
-        stamp(path)
     except safetensors.SafetensorError as exc:
         # The Rust writer reports I/O failures (full disk, size limit) as text: recover the errno
         # so the caller can explain them like any other OSError.
@@ -230,7 +229,7 @@ def _torch_save(obj: Any, f: BinaryIO) -> None:
 def checked_safetensors_header(path: str | os.PathLike[str]) -> Header:
     """The checked header of a safetensors file that is not also a zip archive (a polyglot)."""
     header = read_header(path)
-    verify_header(path, header.prefix, header.raw, header.metadata)
+    verify_header(path, [(e.key, e.dtype, e.shape) for e in header.entries], header.metadata)
     if _is_zip_archive(path):
         raise CheckpointError(
             f"{str(path)!r} is both a safetensors file and a zip archive (a polyglot); tools would "
@@ -242,12 +241,12 @@ def checked_safetensors_header(path: str | os.PathLike[str]) -> Header:
 
 def _read_safetensors(path: str | os.PathLike[str]) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
     header = checked_safetensors_header(path)
-    verify_data(path, header.data_start, header.metadata)
     try:
         with safetensors.safe_open(str(path), framework="pt", device="cpu") as f:
             tensors = OrderedDict((e.key, f.get_tensor(e.key)) for e in header.entries)
     except (safetensors.SafetensorError, OSError) as exc:  # e.g. the file changed after the check
         raise CheckpointError(f"{str(path)!r} could not be read as safetensors: {exc}") from exc
+    verify_tensors(path, tensors, header.metadata)
     for alias, source in _aliases(path, header).items():
         tensors[alias] = tensors[source]
     return tensors, _without_aliases(header.metadata)

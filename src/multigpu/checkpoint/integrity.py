@@ -2,11 +2,13 @@
 
 A flipped bit in a tensor's bytes leaves a perfectly well-formed file; only a checksum tells.
 
-* safetensors files multigpu writes carry ``"multigpu.checksum": "crc32:HHHHHHHH:DDDDDDDD"`` in
-  their header metadata: the CRC-32 of the length prefix and header (with this value as zeros)
-  and the CRC-32 of the data section. The file is written with the zeros, then the value is
-  patched in place (same length), so no second copy of the tensors is ever made. A reader
-  checks the header part whenever it reads the header and the data part before using tensors.
+* safetensors files multigpu writes carry ``"multigpu.checksum": "crc32:HHHHHHHH:TTTTTTTT"`` in
+  their header metadata. ``H`` covers what the header says (every tensor's name, dtype and shape,
+  and the other metadata), so it is checked from the header alone (``ckpt inspect``); ``T`` covers
+  every tensor's bytes, checked on the tensors just read, so no extra pass over the file is made.
+  Both are computed from the tensors in memory before writing, one CRC-32 per tensor, in threads
+  (zlib releases the GIL). Byte offsets are not covered: a damaged offset breaks the header's
+  tiling or moves other bytes under a tensor, which ``T`` catches.
 * torch files are zip archives with a CRC-32 per record; :func:`verify_zip_records` reads every
   record through :mod:`zipfile`, which checks them.
 * a Checkpointer's ``state.pt`` records the checksum of its ``model.safetensors``, so weights
@@ -17,58 +19,53 @@ Files from elsewhere carry no checksum and are read as they are.
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import zipfile
 import zlib
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import torch
 
 from multigpu.errors import CheckpointError
 
 CHECKSUM_KEY = "multigpu.checksum"
-PLACEHOLDER = "crc32:00000000:00000000"
 _CHUNK = 16 << 20
+_THREADS = min(4, os.cpu_count() or 1)
 
 
-def stamp(path: Path) -> str:
-    """Fill in the checksum of the safetensors file at ``path``, written with :data:`PLACEHOLDER`.
+def checksum_of(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> str:
+    """The checksum value to store with ``tensors`` (contiguous) and ``metadata``.
 
-    Returns:
-        The checksum value written.
+    Example:
+        >>> checksum_of({"w": torch.zeros(2)}, {"format": "pt"}).startswith("crc32:")
+        True
     """
-    with open(path, "r+b") as f:
-        prefix = f.read(8)
-        header = f.read(int.from_bytes(prefix, "little"))
-        at = header.find(f'"{CHECKSUM_KEY}":"{PLACEHOLDER}"'.encode())
-        if at < 0:
-            raise CheckpointError(f"{str(path)!r}: the checksum placeholder is missing from the header just written.")
-        value = _value(zlib.crc32(header, zlib.crc32(prefix)), _crc_from(f, 8 + len(header)))
-        f.seek(8 + at + len(CHECKSUM_KEY) + 4)
-        f.write(value.encode())
-    return value
+    described = [(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]
+    return f"crc32:{_header_crc(described, metadata):08x}:{_tensors_crc(tensors):08x}"
 
 
-def verify_header(path: str | os.PathLike[str], prefix: bytes, header: bytes, metadata: dict[str, str]) -> None:
+def verify_header(
+    path: str | os.PathLike[str],
+    described: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+    metadata: Mapping[str, str],
+) -> None:
     """Check the header part of a stored checksum (no-op for files without one)."""
-    stored = metadata.get(CHECKSUM_KEY)
-    if stored is None:
-        return
-    _check_format(path, stored)
-    blank = header.replace(f'"{CHECKSUM_KEY}":"{stored}"'.encode(), f'"{CHECKSUM_KEY}":"{PLACEHOLDER}"'.encode(), 1)
-    computed = f"{zlib.crc32(blank, zlib.crc32(prefix)):08x}"
-    if blank == header or computed != stored.split(":")[1]:
-        raise _damaged(path, "header", stored, computed)
+    stored = _stored(path, metadata)
+    if stored is not None and f"{_header_crc(described, metadata):08x}" != stored[0]:
+        raise _damaged(path, "header (tensor names, dtypes, shapes or metadata)")
 
 
-def verify_data(path: str | os.PathLike[str], data_start: int, metadata: dict[str, str]) -> None:
-    """Check the data part of a stored checksum by reading the data section once."""
-    stored = metadata.get(CHECKSUM_KEY)
-    if stored is None:
-        return
-    _check_format(path, stored)
-    with open(path, "rb") as f:
-        computed = f"{_crc_from(f, data_start):08x}"
-    if computed != stored.split(":")[2]:
-        raise _damaged(path, "data", stored, computed)
+def verify_tensors(
+    path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+) -> None:
+    """Check the tensor part of a stored checksum on the tensors read from ``path``."""
+    stored = _stored(path, metadata)
+    if stored is not None and f"{_tensors_crc(tensors):08x}" != stored[1]:
+        raise _damaged(path, "tensor data")
 
 
 def verify_zip_records(path: str | os.PathLike[str], archive: zipfile.ZipFile) -> None:
@@ -85,30 +82,44 @@ def verify_zip_records(path: str | os.PathLike[str], archive: zipfile.ZipFile) -
                 ) from exc
 
 
-def _crc_from(f, start: int) -> int:  # type: ignore[no-untyped-def]
-    f.seek(start)
-    crc = 0
-    while chunk := f.read(_CHUNK):
-        crc = zlib.crc32(chunk, crc)
-    return crc
+def _header_crc(described: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str]) -> int:
+    canonical = {
+        "tensors": sorted([key, str(dtype), list(shape)] for key, dtype, shape in described),
+        "metadata": sorted([k, v] for k, v in metadata.items() if k != CHECKSUM_KEY),
+    }
+    return zlib.crc32(json.dumps(canonical, separators=(",", ":")).encode())
 
 
-def _value(header_crc: int, data_crc: int) -> str:
-    return f"crc32:{header_crc:08x}:{data_crc:08x}"
+def _tensors_crc(tensors: Mapping[str, torch.Tensor]) -> int:
+    keys = sorted(tensors)
+    with ThreadPoolExecutor(_THREADS) as pool:
+        crcs = list(pool.map(lambda key: _crc_of(tensors[key]), keys))
+    return zlib.crc32(struct.pack(f"<{len(crcs)}I", *crcs))
 
 
-def _check_format(path: str | os.PathLike[str], stored: str) -> None:
+def _crc_of(tensor: torch.Tensor) -> int:
+    flat = tensor.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return zlib.crc32(flat.view(torch.uint8).numpy().data)
+
+
+def _stored(path: str | os.PathLike[str], metadata: Mapping[str, str]) -> tuple[str, str] | None:
+    stored = metadata.get(CHECKSUM_KEY)
+    if stored is None:
+        return None
     parts = stored.split(":")
     if len(parts) != 3 or parts[0] != "crc32" or not all(len(p) == 8 and _is_hex(p) for p in parts[1:]):
         raise CheckpointError(f"{str(Path(path))!r} has a malformed {CHECKSUM_KEY!r} entry ({stored[:60]!r}).")
+    return parts[1], parts[2]
 
 
 def _is_hex(text: str) -> bool:
     return all(c in "0123456789abcdef" for c in text)
 
 
-def _damaged(path: str | os.PathLike[str], part: str, stored: str, computed: str) -> CheckpointError:
+def _damaged(path: str | os.PathLike[str], part: str) -> CheckpointError:
     return CheckpointError(
-        f"{str(Path(path))!r} is damaged: its {part} does not match the checksum it was written with "
-        f"({stored}, computed {computed} for the {part}). Use another checkpoint, or re-save this one from its source."
+        f"{str(Path(path))!r} is damaged: its {part} does not match the checksum it was written with. "
+        "Use another checkpoint, or re-save this one from its source."
     )

@@ -80,8 +80,6 @@ class Header:
     metadata: dict[str, str]
     data_start: int  # byte offset of the data section in the file
     file_size: int
-    prefix: bytes  # the 8-byte length, as read
-    raw: bytes  # the header bytes, as read
 
 
 def read_header(path: str | os.PathLike[str]) -> Header:
@@ -102,8 +100,7 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         size = os.fstat(f.fileno()).st_size
         if size < 8:
             _fail(path, f"it is {size} bytes long, shorter than the 8-byte header length")
-        prefix = f.read(8)
-        (length,) = struct.unpack("<Q", prefix)
+        (length,) = struct.unpack("<Q", f.read(8))
         if length < 2 or length > MAX_HEADER_BYTES:
             _fail(path, f"its header length is {length} bytes; expected 2 to {MAX_HEADER_BYTES}")
         if length > size - 8:
@@ -114,7 +111,7 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     metadata = _metadata(path, parsed.pop(METADATA_KEY, None))
     entries = [_entry(path, key, value) for key, value in parsed.items()]
     _check_tiling(path, entries, size - data_start)
-    return Header(entries=entries, metadata=metadata, data_start=data_start, file_size=size, prefix=prefix, raw=raw)
+    return Header(entries=entries, metadata=metadata, data_start=data_start, file_size=size)
 
 
 def _parse_json(path: str | os.PathLike[str], raw: bytes) -> dict[str, Any]:
