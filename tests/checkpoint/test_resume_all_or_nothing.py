@@ -234,3 +234,8 @@ def test_save_refuses_a_data_position_holding_itself(tmp_path: Path) -> None:
     position["self"] = position
     with pytest.raises(ConfigError, match=r"data_position\['self'\].* is a container holding itself"):
         ckpt.Checkpointer(folder=tmp_path).save(step=1, model=nn.Linear(2, 2), data_position=position)
+
+
+def test_save_refuses_non_string_keys_that_resume_would_refuse(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"data_position has the key 1; its keys must be strings"):
+        ckpt.Checkpointer(folder=tmp_path).save(step=1, model=nn.Linear(2, 2), data_position={1: 2})

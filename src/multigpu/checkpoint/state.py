@@ -117,7 +117,7 @@ class Checkpointer:
 
         Args:
             step: optimizer steps taken so far (the step to resume at).
-            model: wrapped or bare; saved with clean keys.
+            model: wrapped or bare; saved with the bare model's own keys.
             optimizer, scheduler, scaler: saved through their ``state_dict()``.
             epoch: the current epoch.
             data_position: where the data loader stands (ints/strings), e.g. ``{"batch": 17}``.
@@ -139,7 +139,10 @@ class Checkpointer:
         check_count(epoch, "epoch")
         counters = {"data_position": dict(data_position or {}), "extra": dict(extra or {})}
         for name, value in counters.items():
-            walk_plain(value, name, _refuse_at_save)
+            for key in value:
+                if not isinstance(key, str):
+                    raise ConfigError(f"{name} has the key {key!r}; its keys must be strings.")
+            walk_plain(value, name, _refuse_at_save, device=None)  # torch.save moves nothing; load maps to CPU
         rngs = gather_on_main(capture_rng(), "random states")
         target = self.folder / folder_name(step)
 

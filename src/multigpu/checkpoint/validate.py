@@ -146,7 +146,9 @@ def _count(r: Refusal, obj: dict[str, Any], entry: str, low: int, high: int) -> 
     return value
 
 
-def walk_plain(value: Any, where: str, fail: Callable[[str, Any, str], NoReturn], *, device: str = "cpu") -> None:
+def walk_plain(
+    value: Any, where: str, fail: Callable[[str, Any, str], NoReturn], *, device: str | None = "cpu"
+) -> None:
     """Require ``value`` to be tensors (dense, on ``device``), numbers, strings, lists, tuples and dicts, bounded.
 
     ``fail(where, found, expected)`` is called for the first offending item.
@@ -155,7 +157,14 @@ def walk_plain(value: Any, where: str, fail: Callable[[str, Any, str], NoReturn]
 
 
 def _walk(
-    value: Any, where: str, fail: Callable[..., NoReturn], *, depth: int, seen: set[int], path: set[int], device: str
+    value: Any,
+    where: str,
+    fail: Callable[..., NoReturn],
+    *,
+    depth: int,
+    seen: set[int],
+    path: set[int],
+    device: str | None,
 ) -> None:
     if isinstance(value, _LEAVES):
         return
