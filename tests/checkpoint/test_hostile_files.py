@@ -189,3 +189,8 @@ def test_deep_nesting_is_refused_without_recursing(tmp_path: Path) -> None:
     (tmp_path / "deep.pt").write_bytes(_craft.doctored_torch({}, _craft.with_pickle(pickle_bytes)))
     with pytest.raises(CheckpointError, match=r"deep\.pt.*holds no flat mapping of tensors"):
         ckpt.load(nn.Linear(1, 1), tmp_path / "deep.pt")
+
+
+def test_a_folder_given_as_a_weights_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"cannot read .*: Is a directory"):
+        ckpt.load(nn.Linear(2, 1), tmp_path)

@@ -185,8 +185,10 @@ def test_a_weights_file_of_another_save_changes_nothing(tmp_path: Path, bound: b
 def test_an_incomplete_folder_given_by_path_is_named(tmp_path: Path) -> None:
     folder = _saved(tmp_path)
     (folder / "state.pt").unlink()
-    with pytest.raises(CheckpointError, match=r"not a complete checkpoint folder: state\.pt missing"):
+    with pytest.raises(CheckpointError, match=r"not a complete checkpoint folder \(state\.pt missing"):
         ckpt.Checkpointer(folder=tmp_path).resume(model=tr.build_model(), path=folder)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors' is not a complete checkpoint folder"):
+        ckpt.Checkpointer(folder=tmp_path).resume(model=tr.build_model(), path=folder / "model.safetensors")
 
 
 def test_a_failing_load_state_dict_puts_everything_back(tmp_path: Path) -> None:

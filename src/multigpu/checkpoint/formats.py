@@ -9,6 +9,7 @@ and the explicit opt-in, ``allow_unsafe_pickle=True``, for files the user trusts
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -16,7 +17,7 @@ import re
 import reprlib
 import zipfile
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
@@ -129,21 +130,35 @@ def read_tensors(
     Raises:
         CheckpointError: the file is damaged, of another kind, or holds something else.
     """
-    if detect_format(path) == "safetensors":
-        return _read_safetensors(path)
-    obj = load_torch_file(path, allow_unsafe_pickle=allow_unsafe_pickle)
-    return tensors_of(obj, path), {}
+    with _reading(path):
+        if detect_format(path) == "safetensors":
+            return _read_safetensors(path)
+        obj = load_torch_file(path, allow_unsafe_pickle=allow_unsafe_pickle)
+        return tensors_of(obj, path), {}
+
+
+@contextlib.contextmanager
+def _reading(path: str | os.PathLike[str]) -> Iterator[None]:
+    # A folder or an unreadable file is a CheckpointError; a missing file stays FileNotFoundError,
+    # as Python's own readers raise (resume retries on it when another process swaps a folder).
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {str(path)!r}: {exc.strerror or exc}.") from exc
 
 
 def read_structure(
     path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False
 ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], dict[str, str]]:
     """Keys, shapes and dtypes of a weights file without reading its tensor data, and its metadata."""
-    if detect_format(path) == "safetensors":
-        header = checked_safetensors_header(path)
-        return [(e.key, e.shape, e.dtype) for e in header.entries], _without_aliases(header.metadata)
-    obj = load_torch_file(path, allow_unsafe_pickle=allow_unsafe_pickle, map_location="meta")
-    return [(k, tuple(v.shape), v.dtype) for k, v in tensors_of(obj, path, device="meta").items()], {}
+    with _reading(path):
+        if detect_format(path) == "safetensors":
+            header = checked_safetensors_header(path)
+            return [(e.key, e.shape, e.dtype) for e in header.entries], _without_aliases(header.metadata)
+        obj = load_torch_file(path, allow_unsafe_pickle=allow_unsafe_pickle, map_location="meta")
+        return [(k, tuple(v.shape), v.dtype) for k, v in tensors_of(obj, path, device="meta").items()], {}
 
 
 def tensors_of(obj: Any, path: str | os.PathLike[str], *, device: str = "cpu") -> OrderedDict[str, torch.Tensor]:

@@ -62,12 +62,14 @@ def read_checkpoint(
             tensors, metadata = read_tensors(folder / MODEL_FILE, allow_unsafe_pickle=allow_unsafe_pickle)
             if _identity(folder) == before:
                 return folder, state, tensors, metadata
-        except FileNotFoundError as exc:
+        except OSError as exc:
             missing = _missing(folder)
-            if missing and locate() == folder:  # not a race with another saver: the folder is incomplete
+            if not isinstance(exc, FileNotFoundError) or (missing and locate() == folder):
+                # Not a race with another saver: the folder is incomplete or not a folder.
                 raise CheckpointError(
-                    f"{str(folder)!r} is not a complete checkpoint folder: {', '.join(missing)} missing. "
-                    "Give a step-N folder written by a Checkpointer, or resume without path= to use the latest."
+                    f"{str(folder)!r} is not a complete checkpoint folder ({', '.join(missing) or exc.strerror} "
+                    "missing or unreadable). Give a step-N folder written by a Checkpointer, or resume without "
+                    "path= to use the latest."
                 ) from exc
     raise CheckpointError(
         f"the checkpoint kept changing while it was read ({_ATTEMPTS} attempts): another process is "
