@@ -194,3 +194,14 @@ def test_deep_nesting_is_refused_without_recursing(tmp_path: Path) -> None:
 def test_a_folder_given_as_a_weights_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"cannot read .*: Is a directory"):
         ckpt.load(nn.Linear(2, 1), tmp_path)
+
+
+def test_a_flipped_byte_in_the_checksum_name_does_not_disable_the_check(tmp_path: Path) -> None:
+    source = nn.Linear(8, 8)
+    path = ckpt.save(source, tmp_path / "w.safetensors")
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(b"multigpu.checksum")] ^= 0x01  # 'lultigpu.checksum': the file would look checksum-less
+    raw[-1] ^= 0x01  # and a tensor byte is damaged too
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"looks like a damaged 'multigpu\.checksum'"):
+        ckpt.load(nn.Linear(8, 8), path)

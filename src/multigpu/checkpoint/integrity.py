@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import zipfile
 import zlib
@@ -33,6 +34,7 @@ import torch
 from multigpu.errors import CheckpointError
 
 CHECKSUM_KEY = "multigpu.checksum"
+_CHECKSUM_VALUE = re.compile(r"crc32:[0-9a-f]{8}:[0-9a-f]{8}")
 _CHUNK = 16 << 20
 _THREADS = min(4, os.cpu_count() or 1)
 
@@ -107,11 +109,24 @@ def _crc_of(tensor: torch.Tensor) -> int:
 def _stored(path: str | os.PathLike[str], metadata: Mapping[str, str]) -> tuple[str, str] | None:
     stored = metadata.get(CHECKSUM_KEY)
     if stored is None:
+        _refuse_a_damaged_entry(path, metadata)
         return None
     parts = stored.split(":")
     if len(parts) != 3 or parts[0] != "crc32" or not all(len(p) == 8 and _is_hex(p) for p in parts[1:]):
         raise CheckpointError(f"{str(Path(path))!r} has a malformed {CHECKSUM_KEY!r} entry ({stored[:60]!r}).")
     return parts[1], parts[2]
+
+
+def _refuse_a_damaged_entry(path: str | os.PathLike[str], metadata: Mapping[str, str]) -> None:
+    # Damage to the entry's name would otherwise make the file look like one without a checksum.
+    # A flipped byte keeps the name's length; an inserted or deleted one breaks the header's tiling.
+    for key, value in metadata.items():
+        near = len(key) == len(CHECKSUM_KEY) and sum(a != b for a, b in zip(key, CHECKSUM_KEY)) <= 3
+        if near or _CHECKSUM_VALUE.fullmatch(value):
+            raise CheckpointError(
+                f"{str(Path(path))!r} is damaged: its metadata entry {key[:40]!r} looks like a damaged "
+                f"{CHECKSUM_KEY!r}. Use another checkpoint, or re-save this one from its source."
+            )
 
 
 def _is_hex(text: str) -> bool:
