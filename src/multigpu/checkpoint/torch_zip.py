@@ -128,7 +128,7 @@ def pickle_globals(data: bytes, path: str | os.PathLike[str]) -> set[str]:
 
 
 def unsafe_message(path: str | os.PathLike[str], wanted: list[str]) -> str:
-    shown = ", ".join(w.replace(" ", ".") for w in wanted[:5]) + (" ..." if len(wanted) > 5 else "")
+    shown = ", ".join(repr(w.replace(" ", "."))[1:-1] for w in wanted[:5]) + (" ..." if len(wanted) > 5 else "")
     return (
         f"refusing to load {str(Path(path))!r}: it needs arbitrary unpickling ({shown}); unpickling "
         "such objects can run code the file's author chose or allocate memory without bound. If you "

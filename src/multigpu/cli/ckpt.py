@@ -20,6 +20,7 @@ from collections import Counter
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from multigpu.checkpoint.expansion import DEFAULT_MAX_EXPANSION, check_expansion
 from multigpu.checkpoint.formats import FORMATS, read_tensors, write_tensors
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             _convert(console, args)
     except MultigpuError as exc:
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {exc}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(Text.assemble(("error:", "bold red"), " ", _printable(str(exc))))
         return 1
     return 0
 
@@ -120,33 +121,38 @@ def _convert(console: Console, args: argparse.Namespace) -> None:
         raise CheckpointError(f"--strip-prefix would merge keys of {str(source)!r} into {merged}; strip less.")
     tensors = type(tensors)(zip(new_keys, tensors.values()))
     written = write_tensors(tensors, args.output, format=args.to, metadata=metadata)
-    console.print(f"wrote {len(tensors)} tensors from {source} to {written}", highlight=False)
+    console.print(Text(_printable(f"wrote {len(tensors)} tensors from {source} to {written}")))
 
 
 def _print_summary(console: Console, summary: Summary, max_keys: int) -> None:
     facts = Table(show_header=False, box=None)
     facts.add_column(style="bold")
     facts.add_column(overflow="fold")  # long paths wrap instead of being cut
-    facts.add_row("file", str(summary.path))
+    facts.add_row("file", Text(_printable(str(summary.path))))
     facts.add_row("format", summary.format)
     facts.add_row("size on disk", _bytes(summary.size_on_disk))
     facts.add_row("tensors", f"{len(summary.tensors)} ({_bytes(summary.tensor_bytes)})")
     facts.add_row("saved step", "-" if summary.step is None else str(summary.step))
     prefixes = ", ".join(f"{p} ({n} keys)" for p, n in summary.prefixes.items())
-    facts.add_row("wrapper prefixes", prefixes or "none")
+    facts.add_row("wrapper prefixes", Text(prefixes or "none"))
     for name, value in summary.training_state.items():
         if name != "step":
-            facts.add_row(name, str(value))
+            facts.add_row(name, Text(_printable(str(value))))
     console.print(facts)
     shown = summary.tensors if max_keys <= 0 else summary.tensors[:max_keys]
     table = Table(title="tensors")
     for column, justify in (("key", "left"), ("shape", "left"), ("dtype", "left"), ("size", "right")):
         table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for t in shown:
-        table.add_row(t.key, str(list(t.shape)), t.dtype, _bytes(t.nbytes))
+        table.add_row(Text(_printable(t.key)), str(list(t.shape)), t.dtype, _bytes(t.nbytes))
     if len(shown) < len(summary.tensors):
         table.caption = f"{len(summary.tensors) - len(shown)} more; --max-keys 0 lists all"
     console.print(table)
+
+
+def _printable(text: str) -> str:
+    # Text from a file is shown, never interpreted: no rich markup, no terminal control characters.
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _bytes(n: int) -> str:
