@@ -134,34 +134,40 @@ def report() -> Iterator[None]:
 # ---------------------------------------------------------------- damage
 
 
-def _damage_bytes(data: bytes, draw: Callable[[Any], Any], other: bytes) -> tuple[str, bytes, bool]:
-    """(kind, damaged bytes, whether the result is a well-formed re-wrap that may load differently)."""
+def _header_end(data: bytes) -> int:
     n = max(len(data), 1)
-    head = min(n, 8 + int.from_bytes(data[:8], "little")) if len(data) >= 8 else n
-    kind = draw(st.sampled_from(["truncate", "flip", "flip header", "splice", "length", "insert", "delete", "zero"]))
+    if data[:2] == b"PK":  # a torch zip: its first bytes are data.pkl's local header and the pickle
+        return min(n, 512)
+    return min(n, 8 + int.from_bytes(data[:8], "little")) if len(data) >= 8 else n
+
+
+def _damage_bytes(data: bytes, kind: str, draw: Callable[[Any], Any], other: bytes) -> bytes:
+    """``data`` with one kind of damage (see BYTE_DAMAGE) whose details hypothesis draws."""
+    n = max(len(data), 1)
+    head = _header_end(data)
     out = bytearray(data)
     if kind == "truncate":
-        return kind, data[: draw(st.integers(0, n - 1))], False
+        return data[: draw(st.integers(0, n - 1))]
     if kind in ("flip", "flip header"):
         limit = head if kind == "flip header" and head < n else n
         for _ in range(draw(st.integers(1, 8))):
             out[draw(st.integers(0, limit - 1))] ^= draw(st.integers(1, 255))
-        return kind, bytes(out), False
+        return bytes(out)
     if kind == "splice":
         start, length = draw(st.integers(0, n - 1)), draw(st.integers(1, 256))
         source = draw(st.integers(0, max(len(other) - length, 0)))
         out[start : start + length] = other[source : source + length]
-        return kind, bytes(out), False
+        return bytes(out)
     if kind == "length":
         value = draw(st.sampled_from([0, 1, 2, n - 8, n - 7, n, 2**31, 100_000_001, 2**63, 2**64 - 1]))
-        return kind, struct.pack("<Q", max(value, 0) % 2**64) + data[8:], False
+        return struct.pack("<Q", max(value, 0) % 2**64) + data[8:]
     at = draw(st.integers(0, n - 1))
     if kind == "insert":
-        return kind, data[:at] + draw(st.binary(min_size=1, max_size=64)) + data[at:], False
+        return data[:at] + draw(st.binary(min_size=1, max_size=64)) + data[at:]
     length = draw(st.integers(1, 512))
     if kind == "delete":
-        return kind, data[:at] + data[at + length :], False
-    return kind, data[:at] + bytes(min(length, n - at)) + data[at + length :], False
+        return data[:at] + data[at + length :]
+    return data[:at] + bytes(min(length, n - at)) + data[at + length :]
 
 
 def _rezip_with_damaged_pickle(data: bytes, draw: Callable[[Any], Any]) -> bytes:
@@ -362,116 +368,135 @@ def check_folder(case: Case, folder: Path) -> None:
 
 # ---------------------------------------------------------------- the classes
 
+BYTE_DAMAGE = ["truncate", "flip", "flip header", "splice", "length", "insert", "delete", "zero"]
 
-def malformed_weights(case: Case, draw: Callable[[Any], Any]) -> Callable[[], None]:
-    name = draw(st.sampled_from(["w.safetensors", "w.pt"]))
+
+def malformed_weights(case: Case, kind: str, draw: Callable[[Any], Any]) -> Callable[[], None]:
+    name, kind = kind.split(": ")
     path = case.where / name
     data = path.read_bytes()
     other = (case.template.root / ("w.pt" if name == "w.safetensors" else "w.safetensors")).read_bytes()
-    variant = draw(st.sampled_from(["bytes", "bytes", "bytes", "well-formed", "runs code"]))
-    if variant == "bytes":
-        kind, damaged, _ = _damage_bytes(data, draw, other)
-    elif variant == "runs code":
-        kind, damaged = "runs code", _payload_file(case.marker)
-    elif name == "w.pt":
-        kind, damaged, case.altered = "re-zipped damaged pickle", _rezip_with_damaged_pickle(data, draw), True
+    if kind in BYTE_DAMAGE:
+        damaged = _damage_bytes(data, kind, draw, other)
+    elif kind == "runs code":
+        damaged = _payload_file(case.marker)
+    elif name == "w.pt":  # "well-formed"
+        damaged, case.altered = _rezip_with_damaged_pickle(data, draw), True
     else:
-        kind, damaged, case.altered = "edited header, no checksum", _edit_header_without_checksum(data, draw), True
-    COUNTS[case.cls][f"damage: {kind}"] += 1
+        damaged, case.altered = _edit_header_without_checksum(data, draw), True
     path.write_bytes(damaged)
     return lambda: check_weights_file(case, path)
 
 
-def damaged_folder(case: Case, draw: Callable[[Any], Any]) -> Callable[[], None]:
+def damaged_folder(case: Case, kind: str, draw: Callable[[Any], Any]) -> Callable[[], None]:
     run = case.where / "run"
-    step = draw(st.sampled_from(["step-00000002", "step-00000001"]))
-    kind = draw(
-        st.sampled_from(["bytes", "bytes", "swap within", "swap between", "delete", "rename", "runs code", "pickle"])
-    )
+    step = draw(st.sampled_from(["step-00000002", "step-00000001"]))  # mostly the latest
     target = run / step / draw(st.sampled_from(["state.pt", "model.safetensors"]))
-    if kind == "bytes":
+    if kind.startswith("bytes"):
+        target = run / step / kind.split(" of ")[1]
         other = (run / "step-00000001" / target.name).read_bytes()
-        kind, damaged, _ = _damage_bytes(target.read_bytes(), draw, other)
-        target.write_bytes(damaged)
-    elif kind == "swap within":
+        target.write_bytes(_damage_bytes(target.read_bytes(), draw(st.sampled_from(BYTE_DAMAGE)), draw, other))
+    elif kind == "swap files within a step":
         a, b = run / step / "state.pt", run / step / "model.safetensors"
         a_bytes, b_bytes = a.read_bytes(), b.read_bytes()
         a.write_bytes(b_bytes)
         b.write_bytes(a_bytes)
-    elif kind == "swap between":
+    elif kind == "swap a file between steps":
         other = run / ("step-00000001" if step == "step-00000002" else "step-00000002") / target.name
         mine, theirs = target.read_bytes(), other.read_bytes()
         target.write_bytes(theirs)
         other.write_bytes(mine)
-    elif kind == "delete":
+    elif kind == "delete a file":
         target.unlink()
-    elif kind == "rename":
-        new = draw(st.sampled_from(["step-00000003", "step-00000001x", "step-1", ".step-00000002", "junk", "swap"]))
+    elif kind == "rename folders":
+        new = draw(st.sampled_from(["swap", "step-00000003", "step-00000001x", "step-1", ".step-00000002", "junk"]))
         if new == "swap":
             (run / "step-00000001").rename(run / "tmp")
             (run / "step-00000002").rename(run / "step-00000001")
             (run / "tmp").rename(run / "step-00000002")
         elif not (run / new).exists():
             (run / step).rename(run / new)
-    elif kind == "runs code":
+    elif kind == "state runs code":
         (run / step / "state.pt").write_bytes(_payload_file(case.marker))
-    else:
+    else:  # "re-zipped damaged state pickle"
         target = run / step / "state.pt"
         target.write_bytes(_rezip_with_damaged_pickle(target.read_bytes(), draw))
         case.altered = True
-    COUNTS[case.cls][f"damage: {kind}"] += 1
     return lambda: check_folder(case, run)
 
 
-def hostile_names(case: Case, draw: Callable[[Any], Any]) -> Callable[[], None]:
+HOSTILE_NAMES = [
+    "step-99999999999999999999",
+    "step-99999999",
+    "step-0000000٥",
+    "step-00000009.bak",
+    "step--0000001",
+    "step-00000003",
+    ".step-00000003.prev-host-1-abc",
+    ".step-00000002.tmp-host-1-abc",
+]
+
+
+CONTENTS = ["copy of step 2", "copy of step 1", "empty folder", "file", "symlink", "junk"]
+
+
+def hostile_names(case: Case, kind: str, draw: Callable[[Any], Any]) -> Callable[[], None]:
     run = case.where / "run"
-    for _ in range(draw(st.integers(1, 3))):
-        name = draw(
-            st.sampled_from(
-                [
-                    "step-99999999999999999999",
-                    "step-99999999",
-                    "step-0000000٥",
-                    "step-00000009.bak",
-                    "step--0000001",
-                    "step-00000003",
-                    ".step-00000003.prev-host-1-abc",
-                    ".step-00000002.tmp-host-1-abc",
-                ]
-            )
-        )
-        content = draw(st.sampled_from(["copy of step 1", "copy of step 2", "empty folder", "file", "symlink", "junk"]))
-        entry = run / name
-        if entry.exists() or entry.is_symlink():
-            continue
-        COUNTS[case.cls][f"entry: {content}"] += 1
-        if content.startswith("copy"):
-            shutil.copytree(run / f"step-0000000{content[-1]}", entry)
-        elif content == "empty folder":
-            entry.mkdir()
-        elif content == "file":
-            entry.write_bytes(b"not a checkpoint")
-        elif content == "symlink":
-            entry.symlink_to(run / "step-00000001", target_is_directory=True)
-        else:
-            entry.mkdir()
-            (entry / "model.safetensors").write_bytes(b"junk")
-            (entry / "state.pt").write_bytes(b"junk")
+    others = draw(st.lists(st.tuples(st.sampled_from(HOSTILE_NAMES), st.sampled_from(CONTENTS)), max_size=3))
+    for name, content in [(kind, draw(st.sampled_from(CONTENTS))), *others]:
+        if not (os.path.lexists(run / name)):
+            _add_entry(case, run, run / name, content)
     return lambda: check_folder(case, run)
 
 
+def _add_entry(case: Case, run: Path, entry: Path, content: str) -> None:
+    COUNTS[case.cls][f"content: {content}"] += 1
+    if content.startswith("copy"):
+        shutil.copytree(run / f"step-0000000{content[-1]}", entry)
+    elif content == "empty folder":
+        entry.mkdir()
+    elif content == "file":
+        entry.write_bytes(b"not a checkpoint")
+    elif content == "symlink":
+        entry.symlink_to(run / "step-00000001", target_is_directory=True)
+    else:
+        entry.mkdir()
+        (entry / "model.safetensors").write_bytes(b"junk")
+        (entry / "state.pt").write_bytes(b"junk")
+
+
+KINDS = {
+    CLASSES[0]: [
+        f"{name}: {kind}" for name in ("w.safetensors", "w.pt") for kind in [*BYTE_DAMAGE, "well-formed", "runs code"]
+    ],
+    CLASSES[1]: [
+        "bytes of state.pt",
+        "bytes of model.safetensors",
+        "swap files within a step",
+        "swap a file between steps",
+        "delete a file",
+        "rename folders",
+        "state runs code",
+        "re-zipped damaged state pickle",
+    ],
+    CLASSES[2]: HOSTILE_NAMES,
+}
 DAMAGE = {CLASSES[0]: malformed_weights, CLASSES[1]: damaged_folder, CLASSES[2]: hostile_names}
+COMBINATIONS = [(cls, kind) for cls in CLASSES for kind in KINDS[cls]]
 
 
+@pytest.mark.parametrize(("cls", "kind"), COMBINATIONS)
 @settings(
-    max_examples=CASES,
+    max_examples=max(1, CASES // len(COMBINATIONS)),
     deadline=None,
     derandomize=not LONG,
     database=None,
     suppress_health_check=list(HealthCheck),
 )
-@given(data=st.data(), cls=st.sampled_from(CLASSES))
-def test_damaged_checkpoints_load_right_or_are_refused(template: Template, data: st.DataObject, cls: str) -> None:
+@given(data=st.data())
+def test_damaged_checkpoints_load_right_or_are_refused(
+    template: Template, cls: str, kind: str, data: st.DataObject
+) -> None:
     with tempfile.TemporaryDirectory() as root:
         where = Path(root)
         shutil.copytree(template.root / "run", where / "run", symlinks=True)
@@ -480,8 +505,9 @@ def test_damaged_checkpoints_load_right_or_are_refused(template: Template, data:
         (where / "out").mkdir()
         case = Case(template, where, cls)
         with _quiet():
-            check = DAMAGE[cls](case, data.draw)
+            check = DAMAGE[cls](case, kind, data.draw)
             COUNTS[cls]["cases"] += 1
+            COUNTS[cls][f"damage: {kind}"] += 1
             disk = _disk(where)
             check()
         if _disk(where) != disk:
