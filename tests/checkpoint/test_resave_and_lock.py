@@ -130,3 +130,43 @@ def test_a_weights_save_removes_temporaries_of_killed_saves_of_that_file(tmp_pat
     ckpt.save(_filled(1.0), tmp_path / "w.safetensors")
     assert not dead.exists()
     assert alive.exists() and other_file.exists() and other_host.exists()
+
+
+def test_a_weights_file_replaced_while_read_is_read_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another process re-saves the file (atomic rename) between our header check and our data read.
+    from multigpu.checkpoint import formats
+
+    path = ckpt.save(_filled(1.0), tmp_path / "w.safetensors")
+    checked = formats.checked_safetensors_header
+
+    def check_then_replace(*args: object, **kwargs: object) -> object:
+        header = checked(*args, **kwargs)  # type: ignore[arg-type]
+        ckpt.save(_filled(2.0), path)
+        return header
+
+    monkeypatch.setattr(formats, "checked_safetensors_header", check_then_replace)
+    model = nn.Linear(3, 2)
+    ckpt.load(model, path)  # the file as it was opened: header and data of one version
+    assert bool((model.weight == 1.0).all())
+
+
+def test_a_torch_file_replaced_after_its_check_is_not_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What is checked is what is loaded: a file swapped in after the check (here one asking for a
+    # terabyte) is never given to torch.load.
+    from multigpu.checkpoint import formats
+    from tests.checkpoint import _craft
+
+    path = tmp_path / "w.pt"
+    torch.save(_filled(1.0).state_dict(), path)
+    checked = formats.check_torch_file
+
+    def check_then_replace(*args: object, **kwargs: object) -> None:
+        checked(*args, **kwargs)  # type: ignore[arg-type]
+        bomb = tmp_path / "bomb.pt"
+        bomb.write_bytes(_craft.doctored_torch({}, _craft.with_pickle(_craft.BYTEARRAY_BOMB)))
+        os.replace(bomb, path)
+
+    monkeypatch.setattr(formats, "check_torch_file", check_then_replace)
+    model = nn.Linear(3, 2)
+    ckpt.load(model, path)
+    assert bool((model.weight == 1.0).all())

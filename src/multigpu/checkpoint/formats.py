@@ -15,6 +15,7 @@ import os
 import pickle
 import re
 import reprlib
+import sys
 import zipfile
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -27,7 +28,7 @@ import torch
 
 from multigpu.checkpoint.atomic import atomic_write_file, atomic_write_path
 from multigpu.checkpoint.integrity import CHECKSUM_KEY, checksum_of, verify_header, verify_tensors
-from multigpu.checkpoint.safetensors_header import DTYPES, Header, read_header
+from multigpu.checkpoint.safetensors_header import DTYPES, Header, TensorEntry, read_header_from
 from multigpu.checkpoint.torch_zip import check_torch_file, unsafe_message
 from multigpu.errors import CheckpointError, ConfigError
 
@@ -101,16 +102,17 @@ def load_torch_file(
         CheckpointError: the file is damaged, or needs arbitrary unpickling and
             ``allow_unsafe_pickle`` is off.
     """
-    if not allow_unsafe_pickle:
-        check_torch_file(path, verify_records=map_location != "meta")
     try:
         with open(path, "rb") as f:
+            if not allow_unsafe_pickle:
+                check_torch_file(f, path, verify_records=map_location != "meta")
+                f.seek(0)
             return torch.load(f, map_location=map_location, weights_only=not allow_unsafe_pickle)
     except pickle.UnpicklingError as exc:
         if allow_unsafe_pickle:
             raise CheckpointError(f"{str(path)!r} is not a readable torch file: {exc}") from exc
         raise CheckpointError(_unsafe_message(path)) from exc
-    except CheckpointError:
+    except (CheckpointError, OSError):
         raise
     except Exception as exc:  # torch reports damaged records as RuntimeError, AssertionError, ...
         raise CheckpointError(
@@ -242,11 +244,17 @@ def _torch_save(obj: Any, f: BinaryIO) -> None:
     torch.save(obj, f)
 
 
-def checked_safetensors_header(path: str | os.PathLike[str]) -> Header:
-    """The checked header of a safetensors file that is not also a zip archive (a polyglot)."""
-    header = read_header(path)
+def checked_safetensors_header(path: str | os.PathLike[str], f: BinaryIO | None = None) -> Header:
+    """The checked header of a safetensors file that is not also a zip archive (a polyglot).
+
+    With ``f`` (the file, open), everything is read from it.
+    """
+    if f is None:
+        with open(path, "rb") as opened:
+            return checked_safetensors_header(path, opened)
+    header = read_header_from(f, path)
     verify_header(path, [(e.key, e.dtype, e.shape) for e in header.entries], header.metadata)
-    if _is_zip_archive(path):
+    if _is_zip_archive(f):
         raise CheckpointError(
             f"{str(path)!r} is both a safetensors file and a zip archive (a polyglot); tools would "
             "disagree on what it holds, so it is refused. Re-create it from its source."
@@ -256,16 +264,27 @@ def checked_safetensors_header(path: str | os.PathLike[str]) -> Header:
 
 
 def _read_safetensors(path: str | os.PathLike[str]) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
-    header = checked_safetensors_header(path)
-    try:
-        with safetensors.safe_open(str(path), framework="pt", device="cpu") as f:
-            tensors = OrderedDict((e.key, f.get_tensor(e.key)) for e in header.entries)
-    except (safetensors.SafetensorError, OSError) as exc:  # e.g. the file changed after the check
-        raise CheckpointError(f"{str(path)!r} could not be read as safetensors: {exc}") from exc
+    # One open file for the header, the checks and the tensors: a file replaced meanwhile (an
+    # atomic re-save) is read whole, old or new, never the header of one and the data of the other.
+    with open(path, "rb") as f:
+        header = checked_safetensors_header(path, f)
+        tensors = OrderedDict((e.key, _read_entry(f, header.data_start, e)) for e in header.entries)
     verify_tensors(path, tensors, header.metadata)
     for alias, source in _aliases(path, header).items():
         tensors[alias] = tensors[source]
     return tensors, _without_aliases(header.metadata)
+
+
+def _read_entry(f: BinaryIO, data_start: int, entry: TensorEntry) -> torch.Tensor:
+    tensor = torch.empty(entry.shape, dtype=entry.dtype)
+    if entry.nbytes:
+        f.seek(data_start + entry.begin)
+        target = tensor.view(-1).view(torch.uint8).numpy()
+        if f.readinto(target) != entry.nbytes:  # type: ignore[attr-defined]
+            raise OSError(f"short read of tensor {entry.key!r}")
+        if sys.byteorder == "big":  # safetensors stores little-endian
+            tensor = torch.from_numpy(tensor.numpy().byteswap())
+    return tensor
 
 
 def _aliases(path: str | os.PathLike[str], header: Header) -> dict[str, str]:
@@ -291,9 +310,9 @@ def _without_aliases(metadata: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in metadata.items() if k != _ALIASES_KEY}
 
 
-def _is_zip_archive(path: str | os.PathLike[str]) -> bool:
+def _is_zip_archive(f: BinaryIO) -> bool:
     try:
-        return zipfile.is_zipfile(path)
+        return zipfile.is_zipfile(f)
     except OSError:
         return False
 

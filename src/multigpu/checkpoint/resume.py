@@ -62,6 +62,9 @@ def read_checkpoint(
             tensors, metadata = read_tensors(folder / MODEL_FILE, allow_unsafe_pickle=allow_unsafe_pickle)
             if _identity(folder) == before:
                 return folder, state, tensors, metadata
+        except CheckpointError:
+            if _still(folder, before):
+                raise  # damaged, not replaced while we read it
         except OSError as exc:
             missing = _missing(folder)
             if not isinstance(exc, FileNotFoundError) or (missing and locate() == folder):
@@ -166,6 +169,13 @@ def _restore_this_rank_rng(checked: TrainingState) -> None:
 def _identity(folder: Path) -> tuple[int, ...]:
     stats = [os.stat(folder), os.stat(folder / MODEL_FILE), os.stat(folder / STATE_FILE)]
     return tuple(x for s in stats for x in (s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns))
+
+
+def _still(folder: Path, before: tuple[int, ...]) -> bool:
+    try:
+        return _identity(folder) == before
+    except OSError:
+        return False
 
 
 def _missing(folder: Path) -> list[str]:

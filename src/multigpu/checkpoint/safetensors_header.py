@@ -20,7 +20,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, BinaryIO, NoReturn
 
 import torch
 
@@ -97,15 +97,21 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         [('w', (2, 3), 24)]
     """
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 8:
-            _fail(path, f"it is {size} bytes long, shorter than the 8-byte header length")
-        (length,) = struct.unpack("<Q", f.read(8))
-        if length < 2 or length > MAX_HEADER_BYTES:
-            _fail(path, f"its header length is {length} bytes; expected 2 to {MAX_HEADER_BYTES}")
-        if length > size - 8:
-            _fail(path, f"its header claims {length} bytes but only {size - 8} follow (truncated?)")
-        raw = f.read(length)
+        return read_header_from(f, path)
+
+
+def read_header_from(f: BinaryIO, path: str | os.PathLike[str]) -> Header:
+    """Like :func:`read_header`, from an open file (so header and data come from one file)."""
+    size = os.fstat(f.fileno()).st_size
+    if size < 8:
+        _fail(path, f"it is {size} bytes long, shorter than the 8-byte header length")
+    f.seek(0)
+    (length,) = struct.unpack("<Q", f.read(8))
+    if length < 2 or length > MAX_HEADER_BYTES:
+        _fail(path, f"its header length is {length} bytes; expected 2 to {MAX_HEADER_BYTES}")
+    if length > size - 8:
+        _fail(path, f"its header claims {length} bytes but only {size - 8} follow (truncated?)")
+    raw = f.read(length)
     data_start = 8 + length
     parsed = _parse_json(path, raw)
     metadata = _metadata(path, parsed.pop(METADATA_KEY, None))

@@ -25,7 +25,7 @@ import pickletools
 import struct
 import zipfile
 from pathlib import Path, PurePosixPath
-from typing import NoReturn
+from typing import BinaryIO, NoReturn
 
 import torch
 
@@ -70,11 +70,13 @@ def is_zip(path: str | os.PathLike[str]) -> bool:
         return f.read(4) == _LOCAL_SIGNATURE
 
 
-def check_torch_file(path: str | os.PathLike[str], *, verify_records: bool = True) -> None:
+def check_torch_file(f: BinaryIO, path: str | os.PathLike[str], *, verify_records: bool = True) -> None:
     """Refuse a torch file that ``torch.load(weights_only=True)`` should not be given.
 
     Args:
-        path: the file.
+        f: the file, open for reading; the caller hands this same object to ``torch.load``, so
+            what is checked is what is loaded even if ``path`` is replaced meanwhile.
+        path: its name, for messages.
         verify_records: also read every record to check its CRC-32 (a damaged tensor); without
             it only ``data.pkl`` is read (and checked).
 
@@ -82,16 +84,17 @@ def check_torch_file(path: str | os.PathLike[str], *, verify_records: bool = Tru
         CheckpointError: the file is not a well-formed torch zip, or its pickle wants globals
             beyond plain tensors and containers; the message names the file and the problem.
     """
-    if not is_zip(path):
+    f.seek(0)
+    if f.read(4) != _LOCAL_SIGNATURE:
         _fail(
             path,
             "it is a legacy (pre-1.6) or non-zip torch file, which cannot be checked before loading. "
             "If you trust it, load it with allow_unsafe_pickle=True (CLI: --allow-unsafe-pickle) "
             "and re-save it",
         )
-    size = os.path.getsize(path)
+    size = os.fstat(f.fileno()).st_size
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(f) as archive:  # given a file object, closing the archive leaves it open
             infos = archive.infolist()
             root = _check_names(path, [i.filename for i in infos])
             _check_layout(path, archive, infos, size)
