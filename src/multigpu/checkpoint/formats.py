@@ -1,6 +1,8 @@
 """Read and write tensor files in safetensors or torch format, never executing code from a file.
 
-safetensors holds only tensors and a string-to-string header, so reading it cannot run code.
+safetensors holds only tensors and a string-to-string header, so reading it cannot run code;
+its header is checked (:mod:`safetensors_header`) and its tensors read here, from the same open
+file, so nothing else ever parses it.
 torch files are pickles; they are read with ``torch.load(weights_only=True)``, whose unpickler
 only rebuilds tensors and plain containers. A file that needs anything more (a custom class, a
 function) is refused with :class:`~multigpu.errors.CheckpointError` naming the globals it wants
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import pickle
 import re
@@ -19,6 +22,7 @@ import sys
 import zipfile
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
@@ -27,7 +31,16 @@ import safetensors.torch
 import torch
 
 from multigpu.checkpoint.atomic import atomic_write_file, atomic_write_path
-from multigpu.checkpoint.integrity import CHECKSUM_KEY, checksum_of, verify_header, verify_tensors
+from multigpu.checkpoint.integrity import (
+    CHECKSUM_KEY,
+    THREADS,
+    placeholder,
+    stamp,
+    submit_crcs,
+    tensor_crcs,
+    verify_header,
+    verify_tensors,
+)
 from multigpu.checkpoint.safetensors_header import DTYPES, Header, TensorEntry, read_header_from
 from multigpu.checkpoint.torch_zip import check_torch_file, unsafe_message
 from multigpu.errors import CheckpointError, ConfigError
@@ -223,13 +236,17 @@ def write_tensors(
         header[_ALIASES_KEY] = json.dumps(aliases)
     else:
         header.pop(_ALIASES_KEY, None)
-    header[CHECKSUM_KEY] = checksum_of(unique, header)  # see integrity.py
+    header[CHECKSUM_KEY] = placeholder([(k, t.dtype, tuple(t.shape)) for k, t in unique.items()], header)
     return atomic_write_path(path, lambda tmp: _save_safetensors(unique, tmp, header))
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, header: dict[str, str]) -> None:
     try:
-        safetensors.torch.save_file(tensors, str(path), header)
+        # The tensors' CRC-32s are computed while the writer (which releases the GIL) writes them.
+        with ThreadPoolExecutor(THREADS) as pool:
+            pending = {key: submit_crcs(pool, tensor) for key, tensor in tensors.items()}
+            safetensors.torch.save_file(tensors, str(path), header)
+            stamp(path, tensor_crcs(pending))
     except safetensors.SafetensorError as exc:
         # The Rust writer reports I/O failures (full disk, size limit) as text: recover the errno
         # so the caller can explain them like any other OSError.
@@ -266,24 +283,32 @@ def checked_safetensors_header(path: str | os.PathLike[str], f: BinaryIO | None 
 def _read_safetensors(path: str | os.PathLike[str]) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
     # One open file for the header, the checks and the tensors: a file replaced meanwhile (an
     # atomic re-save) is read whole, old or new, never the header of one and the data of the other.
-    with open(path, "rb") as f:
+    # The tensors are views of a private (copy-on-write) mapping of that file, as the safetensors
+    # library itself reads: no copy until they are used.
+    tensors: OrderedDict[str, torch.Tensor] = OrderedDict()
+    with open(path, "rb") as f, ThreadPoolExecutor(THREADS) as pool:
         header = checked_safetensors_header(path, f)
-        tensors = OrderedDict((e.key, _read_entry(f, header.data_start, e)) for e in header.entries)
-    verify_tensors(path, tensors, header.metadata)
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if header.file_size else None
+        pending = {}
+        for entry in header.entries:
+            tensors[entry.key] = _tensor_of(mapped, header.data_start, entry)
+            pending[entry.key] = submit_crcs(pool, tensors[entry.key])
+        crcs = tensor_crcs(pending)
+    verify_tensors(path, crcs, header.metadata)
     for alias, source in _aliases(path, header).items():
         tensors[alias] = tensors[source]
     return tensors, _without_aliases(header.metadata)
 
 
-def _read_entry(f: BinaryIO, data_start: int, entry: TensorEntry) -> torch.Tensor:
-    tensor = torch.empty(entry.shape, dtype=entry.dtype)
-    if entry.nbytes:
-        f.seek(data_start + entry.begin)
-        target = tensor.view(-1).view(torch.uint8).numpy()
-        if f.readinto(target) != entry.nbytes:  # type: ignore[attr-defined]
-            raise OSError(f"short read of tensor {entry.key!r}")
-        if sys.byteorder == "big":  # safetensors stores little-endian
-            tensor = torch.from_numpy(tensor.numpy().byteswap())
+def _tensor_of(mapped: mmap.mmap | None, data_start: int, entry: TensorEntry) -> torch.Tensor:
+    if not entry.nbytes or mapped is None:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    raw = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.nbytes, offset=data_start + entry.begin)
+    if (data_start + entry.begin) % entry.dtype.itemsize:
+        raw = raw.clone()  # a misaligned tensor (not one safetensors writes): copied to aligned memory
+    tensor = raw.view(entry.dtype).reshape(entry.shape)
+    if sys.byteorder == "big":  # safetensors stores little-endian
+        tensor = torch.from_numpy(tensor.numpy().byteswap())
     return tensor
 
 

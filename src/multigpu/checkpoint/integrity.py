@@ -5,10 +5,11 @@ A flipped bit in a tensor's bytes leaves a perfectly well-formed file; only a ch
 * safetensors files multigpu writes carry ``"multigpu.checksum": "crc32:HHHHHHHH:TTTTTTTT"`` in
   their header metadata. ``H`` covers what the header says (every tensor's name, dtype and shape,
   and the other metadata), so it is checked from the header alone (``ckpt inspect``); ``T`` covers
-  every tensor's bytes, checked on the tensors just read, so no extra pass over the file is made.
-  Both are computed from the tensors in memory before writing, one CRC-32 per tensor, in threads
-  (zlib releases the GIL). Byte offsets are not covered: a damaged offset breaks the header's
-  tiling or moves other bytes under a tensor, which ``T`` catches.
+  every tensor's bytes (a CRC-32 of the CRC-32s of every tensor's 4 MiB pieces). Byte offsets are not covered: a damaged
+  offset breaks the header's tiling or moves other bytes under a tensor, which ``T`` catches.
+  The CRC-32s come from the tensors in memory, computed in a thread while the file is written or
+  read (zlib releases the GIL), so they cost little time and no extra pass over the file; ``T`` is
+  written as zeros and patched in place once known (:func:`stamp`).
 * torch files are zip archives with a CRC-32 per record; :func:`verify_zip_records` reads every
   record through :mod:`zipfile`, which checks them.
 * a Checkpointer's ``state.pt`` records the checksum of its ``model.safetensors``, so weights
@@ -26,35 +27,73 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from multigpu.errors import CheckpointError
 
 CHECKSUM_KEY = "multigpu.checksum"
 _CHECKSUM_VALUE = re.compile(r"crc32:[0-9a-f]{8}:[0-9a-f]{8}")
-_CHUNK = 16 << 20
-_THREADS = min(4, os.cpu_count() or 1)
+_UNSET = "00000000"
+_CHUNK = 16 << 20  # zip records are read in pieces of this size
+_CRC_CHUNK = 4 << 20  # tensors are checksummed in pieces of this size, in parallel
+THREADS = min(4, os.cpu_count() or 1)
+
+Described = Sequence[tuple[str, torch.dtype, tuple[int, ...]]]
 
 
-def checksum_of(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> str:
-    """The checksum value to store with ``tensors`` (contiguous) and ``metadata``.
+def placeholder(described: Described, metadata: Mapping[str, str]) -> str:
+    """The checksum value to write in the header: its header part, and zeros for the tensors (see :func:`stamp`)."""
+    return f"crc32:{_header_crc(described, metadata):08x}:{_UNSET}"
 
-    Example:
-        >>> checksum_of({"w": torch.zeros(2)}, {"format": "pt"}).startswith("crc32:")
-        True
+
+def submit_crcs(pool: Executor, tensor: torch.Tensor) -> list[Future[int]]:
+    """Start the CRC-32s of ``tensor``'s bytes, one per 4 MiB chunk, on ``pool`` (zlib releases the GIL)."""
+    flat = tensor.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    data = flat.view(torch.uint8).numpy()
+    return [pool.submit(_crc, data[start : start + _CRC_CHUNK]) for start in range(0, max(len(data), 1), _CRC_CHUNK)]
+
+
+def tensor_crcs(pending: Mapping[str, list[Future[int]]]) -> dict[str, list[int]]:
+    """The results of :func:`submit_crcs`, by key."""
+    return {key: [future.result() for future in futures] for key, futures in pending.items()}
+
+
+def combined(crcs: Mapping[str, Sequence[int]]) -> int:
+    """One CRC-32 of every chunk's CRC-32, tensors in key order."""
+    ordered = [crc for key in sorted(crcs) for crc in crcs[key]]
+    return zlib.crc32(struct.pack(f"<{len(ordered)}I", *ordered))
+
+
+def _crc(data: np.ndarray) -> int:
+    return zlib.crc32(data.data)
+
+
+def stamp(path: Path, crcs: Mapping[str, Sequence[int]]) -> str:
+    """Fill the tensor part into the checksum of the safetensors file just written at ``path``.
+
+    The value keeps its length, so it is patched in place: the tensors are never written twice.
+
+    Returns:
+        The complete checksum value.
     """
-    described = [(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]
-    return f"crc32:{_header_crc(described, metadata):08x}:{_tensors_crc(tensors):08x}"
+    with open(path, "r+b") as f:
+        header = f.read(int.from_bytes(f.read(8), "little"))
+        match = re.search(rb'"multigpu\.checksum":"(crc32:[0-9a-f]{8}:)00000000"', header)
+        if match is None:
+            raise CheckpointError(f"{str(path)!r}: the checksum placeholder is missing from the header just written.")
+        value = f"{match.group(1).decode()}{combined(crcs):08x}"
+        f.seek(8 + match.start(1))
+        f.write(value.encode())
+    return value
 
 
-def verify_header(
-    path: str | os.PathLike[str],
-    described: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
-    metadata: Mapping[str, str],
-) -> None:
+def verify_header(path: str | os.PathLike[str], described: Described, metadata: Mapping[str, str]) -> None:
     """Check the header part of a stored checksum (no-op for files without one)."""
     stored = _stored(path, metadata)
     if stored is not None and f"{_header_crc(described, metadata):08x}" != stored[0]:
@@ -62,11 +101,11 @@ def verify_header(
 
 
 def verify_tensors(
-    path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+    path: str | os.PathLike[str], crcs: Mapping[str, Sequence[int]], metadata: Mapping[str, str]
 ) -> None:
-    """Check the tensor part of a stored checksum on the tensors read from ``path``."""
+    """Check the tensor part of a stored checksum against the CRC-32s of the tensors read from ``path``."""
     stored = _stored(path, metadata)
-    if stored is not None and f"{_tensors_crc(tensors):08x}" != stored[1]:
+    if stored is not None and f"{combined(crcs):08x}" != stored[1]:
         raise _damaged(path, "tensor data")
 
 
@@ -84,26 +123,12 @@ def verify_zip_records(path: str | os.PathLike[str], archive: zipfile.ZipFile) -
                 ) from exc
 
 
-def _header_crc(described: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str]) -> int:
+def _header_crc(described: Described, metadata: Mapping[str, str]) -> int:
     canonical = {
         "tensors": sorted([key, str(dtype), list(shape)] for key, dtype, shape in described),
         "metadata": sorted([k, v] for k, v in metadata.items() if k != CHECKSUM_KEY),
     }
     return zlib.crc32(json.dumps(canonical, separators=(",", ":")).encode())
-
-
-def _tensors_crc(tensors: Mapping[str, torch.Tensor]) -> int:
-    keys = sorted(tensors)
-    with ThreadPoolExecutor(_THREADS) as pool:
-        crcs = list(pool.map(lambda key: _crc_of(tensors[key]), keys))
-    return zlib.crc32(struct.pack(f"<{len(crcs)}I", *crcs))
-
-
-def _crc_of(tensor: torch.Tensor) -> int:
-    flat = tensor.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    return zlib.crc32(flat.view(torch.uint8).numpy().data)
 
 
 def _stored(path: str | os.PathLike[str], metadata: Mapping[str, str]) -> tuple[str, str] | None:
