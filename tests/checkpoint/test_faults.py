@@ -20,6 +20,7 @@ from torch import nn
 
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.atomic import is_temporary
+from multigpu.checkpoint.lock import LOCK_NAME
 from multigpu.errors import CheckpointError
 
 WORKER = Path(__file__).parent / "workers" / "save_until_killed.py"
@@ -63,7 +64,7 @@ def test_sigkill_during_a_state_save_leaves_the_previous_step_as_latest(tmp_path
     # The next save clears what the killed process left behind.
     checkpointer.save(step=2, model=model)
     assert not any(p.exists() for p in leftovers)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME, "step-00000001", "step-00000002"]
 
 
 def _previous_then_big(folder: Path) -> tuple[ckpt.Checkpointer, nn.Module]:
