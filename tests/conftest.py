@@ -24,6 +24,10 @@ _PROCESS_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn"
 _started = [0]  # processes started so far in this interpreter (an audit hook cannot be removed: count)
 
 
+# Set by pytest itself, and by torch's inductor on first use (its process-wide cache folder).
+_SET_BY_TOOLS = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
+
+
 def _count_process_starts(event: str, _args: object) -> None:
     if event in _PROCESS_EVENTS:
         _started[0] += 1
@@ -48,7 +52,7 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         dist.destroy_process_group()
         problems.append("left a process group initialized (destroy it, or close the Session)")
     changed = sorted(
-        k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST"
+        k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k) and k not in _SET_BY_TOOLS
     )
     if changed:
         os.environ.clear()
