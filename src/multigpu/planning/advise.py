@@ -165,9 +165,10 @@ def recommend(rows: Sequence[Row], memory_limit: float | None = None) -> Recomme
     )
     others = [r for r in rows if r is not best and r.devices == max(x.devices for x in rows)]
     if others:
-        runner = max(others, key=lambda r: r.step.throughput if r.fits else 0.0)
+        runner = max(others, key=lambda r: (r.fits, r.step.throughput))  # the fastest fitting, else the fastest
         why = "does not fit" if not runner.fits else f"{runner.step.throughput:,.0f} samples/s"
-        sentence += f"; {LABELS[runner.strategy]} on {runner.devices}: {why}"
+        if not (best.strategy == "fsdp" and runner.strategy == "ddp" and runner.devices == best.devices):
+            sentence += f"; {LABELS[runner.strategy]} on {runner.devices}: {why}"  # else _why_fsdp speaks for ddp
     return Recommendation(best.strategy, best.devices, sentence + "." + _why_fsdp(best, rows) + _slower_than_one(rows))
 
 
@@ -235,7 +236,14 @@ def plot_throughput(rows: Sequence[Row], path: str | Path, title: str) -> Path:
     for strategy in MULTI_DEVICE:
         pts = [(1, single.step.throughput)] + [(r.devices, r.step.throughput) for r in rows if r.strategy == strategy]
         if len(pts) > 1:
-            ax.plot(*zip(*pts), marker="o", label=f"{strategy} ({LABELS[strategy]})")
+            dashed = strategy == "fsdp"  # often on top of ddp: dashed and hollow, so both show
+            ax.plot(
+                *zip(*pts),
+                linestyle="--" if dashed else "-",
+                marker="D" if dashed else "o",
+                markerfacecolor="none" if dashed else None,
+                label=f"{strategy} ({LABELS[strategy]})",
+            )
         for r in rows:
             if r.strategy == strategy and not r.fits:
                 ax.plot(r.devices, r.step.throughput, "x", color="red", markersize=10)

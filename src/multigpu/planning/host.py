@@ -88,7 +88,7 @@ DEFAULT_HOST = HostCosts(
     gil_contention=1.1,
     replicate_module_s=22e-6,
     replicate_tensor_s=5.0e-6,
-    fsdp_group_s=700e-6,
+    fsdp_group_s=740e-6,  # median of 12 probes (650-2170 us) of 16 groups, fastest of 15 each
     source="measured on the development machine (python -m multigpu.planning.calibrate)",
 )
 
