@@ -249,3 +249,23 @@ def allreduce_busbw(nbytes: int, *, repeats: int = 7) -> float:
     tensor = torch.ones(max(1, nbytes // 4))
     seconds = fastest_s(lambda: dist.all_reduce(tensor), repeats)
     return tensor.numel() * 4 / seconds * bus_factor("all-reduce", world)
+
+
+def gather_busbw(nbytes: int, *, repeats: int = 7) -> float:
+    """Bus bandwidth (bytes/s) of fsdp's collectives: an all-gather and a reduce-scatter of ``nbytes`` float32.
+
+    Every rank must call it (it runs collectives). Each is timed alone; the result is the bus
+    bandwidth of the pair, ``2 S (n-1)/n / (t_ag + t_rs)`` (nccl-tests: busbw = algbw (n-1)/n for
+    both, S the whole array), so a slow reduce-scatter weighs as much as a slow all-gather.
+    """
+    import torch.distributed as dist
+
+    # torch 2.13 renamed the two (the old names warn); torch 2.4 has only the old ones
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    world = dist.get_world_size()
+    shard = max(1, nbytes // 4 // world)
+    whole, part = torch.ones(shard * world), torch.ones(shard)
+    gather_s = fastest_s(lambda: all_gather(whole, part), repeats)
+    reduce_s = fastest_s(lambda: reduce_scatter(part, whole), repeats)
+    return 2 * whole.numel() * 4 * bus_factor("all-gather", world) / (gather_s + reduce_s)
