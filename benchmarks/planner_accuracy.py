@@ -1,6 +1,6 @@
 """Planner accuracy on this CPU: predicted vs measured step time, five models x three strategies, + fsdp.
 
-    python benchmarks/planner_accuracy.py [--pairs 11] [--models mlp,cnn-bn,...] [--fsdp-models mlp]
+    python benchmarks/planner_accuracy.py [--pairs 11] [--models mlp,cnn-bn,...] [--fsdp-models mlp] [--figure PNG]
 
 Models: an MLP, a CNN with BatchNorm, a small transformer with an Embedding, a grouped-conv net
 and an LSTM. Strategies: ``single`` (one process, one thread), ``dp`` (``multigpu.DataParallel``
@@ -223,8 +223,13 @@ def _process_worker(rank: int, strategy: str, name: str, port: int, out_dir: str
         real_step, plain_opt = _train_step(wrapped, _sgd(wrapped), x, y), _sgd(plain)
         compute = _compute(plain, x, y)
         grad_bytes = sum(p.numel() for p in plain.parameters()) * 4
-        # ddp's all-reduce, or fsdp's all-gather + reduce-scatter; one of a small model swings 10x: best of 3
-        probe = allreduce_busbw if strategy == "ddp" else gather_busbw
+        group_bytes = [4 * n for n in count_fsdp_groups(plain, select_blocks(plain, FSDPOptions()))]
+
+        def probe() -> float:  # one all-reduce of a small model swings 10x: the best of 3
+            if strategy == "ddp":
+                return allreduce_busbw(grad_bytes, repeats=3)
+            return gather_busbw(group_bytes, repeats=3)  # fsdp's all-gathers and reduce-scatters of one step
+
         rows = []
         fastest_s(real_step, 1)  # build DDP's buckets / FSDP's buffers and warm gloo
         for _ in range(pairs):
@@ -233,7 +238,7 @@ def _process_worker(rank: int, strategy: str, name: str, port: int, out_dir: str
             dist.barrier()
             both = fastest_s(lambda: (compute(), dist.barrier()), 1)  # both at once, the slower sets the pace
             opt_s = fastest_s(plain_opt.step, 1)
-            bandwidth = probe(grad_bytes, repeats=3)
+            bandwidth = probe()
             dist.barrier()
             rows.append(f"{solo} {both} {opt_s} {bandwidth} {fastest_s(real_step, 1)}\n")
         Path(out_dir, f"rank{rank}.txt").write_text("".join(rows))
@@ -330,6 +335,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=11, help="calibration/measurement pairs per row (median)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
     parser.add_argument("--fsdp-models", default="mlp", help="models that also get an fsdp row ('' for none)")
+    parser.add_argument("--figure", type=Path, default=FIGURE, help=f"where the PNG goes (default {FIGURE.name})")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per replica, as each DDP process has
     console = Console()
@@ -357,7 +363,7 @@ def main() -> None:
         pred, meas = statistics.median(p for p, _ in pairs), statistics.median(m for _, m in pairs)
         table.add_row(name, strategy, f"{pred * 1e3:.1f}", f"{meas * 1e3:.1f}", f"{ratio:.2f}", ok)
     console.print(table)
-    console.print(f"figure: {figure(results, FIGURE)}")
+    console.print(f"figure: {figure(results, args.figure)}")
 
 
 if __name__ == "__main__":
