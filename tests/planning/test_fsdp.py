@@ -236,3 +236,24 @@ def test_the_measured_cpu_peak_of_the_fsdp_memory_benchmark_is_predicted() -> No
     )
     predicted = device_memory("fsdp", w, _cpu(), [8, 8])[0] / MIB
     assert predicted == pytest.approx(290, rel=0.05)
+
+
+def test_without_reshard_only_the_first_gather_and_the_last_reduce_are_exposed() -> None:
+    # reshard_after_forward=False: nothing is gathered in backward; long compute hides every collective
+    # but forward's first all-gather and the last reduce-scatter.
+    gpu = replace(gpu_platform(hardware.gpu("a100-80gb"), hardware.measured_link(1e9)), overlap=1.0)
+    w = _w(groups=(0, 500, 500), fsdp=FsdpLayout(groups=(0, 500, 500), reshard_after_forward=False))
+    t_ag, t_rs = (collective_s(k, 2000, 4, 1e9) for k in ("all-gather", "reduce-scatter"))
+    assert exposed_fsdp_s(w, gpu, 4, 1.0, 2.0)[1] == pytest.approx(t_ag + t_rs)
+
+
+def test_a_group_with_nothing_to_gather_does_not_wait_for_reduce_scatters_queued_on_the_link() -> None:
+    # Root 600, blocks 200 + 200, no regather, backward 3r (r: one block's reduce-scatter): block 2
+    # computes to 0.6r, its reduce-scatter runs to 1.6r; block 1 computes to 1.2r, its reduce-scatter
+    # queues to 2.6r; the root computes 1.8r from 1.2r (not from 1.6r, when the link frees), to 3.0r,
+    # and its reduce-scatter (3r) ends at 6.0r: 3.0r past the end of backward.
+    gpu = replace(gpu_platform(hardware.gpu("a100-80gb"), hardware.measured_link(1e9)), overlap=1.0)
+    w = _w(groups=(600, 200, 200), fsdp=FsdpLayout(groups=(600, 200, 200), reshard_after_forward=False))
+    r = collective_s("reduce-scatter", 200 * 4, 4, 1e9)
+    forward_exposed = collective_s("all-gather", 600 * 4, 4, 1e9)  # the root's, before anything computes
+    assert exposed_fsdp_s(w, gpu, 4, 1.0, 3 * r)[1] == pytest.approx(forward_exposed + 3.0 * r)

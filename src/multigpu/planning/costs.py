@@ -229,16 +229,24 @@ def _fsdp_groups(w: Workload, plat: Platform, n: int, forward: float, backward: 
     ]
 
 
+def _gathered_by(link: float, issued: float, seconds: float) -> tuple[float, float]:
+    """(link busy until, group ready at) for an all-gather issued at ``issued`` behind ``link``;
+    a group with nothing to gather is ready at once and leaves the link as it is."""
+    if seconds <= 0.0:
+        return link, 0.0
+    end = max(link, issued) + seconds
+    return end, end
+
+
 def _forward_clock(groups: Sequence[_Group]) -> float:
     """End of forward: each group computes once its all-gather is done; the next one's all-gather
     is issued as it starts (FSDP2's implicit prefetch), one collective at a time."""
+    link, ready = _gathered_by(0.0, 0.0, groups[0].gather)
     compute = 0.0
-    done = [0.0] * len(groups)
-    link = done[0] = groups[0].gather
     for i, g in enumerate(groups):
-        start = max(compute, done[i])
+        start = max(compute, ready)
         if i + 1 < len(groups):
-            link = done[i + 1] = max(link, start) + groups[i + 1].gather
+            link, ready = _gathered_by(link, start, groups[i + 1].gather)
         compute = start + g.compute_f
     return compute
 
@@ -249,12 +257,12 @@ def _backward_clock(groups: Sequence[_Group], regather: bool) -> float:
     its backward ends; the step ends when the last reduce-scatter does."""
     order = list(reversed(groups))
     gather = [g.gather if regather and g is not groups[0] else 0.0 for g in order]
-    link = done = gather[0]
+    link, ready = _gathered_by(0.0, 0.0, gather[0])
     compute = 0.0
     for i, g in enumerate(order):
-        start = max(compute, done)
+        start = max(compute, ready)
         if i + 1 < len(order):
-            link = done = max(link, start) + gather[i + 1]
+            link, ready = _gathered_by(link, start, gather[i + 1])
         compute = start + g.compute_b
         link = max(link, compute) + g.reduce
     return max(compute, link)
