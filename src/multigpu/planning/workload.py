@@ -3,7 +3,8 @@
 A :class:`Workload` comes from counting a model's step on the meta device
 (:mod:`multigpu.planning.counting`) and, on this CPU, timing it (:mod:`multigpu.planning.measure`),
 from a built-in preset (:mod:`multigpu.planning.models`), or from flags. Its :class:`StepCounts`
-are what the host (Python, the dispatcher, kernel launches) pays per step, whatever the batch.
+are what the host (Python, the dispatcher, kernel launches) pays per step, whatever the batch;
+its :class:`FsdpLayout`, how the fsdp strategy groups its parameters.
 
 Example:
     >>> w = Workload(name="mlp", params=2_000_000, compute_s_per_sample=1e-4)
