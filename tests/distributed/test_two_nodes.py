@@ -26,8 +26,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed.launching import ROOT, kill_tree, read_lines_until
 from tests.distributed.two_node_worker import batch
+from tests.launching import ROOT, kill_tree, read_lines_until
 
 pytestmark = pytest.mark.multiprocess
 

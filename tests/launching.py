@@ -1,4 +1,12 @@
-"""Run ``multigpu launch`` (or any command) in a subprocess with a timeout, and never leave it behind."""
+"""The one way tests start processes: ``multigpu launch`` (the library's launcher) in a subprocess.
+
+Every multi-process test goes through here: :func:`launch_workers` for the common case (a worker
+script on N gloo processes), :func:`multigpu_launch` for any launcher flags, :func:`run_together`
+for several launchers at once (one per node), :func:`start_launch` for a launcher the test signals.
+The launcher binds the rendezvous itself (no "free port" picked here and raced for), and a run
+that passes its timeout is killed with every process it started.
+(tests/checkpoint/test_multiprocess.py still starts torchrun itself: it compares the two launchers.)
+"""
 
 from __future__ import annotations
 
@@ -12,7 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_command(
@@ -145,3 +153,15 @@ def _descendants(root: int) -> list[int]:
 def multigpu_launch(*args: str, timeout_s: float = 90) -> subprocess.CompletedProcess[str]:
     """``multigpu launch ARGS`` with this interpreter."""
     return run_command([sys.executable, "-m", "multigpu", "launch", *args], timeout_s=timeout_s)
+
+
+def launch_workers(
+    worker: Path | str, *args: str, nproc: int | str = 2, timeout_s: float = 90
+) -> subprocess.CompletedProcess[str]:
+    """``worker`` on ``nproc`` processes (``multigpu launch --strategy ddp``; gloo on the CPU); fails the
+    test with the launcher's output when a worker fails."""
+    done = multigpu_launch("--strategy", "ddp", "--nproc-per-node", str(nproc), str(worker), *args, timeout_s=timeout_s)
+    assert done.returncode == 0, (
+        f"{worker} failed (exit {done.returncode})\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )
+    return done
