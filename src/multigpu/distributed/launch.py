@@ -25,6 +25,7 @@ import math
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -289,7 +290,7 @@ def _run_torchrun(args: list[str], env: dict[str, str], script: str) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
-    with _environment(env):
+    with _environment(env), _signal_handlers_restored():
         try:
             run(parse_args(args))
         except (RendezvousError, DistError) as exc:  # before any worker ran: the nodes never met
@@ -311,6 +312,21 @@ def _run_torchrun(args: list[str], env: dict[str, str], script: str) -> int:
             print(format_summary(script, from_torch(exc.failures)), file=sys.stderr, flush=True)
             return 1
     return 0
+
+
+@contextmanager
+def _signal_handlers_restored() -> Iterator[None]:
+    """Put this process's signal handlers back after torchrun (its agent installs its own and leaves
+    them), so a library caller (the all-reduce probe, a test) keeps its Ctrl-C and SIGTERM behaviour."""
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # what torch elastic's agent handles
+    main = threading.current_thread() is threading.main_thread()  # (only the main thread installs handlers)
+    saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names if main and hasattr(signal, n))}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 @contextmanager

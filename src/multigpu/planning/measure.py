@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
+from multigpu.devices import synchronizer
 from multigpu.errors import ConfigError
 from multigpu.planning.calibrate import fastest_s, measure_host_costs
 from multigpu.planning.counting import LossFn, count_step, default_loss
@@ -66,7 +67,7 @@ def measure_workload(
     counted = count_step(model, inputs, loss_fn=loss_fn)
     batch = counted.batch
     opt = _build_optimizer(optimizer, model)
-    sync = torch.cuda.synchronize if inputs.is_cuda else (lambda: None)
+    sync = synchronizer([inputs.device])  # waits for any accelerator (cuda, xpu, mps); no-op on the CPU
 
     def compute() -> None:
         model.zero_grad(set_to_none=True)
