@@ -88,6 +88,18 @@ def test_no_two_units_depend_on_each_other() -> None:
     assert cycles == []
 
 
+# Within the middle layer, what DESIGN.md says in words: the engine is used by checkpoints, the
+# launcher and the planner, never the other way round; the profiler observes the engine through
+# the listeners it is given, never by importing it.
+APART = [("parallel", "checkpoint"), ("parallel", "distributed"), ("parallel", "planning"), ("profiling", "parallel")]
+
+
+def test_the_engine_and_the_profiler_keep_their_distance() -> None:
+    graph = _graph()
+    found = [f"{graph[a][b][0]} imports multigpu.{b}" for a, b in APART if b in graph.get(a, {})]
+    assert found == []
+
+
 def test_the_check_sees_a_cycle_and_an_upward_import(tmp_path: Path) -> None:
     """The checks above can fail: the parser finds both kinds of import in real source text."""
     source = tmp_path / "m.py"

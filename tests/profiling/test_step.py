@@ -211,3 +211,38 @@ def test_cuda_phases_are_timed_with_events() -> None:
         assert step.seconds("forward", "cuda:0") > 0
         if count > 1:
             assert next(p for p in step.phases if p.phase == "replicate").nbytes == _param_bytes(net) * count
+
+
+def test_the_auto_balancers_probe_step_is_not_counted() -> None:
+    """The probe (an extra forward and backward on the second step) is heard by its own tracker only."""
+    net = _net()
+    model = multigpu.DataParallel(net, devices="cpu:2", chunk_sizes="auto")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with profile_steps(model, optimizer=opt, config=ProfileConfig(warmup=0)) as prof:
+        _train(model, opt, steps=3)
+    assert 12 in model.balance_plans  # the probe ran, on the second step
+    for step in prof.profile().steps:
+        assert [p.calls for p in step.phases if p.phase in ("forward", "backward")] == [1, 1, 1, 1]
+
+
+def test_a_nested_engine_is_profiled_with_its_host() -> None:
+    """A DataParallel inside the model (a teacher called in forward) reports to the same profiler."""
+
+    class Student(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = _net()
+            self.teacher = multigpu.DataParallel(_net(), devices="cpu:3")
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                hint = self.teacher(x)
+            return self.body(x) + 0 * hint
+
+    student = Student()
+    model = multigpu.DataParallel(student, devices="cpu:2")
+    opt = torch.optim.SGD(student.body.parameters(), lr=0.1)
+    with profile_steps(model, optimizer=opt, config=ProfileConfig(warmup=0)) as prof:
+        _train(model, opt, steps=1)
+    labels = {p.device for p in prof.profile().steps[0].phases if p.phase == "forward"}
+    assert labels == {"cpu:0", "cpu:1", "cpu:2"}  # the teacher's third replica too

@@ -8,6 +8,8 @@ as before MPS was supported); ask for it with ``devices="mps"``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from multigpu.devices.base import DeviceType
@@ -34,7 +36,7 @@ class MpsDevice(DeviceType):
         state = self._call("get_rng_state") if self.is_available() else None
         return None if state is None else [state]
 
-    def set_rng_state_all(self, states: list[torch.Tensor]) -> None:  # type: ignore[override]
+    def set_rng_state_all(self, states: Sequence[torch.Tensor]) -> None:
         if states:
             self._call("set_rng_state", states[0])
 

@@ -67,8 +67,9 @@ class DataParallel(nn.Module):
     The model owns its replica threads: :meth:`close` ends them (and the auto-balancer's
     optimizer hook) at once; garbage collection does the same. It reports the phases of each step
     and each replica's work to the listeners attached with :meth:`add_listener` (the profiler and
-    the memory tracker attach themselves for their duration), and to nobody else. A DataParallel may run inside
-    another one's forward (a teacher model); wrapping a wrapper is refused (``ConfigError``).
+    the memory tracker attach themselves for their duration), and to nobody else. A DataParallel
+    may run inside another one's forward (a teacher model); wrapping a wrapper is refused
+    (``ConfigError``).
 
     Raises:
         ConfigError: an option outside what it accepts, or ``module`` already a DataParallel/DDP.
