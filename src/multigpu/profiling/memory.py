@@ -218,9 +218,10 @@ def track_memory(
     """Measure per-device peak memory of the training step(s) run inside the block.
 
     Args:
-        model: a :class:`multigpu.DataParallel` (one figure per replica device) or a bare module.
-            None (as ``multigpu profile`` does): devices are learnt as replicas run, and peaks
-            count what the steps allocate, without resident parameters.
+        model: a :class:`multigpu.DataParallel` (one figure per replica device) or a bare module;
+            the tracker is attached to every DataParallel in it for the block. None (as ``multigpu
+            profile`` does): it is attached to every DataParallel called in the block, devices are
+            learnt as replicas run, and peaks count what the steps allocate, without resident parameters.
         optimizer: counted as resident state on the primary when given.
 
     Returns:
