@@ -5,9 +5,10 @@
 
 Every repeat times each method once, in rotating order, on the same disk; the table shows the
 median of the repeats and each method's ratio to plain torch.save + torch.load (the target for
-multigpu's default, safetensors, is at most 1.10). multigpu's saves are atomic and durable
-(temporary file, fsync, rename, fsync of the folder); plain torch.save is neither, so the
-ratio is the price of never finding a half-written checkpoint. Timings on a shared machine are
+multigpu's default, safetensors, is at most 1.10). multigpu's saves are atomic, durable
+(temporary file, fsync, rename, fsync of the folder) and checksummed (a CRC-32 per tensor,
+checked on load); plain torch.save is none of these, so the ratio is the price of never
+finding a half-written checkpoint and never loading a damaged one. Timings on a shared machine are
 noisy: compare ratios, and rerun with more repeats when they are close to the target.
 """
 

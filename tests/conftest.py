@@ -1,16 +1,82 @@
-"""Shared fixtures. The oracle everywhere is plain PyTorch on one device."""
+"""Shared fixtures. The oracle everywhere is plain PyTorch on one device.
+
+Every test also runs under a guard that fails it when it leaks what the next test would trip on:
+a process group left initialized, an environment variable changed, a thread still running, or
+processes started without the ``multiprocess`` marker (so ``-m "not multiprocess"`` stays a fast,
+in-process subset).
+"""
 
 from __future__ import annotations
 
+import gc
+import os
 import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
+
+_PROCESS_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec"}
+_started = [0]  # processes started so far in this interpreter (an audit hook cannot be removed: count)
+
+
+def _count_process_starts(event: str, _args: object) -> None:
+    if event in _PROCESS_EVENTS:
+        _started[0] += 1
+
+
+sys.addaudithook(_count_process_starts)
 
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    env = dict(os.environ)
+    threads = set(threading.enumerate())
+    started = _started[0]
+    yield
+    problems = []
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        problems.append("left a process group initialized (destroy it, or close the Session)")
+    changed = sorted(
+        k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST"
+    )
+    if changed:
+        os.environ.clear()
+        os.environ.update(env)
+        problems.append(f"changed environment variables {changed} (use monkeypatch.setenv)")
+    alive = _new_threads(threads)
+    if alive:
+        problems.append(f"left threads running: {sorted(t.name for t in alive)}")
+    if _started[0] > started and request.node.get_closest_marker("multiprocess") is None:
+        problems.append("started processes without @pytest.mark.multiprocess")
+    if problems:
+        pytest.fail(f"{request.node.nodeid} " + "; ".join(problems), pytrace=False)
+
+
+def _new_threads(before: set[threading.Thread], grace_s: float = 2.0) -> list[threading.Thread]:
+    """Threads started by the test and still alive after a collection and a short grace period."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        gc.collect()  # owners that were dropped shut their threads down when collected
+        alive = [t for t in threading.enumerate() if t not in before and t.is_alive() and not _ours(t)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def _ours(thread: threading.Thread) -> bool:
+    """Threads of the test tooling itself (pytest-timeout's watchdog), not of the code under test."""
+    return thread.name.startswith("pytest_timeout")
 
 
 def free_port() -> int:

@@ -107,7 +107,9 @@ def test_public_surface_is_a_decision() -> None:
     }
     assert flags == {
         "inspect": sorted(["--allow-unsafe-pickle", "--max-keys", "-h", "--help"]),
-        "convert": sorted(["--to", "--keep-prefixes", "--strip-prefix", "--allow-unsafe-pickle", "-h", "--help"]),
+        "convert": sorted(
+            ["--to", "--keep-prefixes", "--strip-prefix", "--max-expansion", "--allow-unsafe-pickle", "-h", "--help"]
+        ),
     }
 
 
@@ -116,3 +118,22 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
     return {}
+
+
+def test_names_from_a_file_are_shown_not_interpreted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Rich markup and terminal control characters in keys must neither crash nor style the output.
+    keys = ["[/bold]", "[red]x", "esc\x1b[31mape", "rs\x1erecord"]
+    ckpt.save({k: torch.ones(1) for k in keys}, tmp_path / "w.safetensors")
+    assert main(["ckpt", "inspect", str(tmp_path / "w.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "[/bold]" in out and "[red]x" in out and "esc\\x1b[31mape" in out and "\x1b[31m" not in out
+
+
+def test_an_error_naming_odd_globals_stays_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.checkpoint import _craft
+
+    pickle_bytes = b"\x80\x02ctorch\nFloatSt\x1erage\n)R."
+    (tmp_path / "w.pt").write_bytes(_craft.doctored_torch({}, _craft.with_pickle(pickle_bytes)))
+    assert main(["ckpt", "inspect", str(tmp_path / "w.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "torch.FloatSt\\x1erage" in err and len(err.strip().splitlines()) == 1

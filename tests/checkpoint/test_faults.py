@@ -20,6 +20,7 @@ from torch import nn
 
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.atomic import is_temporary
+from multigpu.checkpoint.lock import LOCK_NAME
 from multigpu.errors import CheckpointError
 
 WORKER = Path(__file__).parent / "workers" / "save_until_killed.py"
@@ -44,6 +45,7 @@ def _kill_during_second_save(mode: str, folder: Path) -> list[Path]:
             child.wait(timeout=10)
 
 
+@pytest.mark.multiprocess
 def test_sigkill_during_a_weights_save_leaves_the_previous_file(tmp_path: Path) -> None:
     leftovers = _kill_during_second_save("weights", tmp_path)
     assert any(p.exists() for p in leftovers), "the kill must land in the middle of the save"
@@ -52,6 +54,7 @@ def test_sigkill_during_a_weights_save_leaves_the_previous_file(tmp_path: Path) 
     assert bool((model.weight == 1.0).all())  # the first save, whole
 
 
+@pytest.mark.multiprocess
 def test_sigkill_during_a_state_save_leaves_the_previous_step_as_latest(tmp_path: Path) -> None:
     leftovers = _kill_during_second_save("state", tmp_path)
     assert any(p.exists() for p in leftovers), "the kill must land in the middle of the save"
@@ -63,7 +66,7 @@ def test_sigkill_during_a_state_save_leaves_the_previous_step_as_latest(tmp_path
     # The next save clears what the killed process left behind.
     checkpointer.save(step=2, model=model)
     assert not any(p.exists() for p in leftovers)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME, "step-00000001", "step-00000002"]
 
 
 def _previous_then_big(folder: Path) -> tuple[ckpt.Checkpointer, nn.Module]:
@@ -132,6 +135,7 @@ def small_tmpfs() -> Iterator[Path]:
         mount_point.rmdir()
 
 
+@pytest.mark.multiprocess
 def test_full_disk_raises_and_keeps_the_previous_checkpoint(small_tmpfs: Path) -> None:
     checkpointer, small = _previous_then_big(small_tmpfs)
     with pytest.raises(CheckpointError, match=r"No space left on device.*is full"):

@@ -9,6 +9,7 @@ from torch import nn
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.atomic import temporary_name
 from multigpu.checkpoint.formats import load_torch_file
+from multigpu.checkpoint.lock import LOCK_NAME
 from multigpu.errors import CheckpointError, ConfigError
 from tests.checkpoint import _training as tr
 
@@ -116,7 +117,7 @@ def test_resaving_a_step_replaces_it(tmp_path: Path) -> None:
     loaded = nn.Linear(2, 2)
     checkpointer.resume(model=loaded)
     assert torch.equal(loaded.weight, second.weight)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME, "step-00000003"]
 
 
 def test_unsafe_state_file_is_refused_unless_allowed(tmp_path: Path) -> None:

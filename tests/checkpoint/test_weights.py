@@ -161,3 +161,38 @@ def test_keys_helpers_keep_their_api() -> None:
     assert ckpt.find_prefixes(["module.a", "module._orig_mod.b", "c"]) == {"module.": 1, "module._orig_mod.": 1}
     inner = nn.Linear(2, 2)
     assert ckpt.unwrap(nn.DataParallel(nn.DataParallel(inner))) is inner
+
+
+def test_a_suffix_that_contradicts_the_format_is_refused_at_save(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"format='torch' does not match the name .*w\.safetensors.*'w\.pt'"):
+        ckpt.save(nn.Linear(2, 1), tmp_path / "w.safetensors", format="torch")
+    with pytest.raises(ConfigError, match=r"format='safetensors' does not match .*w\.pt.*'w\.safetensors'"):
+        ckpt.save(nn.Linear(2, 1), tmp_path / "w.pt", format="safetensors")
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_format_is_read_from_the_bytes_not_the_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from multigpu.cli.main import main
+
+    source = _net()
+    torch.save(source.state_dict(), tmp_path / "renamed.safetensors")  # torch bytes, safetensors name
+    target = _net()
+    ckpt.load(target, tmp_path / "renamed.safetensors")
+    _assert_same(target, source)
+    assert main(["ckpt", "inspect", str(tmp_path / "renamed.safetensors")]) == 0
+    assert "torch" in capsys.readouterr().out
+    assert main(["ckpt", "convert", str(tmp_path / "renamed.safetensors"), str(tmp_path / "clean.safetensors")]) == 0
+    ckpt.load(target, tmp_path / "clean.safetensors")
+    _assert_same(target, source)
+
+
+def test_convert_into_a_contradicting_name_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from multigpu.cli.main import main
+
+    ckpt.save(_net(), tmp_path / "w.safetensors")
+    assert (
+        main(["ckpt", "convert", str(tmp_path / "w.safetensors"), str(tmp_path / "x.safetensors"), "--to", "torch"])
+        == 1
+    )
+    err = capsys.readouterr().err
+    assert "does not match the name" in err and len(err.strip().splitlines()) == 1

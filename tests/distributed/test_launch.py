@@ -360,6 +360,7 @@ def _worker_cores(tmp_path: Path, *flags: str) -> dict[int, set[int]]:
     return {int(rank): set(json.loads(cores)) for _, rank, cores in lines}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2+ cores")
 @pytest.mark.skipif(accelerator_type() == "cuda", reason="binding is on by default only without GPUs")
 def test_cpu_ddp_workers_each_run_on_their_own_slice_of_the_cores(tmp_path: Path) -> None:

@@ -212,6 +212,7 @@ def test_on_cpu_the_recommendation_is_never_slower_than_single(
     assert chosen["samples_per_s"] >= single["samples_per_s"]
 
 
+@pytest.mark.multiprocess
 def test_table_fits_80_columns_when_piped(tmp_path: Path) -> None:
     argv = [
         "advise",

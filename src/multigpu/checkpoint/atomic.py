@@ -95,7 +95,8 @@ def atomic_write_file(final: str | os.PathLike[str], write: Callable[[BinaryIO],
 def atomic_write_path(final: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
     """Like :func:`atomic_write_file` for writers that want a path (``write(temporary_path)``)."""
     final = Path(final)
-    with _explain_os_errors(final):
+    with explain_os_errors(final):
+        remove_stale_temporaries(final.parent, name=final.name)  # left by a killed save of this file
         tmp = temporary_name(final)
         try:
             write(tmp)
@@ -108,40 +109,14 @@ def atomic_write_path(final: str | os.PathLike[str], write: Callable[[Path], Non
     return final
 
 
-@contextlib.contextmanager
-def atomic_folder(final: str | os.PathLike[str]) -> Iterator[Path]:
-    """Build a folder under a temporary name; on success it replaces ``final`` in one rename.
-
-    Files written inside the yielded folder should be synced (see :func:`fsync_file`); the
-    folder itself is synced here before the rename.
-
-    Example:
-        >>> import tempfile
-        >>> root = Path(tempfile.mkdtemp())
-        >>> with atomic_folder(root / "step-1") as tmp:
-        ...     _ = (tmp / "a.txt").write_text("a")
-        >>> sorted(p.name for p in root.iterdir())
-        ['step-1']
-    """
-    final = Path(final)
-    tmp = temporary_name(final)
-    with _explain_os_errors(final):
-        try:
-            tmp.mkdir()
-            yield tmp
-            fsync_folder(tmp)
-            _replace_folder(tmp, final)
-        except BaseException:
-            remove_tree(tmp)
-            raise
-        fsync_folder(final.parent)
-
-
 def remove_tree(path: Path) -> None:
     """Delete a folder so that no half-deleted folder ever sits under a name discovery would pick.
 
     The folder is first renamed to a temporary name (atomic), then deleted.
     """
+    if path.is_symlink():
+        path.unlink()  # never follow a link out of the folder
+        return
     if not path.exists():
         return
     doomed = path if is_temporary(path) else temporary_name(path)
@@ -150,16 +125,26 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def remove_stale_temporaries(folder: Path) -> list[Path]:
+def remove_stale_temporaries(folder: Path, *, name: str | None = None) -> list[Path]:
     """Delete temporary entries in ``folder`` left by processes of this host that are gone.
+
+    Args:
+        folder: where to look.
+        name: only the temporaries of this final name (e.g. ``"w.safetensors"``); all by default.
+
+    Temporaries of other hosts are left alone: whether their writer still runs is unknown here.
 
     Returns:
         The entries that were removed.
     """
     removed = []
     host = socket.gethostname().replace(".", "_")
-    for entry in folder.iterdir() if folder.is_dir() else ():
-        if not is_temporary(entry):
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        if not is_temporary(entry) or (name is not None and not entry.name.startswith(f".{name}{TEMP_MARKER}")):
             continue
         # Name: .<final name>.tmp-<host>-<pid>-<random>; the host may itself contain dashes.
         parts = entry.name.split(TEMP_MARKER, 1)[1].rsplit("-", 2)
@@ -167,21 +152,9 @@ def remove_stale_temporaries(folder: Path) -> list[Path]:
             continue
         if _pid_alive(int(parts[1])):
             continue
-        if entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            _remove_quietly(entry)
+        _remove_quietly(entry)
         removed.append(entry)
     return removed
-
-
-def _replace_folder(tmp: Path, final: Path) -> None:
-    # A folder cannot be renamed onto a non-empty folder: move the old one aside first. Between the
-    # two renames neither name exists, so discovery falls back to the previous step; never to a
-    # half-written one.
-    if final.exists():
-        remove_tree(final)
-    os.replace(tmp, final)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -196,14 +169,15 @@ def _pid_alive(pid: int) -> bool:
 
 def _remove_quietly(path: Path) -> None:
     with contextlib.suppress(OSError):
-        if path.is_dir():
+        if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink()
 
 
 @contextlib.contextmanager
-def _explain_os_errors(final: Path) -> Iterator[None]:
+def explain_os_errors(final: Path) -> Iterator[None]:
+    """Turn an OSError (anywhere in the raised error's chain) into a CheckpointError explaining it."""
     try:
         yield
     except CheckpointError:

@@ -1,6 +1,8 @@
 """Read and write tensor files in safetensors or torch format, never executing code from a file.
 
-safetensors holds only tensors and a string-to-string header, so reading it cannot run code.
+safetensors holds only tensors and a string-to-string header, so reading it cannot run code;
+its header is checked (:mod:`safetensors_header`) and its tensors read here, from the same open
+file, so nothing else ever parses it.
 torch files are pickles; they are read with ``torch.load(weights_only=True)``, whose unpickler
 only rebuilds tensors and plain containers. A file that needs anything more (a custom class, a
 function) is refused with :class:`~multigpu.errors.CheckpointError` naming the globals it wants
@@ -9,12 +11,18 @@ and the explicit opt-in, ``allow_unsafe_pickle=True``, for files the user trusts
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import os
 import pickle
 import re
+import reprlib
+import sys
+import zipfile
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
@@ -23,29 +31,54 @@ import safetensors.torch
 import torch
 
 from multigpu.checkpoint.atomic import atomic_write_file, atomic_write_path
+from multigpu.checkpoint.integrity import (
+    CHECKSUM_KEY,
+    THREADS,
+    placeholder,
+    stamp,
+    submit_crcs,
+    tensor_crcs,
+    verify_header,
+    verify_tensors,
+)
+from multigpu.checkpoint.safetensors_header import DTYPES, Header, TensorEntry, read_header_from
+from multigpu.checkpoint.torch_zip import check_torch_file, unsafe_message
 from multigpu.errors import CheckpointError, ConfigError
 
 Format = Literal["safetensors", "torch"]
 FORMATS: tuple[Format, ...] = ("safetensors", "torch")
 
 _TORCH_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar"}
+_SUFFIX: dict[Format, str] = {"torch": ".pt", "safetensors": ".safetensors"}
+_PLAIN_DTYPES = frozenset(DTYPES.values()) | {torch.float64, torch.complex128, torch.int16}
 _ALIASES_KEY = "multigpu.aliases"
 # Keys under which training scripts commonly nest the model's state dict in a torch file.
 _NESTED_MODEL_KEYS = ("state_dict", "model_state_dict", "model", "module")
+_MAX_NESTING = 4
 
 
 def format_for(path: str | os.PathLike[str], format: Format | None = None) -> Format:
     """The format to write ``path`` in: ``format`` if given, else by suffix (safetensors by default).
 
+    A ``.safetensors`` name in torch format, or a torch suffix in safetensors format, is refused:
+    other tools pick the reader by the suffix and would fail on the file.
+
     Example:
         >>> format_for("net.pt"), format_for("net.safetensors"), format_for("net")
         ('torch', 'safetensors', 'safetensors')
     """
-    if format is not None:
-        if format not in FORMATS:
-            raise ConfigError(f"format={format!r} is not one of {FORMATS}; pick one of them.")
-        return format
-    return "torch" if Path(path).suffix in _TORCH_SUFFIXES else "safetensors"
+    suffix = Path(path).suffix
+    by_suffix: Format = "torch" if suffix in _TORCH_SUFFIXES else "safetensors"
+    if format is None:
+        return by_suffix
+    if format not in FORMATS:
+        raise ConfigError(f"format={format!r} is not one of {FORMATS}; pick one of them.")
+    if (format == "torch" and suffix == ".safetensors") or (format == "safetensors" and suffix in _TORCH_SUFFIXES):
+        raise ConfigError(
+            f"format={format!r} does not match the name {str(path)!r}: tools that read by suffix would "
+            f"expect {by_suffix}. Name the file {Path(path).with_suffix(_SUFFIX[format]).name!r}, or drop format=."
+        )
+    return format
 
 
 def detect_format(path: str | os.PathLike[str]) -> Format:
@@ -69,21 +102,36 @@ def load_torch_file(
 ) -> Any:
     """``torch.load`` that never unpickles arbitrary objects unless explicitly told to.
 
+    The file is checked first (:func:`~multigpu.checkpoint.torch_zip.check_torch_file`) and read
+    through a file object, so its name never changes how it is read.
+
     Args:
         path: a file written by ``torch.save``.
         allow_unsafe_pickle: load files that need arbitrary unpickling. Only for files you
             trust: unpickling can run any code the file's author chose.
-        map_location: passed to ``torch.load``.
+        map_location: passed to ``torch.load``; ``"meta"`` reads the structure without the data.
 
     Raises:
-        CheckpointError: the file needs arbitrary unpickling and ``allow_unsafe_pickle`` is off.
+        CheckpointError: the file is damaged, or needs arbitrary unpickling and
+            ``allow_unsafe_pickle`` is off.
     """
-    if allow_unsafe_pickle:
-        return torch.load(path, map_location=map_location, weights_only=False)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with open(path, "rb") as f:
+            if not allow_unsafe_pickle:
+                check_torch_file(f, path, verify_records=map_location != "meta")
+                f.seek(0)
+            return torch.load(f, map_location=map_location, weights_only=not allow_unsafe_pickle)
     except pickle.UnpicklingError as exc:
+        if allow_unsafe_pickle:
+            raise CheckpointError(f"{str(path)!r} is not a readable torch file: {exc}") from exc
         raise CheckpointError(_unsafe_message(path)) from exc
+    except (CheckpointError, OSError):
+        raise
+    except Exception as exc:  # torch reports damaged records as RuntimeError, AssertionError, ...
+        raise CheckpointError(
+            f"{str(path)!r} is a damaged torch file: {type(exc).__name__}: {str(exc)[:300]}. "
+            "Use another checkpoint, or re-save this one from its source."
+        ) from exc
 
 
 def read_tensors(
@@ -92,27 +140,77 @@ def read_tensors(
     """The tensors of a weights file, by key, and its metadata (safetensors header; empty for torch).
 
     A torch file may hold the tensors directly or nested under one of ``state_dict``,
-    ``model_state_dict``, ``model``, ``module``.
+    ``model_state_dict``, ``model``, ``module``. Every tensor is a dense CPU tensor.
+
+    Raises:
+        CheckpointError: the file is damaged, of another kind, or holds something else.
     """
-    if detect_format(path) == "safetensors":
-        return _read_safetensors(path)
-    obj = load_torch_file(path, allow_unsafe_pickle=allow_unsafe_pickle)
-    return tensors_of(obj, path), {}
+    with _reading(path):
+        if detect_format(path) == "safetensors":
+            return _read_safetensors(path)
+        obj = load_torch_file(path, allow_unsafe_pickle=allow_unsafe_pickle)
+        return tensors_of(obj, path), {}
 
 
-def tensors_of(obj: Any, path: str | os.PathLike[str]) -> OrderedDict[str, torch.Tensor]:
+@contextlib.contextmanager
+def _reading(path: str | os.PathLike[str]) -> Iterator[None]:
+    # A folder or an unreadable file is a CheckpointError; a missing file stays FileNotFoundError,
+    # as Python's own readers raise (resume retries on it when another process swaps a folder).
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {str(path)!r}: {exc.strerror or exc}.") from exc
+
+
+def read_structure(
+    path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False
+) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], dict[str, str]]:
+    """Keys, shapes and dtypes of a weights file without reading its tensor data, and its metadata."""
+    with _reading(path):
+        if detect_format(path) == "safetensors":
+            header = checked_safetensors_header(path)
+            return [(e.key, e.shape, e.dtype) for e in header.entries], _without_aliases(header.metadata)
+        obj = load_torch_file(path, allow_unsafe_pickle=allow_unsafe_pickle, map_location="meta")
+        return [(k, tuple(v.shape), v.dtype) for k, v in tensors_of(obj, path, device="meta").items()], {}
+
+
+def tensors_of(obj: Any, path: str | os.PathLike[str], *, device: str = "cpu") -> OrderedDict[str, torch.Tensor]:
     """The flat key -> tensor mapping inside an object loaded from a torch file."""
-    if isinstance(obj, Mapping) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
-        return OrderedDict((str(k), v) for k, v in obj.items())
-    if isinstance(obj, Mapping):
-        for key in _NESTED_MODEL_KEYS:
-            if key in obj and isinstance(obj[key], Mapping):
-                return tensors_of(obj[key], path)
+    for _ in range(_MAX_NESTING):
+        if isinstance(obj, Mapping) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+            for key, value in obj.items():
+                if not isinstance(key, str):
+                    raise CheckpointError(f"{str(path)!r} has a tensor under the key {key!r}; keys must be strings.")
+                check_plain_tensor(value, f"{str(path)!r}: tensor {key!r}", device=device)
+            return OrderedDict(obj.items())
+        nested = next(
+            (obj[k] for k in _NESTED_MODEL_KEYS if isinstance(obj, Mapping) and isinstance(obj.get(k), Mapping)), None
+        )
+        if nested is None:
+            break
+        obj = nested
     found = list(obj)[:8] if isinstance(obj, Mapping) else type(obj).__name__
     raise CheckpointError(
-        f"{str(path)!r} holds no flat mapping of tensors (found {found!r}); expected a state dict, "
+        f"{str(path)!r} holds no flat mapping of tensors (found {reprlib.repr(found)}); expected a state dict, "
         f"possibly nested under one of {list(_NESTED_MODEL_KEYS)}. Save model.state_dict()."
     )
+
+
+def check_plain_tensor(value: Any, where: str, *, device: str | None = "cpu") -> torch.Tensor:
+    """``value`` if it is a dense tensor of a known dtype on ``device`` (any if None); else CheckpointError."""
+    if type(value) not in (torch.Tensor, torch.nn.Parameter):
+        raise CheckpointError(f"{where} is a {type(value).__name__}; expected a plain torch.Tensor.")
+    on_device = device is None or value.device.type == device
+    if value.layout != torch.strided or value.is_quantized or value.is_nested or not on_device:
+        raise CheckpointError(
+            f"{where} is a {value.layout} tensor on {value.device}; only dense tensors are loaded "
+            "(quantized, sparse, nested and meta tensors are refused)."
+        )
+    if value.dtype not in _PLAIN_DTYPES:
+        raise CheckpointError(f"{where} has dtype {value.dtype}, which multigpu does not load.")
+    return value
 
 
 def write_tensors(
@@ -136,12 +234,19 @@ def write_tensors(
     header["format"] = "pt"
     if aliases:
         header[_ALIASES_KEY] = json.dumps(aliases)
+    else:
+        header.pop(_ALIASES_KEY, None)
+    header[CHECKSUM_KEY] = placeholder([(k, t.dtype, tuple(t.shape)) for k, t in unique.items()], header)
     return atomic_write_path(path, lambda tmp: _save_safetensors(unique, tmp, header))
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, header: dict[str, str]) -> None:
     try:
-        safetensors.torch.save_file(tensors, str(path), header)
+        # The tensors' CRC-32s are computed while the writer (which releases the GIL) writes them.
+        with ThreadPoolExecutor(THREADS) as pool:
+            pending = {key: submit_crcs(pool, tensor) for key, tensor in tensors.items()}
+            safetensors.torch.save_file(tensors, str(path), header)
+            stamp(path, tensor_crcs(pending))
     except safetensors.SafetensorError as exc:
         # The Rust writer reports I/O failures (full disk, size limit) as text: recover the errno
         # so the caller can explain them like any other OSError.
@@ -156,13 +261,85 @@ def _torch_save(obj: Any, f: BinaryIO) -> None:
     torch.save(obj, f)
 
 
+def checked_safetensors_header(path: str | os.PathLike[str], f: BinaryIO | None = None) -> Header:
+    """The checked header of a safetensors file that is not also a zip archive (a polyglot).
+
+    With ``f`` (the file, open), everything is read from it.
+    """
+    if f is None:
+        with open(path, "rb") as opened:
+            return checked_safetensors_header(path, opened)
+    header = read_header_from(f, path)
+    verify_header(path, [(e.key, e.dtype, e.shape) for e in header.entries], header.metadata)
+    if _is_zip_archive(f):
+        raise CheckpointError(
+            f"{str(path)!r} is both a safetensors file and a zip archive (a polyglot); tools would "
+            "disagree on what it holds, so it is refused. Re-create it from its source."
+        )
+    _aliases(path, header)
+    return header
+
+
 def _read_safetensors(path: str | os.PathLike[str]) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
-    with safetensors.safe_open(str(path), framework="pt", device="cpu") as f:
-        metadata = dict(f.metadata() or {})
-        tensors = OrderedDict((key, f.get_tensor(key)) for key in f.keys())  # noqa: SIM118 (safe_open is not iterable)
-    for alias, source in json.loads(metadata.pop(_ALIASES_KEY, "{}")).items():
+    # One open file for the header, the checks and the tensors: a file replaced meanwhile (an
+    # atomic re-save) is read whole, old or new, never the header of one and the data of the other.
+    # The tensors are views of a private (copy-on-write) mapping of that file, as the safetensors
+    # library itself reads: no copy until they are used.
+    tensors: OrderedDict[str, torch.Tensor] = OrderedDict()
+    with open(path, "rb") as f, ThreadPoolExecutor(THREADS) as pool:
+        header = checked_safetensors_header(path, f)
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if header.file_size else None
+        pending = {}
+        for entry in header.entries:
+            tensors[entry.key] = _tensor_of(mapped, header.data_start, entry)
+            pending[entry.key] = submit_crcs(pool, tensors[entry.key])
+        crcs = tensor_crcs(pending)
+    verify_tensors(path, crcs, header.metadata)
+    for alias, source in _aliases(path, header).items():
         tensors[alias] = tensors[source]
-    return tensors, metadata
+    return tensors, _without_aliases(header.metadata)
+
+
+def _tensor_of(mapped: mmap.mmap | None, data_start: int, entry: TensorEntry) -> torch.Tensor:
+    if not entry.nbytes or mapped is None:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    raw = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.nbytes, offset=data_start + entry.begin)
+    if (data_start + entry.begin) % entry.dtype.itemsize:
+        raw = raw.clone()  # a misaligned tensor (not one safetensors writes): copied to aligned memory
+    tensor = raw.view(entry.dtype).reshape(entry.shape)
+    if sys.byteorder == "big":  # safetensors stores little-endian
+        tensor = torch.from_numpy(tensor.numpy().byteswap())
+    return tensor
+
+
+def _aliases(path: str | os.PathLike[str], header: Header) -> dict[str, str]:
+    raw = header.metadata.get(_ALIASES_KEY)
+    if raw is None:
+        return {}
+    keys = {e.key for e in header.entries}
+    try:
+        aliases = json.loads(raw)
+    except (ValueError, RecursionError):
+        aliases = None
+    if not isinstance(aliases, dict) or not all(
+        isinstance(a, str) and isinstance(s, str) and s in keys and a not in keys for a, s in aliases.items()
+    ):
+        raise CheckpointError(
+            f"{str(path)!r} has a damaged {_ALIASES_KEY!r} entry ({reprlib.repr(raw)}); expected a JSON "
+            "object mapping new names to tensors of the file."
+        )
+    return aliases
+
+
+def _without_aliases(metadata: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in metadata.items() if k != _ALIASES_KEY}
+
+
+def _is_zip_archive(f: BinaryIO) -> bool:
+    try:
+        return zipfile.is_zipfile(f)
+    except OSError:
+        return False
 
 
 def _deduplicate(
@@ -195,10 +372,4 @@ def _unsafe_message(path: str | os.PathLike[str]) -> str:
         wanted = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     except Exception:
         wanted = []
-    shown = ", ".join(wanted[:5]) + (" ..." if len(wanted) > 5 else "") if wanted else "unknown objects"
-    return (
-        f"refusing to load {str(path)!r}: it needs arbitrary unpickling ({shown}), and "
-        "unpickling can run any code the file's author chose. If you trust this file, pass "
-        "allow_unsafe_pickle=True (CLI: --allow-unsafe-pickle); better, re-save it as plain "
-        "tensors (multigpu ckpt convert)."
-    )
+    return unsafe_message(path, wanted or ["unknown objects"])

@@ -12,39 +12,47 @@ A checkpoint is a folder ``step-00000042/`` holding ``model.safetensors`` (clean
 into the bare model at any world size with :func:`multigpu.load`) and ``state.pt`` (optimizer,
 LR scheduler, gradient scaler, step, epoch, data position, and every rank's random state; plain
 tensors and containers only, so it loads weights-only). The folder appears in one atomic
-rename, so a crash mid-save leaves the previous step as the latest.
+rename, so a crash mid-save leaves the previous step as the latest; re-saving a step swaps the
+folders atomically (:mod:`swap`). One process saves into a folder at a time (:mod:`lock`).
+Resume checks the whole state before it changes anything (:mod:`resume`, :mod:`validate`).
 """
 
 from __future__ import annotations
 
+import math
 import os
-import re
+import reprlib
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 from torch import nn
 
-from multigpu.checkpoint.atomic import (
-    atomic_folder,
-    atomic_write_file,
-    remove_stale_temporaries,
-    remove_tree,
+from multigpu.checkpoint.atomic import atomic_write_file, explain_os_errors, remove_stale_temporaries, remove_tree
+from multigpu.checkpoint.discovery import (
+    MODEL_FILE,
+    STATE_FILE,
+    complete_checkpoints,
+    find_latest,
+    recover_asides,
 )
-from multigpu.checkpoint.formats import load_torch_file, write_tensors
-from multigpu.checkpoint.keys import clean_state_dict, unwrap
-from multigpu.checkpoint.ranks import gather_on_main, global_rank, run_on_main, world_size
-from multigpu.checkpoint.rng import capture_rng, restore_rng
-from multigpu.checkpoint.weights import load
+from multigpu.checkpoint.formats import write_tensors
+from multigpu.checkpoint.integrity import CHECKSUM_KEY
+from multigpu.checkpoint.keys import unwrap
+from multigpu.checkpoint.lock import folder_lock
+from multigpu.checkpoint.naming import check_count, folder_name
+from multigpu.checkpoint.ranks import gather_on_main, run_on_main, world_size
+from multigpu.checkpoint.resume import apply_all, check_all, read_checkpoint
+from multigpu.checkpoint.rng import capture_rng
+from multigpu.checkpoint.safetensors_header import read_header
+from multigpu.checkpoint.swap import atomic_folder
+from multigpu.checkpoint.validate import FORMAT_VERSION, walk_plain
 from multigpu.errors import CheckpointError, ConfigError
 
-MODEL_FILE = "model.safetensors"
-STATE_FILE = "state.pt"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_SAFE_LEAVES = (int, float, str, bool, type(None), torch.Tensor)
+__all__ = ["MODEL_FILE", "STATE_FILE", "Checkpointer", "Resumed", "Stateful", "find_latest"]
 
 
 class Stateful(Protocol):
@@ -73,17 +81,25 @@ class Checkpointer:
 
     Args:
         folder: where ``step-NNNNNNNN/`` folders go; created on the first save.
-        keep_last: how many checkpoints to keep (older ones are deleted after a successful save);
-            ``None`` keeps all.
+        keep_last: how many checkpoints to keep: after a successful save of step N, the oldest
+            checkpoints below N are deleted until ``keep_last`` remain up to N. ``None`` keeps all.
+            Only complete checkpoints this library wrote are ever deleted.
+        lock_timeout_s: how long a save waits for another process saving into the same folder.
     """
 
     folder: Path
     keep_last: int | None = 3
+    lock_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         self.folder = Path(self.folder)
-        if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
+        if self.keep_last is not None and (
+            not isinstance(self.keep_last, int) or isinstance(self.keep_last, bool) or self.keep_last < 1
+        ):
             raise ConfigError(f"keep_last={self.keep_last!r} must be a positive int or None (keep all).")
+        timeout = self.lock_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ConfigError(f"lock_timeout_s={timeout!r} must be a positive number of seconds.")
 
     def save(
         self,
@@ -101,7 +117,7 @@ class Checkpointer:
 
         Args:
             step: optimizer steps taken so far (the step to resume at).
-            model: wrapped or bare; saved with clean keys.
+            model: wrapped or bare; saved with the bare model's own keys.
             optimizer, scheduler, scaler: saved through their ``state_dict()``.
             epoch: the current epoch.
             data_position: where the data loader stands (ints/strings), e.g. ``{"batch": 17}``.
@@ -111,24 +127,30 @@ class Checkpointer:
             The checkpoint folder.
 
         Raises:
-            CheckpointError: the folder could not be written; previous checkpoints are intact.
+            ConfigError: ``step``/``epoch`` is not an int from 0 to 2**63-1, or ``data_position``/``extra``
+                holds something other than tensors, numbers, strings, lists and dicts.
+            CheckpointError: the folder could not be written, or another process held its lock
+                for ``lock_timeout_s``; previous checkpoints are intact.
 
         Every rank must call it: the random states of all ranks are gathered, rank 0 writes,
         the others return when the checkpoint is complete.
         """
-        if step < 0:
-            raise ConfigError(f"step={step} must be >= 0 (the number of optimizer steps taken).")
+        check_count(step, "step")
+        check_count(epoch, "epoch")
         counters = {"data_position": dict(data_position or {}), "extra": dict(extra or {})}
         for name, value in counters.items():
-            _check_weights_only_safe(value, name)
+            for key in value:
+                if not isinstance(key, str):
+                    raise ConfigError(f"{name} has the key {key!r}; its keys must be strings.")
+            walk_plain(value, name, _refuse_at_save, device=None)  # torch.save moves nothing; load maps to CPU
         rngs = gather_on_main(capture_rng(), "random states")
-        target = self.folder / f"step-{step:08d}"
+        target = self.folder / folder_name(step)
 
         def write() -> Path:  # runs on the main process only
             state = {
-                "format_version": 1,
-                "step": int(step),
-                "epoch": int(epoch),
+                "format_version": FORMAT_VERSION,
+                "step": step,
+                "epoch": epoch,
                 "world_size": world_size(),
                 "rng": rngs,
                 "optimizer": None if optimizer is None else optimizer.state_dict(),
@@ -136,7 +158,7 @@ class Checkpointer:
                 "scaler": None if scaler is None else scaler.state_dict(),
                 **counters,
             }
-            return self._write(target, clean_state_dict(unwrap(model).state_dict()), state)
+            return self._write(target, unwrap(model).state_dict(), state)
 
         run_on_main(write, f"saving checkpoint {target}")
         return target
@@ -153,29 +175,36 @@ class Checkpointer:
     ) -> Resumed | None:
         """Load the latest checkpoint (or ``path``) into the given objects and this rank's RNG.
 
+        All or nothing: the whole checkpoint (weights, optimizer, scheduler, scaler, random states,
+        counters) is checked against the given objects before any of them changes.
+
         Returns:
             What was resumed, or ``None`` when the folder holds no checkpoint yet.
+
+        Raises:
+            CheckpointError: the checkpoint is damaged or does not fit the given objects; the
+                message names the file, the entry and what was expected; nothing was changed.
 
         Any rank may call it and every rank should: each reads the files and takes its own
         random state. Resuming at another world size loads everything except the random state
         of ranks that did not exist before (a warning says so: the run then differs from the
         uninterrupted one).
         """
-        found = Path(path) if path is not None else self.latest()
-        if found is None:
+        locate = (lambda: Path(path)) if path is not None else self.latest
+        read = read_checkpoint(locate, allow_unsafe_pickle=allow_unsafe_pickle)
+        if read is None:
             return None
-        state = load_torch_file(found / STATE_FILE, allow_unsafe_pickle=allow_unsafe_pickle)
-        load(model, found / MODEL_FILE)
-        for name, target in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
-            _load_part(name, target, state.get(name), found)
-        _restore_this_rank_rng(state["rng"], state["world_size"])
+        found, state, tensors, metadata = read
+        parts = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+        checked, weights = check_all(found, state, tensors, metadata, model, parts, allow_objects=allow_unsafe_pickle)
+        apply_all(found, checked, weights, model, parts)
         return Resumed(
             path=found,
-            step=state["step"],
-            epoch=state["epoch"],
-            data_position=state["data_position"],
-            extra=state["extra"],
-            saved_world_size=state["world_size"],
+            step=checked.step,
+            epoch=checked.epoch,
+            data_position=checked.data_position,
+            extra=checked.extra,
+            saved_world_size=checked.world_size,
         )
 
     def latest(self) -> Path | None:
@@ -184,7 +213,7 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """The steps of the complete checkpoints in the folder, oldest first."""
-        return [step for step, _ in _complete_checkpoints(self.folder)]
+        return [found.step for found in complete_checkpoints(self.folder)]
 
     def _write(self, target: Path, tensors: Mapping[str, torch.Tensor], state: dict[str, Any]) -> Path:
         try:
@@ -194,81 +223,46 @@ class Checkpointer:
                 f"cannot create the checkpoint folder {str(self.folder)!r}: {exc.strerror}. "
                 "Pick a folder this process may write to."
             ) from exc
-        remove_stale_temporaries(self.folder)
-        with atomic_folder(target) as tmp:
-            write_tensors(tensors, tmp / MODEL_FILE, metadata={"step": str(state["step"])})
-            atomic_write_file(tmp / STATE_FILE, lambda f: torch.save(state, f))
-        self._prune()
+        with explain_os_errors(target), folder_lock(self.folder, timeout_s=self.lock_timeout_s):
+            recover_asides(self.folder)
+            remove_stale_temporaries(self.folder)
+            with atomic_folder(target) as tmp:
+                write_tensors(tensors, tmp / MODEL_FILE, metadata={"step": str(state["step"])})
+                # The state names the weights it belongs with (see integrity.py).
+                state["model_checksum"] = read_header(tmp / MODEL_FILE).metadata[CHECKSUM_KEY]
+                atomic_write_file(tmp / STATE_FILE, lambda f: torch.save(state, f))
+            self._prune(just_written=state["step"])
         return target
 
-    def _prune(self) -> None:
+    def _prune(self, *, just_written: int) -> None:
+        complete = complete_checkpoints(self.folder)
+        later = [found.step for found in complete if found.step > just_written]
+        if later:
+            warnings.warn(
+                f"{str(self.folder)!r} holds checkpoints of later steps ({later[:5]}) than the one just "
+                f"saved ({just_written}); they are kept, and resume() picks the latest of them. "
+                "Give each run its own folder.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         if self.keep_last is None:
             return
-        complete = _complete_checkpoints(self.folder)
-        for _, old in complete[: max(0, len(complete) - self.keep_last)]:
-            remove_tree(old)
+        older = [found for found in complete if found.step < just_written and _written_here(found.path, found.step)]
+        for found in older[: max(0, len(older) + 1 - self.keep_last)]:
+            remove_tree(found.path)
 
 
-def find_latest(folder: str | os.PathLike[str]) -> Path | None:
-    """The complete ``step-N`` checkpoint folder with the highest N in ``folder``, or ``None``.
-
-    Temporary folders of interrupted saves are never returned.
-
-    Example:
-        >>> find_latest("/nonexistent") is None
-        True
-    """
-    complete = _complete_checkpoints(Path(folder))
-    return complete[-1][1] if complete else None
+def _written_here(folder: Path, step: int) -> bool:
+    # Prune only what a Checkpointer wrote: its weights header records the folder's step.
+    try:
+        return read_header(folder / MODEL_FILE).metadata.get("step") == str(step)
+    except (CheckpointError, OSError):
+        return False
 
 
-def _complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    if not folder.is_dir():
-        return []
-    found = []
-    for entry in folder.iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match and (entry / MODEL_FILE).is_file() and (entry / STATE_FILE).is_file():
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
-
-
-def _load_part(name: str, target: Stateful | None, saved: Any, path: Path) -> None:
-    if target is None:
-        return
-    if saved is None:
-        raise CheckpointError(
-            f"{str(path)!r} holds no {name} state, but a {name} was passed to resume; pass "
-            f"{name}=None or resume from a checkpoint saved with one."
-        )
-    if name == "scaler" and not saved:
-        return  # a disabled GradScaler saves {} and refuses to load it; nothing to restore
-    target.load_state_dict(saved)
-
-
-def _restore_this_rank_rng(rngs: list[Any], saved_world_size: int) -> None:
-    rank = global_rank()
-    if saved_world_size != world_size():
-        warnings.warn(
-            f"resuming at world_size={world_size()} from a checkpoint saved at world_size="
-            f"{saved_world_size}: model and optimizer load, but random streams differ from the "
-            "original run, so results will not match it bit for bit.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    if rank < len(rngs):
-        restore_rng(rngs[rank])
-
-
-def _check_weights_only_safe(value: Any, where: str) -> None:
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            _check_weights_only_safe(item, f"{where}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _check_weights_only_safe(item, f"{where}[{i}]")
-    elif not isinstance(value, _SAFE_LEAVES):
-        raise ConfigError(
-            f"{where} is a {type(value).__name__} ({value!r}); checkpoints hold only tensors, "
-            "numbers, strings, lists and dicts so they load without unpickling code. Convert it."
-        )
+def _refuse_at_save(where: str, found: Any, expected: str) -> NoReturn:
+    shown = found if isinstance(found, str) else f"a {type(found).__name__} ({reprlib.repr(found)})"
+    raise ConfigError(
+        f"{where} is {shown}; expected {expected}: checkpoints hold only tensors, numbers, strings, "
+        "lists and dicts, so they load without unpickling code."
+    )

@@ -2,20 +2,31 @@
 
 Backs ``multigpu ckpt inspect`` and ``multigpu ckpt convert``. Accepts a weights file
 (safetensors or torch), a ``step-N`` checkpoint folder, or a :class:`Checkpointer` folder (its
-latest step). Nothing here executes code from a file (see :mod:`formats`).
+latest step). Nothing here executes code from a file (see :mod:`formats`), and a summary reads
+headers only: the safetensors header, or a torch file's pickle with its tensors mapped to the
+``meta`` device (shapes without data). Every field shown is type- and range-checked first.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from multigpu.checkpoint.formats import Format, detect_format, load_torch_file, read_tensors
+import torch
+
+from multigpu.checkpoint.discovery import MODEL_FILE, STATE_FILE, find_latest
+from multigpu.checkpoint.formats import Format, detect_format, load_torch_file, read_structure
 from multigpu.checkpoint.keys import find_prefixes
-from multigpu.checkpoint.state import MODEL_FILE, STATE_FILE, find_latest
+from multigpu.checkpoint.naming import MAX_STEP, parse_aside, parse_step
+from multigpu.checkpoint.validate import check_counters
 from multigpu.errors import CheckpointError
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxstring = 3, 8, 8, 60
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +61,9 @@ def weights_file(path: str | os.PathLike[str]) -> Path:
     if path.is_file():
         return path
     if not path.is_dir():
-        raise CheckpointError(f"{str(path)!r} does not exist; give a weights file or a checkpoint folder.")
+        raise CheckpointError(
+            f"{str(path)!r} is not a file or folder (or does not exist); give a weights file or a checkpoint folder."
+        )
     if (path / MODEL_FILE).is_file():
         return path / MODEL_FILE
     latest = find_latest(path)
@@ -73,37 +86,54 @@ def summarize(path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False
         ('safetensors', ['w'], {})
     """
     weights = weights_file(path)
-    tensors, metadata = read_tensors(weights, allow_unsafe_pickle=allow_unsafe_pickle)
-    state = _training_state(weights.parent / STATE_FILE, allow_unsafe_pickle) if weights.name == MODEL_FILE else {}
-    step = state.get("step", metadata.get("step"))
+    structure, metadata = read_structure(weights, allow_unsafe_pickle=allow_unsafe_pickle)
+    state = _training_state(weights.parent, allow_unsafe_pickle) if weights.name == MODEL_FILE else {}
+    step = state["step"] if state else _step_in(metadata)
     return Summary(
         path=weights,
         format=detect_format(weights),
         size_on_disk=_size_on_disk(weights, bool(state)),
         tensors=[
-            TensorInfo(key=k, shape=tuple(v.shape), dtype=str(v.dtype).replace("torch.", ""), nbytes=v.nbytes)
-            for k, v in tensors.items()
+            TensorInfo(key=k, shape=shape, dtype=str(dtype).replace("torch.", ""), nbytes=_nbytes(shape, dtype))
+            for k, shape, dtype in structure
         ],
-        prefixes=find_prefixes(tensors),
-        step=int(step) if step is not None else None,
+        prefixes=find_prefixes(k for k, _, _ in structure),
+        step=step,
         metadata=metadata,
         training_state=state,
     )
 
 
-def _training_state(path: Path, allow_unsafe_pickle: bool) -> dict[str, Any]:
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _step_in(metadata: dict[str, str]) -> int | None:
+    # Header metadata is free text: show it as a step only if it is one.
+    text = metadata.get("step", "")
+    if not (text.isascii() and text.isdigit() and len(text) <= 19):
+        return None
+    return int(text) if int(text) <= MAX_STEP else None
+
+
+def _training_state(folder: Path, allow_unsafe_pickle: bool) -> dict[str, Any]:
+    path = folder / STATE_FILE
     if not path.is_file():
         return {}
-    state = load_torch_file(path, allow_unsafe_pickle=allow_unsafe_pickle)
+    loaded = load_torch_file(path, allow_unsafe_pickle=allow_unsafe_pickle, map_location="meta")
+    folder_step = parse_step(folder.name)
+    checked = check_counters(
+        loaded, path, folder_step=folder_step if folder_step is not None else parse_aside(folder.name), device="meta"
+    )
     return {
-        "step": state.get("step"),  # shown as the saved step
-        "epoch": state.get("epoch"),
-        "world_size": state.get("world_size"),
-        "data_position": state.get("data_position"),
-        "optimizer": state.get("optimizer") is not None,
-        "scheduler": state.get("scheduler") is not None,
-        "scaler": bool(state.get("scaler")),
-        "random states": len(state.get("rng") or []),
+        "step": checked.step,  # shown as the saved step
+        "epoch": checked.epoch,
+        "world_size": checked.world_size,
+        "data_position": _SHORT.repr(checked.data_position),
+        "optimizer": checked.optimizer is not None,
+        "scheduler": checked.scheduler is not None,
+        "scaler": bool(checked.scaler),
+        "random states": len(checked.rng),
     }
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from multigpu.checkpoint.formats import Format, read_tensors, write_tensors
-from multigpu.checkpoint.keys import clean_state_dict, unwrap
+from multigpu.checkpoint.keys import clean_state_dict, collision_message, match_keys, unwrap
 from multigpu.checkpoint.ranks import run_on_main
 from multigpu.checkpoint.sharded import full_state_dict, shard_like
 from multigpu.errors import CheckpointError
@@ -36,9 +36,12 @@ def save(
     """Write the weights of ``model`` (or a state dict) to ``path``, atomically, with bare keys.
 
     Args:
-        model: a module, wrapped or not, or a state dict.
+        model: a module, wrapped or not (saved with the bare module's keys), or a state dict
+            (saved as given, less a wrapper prefix that every key carries).
         path: the file to write; its folder must exist.
         format: ``"safetensors"`` or ``"torch"``; by default from the suffix, safetensors otherwise.
+            A ``.safetensors`` name in torch format (or a torch suffix in safetensors format) is
+            refused with :class:`~multigpu.errors.ConfigError`.
         metadata: strings stored in the safetensors header (ignored for torch format).
 
     Returns:
@@ -58,8 +61,9 @@ def save(
         >>> sorted(read_tensors(p)[0])
         ['bias', 'weight']
     """
-    state = full_state_dict(unwrap(model)) if isinstance(model, nn.Module) else model  # fsdp: gathered
-    tensors = clean_state_dict(state)
+    # A module's own keys are exact once its wrappers are removed (under fsdp, gathered from the
+    # shards on every rank); a bare state dict can only lose a prefix chain that every key carries.
+    tensors = full_state_dict(unwrap(model)) if isinstance(model, nn.Module) else clean_state_dict(model)
     written = run_on_main(lambda: write_tensors(tensors, path, format=format, metadata=metadata), f"saving {path}")
     return Path(written) if written is not None else Path(path)
 
@@ -87,7 +91,10 @@ def load(
 
     Raises:
         CheckpointError: keys or shapes differ (``strict``); the message lists the missing,
-            unexpected and shape-different keys and the likely cause.
+            unexpected and shape-different keys and the likely cause. Also when the file is
+            damaged or not a weights file, or when several of its keys differ only by wrapper
+            prefixes (``module.weight`` and ``weight``): the message lists them. The model is
+            unchanged in every case.
 
     Any rank may call it; it does not communicate. Into a model sharded by fsdp, each rank
     reads the whole file and keeps its own slices.
@@ -112,14 +119,36 @@ def load_tensors(
     source: str = "the state dict",
 ) -> None:
     """Copy ``tensors`` into ``model`` after checking keys and shapes (see :func:`load`)."""
+    usable = plan_load(model, tensors, strict=strict, strip=strip, source=source)
     bare = unwrap(model)
-    found = _strip_extra(clean_state_dict(tensors), strip)
+    bare.load_state_dict(shard_like(bare.state_dict(), usable), strict=False)  # fsdp: each rank takes its slices
+
+
+def plan_load(
+    model: nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    strict: bool = True,
+    strip: Sequence[str] = (),
+    source: str = "the state dict",
+) -> dict[str, torch.Tensor]:
+    """The tensors to load into the bare model, by its keys; checks everything, changes nothing.
+
+    Raises:
+        CheckpointError: keys collide, or (``strict``) keys or shapes differ.
+    """
+    bare = unwrap(model)
+    found = _strip_extra(tensors, strip, source)
     expected = bare.state_dict()
-    problem = describe_mismatch(expected, found)
+    mapping = match_keys(found, expected, source=source)
+    renamed = OrderedDict((mapping.get(k, k), v) for k, v in found.items())
+    problem = describe_mismatch(expected, renamed)
     if problem and strict:
         raise CheckpointError(f"{source} does not match {type(bare).__name__}: {problem}")
-    usable = {k: v for k, v in found.items() if k in expected and v.shape == expected[k].shape}
-    bare.load_state_dict(shard_like(expected, usable), strict=False)  # fsdp: each rank takes its slices
+    for key, value in renamed.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{source}: {key!r} is a {type(value).__name__}, not a tensor.")
+    return {k: v for k, v in renamed.items() if k in expected and v.shape == expected[k].shape}
 
 
 def describe_mismatch(expected: Mapping[str, torch.Tensor], found: Mapping[str, torch.Tensor]) -> str:
@@ -184,14 +213,20 @@ def _common_extra_prefix(longer: list[str], shorter: list[str]) -> str:
     return prefix if len(stripped & set(shorter)) >= max(1, len(shorter) // 2) else ""
 
 
-def _strip_extra(tensors: OrderedDict[str, torch.Tensor], strip: Sequence[str]) -> OrderedDict[str, torch.Tensor]:
-    if not strip:
-        return tensors
+def _strip_extra(
+    tensors: Mapping[str, torch.Tensor], strip: Sequence[str], source: str
+) -> OrderedDict[str, torch.Tensor]:
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
-    for key, value in tensors.items():
+    origins: dict[str, list[str]] = {}
+    for original, value in tensors.items():
+        key = original
         for prefix in strip:
             if key.startswith(prefix):
                 key = key[len(prefix) :]
                 break
+        origins.setdefault(key, []).append(original)
         out[key] = value
+    collisions = {name: keys for name, keys in origins.items() if len(keys) > 1}
+    if collisions:
+        raise CheckpointError(collision_message(source, collisions))
     return out

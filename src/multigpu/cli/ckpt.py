@@ -6,20 +6,27 @@
     multigpu ckpt convert a.safetensors a.pt --strip-prefix model.
 
 Files are read without executing code: a torch file that needs arbitrary unpickling is refused
-unless --allow-unsafe-pickle is given (only for files you trust).
+unless --allow-unsafe-pickle is given (only for files you trust). Inspect reads headers only;
+convert refuses files whose tensors, made contiguous, would take more than --max-expansion
+times the bytes on disk (a stride-0 view is a few bytes on disk and can be terabytes in memory),
+and files whose keys differ only by wrapper prefixes (``module.w`` next to ``w``). Every
+problem with a file is one line on stderr and exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from multigpu.checkpoint.expansion import DEFAULT_MAX_EXPANSION, check_expansion
 from multigpu.checkpoint.formats import FORMATS, read_tensors, write_tensors
-from multigpu.checkpoint.keys import clean_state_dict
+from multigpu.checkpoint.keys import clean_state_dict, collision_message, find_collisions
 from multigpu.checkpoint.summary import Summary, summarize, weights_file
-from multigpu.errors import MultigpuError
+from multigpu.errors import CheckpointError, MultigpuError
 
 HELP = "inspect a checkpoint (keys, shapes, step, format) or convert it between formats"
 
@@ -54,7 +61,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PREFIX",
         help="also remove this key prefix, e.g. 'model.' (repeatable)",
     )
+    convert.add_argument(
+        "--max-expansion",
+        type=_expansion,
+        default=DEFAULT_MAX_EXPANSION,
+        metavar="FACTOR",
+        help=f"refuse files whose tensors, made contiguous, exceed FACTOR x their size on disk "
+        f"(default {DEFAULT_MAX_EXPANSION:g}; 'inf' for no limit)",
+    )
     _add_unsafe_flag(convert)
+
+
+def _expansion(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 1 (or 'inf')")
+    return value
 
 
 def _add_unsafe_flag(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             _convert(console, args)
     except MultigpuError as exc:
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {exc}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(Text.assemble(("error:", "bold red"), " ", _printable(str(exc))))
         return 1
     return 0
 
@@ -81,38 +106,53 @@ def run(args: argparse.Namespace) -> int:
 def _convert(console: Console, args: argparse.Namespace) -> None:
     source = weights_file(args.input)
     tensors, metadata = read_tensors(source, allow_unsafe_pickle=args.allow_unsafe_pickle)
+    check_expansion(tensors, source, max_expansion=args.max_expansion)
     if not args.keep_prefixes:
         tensors = clean_state_dict(tensors)
-    for prefix in args.strip_prefix:
-        tensors = type(tensors)((k[len(prefix) :] if k.startswith(prefix) else k, v) for k, v in tensors.items())
+        collisions = find_collisions(tensors)
+        if collisions:
+            raise CheckpointError(
+                collision_message(repr(str(source)), collisions) + " To write the keys unchanged, pass --keep-prefixes."
+            )
+    new_keys = [next((k[len(p) :] for p in args.strip_prefix if k.startswith(p)), k) for k in tensors]
+    counts = Counter(new_keys)
+    if len(counts) < len(new_keys):
+        merged = sorted(new for new, n in counts.items() if n > 1)[:6]
+        raise CheckpointError(f"--strip-prefix would merge keys of {str(source)!r} into {merged}; strip less.")
+    tensors = type(tensors)(zip(new_keys, tensors.values()))
     written = write_tensors(tensors, args.output, format=args.to, metadata=metadata)
-    console.print(f"wrote {len(tensors)} tensors from {source} to {written}", highlight=False)
+    console.print(Text(_printable(f"wrote {len(tensors)} tensors from {source} to {written}")))
 
 
 def _print_summary(console: Console, summary: Summary, max_keys: int) -> None:
     facts = Table(show_header=False, box=None)
     facts.add_column(style="bold")
     facts.add_column(overflow="fold")  # long paths wrap instead of being cut
-    facts.add_row("file", str(summary.path))
+    facts.add_row("file", Text(_printable(str(summary.path))))
     facts.add_row("format", summary.format)
     facts.add_row("size on disk", _bytes(summary.size_on_disk))
     facts.add_row("tensors", f"{len(summary.tensors)} ({_bytes(summary.tensor_bytes)})")
     facts.add_row("saved step", "-" if summary.step is None else str(summary.step))
     prefixes = ", ".join(f"{p} ({n} keys)" for p, n in summary.prefixes.items())
-    facts.add_row("wrapper prefixes", prefixes or "none")
+    facts.add_row("wrapper prefixes", Text(prefixes or "none"))
     for name, value in summary.training_state.items():
         if name != "step":
-            facts.add_row(name, str(value))
+            facts.add_row(name, Text(_printable(str(value))))
     console.print(facts)
     shown = summary.tensors if max_keys <= 0 else summary.tensors[:max_keys]
     table = Table(title="tensors")
     for column, justify in (("key", "left"), ("shape", "left"), ("dtype", "left"), ("size", "right")):
         table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for t in shown:
-        table.add_row(t.key, str(list(t.shape)), t.dtype, _bytes(t.nbytes))
+        table.add_row(Text(_printable(t.key)), str(list(t.shape)), t.dtype, _bytes(t.nbytes))
     if len(shown) < len(summary.tensors):
         table.caption = f"{len(summary.tensors) - len(shown)} more; --max-keys 0 lists all"
     console.print(table)
+
+
+def _printable(text: str) -> str:
+    # Text from a file is shown, never interpreted: no rich markup, no terminal control characters.
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _bytes(n: int) -> str:

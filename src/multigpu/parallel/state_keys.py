@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from multigpu._keys import match_keys
+from multigpu._keys import collision_message, map_keys
 from multigpu.errors import CheckpointError
 
 
@@ -32,13 +32,10 @@ def add_module_prefix(wrapper: nn.Module, state_dict: dict[str, Any], prefix: st
     """
     own = [k for k in state_dict if k.startswith(prefix)]
     inner: nn.Module = wrapper.module  # type: ignore[assignment]
-    mapping, collisions = match_keys([k[len(prefix) :] for k in own], inner.state_dict().keys())
+    mapping, collisions = map_keys([k[len(prefix) :] for k in own], inner.state_dict().keys())
     if collisions:
-        listed = "; ".join(f"{found} all name {target!r}" for target, found in collisions.items())
-        raise CheckpointError(
-            f"the state dict holds several keys for one tensor of the model ({listed}); "
-            "keep one key per tensor before loading"
-        )
+        raise CheckpointError(collision_message("the state dict", collisions))
     values = {key: state_dict.pop(key) for key in own}  # all out first: a new key may equal an old one
     for key, value in values.items():
-        state_dict[prefix + "module." + mapping[key[len(prefix) :]]] = value
+        local = key[len(prefix) :]
+        state_dict[prefix + "module." + mapping.get(local, local)] = value
