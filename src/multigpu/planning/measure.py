@@ -246,7 +246,9 @@ def allreduce_busbw(nbytes: int, *, repeats: int = 7) -> float:
     """
     import torch.distributed as dist
 
-    world = dist.get_world_size()
+    from multigpu.distributed.runtime import world_size
+
+    world = world_size()
     tensor = torch.ones(max(1, nbytes // 4))
     seconds = fastest_s(lambda: dist.all_reduce(tensor), repeats)
     return tensor.numel() * 4 / seconds * bus_factor("all-reduce", world)
