@@ -21,6 +21,9 @@ import torch
 import torch.distributed as dist
 
 _PROCESS_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec"}
+# Set by libraries for themselves on their first use in a process, whichever test that is: scikit-learn's
+# import (setdefault of the two KMP_ variables) and torch's first optimizer (inductor's cache folder).
+_SET_BY_LIBRARIES = {"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "TORCHINDUCTOR_CACHE_DIR"}
 _started = [0]  # processes started so far in this interpreter (an audit hook cannot be removed: count)
 
 
@@ -48,7 +51,11 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         dist.destroy_process_group()
         problems.append("left a process group initialized (destroy it, or close the Session)")
     changed = sorted(
-        k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST"
+        k
+        for k in set(env) | set(os.environ)
+        if env.get(k) != os.environ.get(k)
+        and k != "PYTEST_CURRENT_TEST"
+        and not (k in _SET_BY_LIBRARIES and k not in env)
     )
     if changed:
         os.environ.clear()
