@@ -26,6 +26,10 @@ from tests.launching import kill_tree, start_launch
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 
 WORKER = Path(__file__).parent / "workers" / "ddp_worker.py"
+# The worker's default process group times out after this long: a teardown that took as long waited for that
+# timeout instead of reacting to the failure. The bound is this, not a speed (teardown times move with the
+# machine's load, 5-12 s on two busy cores; they are printed).
+WORKER_GROUP_TIMEOUT_S = 60
 
 
 @dataclass
@@ -123,7 +127,7 @@ def test_one_rank_raising_ends_every_rank_and_names_it(tmp_path: Path) -> None:
     assert "RuntimeError: injected failure in rank 1 at step 2" in output
     assert re.search(r"Traceback \(most recent call last\)", output)
     assert re.search(r"multigpu launch: .* failed on rank 1 ", output), output[-3000:]  # the launcher names the cause
-    assert seconds < 10
+    assert seconds < WORKER_GROUP_TIMEOUT_S  # torn down by the failure, not by a rank timing out
 
 
 def test_a_hanging_collective_times_out_and_names_the_likely_cause(tmp_path: Path) -> None:
@@ -137,7 +141,7 @@ def test_a_hanging_collective_times_out_and_names_the_likely_cause(tmp_path: Pat
         r"another rank stopped calling it",
         output,
     ), output[-3000:]
-    assert 3 <= seconds < 3 + 10
+    assert 3 <= seconds < WORKER_GROUP_TIMEOUT_S  # the training group's 3 s timeout ended it, not the default group's
 
 
 def test_a_failed_save_on_rank_0_fails_every_rank_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
@@ -155,7 +159,7 @@ def test_a_failed_save_on_rank_0_fails_every_rank_and_keeps_the_previous_checkpo
     assert ckpt.find_latest(run.folder) == run.folder / "step-00000002"
     with pytest.warns(RuntimeWarning, match=r"saved at world_size=2"):
         assert ckpt.Checkpointer(folder=run.folder).resume(model=tr.build_model()) is not None
-    assert seconds < 10
+    assert seconds < WORKER_GROUP_TIMEOUT_S  # torn down by the failure, not by a rank timing out
 
 
 def test_a_killed_worker_restarts_resumes_and_ends_with_the_uninterrupted_weights(tmp_path: Path) -> None:

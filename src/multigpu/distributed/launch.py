@@ -331,14 +331,16 @@ def _signal_handlers_restored() -> Iterator[None]:
 
 @contextmanager
 def _environment(extra: dict[str, str]) -> Iterator[None]:
-    """Set ``extra`` in os.environ (torchrun hands its environment to the workers), then restore."""
-    saved = {key: os.environ.get(key) for key in extra}
+    """Set ``extra`` in os.environ (torchrun hands its environment to the workers), then put the whole
+    environment back: torch's launcher also sets variables in its caller's process
+    (``TORCHELASTIC_SIGNALS_TO_HANDLE``, ``OMP_NUM_THREADS``), which a library caller must not inherit."""
+    saved = dict(os.environ)
     os.environ.update(extra)
     try:
         yield
     finally:
+        for key in set(os.environ) - set(saved):
+            del os.environ[key]
         for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
+            if os.environ.get(key) != value:
                 os.environ[key] = value
