@@ -3,10 +3,11 @@
     .venv/bin/python benchmarks/profile_overhead.py            # cpu:2, two model sizes
     .venv/bin/python benchmarks/profile_overhead.py --rounds 21 --steps 30
 
-"off": the engine as shipped; its ``phase(...)`` marks run with no listener. Their cost is
-measured directly (a no-listener ``phase`` call, times the phases one step opens) because it
-cannot be switched off to compare against. "on": the same steps inside ``profile_steps`` (phase
-timing, byte counting, optimizer hooks). Two estimates of the on-cost:
+"off": the engine as shipped; its phase marks run with no listener attached. Their cost is
+measured directly (a no-listener ``Listeners.phase`` call, times the phases one step opens)
+because it cannot be switched off to compare against. "on": the same steps inside
+``profile_steps(model, ...)`` (phase timing, byte counting, optimizer hooks). Two estimates of the
+on-cost:
 
 * A/B: off and on alternate in short blocks of --steps; the ratio is the median over --rounds of
   on/off of adjacent blocks (paired, so load from other processes hits both sides alike).
@@ -28,8 +29,8 @@ from rich.table import Table
 from torch import nn
 
 import multigpu
-from multigpu.profiling import phases
-from multigpu.profiling.step import ProfileConfig, profile_steps
+from multigpu.core.listeners import Listeners
+from multigpu.profiling.step import ProfileConfig, StepProfiler, profile_steps
 
 
 def _model(width: int) -> nn.Module:
@@ -58,7 +59,7 @@ def measure(width: int, batch: int, devices: str, steps: int, rounds: int) -> tu
     for i in range(rounds):
         if i % 2:  # alternate which side goes first
             off.append(_block(model, opt, x, y, steps))
-        with profile_steps(optimizer=opt, config=ProfileConfig(warmup=0)) as prof:
+        with profile_steps(model, optimizer=opt, config=ProfileConfig(warmup=0)) as prof:
             on.append(_block(model, opt, x, y, steps))
         if not i % 2:
             off.append(_block(model, opt, x, y, steps))
@@ -73,13 +74,12 @@ def measure(width: int, batch: int, devices: str, steps: int, rounds: int) -> tu
 
 
 def phase_cost(listening: bool, calls: int = 100_000) -> float:
-    """Seconds per ``with phase(...)`` block, with or without a step profiler listening."""
-    with contextlib.ExitStack() as stack:
-        if listening:
-            profiler = stack.enter_context(profile_steps(config=ProfileConfig(warmup=0)))
+    """Seconds per ``with listeners.phase(...)`` block, with or without a step profiler attached."""
+    listeners, profiler = Listeners(), StepProfiler(ProfileConfig(warmup=0))
+    with listeners.add(profiler) if listening else contextlib.nullcontext():
         start = time.perf_counter()
         for i in range(calls):
-            with phases.phase("forward", "cpu:0"):
+            with listeners.phase("forward", "cpu:0"):
                 pass
             if listening and i % 20 == 19:
                 profiler.step()  # a step closes every ~20 phases, as in training

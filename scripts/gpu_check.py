@@ -127,9 +127,9 @@ def write_report(outcomes: list[Outcome], out: Path, device: str) -> Path:
 
 
 def _cuda_available() -> bool:
-    import torch  # imported here: --help stays fast
+    from multigpu.devices import get_device_type  # imported here (it imports torch): --help stays fast
 
-    return bool(torch.cuda.is_available())
+    return get_device_type("cuda").is_available()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,33 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 import multigpu
+from multigpu.devices import get_device_type, synchronizer
+from multigpu.profiling.bandwidth import time_per_op
 
 
-def _sync(device: torch.device) -> Callable[[], None]:
-    # note: a sync point; GPU work is asynchronous, so a timer must wait for it
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
-
-def _fastest_ms(fn: Callable[[], object], sync: Callable[[], None], *, iters: int, repeats: int = 5) -> float:
-    fn()  # warm-up: allocator, kernels, thread start
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        began = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        sync()
-        best = min(best, (time.perf_counter() - began) / iters)
-    return best * 1e3
+def _fastest_ms(fn: Callable[[], object], device: torch.device, *, iters: int) -> float:
+    """Milliseconds per call: the profiler's timer, which waits for ``device``'s queue (a sync point) around each loop."""
+    return time_per_op(fn, synchronizer([device]), iters=iters) * 1e3
 
 
 def _model(device: torch.device) -> nn.Module:
@@ -60,9 +46,8 @@ def dp_overhead(device: torch.device, batch: int, iters: int) -> dict[str, objec
 
         return run
 
-    sync = _sync(device)
-    bare_ms = _fastest_ms(step(bare), sync, iters=iters)
-    dp_ms = _fastest_ms(step(wrapped), sync, iters=iters)
+    bare_ms = _fastest_ms(step(bare), device, iters=iters)
+    dp_ms = _fastest_ms(step(wrapped), device, iters=iters)
     # nn.DataParallel with one device moves the inputs there: a CPU batch into a CUDA model works.
     host_batch = torch.randn(8, 1024)
     expected = bare(host_batch.to(device))
@@ -84,12 +69,11 @@ def copies(device: torch.device, nbytes: int, iters: int) -> dict[str, object]:
     src = torch.empty(numel, device=device)
     dst = torch.empty(numel, device=device)
     pageable = torch.empty(numel)
-    pin = device.type == "cuda"
+    pin = get_device_type(device).pin_memory  # pinned host buffers only where the device type copies from them faster
     pinned = pageable.pin_memory() if pin else pageable
-    sync = _sync(device)
 
     def gbps(fn: Callable[[], object]) -> float:
-        return round(nbytes / (_fastest_ms(fn, sync, iters=iters) / 1e3) / 1e9, 2)
+        return round(nbytes / (_fastest_ms(fn, device, iters=iters) / 1e3) / 1e9, 2)
 
     return {
         "probe": "copies",

@@ -22,6 +22,9 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 
 _PROCESS_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec"}
+# Set by libraries for themselves on their first use in a process, whichever test that is: scikit-learn's
+# import (setdefault of the two KMP_ variables) and torch's first optimizer (inductor's cache folder).
+_SET_BY_LIBRARIES = {"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "TORCHINDUCTOR_CACHE_DIR"}
 _started = [0]  # processes started so far in this interpreter (an audit hook cannot be removed: count)
 
 
@@ -29,12 +32,6 @@ _started = [0]  # processes started so far in this interpreter (an audit hook ca
 # (its too_slow check failed a derandomized planner property under load); no per-example deadline.
 settings.register_profile("shared-cores", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("shared-cores")
-
-# Set by pytest itself, by torch's inductor on first use (its process-wide cache folder) and by
-# scikit-learn on import (the demo's digits data), whichever test comes first.
-_SET_BY_TOOLS = frozenset(
-    {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
-)
 
 
 def _count_process_starts(event: str, _args: object) -> None:
@@ -61,7 +58,11 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         dist.destroy_process_group()
         problems.append("left a process group initialized (destroy it, or close the Session)")
     changed = sorted(
-        k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k) and k not in _SET_BY_TOOLS
+        k
+        for k in set(env) | set(os.environ)
+        if env.get(k) != os.environ.get(k)
+        and k != "PYTEST_CURRENT_TEST"
+        and not (k in _SET_BY_LIBRARIES and k not in env)
     )
     if changed:
         os.environ.clear()

@@ -8,7 +8,6 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,12 +21,13 @@ import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.atomic import is_temporary
 from multigpu.checkpoint.lock import LOCK_NAME
 from multigpu.errors import CheckpointError
+from tests.launching import start_python
 
 WORKER = Path(__file__).parent / "workers" / "save_until_killed.py"
 
 
 def _kill_during_second_save(mode: str, folder: Path) -> list[Path]:
-    child = subprocess.Popen([sys.executable, str(WORKER), mode, str(folder)], stdout=subprocess.PIPE, text=True)
+    child = start_python(str(WORKER), mode, str(folder))
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "saved 1"
         deadline = time.monotonic() + 30

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -32,9 +31,9 @@ from torch import nn
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.atomic import is_temporary
 from tests.checkpoint.workers.save_forever import WIDTH
+from tests.launching import start_python
 
 WORKER = Path(__file__).parent / "workers" / "save_forever.py"
-REPO = Path(__file__).resolve().parents[2]
 KILLS = int(os.environ.get("MULTIGPU_KILL_CASES", "1"))
 LONG = "MULTIGPU_KILL_CASES" in os.environ
 
@@ -55,14 +54,7 @@ class Tally:
 
 class Worker:
     def __init__(self, mode: str, folder: Path, *extra: str) -> None:
-        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        self.process = subprocess.Popen(
-            [sys.executable, str(WORKER), mode, str(folder), *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+        self.process = start_python(str(WORKER), mode, str(folder), *extra)
 
     def first_save(self) -> int:
         assert self.process.stdout is not None

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from torch import nn
 
 import multigpu.checkpoint as ckpt
 from multigpu.errors import CheckpointError
+from tests.launching import finished_pid
 
 
 def _filled(value: float) -> nn.Module:
@@ -113,19 +112,13 @@ def test_lock_timeout_is_checked(tmp_path: Path, timeout: object) -> None:
         ckpt.Checkpointer(folder=tmp_path, lock_timeout_s=timeout)  # type: ignore[arg-type]
 
 
-def _dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
-
-
 @pytest.mark.multiprocess
 def test_a_weights_save_removes_temporaries_of_killed_saves_of_that_file(tmp_path: Path) -> None:
     host = socket.gethostname().replace(".", "_")
-    dead = tmp_path / f".w.safetensors.tmp-{host}-{_dead_pid()}-0badc0de"
+    dead = tmp_path / f".w.safetensors.tmp-{host}-{finished_pid()}-0badc0de"
     alive = tmp_path / f".w.safetensors.tmp-{host}-{os.getpid()}-0badc0de"  # a save still running
-    other_file = tmp_path / f".v.safetensors.tmp-{host}-{_dead_pid()}-0badc0de"
-    other_host = tmp_path / f".w.safetensors.tmp-elsewhere-{_dead_pid()}-0badc0de"
+    other_file = tmp_path / f".v.safetensors.tmp-{host}-{finished_pid()}-0badc0de"
+    other_host = tmp_path / f".w.safetensors.tmp-elsewhere-{finished_pid()}-0badc0de"
     for leftover in (dead, alive, other_file, other_host):
         leftover.write_bytes(b"partial")
     ckpt.save(_filled(1.0), tmp_path / "w.safetensors")

@@ -10,7 +10,7 @@ import torch
 from multigpu.distributed.launch import LaunchConfig, resolve_nproc
 from multigpu.distributed.runtime import check_world_matches_devices
 from multigpu.errors import DeviceError
-from tests.distributed.launching import ROOT, multigpu_launch
+from tests.launching import ROOT, multigpu_launch
 
 
 @pytest.mark.cuda

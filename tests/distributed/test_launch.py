@@ -28,7 +28,7 @@ from multigpu.distributed.launch import (
 from multigpu.distributed.runtime import LaunchError
 from multigpu.errors import ConfigError, DeviceError
 from tests.conftest import free_port
-from tests.distributed.launching import multigpu_launch
+from tests.launching import multigpu_launch
 
 
 def test_single_node_binds_loopback_and_runs_the_script_through_the_recording_entry() -> None:

@@ -100,3 +100,27 @@ def test_collective_bad_input_names_the_fix() -> None:
         collectives.gather_by_index(torch.zeros(2), torch.tensor([0]), 2)
     with pytest.raises(ConfigError, match=r"no rank produced results for dataset indices \[2\]"):
         collectives.gather_by_index(torch.zeros(2), torch.tensor([0, 1]), 3)
+
+
+def test_rank_world_size_and_main_process_have_one_answer_before_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launched process is the rank its launcher gave it even before it joins the group."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not runtime.in_process_group()
+    assert (runtime.global_rank(), runtime.world_size(), runtime.is_main_process()) == (1, 2, False)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert (runtime.global_rank(), runtime.world_size(), runtime.is_main_process()) == (0, 1, True)
+
+
+def test_inside_a_group_the_group_answers_for_everyone(one_rank_group: None) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from multigpu.distributed.failures import _where
+    from multigpu.profiling.ddp import DDPProfiler
+
+    assert runtime.in_process_group()
+    assert (runtime.global_rank(), runtime.world_size(), runtime.is_main_process()) == (0, 1, True)
+    assert _where() == "rank 0 of world_size 1"  # the failure messages ask the runtime
+    profiler = DDPProfiler(DistributedDataParallel(torch.nn.Linear(2, 2)))
+    assert profiler.rank_profile().rank == 0 and profiler.gather().backend == "gloo"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.launching import alive, descendants, kill_tree, read_lines_until, start_launch
+from tests.launching import alive, descendants, kill_tree, read_lines_until, start_launch
 
 pytestmark = pytest.mark.multiprocess
 

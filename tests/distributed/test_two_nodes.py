@@ -26,8 +26,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed.launching import ROOT, kill_tree, read_lines_until
 from tests.distributed.two_node_worker import batch
+from tests.launching import kill_tree, read_lines_until, start_launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,14 +43,8 @@ class Node:
 
     def launch(self, *args: str) -> subprocess.Popen[str]:
         """``multigpu launch ARGS`` inside this node's namespace."""
-        command = ["ip", "netns", "exec", self.namespace, "env", f"GLOO_SOCKET_IFNAME={self.interface}"]
-        return subprocess.Popen(
-            [*command, sys.executable, "-m", "multigpu", "launch", *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
+        return start_launch(
+            *args, wrapper=["ip", "netns", "exec", self.namespace, "env", f"GLOO_SOCKET_IFNAME={self.interface}"]
         )
 
     def pids(self) -> list[int]:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,8 +12,8 @@ import pytest
 
 from multigpu.cli import advise
 from multigpu.cli.main import build_parser, main
+from tests.launching import run_command
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = "tests.planning._tiny_model"
 
 
@@ -247,15 +245,10 @@ def test_table_fits_80_columns_when_piped(tmp_path: Path) -> None:
         "--batch",
         "8",
     ]
-    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run(
-        [sys.executable, "-m", "multigpu", *argv, "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=True,
+    done = run_command(
+        [sys.executable, "-m", "multigpu", *argv, "--out", str(tmp_path)], timeout_s=120, env={"COLUMNS": "80"}
     )
+    assert done.returncode == 0, done.stderr
     table = done.stdout.split("inputs:")[0].splitlines()
     assert max(len(line) for line in table) <= 80
     assert "…" not in done.stdout.split("inputs:")[0]

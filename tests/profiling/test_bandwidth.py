@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 
@@ -18,6 +21,7 @@ from multigpu.profiling.bandwidth import (
     probe_copy,
     probe_dp_pattern,
 )
+from tests.launching import alive, descendants
 
 
 @pytest.mark.parametrize(
@@ -74,10 +78,14 @@ def test_dp_pattern_on_cpu_reduces_and_says_why_broadcast_is_skipped() -> None:
 
 @pytest.mark.multiprocess
 def test_all_reduce_over_two_gloo_processes() -> None:
+    """Started through the launcher (torchrun in this process): it leaves no process and no signal handler behind."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     points = probe_all_reduce([4 * KiB, 64 * KiB], world_size=2, backend="gloo", timeout_s=90, repeats=2)
     assert [p.nbytes for p in points] == [4 * KiB, 64 * KiB]
     assert all(p.kind == "all-reduce" and p.ranks == 2 and p.seconds > 0 for p in points)
     assert all(p.busbw == pytest.approx(p.algbw) for p in points)  # 2(n-1)/n == 1 for n == 2
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
+    assert alive(descendants(os.getpid())) == []
 
 
 def test_all_reduce_needs_two_processes() -> None:

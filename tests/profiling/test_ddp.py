@@ -2,90 +2,37 @@
 
 from __future__ import annotations
 
-import gc
 import statistics
-import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from rich.console import Console
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from multigpu.errors import ConfigError
 from multigpu.profiling.ddp import DDPProfile, RankProfile, _union_length, profile_ddp
 from multigpu.report.folder import write_ddp_report
-from tests.conftest import free_port
+from tests.launching import launch_workers
+from tests.profiling.ddp_worker import DELAY_S, SLOW_RANK, STEPS, net
 
-STEPS, WARMUP, SLOW_RANK, DELAY_S = 4, 1, 1, 0.08
-
-
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
-def _worker(rank: int, world_size: int, port: int, out: str, device_type: str) -> None:
-    """One DDP rank (gloo on CPU with a slow rank, nccl on CUDA); rank 0 writes the gathered profile."""
-    torch.set_num_threads(1)
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-    )
-    try:
-        model = DistributedDataParallel(_net().to(device), device_ids=[rank] if device_type == "cuda" else None)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        x, y = torch.randn(16, 32, device=device), torch.randint(0, 4, (16,), device=device)
-        with profile_ddp(model, optimizer=opt, warmup=WARMUP) as prof:
-            for _ in range(WARMUP + STEPS):
-                if rank == SLOW_RANK and device_type == "cpu":
-                    time.sleep(DELAY_S)  # this rank computes slower: the other one waits in the all-reduce
-                nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-        profile = prof.gather()
-        if rank == 0:
-            Path(out).write_text(profile.to_json())
-        dist.barrier()
-        # Free DDP's reducer (it holds the process group and the comm hook) before the group goes:
-        # tearing the group down under a live reducer can abort the process at exit.
-        del model, prof, opt
-        gc.collect()
-    finally:
-        dist.destroy_process_group()
-
-
-def _profile_of_workers(out: Path, world_size: int, device_type: str, limit_s: float) -> DDPProfile:
-    """Run :func:`_worker` on ``world_size`` spawned processes (killed after ``limit_s``); rank 0's profile."""
-    args = (world_size, free_port(), str(out), device_type)
-    context = mp.start_processes(_worker, args=args, nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + limit_s
-    try:
-        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"{device_type} DDP workers did not finish in {limit_s:.0f} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+def _profile_of_workers(out: Path, world_size: int, limit_s: float) -> DDPProfile:
+    """tests/profiling/ddp_worker.py on ``world_size`` launched processes (killed after ``limit_s``); rank 0's profile."""
+    launch_workers(WORKER, str(out), nproc=world_size, timeout_s=limit_s)
     return DDPProfile.from_json(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def ddp_profile(tmp_path_factory: pytest.TempPathFactory) -> DDPProfile:
-    return _profile_of_workers(tmp_path_factory.mktemp("ddp") / "profile.json", 2, "cpu", limit_s=90)
+    return _profile_of_workers(tmp_path_factory.mktemp("ddp") / "profile.json", 2, limit_s=90)
 
 
 @pytest.mark.multiprocess
 def test_bytes_reduced_equal_gradient_bytes_every_step(ddp_profile: DDPProfile) -> None:
-    grad_bytes = sum(p.numel() * p.element_size() for p in _net().parameters())
+    grad_bytes = sum(p.numel() * p.element_size() for p in net().parameters())
     assert [r.rank for r in ddp_profile.ranks] == [0, 1]
     for rank in ddp_profile.ranks:
         assert len(rank.step_s) == STEPS
@@ -134,8 +81,8 @@ def test_straggler_threshold_below_one_is_rejected() -> None:
 @pytest.mark.multiprocess
 def test_ddp_profile_on_cuda_with_nccl_uses_events(tmp_path: Path) -> None:
     world_size = min(2, torch.cuda.device_count())
-    profile = _profile_of_workers(tmp_path / "profile.json", world_size, "cuda", limit_s=120)
-    grad_bytes = sum(p.numel() * p.element_size() for p in _net().parameters())
+    profile = _profile_of_workers(tmp_path / "profile.json", world_size, limit_s=120)
+    grad_bytes = sum(p.numel() * p.element_size() for p in net().parameters())
     assert profile.backend == "nccl" and len(profile.ranks) == world_size
     for rank in profile.ranks:
         assert rank.allreduce_bytes == [grad_bytes] * STEPS

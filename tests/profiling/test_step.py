@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import multigpu
+from multigpu.core.listeners import PHASES
 from multigpu.errors import ConfigError
-from multigpu.profiling import phases
 from multigpu.profiling.records import StepProfile
 from multigpu.profiling.step import ProfileConfig, StepProfiler, profile_steps
 
@@ -52,7 +52,7 @@ def test_bytes_moved_match_parameters_inputs_and_outputs(replicas: int) -> None:
         for label in labels:
             assert by_key["forward", label].calls == 1 and by_key["backward", label].calls == 1
         assert by_key["optimizer", "cpu:0"].calls == 1
-        assert {p.phase for p in step.phases} == set(phases.PHASES)
+        assert {p.phase for p in step.phases} == set(PHASES)
         # a replica's own phases fit inside the step
         assert sum(p.seconds for p in step.phases if p.device == "cpu:1") <= step.wall_s
 
@@ -91,15 +91,38 @@ def test_hooks_are_gone_after_the_block() -> None:
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with profile_steps(config=ProfileConfig(warmup=0)) as prof:  # global optimizer hooks
         _train(model, opt, steps=2)
-    assert not phases.active()
+    assert not model._listeners.active  # the profiler detached itself from the model it found
     _train(model, opt, steps=2)
     assert len(prof.profile().steps) == 2
+
+
+def test_given_a_model_only_its_phases_are_counted() -> None:
+    net, other = _net(), _net()
+    model, bystander = multigpu.DataParallel(net, devices="cpu:2"), multigpu.DataParallel(other, devices="cpu:3")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with profile_steps(model, optimizer=opt, config=ProfileConfig(warmup=0)) as prof:
+        for _ in range(2):
+            bystander(torch.randn(6, 8)).sum().backward()  # not profiled: another model
+            _train(model, opt, steps=1)
+    profile = prof.profile()
+    assert profile.devices == ["cpu:0", "cpu:1"] and len(profile.steps) == 2
+    assert all(p.calls == 1 for s in profile.steps for p in s.phases if p.phase == "forward")
+
+
+def test_without_a_model_an_engine_built_inside_the_block_is_found() -> None:
+    """``multigpu profile script.py`` cannot pass the model: engines are attached when first called."""
+    with profile_steps(config=ProfileConfig(warmup=0)) as prof:
+        net = _net()
+        model = multigpu.DataParallel(net, devices="cpu:2")
+        _train(model, torch.optim.SGD(net.parameters(), lr=0.1), steps=2)
+    assert {p.phase for s in prof.profile().steps for p in s.phases} == set(PHASES)
+    assert not model._listeners.active
 
 
 def test_manual_steps_and_json_round_trip() -> None:
     model = multigpu.DataParallel(_net(), devices="cpu:2")
     profiler = StepProfiler(ProfileConfig(warmup=0, devices=["cpu:0", "cpu:1"]))
-    with torch.no_grad(), phases.listening(profiler):
+    with torch.no_grad(), model.add_listener(profiler):
         for _ in range(2):
             model(torch.randn(6, 8))
             profiler.step()
@@ -188,3 +211,38 @@ def test_cuda_phases_are_timed_with_events() -> None:
         assert step.seconds("forward", "cuda:0") > 0
         if count > 1:
             assert next(p for p in step.phases if p.phase == "replicate").nbytes == _param_bytes(net) * count
+
+
+def test_the_auto_balancers_probe_step_is_not_counted() -> None:
+    """The probe (an extra forward and backward on the second step) is heard by its own tracker only."""
+    net = _net()
+    model = multigpu.DataParallel(net, devices="cpu:2", chunk_sizes="auto")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with profile_steps(model, optimizer=opt, config=ProfileConfig(warmup=0)) as prof:
+        _train(model, opt, steps=3)
+    assert 12 in model.balance_plans  # the probe ran, on the second step
+    for step in prof.profile().steps:
+        assert [p.calls for p in step.phases if p.phase in ("forward", "backward")] == [1, 1, 1, 1]
+
+
+def test_a_nested_engine_is_profiled_with_its_host() -> None:
+    """A DataParallel inside the model (a teacher called in forward) reports to the same profiler."""
+
+    class Student(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = _net()
+            self.teacher = multigpu.DataParallel(_net(), devices="cpu:3")
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                hint = self.teacher(x)
+            return self.body(x) + 0 * hint
+
+    student = Student()
+    model = multigpu.DataParallel(student, devices="cpu:2")
+    opt = torch.optim.SGD(student.body.parameters(), lr=0.1)
+    with profile_steps(model, optimizer=opt, config=ProfileConfig(warmup=0)) as prof:
+        _train(model, opt, steps=1)
+    labels = {p.device for p in prof.profile().steps[0].phases if p.phase == "forward"}
+    assert labels == {"cpu:0", "cpu:1", "cpu:2"}  # the teacher's third replica too

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.launching import multigpu_launch
+from tests.launching import launch_workers
 from tests.session.fuzz_cases import ddp_cases
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
@@ -28,8 +28,5 @@ def ranks(ddp_out: Path) -> list[dict[str, Any]]:
     cases = out / "cases.json"
     drawn = ddp_cases()
     cases.write_text(json.dumps([case.to_json() for case in drawn]))
-    done = multigpu_launch(
-        "--strategy", "ddp", "--nproc-per-node", "2", str(WORKER), str(out), str(cases), timeout_s=150 + 2 * len(drawn)
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    launch_workers(WORKER, str(out), str(cases), timeout_s=150 + 2 * len(drawn))
     return [torch.load(out / f"rank{r}.pt") for r in (0, 1)]

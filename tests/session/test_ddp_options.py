@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from multigpu.checkpoint.formats import read_tensors
-from tests.distributed.launching import multigpu_launch
+from tests.launching import launch_workers
 from tests.session.oracle import regression_data
 from tests.session.strategy_oracle import Branchy, adamw, batchnorm_model, deep_model, one_device_train, sgd
 
@@ -25,8 +25,7 @@ WORKER = Path(__file__).with_name("ddp_options_worker.py")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("ddp-options")
-    done = multigpu_launch("--strategy", "ddp", "--nproc-per-node", "2", str(WORKER), str(out), timeout_s=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    launch_workers(WORKER, str(out), timeout_s=240)
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import free_port
-from tests.distributed.launching import ROOT, multigpu_launch, run_together
+from tests.launching import ROOT, multigpu_launch, run_together
 
 pytestmark = pytest.mark.multiprocess
 

@@ -16,7 +16,7 @@ import torch
 
 import multigpu
 from multigpu.checkpoint.formats import read_tensors
-from tests.distributed.launching import multigpu_launch
+from tests.launching import multigpu_launch
 from tests.session.oracle import regression_data
 from tests.session.strategy_oracle import adamw, batchnorm_model, deep_model, one_device_train, sgd
 

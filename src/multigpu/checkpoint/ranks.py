@@ -1,8 +1,9 @@
 """Rank discipline for checkpoints: the main process writes, every other rank waits for it.
 
-Rank and world size come from ``torch.distributed`` when a process group is initialized (the
-distributed runtime reads the environment once and creates the group); without a group this
-process is the main process of a world of one and nothing here communicates.
+Which rank this is, whether a process group is up and which process is the main one are
+answered by :mod:`multigpu.distributed.runtime`, as everywhere else. Inside a process group of
+several ranks rank 0 writes and the others wait; outside one, nothing here communicates and the
+main process (every process not started by a launcher) writes alone.
 """
 
 from __future__ import annotations
@@ -13,29 +14,15 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from multigpu.distributed.failures import explain_collective_failures
+from multigpu.distributed.runtime import in_process_group, is_main_process, world_size
 from multigpu.errors import CheckpointError
 
 T = TypeVar("T")
 
 
-def is_distributed() -> bool:
-    """Whether a process group with more than one rank is initialized."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def global_rank() -> int:
-    """This process's rank in the default process group (0 without one)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    """Number of processes in the default process group (1 without one)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def is_main_process() -> bool:
-    """Whether this process is global rank 0, the one that writes checkpoints."""
-    return global_rank() == 0
+def _communicates() -> bool:
+    """Whether a process group with more than one rank is up (checkpoint writes then need collectives)."""
+    return in_process_group() and world_size() > 1
 
 
 def run_on_main(write: Callable[[], T], what: str) -> T | None:
@@ -43,13 +30,14 @@ def run_on_main(write: Callable[[], T], what: str) -> T | None:
 
     Every rank must call this. If the main process fails, it re-raises its error and every
     other rank raises :class:`CheckpointError` with the main process's message, so no rank
-    goes on believing a checkpoint exists.
+    goes on believing a checkpoint exists. Without a process group there is nobody to wait
+    for: the main process writes, and a launched rank other than 0 returns at once.
 
     Returns:
         ``write()``'s result on the main process, ``None`` elsewhere.
     """
-    if not is_distributed():
-        return write()
+    if not _communicates():
+        return write() if is_main_process() else None
     result: T | None = None
     failure: BaseException | None = None
     if is_main_process():
@@ -71,10 +59,10 @@ def run_on_main(write: Callable[[], T], what: str) -> T | None:
 def gather_on_main(obj: Any, what: str) -> list[Any] | None:
     """Every rank's ``obj``, in rank order, on the main process (``None`` elsewhere).
 
-    Every rank must call this. Without a process group it returns ``[obj]``.
+    Every rank must call this. Without a process group: ``[obj]`` on the main process.
     """
-    if not is_distributed():
-        return [obj]
+    if not _communicates():
+        return [obj] if is_main_process() else None
     gathered: list[Any] | None = [None] * world_size() if is_main_process() else None
     with explain_collective_failures(f"gathering {what} on rank 0"):
         dist.gather_object(obj, gathered, dst=0)

@@ -27,7 +27,6 @@ from multigpu.checkpoint.formats import load_torch_file, read_tensors
 from multigpu.checkpoint.integrity import CHECKSUM_KEY
 from multigpu.checkpoint.keys import unwrap
 from multigpu.checkpoint.naming import parse_aside, parse_step
-from multigpu.checkpoint.ranks import global_rank, world_size
 from multigpu.checkpoint.rng import capture_rng, restore_rng
 from multigpu.checkpoint.validate import (
     Refusal,
@@ -39,6 +38,7 @@ from multigpu.checkpoint.validate import (
     check_training_state,
 )
 from multigpu.checkpoint.weights import plan_load
+from multigpu.distributed.runtime import global_rank, world_size
 from multigpu.errors import CheckpointError
 
 _ATTEMPTS = 3

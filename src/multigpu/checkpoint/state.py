@@ -44,7 +44,7 @@ from multigpu.checkpoint.integrity import CHECKSUM_KEY
 from multigpu.checkpoint.keys import unwrap
 from multigpu.checkpoint.lock import folder_lock
 from multigpu.checkpoint.naming import check_count, folder_name
-from multigpu.checkpoint.ranks import gather_on_main, run_on_main, world_size
+from multigpu.checkpoint.ranks import gather_on_main, run_on_main
 from multigpu.checkpoint.resume import apply_all, check_all, read_checkpoint
 from multigpu.checkpoint.rng import capture_rng
 from multigpu.checkpoint.safetensors_header import read_header
@@ -146,12 +146,13 @@ class Checkpointer:
         rngs = gather_on_main(capture_rng(), "random states")
         target = self.folder / folder_name(step)
 
-        def write() -> Path:  # runs on the main process only
+        def write() -> Path:  # runs on the main process only, which holds every rank's random state
+            assert rngs is not None  # gather_on_main gives the main process the list
             state = {
                 "format_version": FORMAT_VERSION,
                 "step": step,
                 "epoch": epoch,
-                "world_size": world_size(),
+                "world_size": len(rngs),  # the ranks that took part in this save
                 "rng": rngs,
                 "optimizer": None if optimizer is None else optimizer.state_dict(),
                 "scheduler": None if scheduler is None else scheduler.state_dict(),

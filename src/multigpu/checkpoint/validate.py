@@ -25,6 +25,7 @@ import torch
 from multigpu.checkpoint.expansion import materialized_bytes
 from multigpu.checkpoint.formats import check_plain_tensor
 from multigpu.checkpoint.naming import MAX_STEP
+from multigpu.checkpoint.rng import device_rng_keys
 from multigpu.errors import CheckpointError, MultigpuError
 
 FORMAT_VERSION = 1
@@ -197,22 +198,27 @@ def check_rng(r: Refusal, state: Any, where: str) -> None:
 
     Each part is set on a private generator (python, numpy, torch), never on the global ones.
     """
+    devices = device_rng_keys()
     if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= set(state) <= {
         "python",
         "numpy",
         "torch",
-        "cuda",
+        *devices,
     }:
-        r.fail(where, state, "a dict with 'python', 'numpy', 'torch' (and maybe 'cuda') random states")
+        maybe = ", ".join(repr(name) for name in devices)
+        r.fail(where, state, f"a dict with 'python', 'numpy', 'torch' (and maybe {maybe}) random states")
     _try(r, f"{where}['python']", state["python"], "a python random state", _python_state)
     _try(r, f"{where}['numpy']", state["numpy"], "a numpy MT19937 state", _numpy_state)
     torch_state = state["torch"]
     if not _is_byte_tensor(torch_state) or torch_state.shape != torch.get_rng_state().shape:
         r.fail(f"{where}['torch']", torch_state, f"a uint8 tensor of shape {tuple(torch.get_rng_state().shape)}")
     _try(r, f"{where}['torch']", torch_state, "a torch random state", lambda s: torch.Generator().set_state(s))
-    cuda = state.get("cuda")
-    if cuda is not None and (not isinstance(cuda, (list, tuple)) or not all(_is_byte_tensor(t) for t in cuda)):
-        r.fail(f"{where}['cuda']", cuda, "a list of uint8 tensors, one per CUDA device")
+    for name in devices:
+        per_device = state.get(name)
+        if per_device is not None and (
+            not isinstance(per_device, (list, tuple)) or not all(_is_byte_tensor(t) for t in per_device)
+        ):
+            r.fail(f"{where}[{name!r}]", per_device, f"a list of uint8 tensors, one per {name} device")
 
 
 def _python_state(saved: Any) -> None:

@@ -18,7 +18,6 @@ import sys
 from functools import partial
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -36,7 +35,7 @@ from multigpu.demo.train import (
     train_run,
     warm_up,
 )
-from multigpu.devices import accelerator_type, parse_devices
+from multigpu.devices import accelerator_type, device_count, parse_devices
 from multigpu.parallel import DataParallel
 
 HELP = "train a digits CNN on one device, with DataParallel and with DDP, then report"
@@ -68,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def default_devices() -> str:
-    return "cuda" if accelerator_type() == "cuda" and torch.cuda.device_count() > 1 else "cpu:2"
+    return "cuda" if accelerator_type() == "cuda" and device_count("cuda") > 1 else "cpu:2"
 
 
 def build_plans(devices: str, primary: str) -> list[Plan]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import runpy
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,8 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from multigpu.core.script import run_as_main
+from multigpu.devices import accelerator_type, get_device_type
 from multigpu.errors import ConfigError, MultigpuError
 from multigpu.profiling.bandwidth import message_sizes, parse_size, probe_local, replica_devices_from_labels
 from multigpu.profiling.memory import track_memory
@@ -93,7 +94,7 @@ def _profile_script(args: argparse.Namespace) -> tuple[StepProfile, Any]:
         profile_steps(config=config, memory=tracker, on_step=stop_when_done) as profiler,
     ):
         try:
-            _run_as_main(script, args.args)
+            run_as_main(script, args.args)
         except _StopScript:
             pass
         except SystemExit as exc:  # the script ended itself (sys.exit): report what ran, unless it failed
@@ -109,25 +110,16 @@ def _profile_script(args: argparse.Namespace) -> tuple[StepProfile, Any]:
     return profile, trace
 
 
-def _run_as_main(script: Path, argv: list[str]) -> None:
-    """Run ``script`` as ``python script argv...`` would, in this process."""
-    saved_argv, saved_path = sys.argv, list(sys.path)
-    sys.argv = [str(script), *argv]
-    sys.path.insert(0, str(script.resolve().parent))
-    try:
-        runpy.run_path(str(script), run_name="__main__")
-    finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
-
-
 @contextlib.contextmanager
 def _maybe_trace(enabled: bool) -> Iterator[Any]:
     if not enabled:
         yield None
         return
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    accel = accelerator_type()
+    activity = get_device_type(accel).profiler_activity if accel is not None else None
+    if activity is not None and hasattr(torch.profiler.ProfilerActivity, activity):
+        activities.append(getattr(torch.profiler.ProfilerActivity, activity))
     with torch.profiler.profile(activities=activities) as trace:
         yield trace
 

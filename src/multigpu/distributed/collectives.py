@@ -14,15 +14,13 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from multigpu.devices import backend_device_type
+from multigpu.distributed.runtime import in_process_group, world_size
 from multigpu.errors import ConfigError
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 
 _OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
-
-
-def in_process_group() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def reduce_value(value: float | torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
@@ -49,7 +47,7 @@ def reduce_value(value: float | torch.Tensor, op: ReduceOp = "mean") -> torch.Te
     work = tensor.to(_collective_device(), torch.float64).clone()
     dist.all_reduce(work, op=getattr(dist.ReduceOp, _OPS[op]))  # note: a sync point across ranks
     if op == "mean":
-        work /= dist.get_world_size()
+        work /= world_size()
     return work.cpu()
 
 
@@ -109,7 +107,7 @@ def _all_gather_rows(tensor: torch.Tensor) -> list[torch.Tensor]:
         return [tensor.cpu()]
     device = _collective_device()
     local = tensor.to(device).contiguous()
-    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world_size())]
     dist.all_gather(sizes, torch.tensor([local.shape[0]], device=device))
     longest = int(max(s.item() for s in sizes))
     padded = torch.zeros((longest, *local.shape[1:]), dtype=local.dtype, device=device)
@@ -120,7 +118,6 @@ def _all_gather_rows(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _collective_device() -> torch.device:
-    """Where collective buffers must live: the current CUDA device under NCCL, else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where collective buffers must live: this process's device under a device backend (NCCL), else the CPU."""
+    kind = backend_device_type(str(dist.get_backend()))
+    return kind.current_device() if kind is not None else torch.device("cpu")

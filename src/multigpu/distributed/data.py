@@ -37,7 +37,8 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from multigpu.distributed.collectives import all_agree_min, in_process_group, reduce_value
+from multigpu.distributed.collectives import all_agree_min, reduce_value
+from multigpu.distributed.runtime import in_process_group
 from multigpu.errors import ConfigError
 
 T = TypeVar("T")

@@ -16,6 +16,7 @@ import contextlib
 import re
 from collections.abc import Iterator
 
+from multigpu.distributed import runtime
 from multigpu.errors import CollectiveTimeoutError, MultigpuError, PeerExitedError
 
 _TIMEOUT = re.compile(r"timed? ?out|timeout|deadline", re.IGNORECASE)
@@ -54,10 +55,8 @@ def explain_collective_failures(operation: str) -> Iterator[None]:
 
 
 def _where() -> str:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return f"rank {dist.get_rank()} of world_size {dist.get_world_size()}"
+    if runtime.in_process_group():
+        return f"rank {runtime.global_rank()} of world_size {runtime.world_size()}"
     return "this process"
 
 

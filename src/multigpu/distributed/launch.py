@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -294,7 +295,7 @@ def _run_torchrun(args: list[str], env: dict[str, str], script: str, max_restart
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
-    with _environment(env):
+    with _environment(env), _signal_handlers_restored():
         try:
             run(parse_args(args))
         except (RendezvousError, DistError) as exc:  # before any worker ran: the nodes never met
@@ -323,15 +324,32 @@ def _run_torchrun(args: list[str], env: dict[str, str], script: str, max_restart
 
 
 @contextmanager
+def _signal_handlers_restored() -> Iterator[None]:
+    """Put this process's signal handlers back after torchrun (its agent installs its own and leaves
+    them), so a library caller (the all-reduce probe, a test) keeps its Ctrl-C and SIGTERM behaviour."""
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # what torch elastic's agent handles
+    main = threading.current_thread() is threading.main_thread()  # (only the main thread installs handlers)
+    saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names if main and hasattr(signal, n))}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+@contextmanager
 def _environment(extra: dict[str, str]) -> Iterator[None]:
-    """Set ``extra`` in os.environ (torchrun hands its environment to the workers), then restore."""
-    saved = {key: os.environ.get(key) for key in extra}
+    """Set ``extra`` in os.environ (torchrun hands its environment to the workers), then put the whole
+    environment back: torch's launcher also sets variables in its caller's process
+    (``TORCHELASTIC_SIGNALS_TO_HANDLE``, ``OMP_NUM_THREADS``), which a library caller must not inherit."""
+    saved = dict(os.environ)
     os.environ.update(extra)
     try:
         yield
     finally:
+        for key in set(os.environ) - set(saved):
+            del os.environ[key]
         for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
+            if os.environ.get(key) != value:
                 os.environ[key] = value

@@ -6,7 +6,10 @@ multigpu's own (``MULTIGPU_STRATEGY``, ``MULTIGPU_DEVICES``, ``MULTIGPU_COLLECTI
 ``MULTIGPU_BIND_CORES``, ``MULTIGPU_FAILURE_DIR``, set by ``multigpu launch``), torch elastic's
 ``TORCHELASTIC_RESTART_COUNT``, and
 the user's ``OMP_NUM_THREADS``.
-Everything else asks :func:`read_launch_env`.
+Everything else asks :func:`read_launch_env`. It is also the one place that answers "which rank
+am I, is a process group up, am I the main process" (:func:`global_rank`, :func:`world_size`,
+:func:`in_process_group`, :func:`is_main_process`): the collectives, the failure messages, the
+profilers and the checkpoints ask it.
 
 One process's life under ``multigpu launch`` (or torchrun)::
 
@@ -26,11 +29,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from multigpu.devices import accelerator_type, device_count
+from multigpu.devices import accelerator_type, device_count, device_type_names, get_device_type
 from multigpu.errors import DeviceError, LaunchError
-
-# Backend per device type: NCCL is the fast path between CUDA devices; gloo runs everywhere.
-_BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -154,13 +154,13 @@ def configured_threads() -> int | None:
 
 
 def choose_backend(device_type: str) -> str:
-    """The collective backend for ``device_type``: ``nccl`` on CUDA, ``gloo`` elsewhere.
+    """The collective backend for ``device_type``, as its device type says: ``nccl`` on CUDA, ``gloo`` elsewhere.
 
     Example:
         >>> choose_backend("cpu")
         'gloo'
     """
-    return _BACKENDS.get(device_type, "gloo")
+    return get_device_type(device_type).backend if device_type in device_type_names() else "gloo"
 
 
 def process_device(env: LaunchEnv) -> torch.device:
@@ -216,8 +216,7 @@ def setup_process_group(env: LaunchEnv, device: torch.device, *, timeout_s: floa
     """
     if dist.is_initialized():
         return False
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    get_device_type(device.type).set_device(device)  # one process per device: make it the current one
     dist.init_process_group(
         backend=choose_backend(device.type),
         init_method=f"tcp://{_url_host(env.master_addr)}:{env.master_port}",
@@ -230,26 +229,62 @@ def setup_process_group(env: LaunchEnv, device: torch.device, *, timeout_s: floa
 
 def teardown_process_group() -> None:
     """Leave the process group if this process is in one (safe to call twice). Every rank calls it."""
-    if dist.is_available() and dist.is_initialized():
+    if in_process_group():
         dist.destroy_process_group()
 
 
+def in_process_group() -> bool:
+    """Whether this process is in an initialized default process group (collectives communicate).
+
+    Example:
+        >>> in_process_group()
+        False
+    """
+    return dist.is_available() and dist.is_initialized()
+
+
+def global_rank() -> int:
+    """This process's rank: the process group's when one is up, else the launcher's ``RANK``, else 0.
+
+    Example:
+        >>> global_rank()
+        0
+    """
+    if in_process_group():
+        return dist.get_rank()
+    env = read_launch_env()
+    return env.global_rank if env is not None else 0
+
+
+def world_size() -> int:
+    """How many processes the run has: the process group's size, else the launcher's ``WORLD_SIZE``, else 1.
+
+    Example:
+        >>> world_size()
+        1
+    """
+    if in_process_group():
+        return dist.get_world_size()
+    env = read_launch_env()
+    return env.world_size if env is not None else 1
+
+
 def is_main_process() -> bool:
-    """True on global rank 0, and in any process not started by a launcher.
+    """True on global rank 0 (:func:`global_rank`), so in any process not started by a launcher.
+
+    A process a launcher started with ``RANK=1`` is not the main process even before it joins
+    the process group.
 
     Example:
         >>> is_main_process()
         True
     """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    env = read_launch_env()
-    return env is None or env.is_main_process
+    return global_rank() == 0
 
 
 def barrier() -> None:
     """Wait until every rank arrives (no-op outside a process group). Every rank must call it."""
-    if dist.is_available() and dist.is_initialized():
+    if in_process_group():
         dist.barrier()
 
 

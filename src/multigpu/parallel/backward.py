@@ -20,11 +20,10 @@ from typing import Any
 
 import torch
 
-from multigpu.devices import ReplicaDevice
-from multigpu.parallel import comm
+from multigpu.core import comm
+from multigpu.core.listeners import Listeners
+from multigpu.devices import ReplicaDevice, common_type
 from multigpu.parallel.threads import ReplicaThreads, run_replicas
-from multigpu.profiling import phases
-from multigpu.profiling.phases import phase
 
 
 @dataclass
@@ -45,6 +44,7 @@ class BackwardPlan:
     primary: torch.device
     params: list[torch.Tensor]  # the primary's trainable parameters (and buffers that require grad)
     threads: ReplicaThreads  # the owner's pool: the replicas' backward runs on it
+    listeners: Listeners  # the owner's: they hear the backward and reduce phases
 
     def run(self, output_grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Backward of every replica in parallel; returns grads for params, then for every input leaf."""
@@ -59,18 +59,19 @@ class BackwardPlan:
             ]
             if pairs:
                 outs, grads = zip(*pairs)
-                with phase("backward", self.devices[i].label):
+                with self.listeners.phase("backward", self.devices[i].label):
                     torch.autograd.backward(list(outs), list(grads))
 
-        run_replicas(backward_one, self.devices, self.threads, what="backward")
+        run_replicas(backward_one, self.devices, self.threads, what="backward", listeners=self.listeners)
         leaf_grads = [[leaf.grad for leaf in g.param_leaves] for g in self.graphs]
         moved = (
             sum(t.numel() * t.element_size() for row in leaf_grads for t in row if t is not None)
-            if phases.active()
+            if self.listeners.active
             else 0
         )
-        with phase("reduce", self.devices[0].label, nbytes=moved):
-            param_grads = comm.reduce_add(leaf_grads, self.primary)
+        fast = common_type([d.device for d in self.devices])  # coalesced reduce where the type has one (CUDA)
+        with self.listeners.phase("reduce", self.devices[0].label, nbytes=moved):
+            param_grads = comm.reduce_add(leaf_grads, self.primary, fast)
         input_grads = [leaf.grad for g in self.graphs for leaf in g.input_leaves]
         return [*param_grads, *input_grads]
 

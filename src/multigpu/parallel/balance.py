@@ -39,10 +39,10 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from multigpu.devices import DeviceCapacity, ReplicaDevice
+from multigpu.core.listeners import Listeners
+from multigpu.devices import DeviceCapacity, ReplicaDevice, capture_device_rng, get_device_type, restore_device_rng
 from multigpu.parallel.chunks import proportional_sizes
-from multigpu.profiling import phases
-from multigpu.profiling.memory import DeviceMemory, track_memory
+from multigpu.profiling.memory import DeviceMemory, track_memory  # one way: profiling never imports the engine
 
 log = logging.getLogger("multigpu.balance")
 
@@ -185,8 +185,14 @@ class AutoBalancer:
             state.pop(name, None)
         return state
 
-    def sizes(self, batch: int, probe: Callable[[list[int]], None], wrapper: nn.Module) -> list[int] | None:
-        """Chunk sizes for ``batch``, probing first if this batch size is new; None: use an even split."""
+    def sizes(
+        self, batch: int, probe: Callable[[list[int]], None], wrapper: nn.Module, listeners: Listeners
+    ) -> list[int] | None:
+        """Chunk sizes for ``batch``, probing first if this batch size is new; None: use an even split.
+
+        ``listeners`` are the wrapper's: during the probe step only the probe's own tracker and
+        timer hear it, so a profiler attached to the model does not count the extra step.
+        """
         if batch in self.plans:
             return self.plans[batch].sizes
         if not (torch.is_grad_enabled() and wrapper.training):
@@ -195,9 +201,14 @@ class AutoBalancer:
             self.seen.add(batch)  # state; probing the second one measures the steady state
             return None
         even = proportional_sizes(batch, [1.0] * len(self.devices))
-        timer = _ReplicaTimer()
+        timer = _ReplicaTimer(self.devices)
         optimizer = self.optimizer() if self.optimizer else None
-        with _preserved(wrapper), track_memory(wrapper, optimizer) as memory, phases.listening(timer):
+        with (
+            _preserved(wrapper),
+            listeners.isolated(),
+            track_memory(wrapper, optimizer) as memory,
+            listeners.add(timer),
+        ):
             probe(even)
         seconds = None if _identical(self.devices) else [timer.seconds.get(d.label, 0.0) for d in self.devices]
         plan = plan_from_probe(batch, even, memory.results(), seconds)
@@ -221,11 +232,12 @@ class _OptimizerSpotter:
 
 
 class _ReplicaTimer:
-    """Phase listener of the probe: forward + backward seconds per device (synchronised on CUDA)."""
+    """Phase listener of the probe: forward + backward seconds per device (each device synchronized)."""
 
-    def __init__(self) -> None:
+    def __init__(self, devices: Sequence[ReplicaDevice]) -> None:
         self.seconds: dict[str, float] = {}
         self.lock = threading.Lock()
+        self.devices = {d.label: d.device for d in devices}
 
     def begin(self, name: str, device: str | None) -> object:
         return (name, device, time.perf_counter())
@@ -234,18 +246,16 @@ class _ReplicaTimer:
         name, device, began = cast("tuple[str, str | None, float]", token)
         if name not in ("forward", "backward") or device is None:
             return
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
+        where = self.devices.get(device)
+        if where is not None:  # sync point: the time must include the device's queued work (no-op on CPU)
+            get_device_type(where.type).synchronize(where)
         with self.lock:
             self.seconds[device] = self.seconds.get(device, 0.0) + time.perf_counter() - began
 
 
 def _identical(devices: Sequence[ReplicaDevice]) -> bool:
-    if all(d.type == "cpu" for d in devices):
-        return True
-    if all(d.type == "cuda" for d in devices):
-        return len({torch.cuda.get_device_name(d.device) for d in devices}) == 1
-    return len({d.type for d in devices}) == 1
+    """One device model throughout: the same type and, on accelerators, the same name (every CPU replica is alike)."""
+    return len({(d.type, get_device_type(d.type).device_name(d.device)) for d in devices}) == 1
 
 
 class _preserved:
@@ -266,7 +276,7 @@ class _preserved:
             tensor.grad = None
         self.buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.device_rng = capture_device_rng()
 
     def __exit__(self, *exc: object) -> None:
         for tensor, grad in self.grads:
@@ -275,5 +285,4 @@ class _preserved:
             for buffer, saved in self.buffers:
                 buffer.copy_(saved)
         torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
+        restore_device_rng(self.device_rng)

@@ -19,7 +19,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from multigpu.devices import DeviceSpec, ReplicaDevice, device_capacity, parse_devices, parse_output_device
+from multigpu.core.listeners import Listener, ListenerHandle, Listeners
+from multigpu.core.structure import iter_tensors, map_leaves
+from multigpu.devices import DeviceSpec, ReplicaDevice, get_device_type, parse_devices, parse_output_device
 from multigpu.errors import ConfigError, PlacementError
 from multigpu.parallel import backward
 from multigpu.parallel.balance import AutoBalancer, BalancePlan, imbalance_warning
@@ -27,10 +29,7 @@ from multigpu.parallel.chunks import build_policy
 from multigpu.parallel.replicas import build_replicas
 from multigpu.parallel.scatter_gather import ScalarRule, batch_size, gather, scatter
 from multigpu.parallel.state_keys import add_module_prefix, drop_module_prefix
-from multigpu.parallel.structure import iter_tensors, map_leaves
 from multigpu.parallel.threads import ReplicaThreads, run_replicas
-from multigpu.profiling import phases
-from multigpu.profiling.phases import phase
 
 _SCALAR_RULES = ("mean", "sum", "stack")
 
@@ -66,8 +65,11 @@ class DataParallel(nn.Module):
             ``create_graph=True``.
 
     The model owns its replica threads: :meth:`close` ends them (and the auto-balancer's
-    optimizer hook) at once; garbage collection does the same. A DataParallel may run inside
-    another one's forward (a teacher model); wrapping a wrapper is refused (``ConfigError``).
+    optimizer hook) at once; garbage collection does the same. It reports the phases of each step
+    and each replica's work to the listeners attached with :meth:`add_listener` (the profiler and
+    the memory tracker attach themselves for their duration), and to nobody else. A DataParallel
+    may run inside another one's forward (a teacher model); wrapping a wrapper is refused
+    (``ConfigError``).
 
     Raises:
         ConfigError: an option outside what it accepts, or ``module`` already a DataParallel/DDP.
@@ -121,6 +123,7 @@ class DataParallel(nn.Module):
         self.replica_outputs: list[Any] = []
         self._primary_label = self.replica_devices[0].label
         self._param_bytes_cache: int | None = None
+        self._listeners = Listeners()
         self._own_threads()
         self._register_state_dict_hook(drop_module_prefix)
         self._register_load_state_dict_pre_hook(add_module_prefix, with_module=True)
@@ -146,20 +149,38 @@ class DataParallel(nn.Module):
         start threads that end after each step)."""
         self._finalizer()
 
+    def add_listener(self, listener: Listener) -> ListenerHandle:
+        """Report this model's phases and replica scopes to ``listener`` until the handle is removed.
+
+        Args:
+            listener: an object with ``begin(name, device)``/``end(token, nbytes)`` (phases of each
+                step, see :data:`multigpu.core.listeners.PHASES`) and/or ``replica_scope(label, device)``
+                (a context entered on each replica's thread around its work).
+
+        Returns:
+            A handle: ``handle.remove()``, or use it as a context manager.
+
+        Example:
+            >>> with model.add_listener(profiler):      # doctest: +SKIP
+            ...     model(x)
+        """
+        return self._listeners.add(listener)
+
     def _own_threads(self) -> None:
         # The finalizer holds the pool and the balancer, never the model, so the model can be collected.
         self._threads = ReplicaThreads()
         self._finalizer = weakref.finalize(self, _release, self._threads, self.balancer)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()  # a copy (deepcopy, pickle) gets threads and a finalizer of its own
-        del state["_threads"], state["_finalizer"]
+        state = self.__dict__.copy()  # a copy (deepcopy, pickle) gets threads and a finalizer of its own,
+        del state["_threads"], state["_finalizer"], state["_listeners"]  # and nobody listening to it yet
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         if self.balancer is not None:
             self.balancer.attach(self.module)
+        self._listeners = Listeners()
         self._own_threads()
 
     @property
@@ -169,21 +190,21 @@ class DataParallel(nn.Module):
 
     def _step(self, inputs: Any, kwargs: dict[str, Any], target: Any, sizes: list[int]) -> Any:
         active = [dev for dev, size in zip(self.replica_devices, sizes) if size > 0]
-        with phase("scatter", self._primary_label, nbytes=_nbytes((inputs, kwargs, target))):
+        with self._listeners.phase("scatter", self._primary_label, nbytes=self._nbytes((inputs, kwargs, target))):
             chunks = scatter((inputs, kwargs, target), sizes, self.replica_devices, self.dim)
         if active == self.replica_devices[:1]:  # one chunk, on the primary: no replica needed
-            with phase("forward", active[0].label):
+            with self._listeners.phase("forward", active[0].label):
                 outputs = [self._run_one(self.module, *chunks[0])]
         elif self.parallel_backward and self._needs_grad(inputs, kwargs):
             outputs = self._forward_parallel_backward(chunks, active)
         else:
-            with phase("replicate", self._primary_label, nbytes=self._param_bytes(len(active))):
+            with self._listeners.phase("replicate", self._primary_label, nbytes=self._param_bytes(len(active))):
                 replicas = build_replicas(self.module, [d.device for d in active], detach=False)
-            outputs = run_replicas(self._replica_fn(replicas.modules, chunks, active), active, self._threads)
+            outputs = self._run_replicas(replicas.modules, chunks, active)
         return self._combine(outputs, [s for s in sizes if s > 0], target is not None)
 
     def _forward_parallel_backward(self, chunks: list[Any], active: list[ReplicaDevice]) -> list[Any]:
-        with phase("replicate", self._primary_label, nbytes=self._param_bytes(len(active))):
+        with self._listeners.phase("replicate", self._primary_label, nbytes=self._param_bytes(len(active))):
             replicas = build_replicas(self.module, [d.device for d in active], detach=True)
         trainable = [j for j, p in enumerate(replicas.params) if p.requires_grad]
         sources: list[torch.Tensor] = []
@@ -193,7 +214,7 @@ class DataParallel(nn.Module):
             leaves: list[torch.Tensor] = []
             leaf_chunks.append(map_leaves(lambda leaf, _: _as_leaf(leaf, sources, leaves), chunk))  # noqa: B023 (called at once, inside this iteration)
             input_leaves.append(leaves)
-        outputs = run_replicas(self._replica_fn(replicas.modules, leaf_chunks, active), active, self._threads)
+        outputs = self._run_replicas(replicas.modules, leaf_chunks, active)
         graphs = [
             backward.ReplicaGraph(
                 outputs=[t for t in iter_tensors(out) if t.requires_grad],
@@ -205,19 +226,21 @@ class DataParallel(nn.Module):
         if not any(g.outputs for g in graphs):
             return outputs
         params = [replicas.params[j] for j in trainable]
-        plan = backward.BackwardPlan(graphs, active, self.src_device_obj, params, self._threads)
+        plan = backward.BackwardPlan(graphs, active, self.src_device_obj, params, self._threads, self._listeners)
         connected = iter(backward.connect(plan, sources))
         return [
             map_leaves(lambda t, _: next(connected) if isinstance(t, torch.Tensor) and t.requires_grad else t, out)
             for out in outputs
         ]
 
-    def _replica_fn(self, modules: list[nn.Module], chunks: list[Any], devices: list[ReplicaDevice]) -> Any:
+    def _run_replicas(self, modules: list[nn.Module], chunks: list[Any], devices: list[ReplicaDevice]) -> list[Any]:
+        """Every replica's forward (and loss), in parallel, each inside the listeners' phase and scope."""
+
         def run(i: int) -> Any:
-            with phase("forward", devices[i].label):
+            with self._listeners.phase("forward", devices[i].label):
                 return self._run_one(modules[i], *chunks[i])
 
-        return run
+        return run_replicas(run, devices, self._threads, listeners=self._listeners)
 
     def _run_one(self, module: nn.Module, inputs: Any, kwargs: dict[str, Any], target: Any) -> Any:
         """One replica's work: forward, and the loss of its chunk when DataParallel owns the loss."""
@@ -238,13 +261,13 @@ class DataParallel(nn.Module):
             rule = self.scalar_outputs
         else:
             rule = self.scalar_outputs
-        with phase("gather", self._primary_label, nbytes=_nbytes(outputs)):
+        with self._listeners.phase("gather", self._primary_label, nbytes=self._nbytes(outputs)):
             return gather(outputs, sizes, self.output_device, self.dim, rule)
 
     def _chunk_sizes(self, batch: int, inputs: Any, kwargs: dict[str, Any], target: Any) -> list[int]:
         if self.balancer is not None:
             probe = partial(self._probe_step, inputs, kwargs, target)
-            planned = self.balancer.sizes(batch, probe, self)
+            planned = self.balancer.sizes(batch, probe, self, self._listeners)
             if planned is not None:
                 return planned
         return self.chunk_policy.sizes(batch)
@@ -270,11 +293,17 @@ class DataParallel(nn.Module):
 
     def _param_bytes(self, replicas: int) -> int:
         """Bytes the parameter broadcast moves: every parameter to every replica (0 when not profiling)."""
-        if not phases.active():
+        if not self._listeners.active:
             return 0
         if self._param_bytes_cache is None:  # parameters keep their sizes: walk them once
             self._param_bytes_cache = sum(p.numel() * p.element_size() for p in self.module.parameters())
         return replicas * self._param_bytes_cache
+
+    def _nbytes(self, obj: Any) -> int:
+        """Bytes of every tensor in ``obj`` (0 when not profiling: counting costs a walk)."""
+        if not self._listeners.active:
+            return 0
+        return sum(t.numel() * t.element_size() for t in iter_tensors(obj))
 
     def _needs_grad(self, inputs: Any, kwargs: Any) -> bool:
         if not torch.is_grad_enabled():
@@ -317,13 +346,6 @@ def _scalar_or_none(leaf: Any, _: str) -> Any:
     return leaf
 
 
-def _nbytes(obj: Any) -> int:
-    """Bytes of every tensor in ``obj`` (0 when not profiling: counting costs a walk)."""
-    if not phases.active():
-        return 0
-    return sum(t.numel() * t.element_size() for t in iter_tensors(obj))
-
-
 def _as_leaf(leaf: Any, sources: list[torch.Tensor], leaves: list[torch.Tensor]) -> Any:
     """Replace a differentiable input chunk by a leaf, remembering both (for the boundary)."""
     if not isinstance(leaf, torch.Tensor) or not leaf.requires_grad:
@@ -346,7 +368,7 @@ def _refuse_wrapper(module: nn.Module) -> None:
 
 def _check_balance(devices: Sequence[ReplicaDevice]) -> None:
     """nn.DataParallel's imbalance warning, pointing at chunk_sizes='auto' (accelerators only)."""
-    capacities = [device_capacity(d) for d in devices]
+    capacities = [get_device_type(d.type).capacity(d.device) for d in devices]
     if len(devices) < 2 or any(c is None for c in capacities):
         return
     message = imbalance_warning([d.label for d in devices], [c for c in capacities if c is not None])

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from multigpu.parallel import comm
+from multigpu.core import comm
+from multigpu.devices import common_type
 
 _LAZY = (
     "Modules with uninitialized parameters can't be used with `DataParallel`. "
@@ -66,7 +67,7 @@ def build_replicas(module: nn.Module, devices: Sequence[torch.device], *, detach
     params += [b for b in buffers if b.requires_grad]
     buffers = [b for b in buffers if not b.requires_grad]
     if detach:
-        leaves = comm.broadcast_detached(params, devices)
+        leaves = comm.broadcast_detached(params, devices, common_type(devices))  # coalesced where the type can
         for row in leaves:
             for leaf, param in zip(row, params):
                 leaf.requires_grad_(param.requires_grad)

@@ -16,10 +16,10 @@ from typing import Any, Literal
 
 import torch
 
+from multigpu.core import comm
+from multigpu.core.structure import iter_tensors, map_leaves, zip_leaves
 from multigpu.devices import ReplicaDevice
 from multigpu.errors import GatherError, ScatterError
-from multigpu.parallel import comm
-from multigpu.parallel.structure import iter_tensors, map_leaves, zip_leaves
 
 ScalarRule = Literal["mean", "sum", "stack"]
 

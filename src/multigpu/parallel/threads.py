@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 import torch
 from torch._utils import ExceptionWrapper
 
-from multigpu.devices import ReplicaDevice
-from multigpu.profiling.memory import replica_scope
+from multigpu.core.listeners import Listeners
+from multigpu.devices import ReplicaDevice, get_device_type
 
 T = TypeVar("T")
 
@@ -137,6 +137,7 @@ class ThreadState:
         autocast = tuple(
             (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
             for kind in dict.fromkeys(device_types)
+            if _has_autocast(kind)
         )
         return ThreadState(torch.is_grad_enabled(), autocast)
 
@@ -150,8 +151,19 @@ class ThreadState:
             yield
 
 
+def _has_autocast(device_type: str) -> bool:
+    """Whether torch's autocast knows ``device_type`` (a registered type may be one it does not)."""
+    available = getattr(torch.amp, "is_autocast_available", None)  # torch >= 2.4; before, every type we ran had it
+    return True if available is None else bool(available(device_type))
+
+
 def run_replicas(
-    fn: Callable[[int], T], devices: Sequence[ReplicaDevice], threads: ReplicaThreads, *, what: str = "forward"
+    fn: Callable[[int], T],
+    devices: Sequence[ReplicaDevice],
+    threads: ReplicaThreads,
+    *,
+    what: str = "forward",
+    listeners: Listeners | None = None,
 ) -> list[T]:
     """Call ``fn(i)`` for every replica i, in parallel, and return the results in order.
 
@@ -160,6 +172,7 @@ def run_replicas(
         devices: the devices of the replicas (``len(devices)`` calls are made).
         threads: the pool the replicas other than the first run on.
         what: the phase, named in error messages ("forward", "backward").
+        listeners: the owner's listeners; each replica's work runs inside their replica scopes.
 
     Raises:
         The replica's own exception type (when it can be rebuilt with a message) naming the
@@ -167,11 +180,11 @@ def run_replicas(
     """
     state = ThreadState.capture([d.type for d in devices])
     if len(devices) == 1:
-        with _device_context(devices[0].device), replica_scope(devices[0]):
+        with _device_context(devices[0].device), _replica_scope(listeners, devices[0]):
             return [_run_named(fn, 0, devices[0], what)]
 
     def task(i: int) -> T:
-        with state.entered(), _device_context(devices[i].device), replica_scope(devices[i]):
+        with state.entered(), _device_context(devices[i].device), _replica_scope(listeners, devices[i]):
             return fn(i)
 
     # CPU replicas share the process's intra-op pool (torch.set_num_threads is process-wide).
@@ -217,7 +230,11 @@ def _named_error(exc: Exception, i: int, device: ReplicaDevice, what: str) -> Ba
     raise AssertionError("ExceptionWrapper.reraise returned")  # pragma: no cover (reraise always raises)
 
 
+def _replica_scope(listeners: Listeners | None, device: ReplicaDevice) -> Any:
+    if listeners is None:  # the functional primitives: nobody to report to
+        return contextlib.nullcontext()
+    return listeners.replica_scope(device.label, device.device)
+
+
 def _device_context(device: torch.device) -> Any:
-    if device.type == "cuda":
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
+    return get_device_type(device.type).device_context(device)

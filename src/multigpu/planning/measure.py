@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
+from multigpu.devices import synchronizer
 from multigpu.errors import ConfigError
 from multigpu.planning.calibrate import fastest_s, measure_host_costs
 from multigpu.planning.counting import LossFn, count_step, default_loss
@@ -67,7 +68,7 @@ def measure_workload(
     counted = count_step(model, inputs, loss_fn=loss_fn)
     batch = counted.batch
     opt = _build_optimizer(optimizer, model)
-    sync = torch.cuda.synchronize if inputs.is_cuda else (lambda: None)
+    sync = synchronizer([inputs.device])  # waits for any accelerator (cuda, xpu, mps); no-op on the CPU
 
     def compute() -> None:
         model.zero_grad(set_to_none=True)
@@ -246,7 +247,9 @@ def allreduce_busbw(nbytes: int, *, repeats: int = 7) -> float:
     """
     import torch.distributed as dist
 
-    world = dist.get_world_size()
+    from multigpu.distributed.runtime import world_size
+
+    world = world_size()
     tensor = torch.ones(max(1, nbytes // 4))
     seconds = fastest_s(lambda: dist.all_reduce(tensor), repeats)
     return tensor.numel() * 4 / seconds * bus_factor("all-reduce", world)

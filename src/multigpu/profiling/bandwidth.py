@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from multigpu.devices import ReplicaDevice
+from multigpu.core import comm
+from multigpu.devices import ReplicaDevice, accelerator_type, common_type, device_count, get_device_type, synchronizer
 from multigpu.errors import ConfigError
-from multigpu.parallel import comm
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -128,34 +128,22 @@ def time_per_op(fn: Callable[[], object], sync: Callable[[], None], *, iters: in
     return min(samples)
 
 
-def synchronizer(devices: Sequence[torch.device]) -> Callable[[], None]:
-    """A function that waits for every CUDA device in ``devices`` (a no-op for host devices)."""
-    cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
-    if not cuda:
-        return lambda: None
-
-    def sync() -> None:
-        for index in cuda:
-            torch.cuda.synchronize(index)
-
-    return sync
-
-
 def copy_pairs() -> list[tuple[torch.device, torch.device]]:
-    """The copies worth probing here: host->host, and host<->device, device->device on CUDA."""
+    """The copies worth probing here: host->host, and host<->device, device->device on an accelerator."""
     cpu = torch.device("cpu")
     pairs = [(cpu, cpu)]
-    if torch.cuda.is_available():
-        first = torch.device("cuda", 0)
+    accel = accelerator_type()
+    if accel is not None:
+        first = torch.device(accel, 0)
         pairs += [(cpu, first), (first, cpu), (first, first)]
-        if torch.cuda.device_count() > 1:
-            pairs.append((first, torch.device("cuda", 1)))
+        if device_count(accel) > 1:
+            pairs.append((first, torch.device(accel, 1)))
     return pairs
 
 
 def probe_copy(src_device: torch.device, dst_device: torch.device, nbytes: int, *, repeats: int = 5) -> BandwidthPoint:
-    """Time ``dst.copy_(src)`` of ``nbytes`` (host buffers pinned when the other side is CUDA)."""
-    pin = torch.cuda.is_available() and "cuda" in (src_device.type, dst_device.type)
+    """Time ``dst.copy_(src)`` of ``nbytes`` (host buffers pinned when the other side's type pins them)."""
+    pin = any(d.type != "cpu" and get_device_type(d.type).pin_memory for d in (src_device, dst_device))
     src = _buffer(nbytes, src_device, pin)
     dst = _buffer(nbytes, dst_device, pin)
     sync = synchronizer([src_device, dst_device])
@@ -181,8 +169,9 @@ def probe_dp_pattern(
     sync = synchronizer(torch_devices)
     points, notes = [], []
     source = _buffer(nbytes, primary, False)
+    fast = common_type(torch_devices)  # the engine's own fast path (CUDA's coalesced copies)
     if any(d != primary for d in torch_devices[1:]):
-        broadcast = lambda: comm.broadcast_detached([source], torch_devices)  # noqa: E731
+        broadcast = lambda: comm.broadcast_detached([source], torch_devices, fast)  # noqa: E731
         seconds = time_per_op(broadcast, sync, iters=iters_for(nbytes), repeats=repeats)
         points.append(
             BandwidthPoint(
@@ -192,7 +181,7 @@ def probe_dp_pattern(
     else:
         notes.append(f"broadcast to {n} replicas on {primary}: shared storage, no bytes move (not probed)")
     grads = [[_buffer(nbytes, d, False)] for d in torch_devices]
-    seconds = time_per_op(lambda: comm.reduce_add(grads, primary), sync, iters=iters_for(nbytes), repeats=repeats)
+    seconds = time_per_op(lambda: comm.reduce_add(grads, primary, fast), sync, iters=iters_for(nbytes), repeats=repeats)
     points.append(
         BandwidthPoint(probe=f"reduce x{n}->{devices[0].label}", kind="reduce", nbytes=nbytes, seconds=seconds, ranks=n)
     )

@@ -1,8 +1,10 @@
-"""Time marks on the host or on a CUDA stream, resolved to seconds only when a report needs them.
+"""Time marks on the host or on a device, resolved to seconds only when a report needs them.
 
-A *mark* is ``time.perf_counter()`` for host devices and a recorded ``torch.cuda.Event`` for a CUDA
-device, so marking never synchronises: the GPU keeps running ahead and the events are read once,
-when the profile is summarised (:func:`seconds_between` on CUDA marks is the sync point).
+A *mark* is what the device type's :meth:`~multigpu.devices.DeviceType.mark` gives: the host
+clock (``time.perf_counter()``) for host devices and for accelerators without events (after a
+synchronize), an event recorded on the device's current stream where the type times with events
+(CUDA). Event marks never synchronise: the device keeps running ahead and the events are read
+once, when the profile is summarised (:func:`seconds_between` on event marks is the sync point).
 """
 
 from __future__ import annotations
@@ -11,30 +13,40 @@ import time
 
 import torch
 
-Mark = float | torch.cuda.Event
+from multigpu.devices import Mark, get_device_type
+
+__all__ = ["Mark", "device_of", "mark", "seconds_between"]
 
 
-def cuda_device(label: str | None) -> torch.device | None:
-    """The CUDA device a report label names (``"cuda:1"``), or None for host devices."""
-    if label is None or not label.startswith("cuda"):
+def device_of(label: str | None) -> torch.device | None:
+    """The device a report label names when it is timed on the device (``"cuda:1"``); None for host devices.
+
+    CPU replicas (``"cpu:1"``) and labels of no registered device type are timed on the host clock.
+    """
+    if label is None:
         return None
-    return torch.device(label)
+    kind = label.split(":", 1)[0]
+    if kind == "cpu":
+        return None
+    try:
+        get_device_type(kind)
+        return torch.device(label)
+    except (RuntimeError, ValueError, LookupError):
+        return None
 
 
 def mark(device: torch.device | None = None) -> Mark:
-    """Now, on the host (``device`` None) or on ``device``'s current CUDA stream."""
+    """Now, on the host (``device`` None) or as ``device``'s type marks time on it."""
     if device is None:
         return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record(torch.cuda.current_stream(device))
-    return event
+    return get_device_type(device.type).mark(device)
 
 
 def seconds_between(start: Mark, end: Mark) -> float:
     """Seconds from ``start`` to ``end`` (both host marks, or both events of one device)."""
     if isinstance(start, float) and isinstance(end, float):
         return end - start
-    if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
+    if not isinstance(start, float) and not isinstance(end, float):
         end.synchronize()  # sync point: only when the profile is summarised
         return start.elapsed_time(end) / 1e3
-    raise TypeError(f"cannot time from {type(start).__name__} to {type(end).__name__}: mix of host and CUDA marks")
+    raise TypeError(f"cannot time from {type(start).__name__} to {type(end).__name__}: mix of host and device marks")

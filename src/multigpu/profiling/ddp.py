@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from multigpu.distributed import runtime
 from multigpu.errors import ConfigError
 from multigpu.profiling import clock
 
@@ -119,11 +120,11 @@ class DDPProfiler:
         self.enabled = True
         self._inner: CommHook = inner_hook or default_hooks.allreduce_hook
         param = next(model.parameters())
-        self._cuda = param.device if param.is_cuda else None
+        self._on = None if param.device.type == "cpu" else param.device  # timed as its device type marks time
         self._buckets: list[tuple[clock.Mark, clock.Mark, int]] = []
         self._steps: list[tuple[clock.Mark, clock.Mark, list[tuple[clock.Mark, clock.Mark, int]]]] = []
         self._seen = 0
-        self._step_start = clock.mark(self._cuda)
+        self._step_start = clock.mark(self._on)
         model.register_comm_hook(hook_state, self._hook)
 
     def _hook(self, state, bucket):  # type: ignore[no-untyped-def]
@@ -133,11 +134,11 @@ class DDPProfiler:
             return self._inner(state, bucket)
         buffer = bucket.buffer()
         nbytes = buffer.numel() * buffer.element_size()
-        start = clock.mark(self._cuda)
+        start = clock.mark(self._on)
         future = self._inner(state, bucket)
 
         def done(fut: torch.futures.Future) -> Any:
-            self._buckets.append((start, clock.mark(self._cuda), nbytes))  # runs on the backend's thread
+            self._buckets.append((start, clock.mark(self._on), nbytes))  # runs on the backend's thread
             return fut.value()
 
         return future.then(done)
@@ -146,17 +147,16 @@ class DDPProfiler:
         """End a step (the optimizer hook calls it; call it yourself without an optimizer)."""
         if not self.enabled:
             return
-        stop = clock.mark(self._cuda)
+        stop = clock.mark(self._on)
         buckets, self._buckets = self._buckets, []
         if self._seen >= self.warmup:
             self._steps.append((self._step_start, stop, buckets))
         self._seen += 1
-        self._step_start = clock.mark(self._cuda)
+        self._step_start = clock.mark(self._on)
 
     def rank_profile(self) -> RankProfile:
-        """This rank's kept steps (reads CUDA events: a sync point)."""
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        out = RankProfile(rank=rank, step_s=[], allreduce_s=[], allreduce_bytes=[], buckets=[])
+        """This rank's kept steps (reads device events: a sync point)."""
+        out = RankProfile(rank=runtime.global_rank(), step_s=[], allreduce_s=[], allreduce_bytes=[], buckets=[])
         for start, stop, buckets in self._steps:
             out.step_s.append(clock.seconds_between(start, stop))
             spans = [(clock.seconds_between(start, a), clock.seconds_between(start, b)) for a, b, _ in buckets]
@@ -168,9 +168,9 @@ class DDPProfiler:
     def gather(self) -> DDPProfile:
         """Every rank's profile, on every rank. Collective: every rank must call it."""
         mine = self.rank_profile()
-        if not dist.is_initialized():
+        if not runtime.in_process_group():
             return DDPProfile(backend="none", ranks=[mine])
-        everyone: list[Any] = [None] * dist.get_world_size()
+        everyone: list[Any] = [None] * runtime.world_size()
         dist.all_gather_object(everyone, mine)
         return DDPProfile(backend=str(dist.get_backend()), ranks=sorted(everyone, key=lambda r: r.rank))
 

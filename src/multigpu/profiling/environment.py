@@ -1,7 +1,8 @@
 """What a bug report needs: versions, devices with memory, backends, relevant environment variables.
 
 This is the one place that reads the distributed/CUDA environment variables *for display*; the
-runtime reads the ones it acts on in its own single place.
+runtime reads the ones it acts on in its own single place. Devices and library versions come from
+the device types (:mod:`multigpu.devices`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import multigpu
+from multigpu.devices import device_type_names, get_device_type
 
 # Variables that change how multi-device training behaves (prefixes end with "_").
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCHELASTIC_")
@@ -70,20 +72,22 @@ def collect_env() -> EnvReport:
     )
 
 
+def _accelerators() -> list[str]:
+    """Every registered device type but the CPU, in registration order."""
+    return [name for name in device_type_names() if name != "cpu"]
+
+
 def _versions() -> dict[str, str]:
-    nccl = "-"
-    if torch.cuda.is_available() and dist.is_nccl_available():
-        version = torch.cuda.nccl.version()
-        nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-    return {
+    rows = {
         "multigpu": multigpu.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "torch": torch.__version__,
         "cuda (torch built with)": str(torch.version.cuda or "-"),
-        "cudnn": str(torch.backends.cudnn.version() or "-") if torch.cuda.is_available() else "-",
-        "nccl": nccl,
     }
+    for name in _accelerators():
+        rows.update(get_device_type(name).versions())  # e.g. cudnn and nccl from the CUDA type
+    return rows
 
 
 def _devices() -> dict[str, str]:
@@ -92,15 +96,10 @@ def _devices() -> dict[str, str]:
         "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical cores, "
         f"{cpu_memory / 2**30:.1f} GiB, torch threads {torch.get_num_threads()}"
     }
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(i)
-            rows[f"cuda:{i}"] = (
-                f"{props.name}, {props.total_memory / 2**30:.1f} GiB, capability {props.major}.{props.minor}"
-            )
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        rows["mps"] = "available"
+    for name in _accelerators():
+        kind = get_device_type(name)
+        for index in range(kind.device_count()):
+            rows[f"{name}:{index}"] = kind.describe(index)
     return rows
 
 
@@ -113,7 +112,7 @@ def _backends() -> dict[str, str]:
         "gloo": flag(dist.is_available() and dist.is_gloo_available()),
         "nccl": flag(dist.is_available() and dist.is_nccl_available()),
         "mpi": flag(dist.is_available() and dist.is_mpi_available()),
-        "cuda": flag(torch.cuda.is_available()),
+        **{name: flag(get_device_type(name).is_available()) for name in _accelerators()},
     }
 
 

@@ -1,10 +1,13 @@
 """Per-device memory accounting for one training step, on CPU replicas as on CUDA.
 
-CUDA devices: the allocator's statistics (``memory_allocated`` at the start, ``max_memory_allocated``
-over the step). CPU devices: every replica runs in its own thread, so an allocation tracker (a
-``TorchDispatchMode``, which is thread-local) entered in each replica thread sees exactly the
-storages that replica's forward and backward create; a finalizer on each storage sees it freed.
-That makes DataParallel's primary-device imbalance measurable without GPUs.
+Devices whose type reports allocator statistics (CUDA): the allocator's ``memory_allocated`` at
+the start and ``max_memory_allocated`` over the step, asked of the device type
+(:mod:`multigpu.devices`). Other devices (CPU): every replica runs in its own thread, so an
+allocation tracker (a ``TorchDispatchMode``, which is thread-local) entered in each replica
+thread sees exactly the storages that replica's forward and backward create; a finalizer on each
+storage sees it freed. That makes DataParallel's primary-device imbalance measurable without GPUs.
+The engine enters the tracker in each replica thread through its replica scope: the tracker is a
+listener attached to the model for the block's duration (:mod:`multigpu.profiling.attach`).
 
 What each figure of a :class:`DeviceMemory` includes:
 
@@ -32,8 +35,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from multigpu.devices import ReplicaDevice
-from multigpu.parallel.structure import iter_tensors
+from multigpu.core.structure import iter_tensors
+from multigpu.devices import DeviceType, ReplicaDevice, device_type_names, get_device_type
+from multigpu.profiling.attach import attached
 
 _CATEGORIES = ("activations", "gathered")
 
@@ -47,7 +51,7 @@ class DeviceMemory:
     activations: int
     gathered: int
     peak: int
-    source: str  # "allocation tracker" (CPU) or "CUDA allocator"
+    source: str  # "allocation tracker" (CPU) or "<type> allocator" ("CUDA allocator")
 
 
 @dataclass
@@ -113,24 +117,27 @@ def _key(tensor: torch.Tensor) -> int:
         return -1
 
 
-_active: MemoryTracker | None = None
+def _allocator(device: torch.device) -> DeviceType | None:
+    """The device's type when its allocator reports statistics (CUDA), else None (use the tracker)."""
+    kind = get_device_type(device.type)
+    return kind if kind.has_allocator_stats() else None
 
 
-@contextlib.contextmanager
-def replica_scope(device: ReplicaDevice) -> Iterator[None]:
-    """Called by the engine around each replica's work; counts it for that device when tracking."""
-    tracker = _active
-    if tracker is None:
-        yield
-        return
-    with tracker._scope(device):
-        yield
+def _allocator_devices() -> list[tuple[DeviceType, torch.device]]:
+    """Every device of every available type with allocator statistics."""
+    found = []
+    for name in device_type_names():
+        kind = get_device_type(name)
+        if name != "cpu" and kind.is_available() and kind.has_allocator_stats():
+            found += [(kind, torch.device(name, i)) for i in range(kind.device_count())]
+    return found
 
 
 class MemoryTracker:
     """Measures per-device peak memory over the steps run inside :func:`track_memory`.
 
-    Also a memory source for the step profiler (:func:`multigpu.profiling.step.profile_steps`):
+    An engine listener: the engine enters :meth:`replica_scope` on each replica's thread. Also a
+    memory source for the step profiler (:func:`multigpu.profiling.step.profile_steps`):
     ``peak_bytes()`` and ``reset_peaks()`` give and restart the per-step peaks by device label.
     """
 
@@ -143,12 +150,13 @@ class MemoryTracker:
         self._caller_trackers: list[_Tracker] = []
 
     @contextlib.contextmanager
-    def _scope(self, device: ReplicaDevice) -> Iterator[None]:
-        if device.type == "cuda":
+    def replica_scope(self, label: str, device: torch.device) -> Iterator[None]:
+        """Count what the replica ``label`` allocates inside the block (entered on the replica's thread)."""
+        if _allocator(device) is not None:  # the allocator counts it already
             yield
             return
         if threading.get_ident() == self.caller and self._caller_trackers:
-            self.ledgers.setdefault(device.label, self.caller_ledger)  # replica 0 is the primary
+            self.ledgers.setdefault(label, self.caller_ledger)  # replica 0 is the primary
             tracker = self._caller_trackers[-1]  # same tracker as the caller, other category
             previous, tracker.category = tracker.category, "activations"
             try:
@@ -156,7 +164,7 @@ class MemoryTracker:
             finally:
                 tracker.category = previous
             return
-        with _Tracker(self.ledgers.setdefault(device.label, _Ledger()), "activations", device.device):
+        with _Tracker(self.ledgers.setdefault(label, _Ledger()), "activations", device):
             yield
 
     def results(self) -> list[DeviceMemory]:
@@ -164,9 +172,11 @@ class MemoryTracker:
         out = []
         for device in self.devices:
             resident = self.resident[device.label]
-            if device.type == "cuda":
-                peak = torch.cuda.max_memory_allocated(device.device)
-                out.append(DeviceMemory(device.label, resident, peak - resident, 0, peak, "CUDA allocator"))
+            allocator = _allocator(device.device)
+            if allocator is not None:
+                peak = allocator.max_memory_allocated(device.device) or 0
+                source = f"{allocator.display} allocator"
+                out.append(DeviceMemory(device.label, resident, peak - resident, 0, peak, source))
                 continue
             ledger = self.ledgers.get(device.label, _Ledger())
             out.append(
@@ -189,16 +199,16 @@ class MemoryTracker:
     def peak_bytes(self) -> dict[str, int]:
         """Peak bytes per device label since the last :meth:`reset_peaks` (profiler interface)."""
         peaks = {label: self.resident.get(label, 0) + ledger.peak_total for label, ledger in self.ledgers.items()}
-        for index in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
-            peaks[f"cuda:{index}"] = torch.cuda.max_memory_allocated(index)
+        for kind, device in _allocator_devices():
+            peaks[str(device)] = kind.max_memory_allocated(device) or 0
         return peaks
 
     def reset_peaks(self) -> None:
         """Start a new peak from what is live now (profiler interface: called at every step's end)."""
         for ledger in self.ledgers.values():
             ledger.reset_peak()
-        for index in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
-            torch.cuda.reset_peak_memory_stats(index)
+        for kind, device in _allocator_devices():
+            kind.reset_peak_memory_stats(device)
 
 
 @contextlib.contextmanager
@@ -208,9 +218,10 @@ def track_memory(
     """Measure per-device peak memory of the training step(s) run inside the block.
 
     Args:
-        model: a :class:`multigpu.DataParallel` (one figure per replica device) or a bare module.
-            None (as ``multigpu profile`` does): devices are learnt as replicas run, and peaks
-            count what the steps allocate, without resident parameters.
+        model: a :class:`multigpu.DataParallel` (one figure per replica device) or a bare module;
+            the tracker is attached to every DataParallel in it for the block. None (as ``multigpu
+            profile`` does): it is attached to every DataParallel called in the block, devices are
+            learnt as replicas run, and peaks count what the steps allocate, without resident parameters.
         optimizer: counted as resident state on the primary when given.
 
     Returns:
@@ -221,25 +232,18 @@ def track_memory(
         ...     loss = model(x, target=y); loss.backward(); optimizer.step()
         >>> [m.peak for m in mem.results()]                   # doctest: +SKIP
     """
-    global _active
     devices = _devices_of(model) if model is not None else []
     for device in devices:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device.device)
+        allocator = _allocator(device.device)
+        if allocator is not None:
+            allocator.reset_peak_memory_stats(device.device)
     resident = _resident_bytes(devices, model, optimizer) if model is not None else {}
     tracker = MemoryTracker(devices, resident)
     primary = devices[0].device if devices else torch.device("cpu")
     caller = _Tracker(tracker.caller_ledger, "gathered", primary)
     tracker._caller_trackers.append(caller)
-    previous, _active = _active, tracker
-    try:
-        if primary.type == "cuda":
-            yield tracker
-        else:
-            with caller:
-                yield tracker
-    finally:
-        _active = previous
+    with attached(tracker, model), caller if _allocator(primary) is None else contextlib.nullcontext():
+        yield tracker
 
 
 def _devices_of(model: nn.Module) -> list[ReplicaDevice]:
@@ -262,6 +266,7 @@ def _resident_bytes(
         state_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in iter_tensors(dict(s)))
     resident = {d.label: param_bytes for d in devices}
     resident[devices[0].label] += grad_bytes + state_bytes
-    if devices[0].type == "cuda":
-        resident[devices[0].label] = torch.cuda.memory_allocated(devices[0].device)
+    allocator = _allocator(devices[0].device)
+    if allocator is not None:
+        resident[devices[0].label] = allocator.memory_allocated(devices[0].device) or 0
     return resident

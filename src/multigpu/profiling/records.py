@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from multigpu.profiling.phases import PHASES
+from multigpu.core.listeners import PHASES
 
 COMM_PHASES = ("scatter", "replicate", "gather", "reduce")
 OTHER = "other"  # step time on a device outside every named phase (loss, data, Python, waiting)
@@ -63,7 +63,7 @@ class StepProfile:
 
     devices: list[str]
     steps: list[StepRecord]
-    timing: str = "host clock"  # or "cuda events"
+    timing: str = "host clock"  # or "<type> events" ("cuda events") where a device type times with events
     meta: dict[str, Any] = field(default_factory=dict)
 
     def phase_names(self) -> list[str]:

@@ -1,14 +1,15 @@
 """The step profiler: where each step's time, bytes and memory go, per phase and per device.
 
-Opt-in and off by default: the engines' ``phase(...)`` marks cost one global read while nobody
-listens. Inside :func:`profile_steps` a :class:`StepProfiler` listens to every phase (from every
-replica thread), times ``optimizer.step()`` through optimizer hooks, and closes a step each time
-the optimizer steps. CUDA phases are timed with events on the device's current stream and read
-once, when :meth:`StepProfiler.profile` is called (the only sync point).
+Opt-in and off by default: an engine's phase marks cost one attribute read while nobody is
+attached to it. Inside :func:`profile_steps` a :class:`StepProfiler` is attached to the model's
+engines (:mod:`multigpu.profiling.attach`) and hears every phase (from every replica thread),
+times ``optimizer.step()`` through optimizer hooks, and closes a step each time the optimizer steps. Phases on an accelerator are timed as its device type marks time
+(:mod:`multigpu.profiling.clock`): on CUDA with events on the device's current stream, read once,
+when :meth:`StepProfiler.profile` is called (the only sync point).
 
 Example:
     >>> model = multigpu.DataParallel(net, devices="cpu:2")
-    >>> with profile_steps(optimizer=opt, config=ProfileConfig(devices=["cpu:0", "cpu:1"])) as prof:
+    >>> with profile_steps(model, optimizer=opt, config=ProfileConfig(devices=["cpu:0", "cpu:1"])) as prof:
     ...     for x, y in batches:
     ...         loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
     >>> profile = prof.profile()   # StepProfile: render with multigpu.report
@@ -24,9 +25,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
+from torch import nn
 
+from multigpu.core.listeners import PhaseListener
+from multigpu.devices import accelerator_type, get_device_type
 from multigpu.errors import ConfigError
-from multigpu.profiling import clock, phases
+from multigpu.profiling import clock
+from multigpu.profiling.attach import attached
 from multigpu.profiling.records import PhaseStat, StepProfile, StepRecord
 
 _now = time.perf_counter
@@ -66,11 +71,11 @@ class ProfileConfig:
 
 _Raw = tuple[str, "str | None", clock.Mark, clock.Mark, int]  # phase, device, start, stop, bytes
 _HostToken = tuple[str, "str | None", float]  # phase, device, start
-_Token = tuple[str, "str | None", clock.Mark, "torch.device | None", Any]  # phase, device, start, cuda, trace range
+_Token = tuple[str, "str | None", clock.Mark, "torch.device | None", Any]  # phase, device, start, timed on, trace range
 
 
 class StepProfiler:
-    """A :class:`~multigpu.profiling.phases.PhaseListener` that groups phases into steps.
+    """A phase listener (:class:`~multigpu.core.listeners.PhaseListener`) that groups phases into steps.
 
     Thread-safe for the engines' use: ``begin``/``end`` of one phase run on one thread; finished
     phases are appended to a list (atomic), and steps close on the optimizer's thread after the
@@ -88,35 +93,35 @@ class StepProfiler:
         self.memory = memory
         self.on_step = on_step
         primary = self.config.devices[0] if self.config.devices else None
-        self._primary_cuda = clock.cuda_device(primary)
-        self._cuda: dict[str | None, torch.device | None] = {None: self._primary_cuda}
-        self._host_only = not torch.cuda.is_available() and not self.config.trace_ranges
+        self._primary_on = clock.device_of(primary)
+        self._on: dict[str | None, torch.device | None] = {None: self._primary_on}
+        self._host_only = accelerator_type() is None and not self.config.trace_ranges
         self._events: list[_Raw] = []
         self._steps: list[tuple[int, clock.Mark, clock.Mark, list[_Raw], dict[str, int]]] = []
         self._seen = 0
-        self._step_start = clock.mark(self._primary_cuda)
+        self._step_start = clock.mark(self._primary_on)
         self._optimizer_token: Any = None
         if memory is not None:
             memory.reset_peaks()
 
     # PhaseListener -------------------------------------------------------------------------
     def begin(self, name: str, device: str | None) -> object:
-        if self._host_only:  # fast path: no CUDA anywhere, no trace ranges (keeps "on" under 3%)
+        if self._host_only:  # fast path: no accelerator anywhere, no trace ranges (keeps "on" under 3%)
             return (name, device, _now())
-        cuda = self._cuda[device] if device in self._cuda else self._remember(device)
+        on = self._on[device] if device in self._on else self._remember(device)
         scope = None
         if self.config.trace_ranges:
             scope = torch.profiler.record_function(f"multigpu::{name}")
             scope.__enter__()
-        return (name, device, clock.mark(cuda), cuda, scope)
+        return (name, device, clock.mark(on), on, scope)
 
     def end(self, token: object, nbytes: int) -> None:
         if self._host_only:
             host = cast(_HostToken, token)
             self._events.append((host[0], host[1], host[2], _now(), nbytes))  # list.append: atomic across threads
             return
-        name, device, start, cuda, scope = cast(_Token, token)  # the tuple begin() returned
-        stop = clock.mark(cuda)
+        name, device, start, on, scope = cast(_Token, token)  # the tuple begin() returned
+        stop = clock.mark(on)
         if scope is not None:
             scope.__exit__(None, None, None)
         self._events.append((name, device, start, stop, nbytes))
@@ -124,13 +129,13 @@ class StepProfiler:
     # steps ---------------------------------------------------------------------------------
     def step(self) -> None:
         """Close the current step (called by the optimizer hook; call it yourself without one)."""
-        stop = clock.mark(self._primary_cuda)
+        stop = clock.mark(self._primary_on)
         events, self._events = self._events, []
         peaks = self._read_memory()
         index, self._seen = self._seen, self._seen + 1
         if index >= self.config.warmup:
             self._steps.append((index, self._step_start, stop, events, peaks))
-        self._step_start = clock.mark(self._primary_cuda)
+        self._step_start = clock.mark(self._primary_on)
         if self.on_step is not None:
             self.on_step(len(self._steps))
 
@@ -144,7 +149,7 @@ class StepProfiler:
         self.step()
 
     def profile(self) -> StepProfile:
-        """The kept steps as a :class:`StepProfile` (reads CUDA events: a sync point)."""
+        """The kept steps as a :class:`StepProfile` (reads device events: a sync point)."""
         labels = {e[1] for _, _, _, events, _ in self._steps for e in events if e[1] is not None}
         devices = list(self.config.devices) if self.config.devices else _ordered(labels)
         primary = devices[0] if devices else "cpu"
@@ -159,14 +164,14 @@ class StepProfiler:
         ]
         for label in {p.device for s in steps for p in s.phases} - set(devices):
             devices.append(label)
-        timing = "cuda events" if any(clock.cuda_device(label) for label in devices) else "host clock"
+        timing = _timing(devices)
         meta = {"torch": torch.__version__, "warmup": self.config.warmup, "memory": self.memory is not None}
         return StepProfile(devices=devices or [primary], steps=steps, timing=timing, meta=meta)
 
     def _remember(self, device: str | None) -> torch.device | None:
-        cuda = clock.cuda_device(device)
-        self._cuda[device] = cuda
-        return cuda
+        on = clock.device_of(device)
+        self._on[device] = on
+        return on
 
     def _read_memory(self) -> dict[str, int]:
         if self.memory is None:
@@ -178,6 +183,7 @@ class StepProfiler:
 
 @contextlib.contextmanager
 def profile_steps(
+    model: nn.Module | None = None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
     config: ProfileConfig | None = None,
@@ -187,10 +193,12 @@ def profile_steps(
     """Profile every step run inside the block; one step ends at each ``optimizer.step()``.
 
     Args:
+        model: the model whose engines are profiled (a DataParallel, or a model holding some);
+            None: every engine called inside the block (found as it is called).
         optimizer: the optimizer whose ``step()`` ends a step; None hooks every optimizer.
         config: warmup, device labels, trace ranges (see :class:`ProfileConfig`).
         memory: per-device peak memory, read and reset at the end of every step. When it is also
-            a phase listener (has ``begin``/``end``), it hears every phase too (see ``phases.fan_out``).
+            a phase listener (has ``begin``/``end``), it is attached to the engines too.
         on_step: called after every step with the number of steps kept so far.
 
     Returns:
@@ -209,11 +217,11 @@ def profile_steps(
             optimizer.register_step_pre_hook(profiler.optimizer_pre_hook),
             optimizer.register_step_post_hook(profiler.optimizer_post_hook),
         ]
-    listener: phases.PhaseListener = profiler
-    if memory is not None and hasattr(memory, "begin") and hasattr(memory, "end"):
-        listener = phases.fan_out(profiler, memory)  # type: ignore[arg-type]  # checked just above
     try:
-        with phases.listening(listener):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(attached(profiler, model))
+            if isinstance(memory, PhaseListener):  # it begins each phase after the profiler, ends it before
+                stack.enter_context(attached(memory, model))
             yield profiler
     finally:
         for handle in handles:
@@ -234,6 +242,15 @@ def _aggregate(events: list[_Raw], primary: str) -> list[PhaseStat]:
         else:
             stats[key] = PhaseStat(phase=name, device=key[1], seconds=seconds, nbytes=nbytes)
     return list(stats.values())
+
+
+def _timing(labels: Sequence[str]) -> str:
+    """How the profile's phases were timed: ``"cuda events"`` where a device's type times with events."""
+    for label in labels:
+        on = clock.device_of(label)
+        if on is not None and get_device_type(on.type).timed_with_events:
+            return f"{on.type} events"
+    return "host clock"
 
 
 def _ordered(labels: set[str]) -> list[str]:

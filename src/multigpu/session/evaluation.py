@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from multigpu.core.structure import iter_tensors
 from multigpu.errors import ConfigError
-from multigpu.parallel.structure import iter_tensors
 
 
 def _rows(batch: Any) -> int | None:

@@ -34,12 +34,12 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from multigpu.checkpoint.keys import unwrap
+from multigpu.core.structure import map_leaves
 from multigpu.distributed import collectives, data, loaders, records, runtime
 from multigpu.distributed.collectives import ReduceOp
 from multigpu.distributed.data import EpochLoader
 from multigpu.distributed.failures import explain_collective_failures
 from multigpu.errors import ConfigError
-from multigpu.parallel.structure import map_leaves
 from multigpu.session.config import SessionConfig
 from multigpu.session.evaluation import per_sample_result
 from multigpu.session.metrics import MetricsLog

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from multigpu.distributed.runtime import in_process_group, world_size
+
 # Device types torch's nn.SyncBatchNorm runs on (its forward raises for the others).
 _TORCH_SYNC_DEVICES = ("cuda", "hpu", "xpu", torch._C._get_privateuse1_backend_name())
 
@@ -90,7 +92,7 @@ class CPUSyncBatchNorm(_BatchNorm):
         track = not self.training or self.track_running_stats
         running_mean = self.running_mean if track else None
         running_var = self.running_var if track else None
-        if not (use_batch_stats and self.training and _world_size() > 1):
+        if not (use_batch_stats and self.training and in_process_group() and world_size() > 1):
             return F.batch_norm(
                 input, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor, self.eps
             )
@@ -98,10 +100,6 @@ class CPUSyncBatchNorm(_BatchNorm):
             input, self.weight, self.bias, running_mean, running_var, self.eps, factor
         )
         return out
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class _SyncBatchNorm(torch.autograd.Function):
@@ -130,7 +128,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         local_mean = x.mean(dim=1) if count else x.new_zeros(channels)
         local_m2 = ((x - local_mean[:, None]) ** 2).sum(dim=1)
         stats = torch.cat([x.new_tensor([float(count)]), local_mean, local_m2])
-        gathered = [torch.empty_like(stats) for _ in range(_world_size())]
+        gathered = [torch.empty_like(stats) for _ in range(world_size())]
         dist.all_gather(gathered, stats)  # sync point: every rank's forward must reach it
         table = torch.stack(gathered)  # [ranks, 1 + 2C]
         counts, means, m2s = table[:, :1], table[:, 1 : 1 + channels], table[:, 1 + channels :]

@@ -1,6 +1,6 @@
-"""A DDP training run over gloo for the multi-process fault tests, started by torchrun.
+"""A DDP training run over gloo for the multi-process fault tests, started by ``multigpu launch``.
 
-    python -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29500 \\
+    multigpu launch --strategy ddp --nproc-per-node 2 \\
         tests/checkpoint/workers/ddp_worker.py --folder CKPT --events EVENTS --out final.safetensors \\
         --data digits.safetensors --steps 6 [--fault raise|hang|kill --fault-rank 1 --fault-step 3] [--timeout-s 3]
 

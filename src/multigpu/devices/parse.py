@@ -1,4 +1,4 @@
-"""What hardware: parse device specifications into an ordered list of replica devices.
+"""Parse device specifications into an ordered list of replica devices.
 
 Accepted everywhere a set of devices is asked for:
 
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
+from multigpu.devices.registry import accelerator_type, device_count, device_type_names, get_device_type
 from multigpu.errors import DeviceError
 
 DeviceSpec = str | int | torch.device | Sequence[str | int | torch.device] | None
 
-_TYPES = ("cpu", "cuda", "xpu", "mps")
 MAX_REPLICAS = 64  # replicas one process may run: one thread and one module copy each
 _SPEC = re.compile(r"^(?P<type>[a-z]+)(?::(?P<rest>[0-9, ]+))?$")
 
@@ -49,28 +49,6 @@ class ReplicaDevice:
         return self.label
 
 
-def accelerator_type() -> str | None:
-    """The accelerator type visible to this process (``"cuda"``, ``"mps"``, ``"xpu"``), or None."""
-    if torch.cuda.is_available():
-        return "cuda"
-    for name in ("xpu", "mps"):
-        backend = getattr(torch, name, None)
-        if backend is not None and getattr(backend, "is_available", lambda: False)():
-            return name
-    return None
-
-
-def device_count(device_type: str) -> int:
-    """How many devices of ``device_type`` this process can see (1 for cpu and mps)."""
-    if device_type == "cuda":
-        return torch.cuda.device_count()
-    if device_type == "xpu":
-        return torch.xpu.device_count()  # type: ignore[attr-defined]
-    if device_type in ("cpu", "mps"):
-        return 1 if device_type == "cpu" or accelerator_type() == "mps" else 0
-    return 0
-
-
 def parse_devices(spec: DeviceSpec = None) -> list[ReplicaDevice]:
     """Turn any accepted device specification into the ordered list of replica devices.
 
@@ -89,7 +67,7 @@ def parse_devices(spec: DeviceSpec = None) -> list[ReplicaDevice]:
     """
     if spec is None:
         accel = accelerator_type()
-        if accel in ("cuda", "xpu"):
+        if accel is not None and get_device_type(accel).replicas_by_default:
             return _indexed(accel, list(range(device_count(accel))), spec)
         return [ReplicaDevice(torch.device("cpu"), "cpu")]
     if isinstance(spec, str):
@@ -112,9 +90,9 @@ def _parse_string(spec: str) -> list[ReplicaDevice]:
             "'cuda', 'cuda:0,1' or a list such as ['cuda:0', 'cuda:1']"
         )
     device_type, rest = match["type"], match["rest"]
-    if device_type not in _TYPES:
+    if device_type not in device_type_names():
         raise DeviceError(
-            f"device string {spec!r} does not parse: {device_type!r} is not one of {', '.join(_TYPES)}; "
+            f"device string {spec!r} does not parse: {device_type!r} is not one of {', '.join(device_type_names())}; "
             "use e.g. 'cpu:2' or 'cuda:0,1'"
         )
     if device_type == "cpu":
@@ -204,26 +182,10 @@ def parse_output_device(spec: int | str | torch.device | None, primary: torch.de
     device = spec if isinstance(spec, torch.device) else _to_device(spec)
     if device.type == "cpu":
         return torch.device("cpu")
-    if device.type not in _TYPES:
-        raise DeviceError(f"output_device={spec!r}: {device.type!r} is not one of {', '.join(_TYPES)}")
+    if device.type not in device_type_names():
+        raise DeviceError(f"output_device={spec!r}: {device.type!r} is not one of {', '.join(device_type_names())}")
     index = device.index if device.index is not None else 0
     return _indexed(device.type, [index], spec, what="output_device")[0].device
-
-
-@dataclass(frozen=True)
-class DeviceCapacity:
-    """What nn.DataParallel compares to warn of imbalanced devices."""
-
-    memory: int  # total bytes
-    cores: int  # streaming multiprocessors on CUDA
-
-
-def device_capacity(device: ReplicaDevice) -> DeviceCapacity | None:
-    """Total memory and core count of an accelerator; None where torch does not report them (CPU)."""
-    if device.type != "cuda":
-        return None
-    props = torch.cuda.get_device_properties(device.device)
-    return DeviceCapacity(props.total_memory, props.multi_processor_count)
 
 
 def _check_count(count: int, spec: object) -> None:

@@ -4,6 +4,9 @@ Scatter and gather both need "do this to every leaf, keep the containers". Conta
 rebuilt with their own type, so a namedtuple stays a namedtuple and a dataclass (including
 OrderedDict-based model-output classes such as transformers' ``ModelOutput``) keeps its class.
 Anything else (tensors, None, ints, strings, arbitrary objects) is a leaf.
+
+It sits below every package that walks such structures (the engine's scatter and gather, the
+memory tracker, the Session's evaluation), so none of them imports another for it.
 """
 
 from __future__ import annotations

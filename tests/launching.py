@@ -1,4 +1,13 @@
-"""Run ``multigpu launch`` (or any command) in a subprocess with a timeout, and never leave it behind."""
+"""The one way tests start processes: through here, and distributed runs through ``multigpu launch``.
+
+Every multi-process test goes through here: :func:`launch_workers` for the common case (a worker
+script on N gloo processes), :func:`multigpu_launch` for any launcher flags, :func:`run_together`
+for several launchers at once (one per node), :func:`start_launch` for a launcher the test signals.
+The launcher binds the rendezvous itself (no "free port" picked here and raced for), and a run
+that passes its timeout is killed with every process it started. Tests that need a plain Python
+process (a saver killed mid-write, a CLI command) use :func:`start_python` / :func:`run_command`,
+which start it the same way: in a session of its own, in the repository root, ``tests`` importable.
+"""
 
 from __future__ import annotations
 
@@ -9,35 +18,51 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start(argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
+    """``argv`` started in a session of its own (signals sent to it reach it alone; :func:`kill_tree` ends it
+    and its descendants), in the repository root with ``tests`` importable, stdout and stderr piped."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.Popen(
+        list(argv),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+    )
+
+
+def start_python(*argv: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
+    """``python ARGV`` with this interpreter, started by :func:`start` (a process the test talks to or kills)."""
+    return start([sys.executable, *argv], env=env)
+
+
+def finished_pid() -> int:
+    """The id of a process that has run and been reaped: a pid that no process holds now."""
+    child = start_python("-c", "pass")
+    child.communicate(timeout=60)
+    return child.pid
 
 
 def run_command(
-    argv: Sequence[str], *, timeout_s: float = 90, env: dict[str, str] | None = None
+    argv: Sequence[str], *, timeout_s: float = 90, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` in its own process group; on timeout kill the whole group (workers included)."""
     return run_together([argv], timeout_s=timeout_s, env=env)[0]
 
 
 def run_together(
-    argvs: Sequence[Sequence[str]], *, timeout_s: float = 90, env: dict[str, str] | None = None
+    argvs: Sequence[Sequence[str]], *, timeout_s: float = 90, env: Mapping[str, str] | None = None
 ) -> list[subprocess.CompletedProcess[str]]:
     """Run the commands at the same time (e.g. one launcher per node); on timeout kill them all, workers included."""
-    procs = [
-        subprocess.Popen(
-            list(argv),
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-        for argv in argvs
-    ]
+    procs = [start(argv, env=env) for argv in argvs]
     deadline = time.monotonic() + timeout_s
     done = []
     try:
@@ -57,17 +82,10 @@ def run_together(
     return done
 
 
-def start_launch(*args: str) -> subprocess.Popen[str]:
-    """``multigpu launch ARGS`` started in a session of its own (signals sent to it reach it alone); stop it with
-    :func:`kill_tree`."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "multigpu", "launch", *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+def start_launch(*args: str, wrapper: Sequence[str] = ()) -> subprocess.Popen[str]:
+    """``multigpu launch ARGS`` started by :func:`start` (signals sent to it reach it alone); stop it with
+    :func:`kill_tree`. ``wrapper`` goes before the interpreter (e.g. ``ip netns exec NODE``)."""
+    return start([*wrapper, sys.executable, "-m", "multigpu", "launch", *args])
 
 
 def read_lines_until(proc: subprocess.Popen[str], prefix: str, count: int, *, timeout_s: float) -> list[str]:
@@ -145,3 +163,15 @@ def _descendants(root: int) -> list[int]:
 def multigpu_launch(*args: str, timeout_s: float = 90) -> subprocess.CompletedProcess[str]:
     """``multigpu launch ARGS`` with this interpreter."""
     return run_command([sys.executable, "-m", "multigpu", "launch", *args], timeout_s=timeout_s)
+
+
+def launch_workers(
+    worker: Path | str, *args: str, nproc: int | str = 2, timeout_s: float = 90
+) -> subprocess.CompletedProcess[str]:
+    """``worker`` on ``nproc`` processes (``multigpu launch --strategy ddp``; gloo on the CPU); fails the
+    test with the launcher's output when a worker fails."""
+    done = multigpu_launch("--strategy", "ddp", "--nproc-per-node", str(nproc), str(worker), *args, timeout_s=timeout_s)
+    assert done.returncode == 0, (
+        f"{worker} failed (exit {done.returncode})\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )
+    return done

@@ -1,0 +1,179 @@
+"""The device-type registry: adding a device type is one DeviceType subclass, registered.
+
+The fake type here is torch's ``meta`` device (shapes, no data), so it runs on any machine. It is
+a real registered type, not a stand-in for the registry: every check below goes through the
+library's own entry points (parsing, accelerator lookup, synchronizing, RNG capture, the backend
+choice, the engine's replica threads and imbalance warning, the profiler's clock).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+from torch import nn
+
+import multigpu
+from multigpu.devices import (
+    DeviceCapacity,
+    DeviceType,
+    Mark,
+    accelerator_type,
+    capture_device_rng,
+    device_count,
+    device_type_names,
+    get_device_type,
+    parse_devices,
+    register_device_type,
+    restore_device_rng,
+    synchronizer,
+    unregister_device_type,
+)
+from multigpu.distributed.runtime import choose_backend
+from multigpu.errors import ConfigError, DeviceError
+from multigpu.parallel.threads import ReplicaThreads, run_replicas
+from multigpu.profiling import clock
+
+
+class MetaDevice(DeviceType):
+    """Two "meta" devices: a whole device type in one class, as a new accelerator would be."""
+
+    name = "meta"
+    display = "META"
+    backend = "fakebackend"
+
+    def __init__(self) -> None:
+        self.synced: list[torch.device | None] = []
+        self.rng = [torch.tensor([1], dtype=torch.uint8), torch.tensor([2], dtype=torch.uint8)]
+        self.current = threading.local()  # like CUDA's current device: one per thread
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 2
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        self.synced.append(device)
+
+    def mark(self, device: torch.device) -> Mark:
+        self.synchronize(device)
+        return time.perf_counter()
+
+    def device_context(self, device: torch.device):  # type: ignore[no-untyped-def]
+        import contextlib
+
+        @contextlib.contextmanager
+        def entered() -> Iterator[None]:
+            previous = getattr(self.current, "index", None)
+            self.current.index = device.index
+            try:
+                yield
+            finally:
+                self.current.index = previous
+
+        return entered()
+
+    def current_device(self) -> torch.device:
+        return torch.device("meta", getattr(self.current, "index", None) or 0)
+
+    def get_rng_state_all(self) -> list[torch.Tensor] | None:
+        return [t.clone() for t in self.rng]
+
+    def set_rng_state_all(self, states: Sequence[torch.Tensor]) -> None:
+        self.rng = [t.clone() for t in states]
+
+    def capacity(self, device: torch.device) -> DeviceCapacity | None:
+        return DeviceCapacity(memory=(device.index + 1) * 2**30, cores=8)  # meta:1 has twice meta:0's memory
+
+
+@pytest.fixture
+def meta() -> Iterator[MetaDevice]:
+    if torch.cuda.is_available():
+        pytest.skip("a real accelerator is found first; the fake type is looked up after it")
+    device_type = register_device_type(MetaDevice())
+    try:
+        yield device_type  # type: ignore[misc]
+    finally:
+        unregister_device_type("meta")
+
+
+def test_an_unregistered_type_is_refused_by_name() -> None:
+    assert "meta" not in device_type_names()
+    with pytest.raises(DeviceError, match=r"'meta' is not one of cpu, cuda, xpu, mps"):
+        parse_devices("meta:0,1")
+    with pytest.raises(
+        DeviceError, match=r"device type 'meta' is not one of cpu, cuda, xpu, mps.*register_device_type"
+    ):
+        get_device_type("meta")
+
+
+def test_a_registered_type_is_parsed_counted_and_found_as_the_accelerator(meta: MetaDevice) -> None:
+    assert [d.label for d in parse_devices("meta:0,1")] == ["meta:0", "meta:1"]
+    assert [d.label for d in parse_devices(None)] == ["meta:0", "meta:1"]  # every device of the accelerator
+    assert [d.label for d in parse_devices([1])] == ["meta:1"]  # an index names the accelerator's device
+    assert accelerator_type() == "meta" and device_count("meta") == 2
+    assert get_device_type(torch.device("meta", 1)) is meta
+    with pytest.raises(DeviceError, match=r"meta:2 \(from devices='meta:2'\) does not exist: this process sees 2"):
+        parse_devices("meta:2")
+
+
+def test_the_library_asks_the_registered_type(meta: MetaDevice) -> None:
+    devices = [torch.device("meta", 0), torch.device("meta", 1), torch.device("meta", 1)]
+    synchronizer(devices)()
+    assert meta.synced == devices[:2]  # each distinct device once
+    assert choose_backend("meta") == "fakebackend"
+    states = capture_device_rng()
+    assert [int(t) for t in states["meta"]] == [1, 2]
+    meta.rng = [torch.tensor([9], dtype=torch.uint8)] * 2
+    assert restore_device_rng(states) == ["meta"] and [int(t) for t in meta.rng] == [1, 2]
+    assert clock.device_of("meta:1") == torch.device("meta", 1)
+    assert isinstance(clock.mark(torch.device("meta", 1)), float) and meta.synced[-1] == torch.device("meta", 1)
+
+
+def test_the_engine_enters_each_replicas_device_on_its_thread(meta: MetaDevice) -> None:
+    replicas = parse_devices("meta:0,1")
+    threads = ReplicaThreads()
+    try:
+        seen = run_replicas(lambda i: meta.current_device(), replicas, threads)
+    finally:
+        threads.close()
+    assert seen == [torch.device("meta", 0), torch.device("meta", 1)]
+
+
+def test_dataparallel_warns_of_imbalance_from_the_types_capacity(meta: MetaDevice) -> None:
+    with pytest.warns(UserWarning, match=r"meta:0 has 50% of the memory of meta:1.*chunk_sizes='auto'"):
+        multigpu.DataParallel(nn.Linear(2, 2).to("meta"), devices="meta:0,1")
+
+
+def test_registering_a_name_twice_or_dropping_the_cpu_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"device type 'cuda' is registered already \(CudaDevice\)"):
+        register_device_type(type(get_device_type("cuda"))())
+    with pytest.raises(ConfigError, match="the cpu device type cannot be unregistered"):
+        unregister_device_type("cpu")
+
+
+def test_builtin_types_answer_on_this_machine() -> None:
+    cpu = get_device_type("cpu")
+    assert cpu.is_available() and cpu.device_count() == 1 and cpu.backend == "gloo"
+    assert cpu.get_rng_state_all() is None and cpu.capacity(torch.device("cpu")) is None
+    assert get_device_type("cuda").backend == "nccl" and get_device_type("cuda").timed_with_events
+    for name in ("cuda", "xpu", "mps"):  # present or not, each answers without raising
+        kind = get_device_type(name)
+        assert kind.device_count() == (kind.device_count() if kind.is_available() else 0)
+
+
+def test_timing_waits_for_every_device_type_not_only_cuda(meta: MetaDevice) -> None:
+    """The planner's measurement and the auto-balancer's probe timer synchronize whatever type they time."""
+    from multigpu.parallel.balance import _ReplicaTimer
+    from multigpu.planning.measure import measure_workload
+
+    measure_workload(nn.Linear(8, 4).to("meta"), torch.randn(4, 8, device="meta"), repeats=1)
+    assert meta.synced and {d.type for d in meta.synced if d is not None} == {"meta"}
+    meta.synced.clear()
+    timer = _ReplicaTimer(parse_devices("meta:0,1"))
+    timer.end(timer.begin("forward", "meta:1"), 0)
+    assert meta.synced == [torch.device("meta", 1)] and timer.seconds["meta:1"] >= 0
