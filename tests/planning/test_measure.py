@@ -14,6 +14,7 @@ from multigpu.planning.measure import (
     memory_bandwidth,
     replica_contention,
 )
+from tests.launching import multigpu_launch
 
 
 def test_measure_workload_counts_parameters_inputs_outputs_and_saved_activations() -> None:
@@ -59,30 +60,25 @@ def test_measure_workload_on_a_cuda_device() -> None:
     assert w.compute_s_per_sample > 0 and w.activation_bytes_per_sample >= 256 * 4
 
 
-def _gather_busbw_worker(rank: int, port: int, out: str) -> None:
-    import datetime
-    from pathlib import Path
+_GATHER_BUSBW = """
+import sys
+from pathlib import Path
 
-    import torch.distributed as dist
+from multigpu.planning.measure import gather_busbw
+from multigpu.session import Session
 
-    from multigpu.planning.measure import gather_busbw
-
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
-    )
-    try:
-        Path(out, f"rank{rank}").write_text(repr(gather_busbw([4_000, 200_000, 400_000], repeats=2)))
-    finally:
-        dist.destroy_process_group()
+with Session(strategy="ddp", timeout_s=60) as session:
+    value = gather_busbw([4_000, 200_000, 400_000], repeats=2)
+    Path(sys.argv[1], f"rank{session.global_rank}").write_text(repr(value))
+"""
 
 
 @pytest.mark.multiprocess
 def test_fsdp_collectives_bandwidth_over_two_gloo_processes(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
-    from tests.conftest import free_port
-
-    mp.start_processes(_gather_busbw_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    script = tmp_path / "gather_busbw.py"
+    script.write_text(_GATHER_BUSBW)
+    done = multigpu_launch("--strategy", "ddp", "--nproc-per-node", "2", str(script), str(tmp_path), timeout_s=120)
+    assert done.returncode == 0, done.stderr[-3000:]
     values = [float((tmp_path / f"rank{r}").read_text()) for r in range(2)]
     assert all(0 < v < 1e13 for v in values)  # bytes/s: positive and finite, below 10 TB/s on loopback
 
