@@ -12,14 +12,19 @@ unless --allow-unsafe-pickle is given (only for files you trust).
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.table import Table
-
-from multigpu.checkpoint.formats import FORMATS, read_tensors, write_tensors
-from multigpu.checkpoint.keys import clean_state_dict
-from multigpu.checkpoint.summary import Summary, summarize, weights_file
 from multigpu.errors import MultigpuError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from multigpu.checkpoint.summary import Summary
+
+# torch and the library are imported inside the command functions, so that building the parser
+# stays cheap; the format names are written here (tests/cli/test_startup.py checks they match
+# multigpu.checkpoint.formats.FORMATS)
+FORMATS = ("safetensors", "torch")
 
 HELP = "inspect a checkpoint (keys, shapes, step, format) or convert it between formats"
 
@@ -66,6 +71,10 @@ def _add_unsafe_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from multigpu.checkpoint.summary import summarize
+
     console = Console()
     try:
         if args.action == "inspect":
@@ -79,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _convert(console: Console, args: argparse.Namespace) -> None:
+    from multigpu.checkpoint.formats import read_tensors, write_tensors
+    from multigpu.checkpoint.keys import clean_state_dict
+    from multigpu.checkpoint.summary import weights_file
+
     source = weights_file(args.input)
     tensors, metadata = read_tensors(source, allow_unsafe_pickle=args.allow_unsafe_pickle)
     if not args.keep_prefixes:
@@ -90,6 +103,8 @@ def _convert(console: Console, args: argparse.Namespace) -> None:
 
 
 def _print_summary(console: Console, summary: Summary, max_keys: int) -> None:
+    from rich.table import Table
+
     facts = Table(show_header=False, box=None)
     facts.add_column(style="bold")
     facts.add_column(overflow="fold")  # long paths wrap instead of being cut

@@ -18,19 +18,15 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from rich.console import Console
-
-from multigpu.core.script import run_as_main
-from multigpu.devices import accelerator_type, get_device_type
 from multigpu.errors import ConfigError, MultigpuError
-from multigpu.profiling.bandwidth import message_sizes, parse_size, probe_local, replica_devices_from_labels
-from multigpu.profiling.memory import track_memory
-from multigpu.profiling.records import StepProfile
-from multigpu.profiling.step import ProfileConfig, profile_steps
-from multigpu.report.folder import write_profile_report
+
+if TYPE_CHECKING:
+    from multigpu.profiling.records import StepProfile
+
+# torch and the library are imported inside the functions that run the command: building the
+# parser (every command, also `multigpu --help`) must not pay for them (tests/cli/test_startup.py)
 
 HELP = "run a few steps of a training script and report time per phase and device, bytes moved and bandwidth"
 
@@ -60,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from multigpu.profiling.bandwidth import parse_size
+    from multigpu.report.folder import write_profile_report
+
     console = Console()
     try:
         profile, trace = _profile_script(args)
@@ -76,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _profile_script(args: argparse.Namespace) -> tuple[StepProfile, Any]:
+    from multigpu.core.script import run_as_main
+    from multigpu.profiling.memory import track_memory
+    from multigpu.profiling.step import ProfileConfig, profile_steps
+
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps}: keep at least one step, e.g. --steps 5")
     script = Path(args.script)
@@ -115,6 +120,10 @@ def _maybe_trace(enabled: bool) -> Iterator[Any]:
     if not enabled:
         yield None
         return
+    import torch
+
+    from multigpu.devices import accelerator_type, get_device_type
+
     activities = [torch.profiler.ProfilerActivity.CPU]
     accel = accelerator_type()
     activity = get_device_type(accel).profiler_activity if accel is not None else None
@@ -126,6 +135,8 @@ def _maybe_trace(enabled: bool) -> Iterator[Any]:
 
 def _probe_like(profile: StepProfile, max_bytes: int) -> list[Any]:
     """Copy and broadcast/reduce probes over the sizes this run moved (for the bandwidth figure)."""
+    from multigpu.profiling.bandwidth import message_sizes, probe_local, replica_devices_from_labels
+
     moved = [s.nbytes for s in profile.comm_stats()]
     if not moved or len(profile.devices) < 2:
         return []
