@@ -4,11 +4,13 @@ safetensors holds only tensors and a string-to-string header, so reading it cann
 torch files are pickles; they are read with ``torch.load(weights_only=True)``, whose unpickler
 only rebuilds tensors and plain containers. A file that needs anything more (a custom class, a
 function) is refused with :class:`~multigpu.errors.CheckpointError` naming the globals it wants
-and the explicit opt-in, ``allow_unsafe_pickle=True``, for files the user trusts.
+and the explicit opt-in, ``allow_unsafe_pickle=True``, for files the user trusts. Even then a
+file whose classes cannot be imported here is a CheckpointError naming them and the fix.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pickle
@@ -76,10 +78,17 @@ def load_torch_file(
         map_location: passed to ``torch.load``.
 
     Raises:
-        CheckpointError: the file needs arbitrary unpickling and ``allow_unsafe_pickle`` is off.
+        CheckpointError: the file needs arbitrary unpickling and ``allow_unsafe_pickle`` is off,
+            or it is on and the file needs a class that cannot be imported here.
     """
     if allow_unsafe_pickle:
-        return torch.load(path, map_location=map_location, weights_only=False)
+        try:
+            return torch.load(path, map_location=map_location, weights_only=False)
+        except (ImportError, AttributeError) as exc:  # pickle's find_class: no such module, or no such name in it
+            missing = [name for name in _pickled_globals(path) if not _importable(name)]
+            if not missing:
+                raise
+            raise CheckpointError(_missing_class_message(path, missing, exc)) from exc
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -190,11 +199,43 @@ def _storage_ptr(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage().data_ptr())
 
 
-def _unsafe_message(path: str | os.PathLike[str]) -> str:
+def _pickled_globals(path: str | os.PathLike[str]) -> list[str]:
+    """The ``module.name`` globals a torch file's pickle needs beyond tensors and containers (read, not run)."""
     try:
-        wanted = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-    except Exception:
-        wanted = []
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    except Exception:  # not a zip-format torch file, or a torch without this helper
+        return []
+
+
+def _importable(qualified: str) -> bool:
+    """Whether ``a.b.C`` resolves here: the longest importable module prefix, then attributes (as unpickling does)."""
+    parts = qualified.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:cut]))
+        except Exception:  # no such module (or one that fails to import): try a shorter prefix
+            continue
+        try:
+            for attr in parts[cut:]:
+                found = getattr(found, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def _missing_class_message(path: str | os.PathLike[str], missing: list[str], exc: BaseException) -> str:
+    shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+    return (
+        f"cannot load {str(path)!r}: its pickle needs {shown}, which cannot be imported here ({exc}). "
+        "Run where the code that defined it is importable: from your project's folder, or with that "
+        "folder on PYTHONPATH (e.g. PYTHONPATH=/path/to/project). Better, once it loads, re-save the "
+        "weights as plain tensors (multigpu ckpt convert), which need no code to read."
+    )
+
+
+def _unsafe_message(path: str | os.PathLike[str]) -> str:
+    wanted = _pickled_globals(path)
     shown = ", ".join(wanted[:5]) + (" ..." if len(wanted) > 5 else "") if wanted else "unknown objects"
     return (
         f"refusing to load {str(path)!r}: it needs arbitrary unpickling ({shown}), and "

@@ -6,12 +6,14 @@
     multigpu ckpt convert a.safetensors a.pt --strip-prefix model.
 
 Files are read without executing code: a torch file that needs arbitrary unpickling is refused
-unless --allow-unsafe-pickle is given (only for files you trust).
+unless --allow-unsafe-pickle is given (only for files you trust). The classes such a file needs
+are imported from the current folder or PYTHONPATH, as in a script run from here.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import TYPE_CHECKING
 
 from multigpu.errors import MultigpuError
@@ -74,13 +76,18 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from multigpu.checkpoint.summary import summarize
+    from multigpu.core.script import importable_from
 
     console = Console()
+    # an unsafe pickle's classes (mymodels.Net) import from the current folder, as in a script run here
+    classes_from_here = importable_from() if args.allow_unsafe_pickle else contextlib.nullcontext()
     try:
-        if args.action == "inspect":
-            _print_summary(console, summarize(args.path, allow_unsafe_pickle=args.allow_unsafe_pickle), args.max_keys)
-        else:
-            _convert(console, args)
+        with classes_from_here:
+            if args.action == "inspect":
+                summary = summarize(args.path, allow_unsafe_pickle=args.allow_unsafe_pickle)
+                _print_summary(console, summary, args.max_keys)
+            else:
+                _convert(console, args)
     except MultigpuError as exc:
         Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {exc}", highlight=False)
         return 1
