@@ -8,6 +8,7 @@ at once. The tests check what is imported, never how long it took (the cores are
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import subprocess
 import sys
 
@@ -20,9 +21,9 @@ _HEAVY = ("torch", "numpy", "matplotlib", "rich", "multigpu.parallel", "multigpu
 
 def _imported_by(code: str) -> list[str]:
     """The heavy modules a fresh interpreter holds after running ``code``."""
-    probe = f"import sys\n{code}\nprint(sorted(m for m in {_HEAVY!r} if m in sys.modules))"
+    probe = f"import json, sys\n{code}\nprint(json.dumps(sorted(m for m in {_HEAVY!r} if m in sys.modules)))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
-    return [name.strip("' ") for name in done.stdout.strip().strip("[]").split(",") if name.strip()]
+    return list(json.loads(done.stdout.splitlines()[-1]))
 
 
 def test_building_the_cli_imports_no_plotting_library() -> None:
