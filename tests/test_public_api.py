@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import multigpu
 from multigpu.cli.main import subcommands
 
@@ -48,7 +50,17 @@ COMMANDS = {"advise", "bandwidth", "ckpt", "demo", "env", "launch", "profile"}
 
 def test_package_exports() -> None:
     assert set(multigpu.__all__) == PUBLIC
+    assert set(dir(multigpu)) >= PUBLIC  # the names are imported on first use: dir() lists them before
     assert all(hasattr(multigpu, name) for name in PUBLIC)
+
+
+def test_names_imported_on_first_use_are_the_library_objects() -> None:
+    from multigpu.parallel import DataParallel
+    from multigpu.profiling.memory import track_memory
+
+    assert multigpu.DataParallel is DataParallel and multigpu.track_memory is track_memory
+    with pytest.raises(AttributeError, match="no attribute 'DataParalel'"):
+        multigpu.DataParalel  # type: ignore[attr-defined]  # noqa: B018  # the misspelling is the test
 
 
 def test_parallel_exports_torch_nn_parallels_functional_primitives() -> None:

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -8,8 +11,9 @@ import torch
 from torch import nn
 
 import multigpu.checkpoint as ckpt
-from multigpu.checkpoint.formats import detect_format, read_tensors
+from multigpu.checkpoint.formats import detect_format, load_torch_file, read_tensors
 from multigpu.cli.main import main
+from multigpu.errors import CheckpointError
 
 
 def _dp_file(tmp_path: Path) -> tuple[Path, nn.Module]:
@@ -74,6 +78,64 @@ def test_unsafe_files_are_refused_with_the_flag_to_use(tmp_path: Path, capsys: p
     captured = capsys.readouterr()
     assert "needs arbitrary unpickling" in captured.err and "--allow-unsafe-pickle" in captured.err
     assert "code ran" not in captured.out
+
+
+_MODULE = "polish_vanished_models"  # a module name nothing else uses
+
+
+@pytest.fixture()
+def saved_with_a_class(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A torch file whose pickle needs ``polish_vanished_models.Config``, saved from a project folder
+    that is then off ``sys.path`` and out of ``sys.modules``, as in a fresh process elsewhere."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / f"{_MODULE}.py").write_text("class Config:\n    def __init__(self):\n        self.lr = 0.1\n")
+    sys.path.insert(0, str(project))
+    try:
+        config = importlib.import_module(_MODULE).Config()
+        path = tmp_path / "run.pt"
+        torch.save({"state_dict": {"fc.weight": torch.ones(2, 3)}, "config": config}, path)
+    finally:
+        sys.path.remove(str(project))
+        sys.modules.pop(_MODULE, None)
+    yield path, project
+    sys.modules.pop(_MODULE, None)
+    assert str(project) not in sys.path  # nothing was left on the import path
+
+
+def test_a_class_that_cannot_be_imported_is_named_with_the_fix(
+    saved_with_a_class: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = saved_with_a_class
+    monkeypatch.chdir(path.parent)  # not the project folder: the module is nowhere to be found
+    assert main(["ckpt", "inspect", str(path), "--allow-unsafe-pickle"]) == 1
+    err = capsys.readouterr().err
+    assert f"its pickle needs {_MODULE}.Config, which cannot be imported here (No module named '{_MODULE}')" in err
+    assert "PYTHONPATH" in err and "Traceback" not in err
+    with pytest.raises(CheckpointError, match=rf"needs {_MODULE}\.Config.*from your project's folder.*PYTHONPATH"):
+        load_torch_file(path, allow_unsafe_pickle=True)
+
+
+def test_a_class_gone_from_its_module_is_named(saved_with_a_class: tuple[Path, Path]) -> None:
+    path, project = saved_with_a_class
+    (project / f"{_MODULE}.py").write_text("class Settings:\n    pass\n")  # Config renamed since the save
+    sys.path.insert(0, str(project))
+    try:
+        with pytest.raises(CheckpointError, match=rf"needs {_MODULE}\.Config.*Can't get attribute 'Config'"):
+            load_torch_file(path, allow_unsafe_pickle=True)
+    finally:
+        sys.path.remove(str(project))
+
+
+def test_unsafe_inspect_finds_classes_in_the_current_folder(
+    saved_with_a_class: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As ``python script.py`` run from the project folder would (a console script's path starts elsewhere)."""
+    path, project = saved_with_a_class
+    monkeypatch.chdir(project)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(project))])
+    assert main(["ckpt", "inspect", str(path), "--allow-unsafe-pickle"]) == 0
+    assert "fc.weight" in capsys.readouterr().out
 
 
 def test_a_folder_without_checkpoints_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

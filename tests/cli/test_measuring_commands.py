@@ -70,7 +70,11 @@ def test_profile_runs_a_few_steps_and_writes_the_report(
     assert len(profile["steps"]) == 3 and profile["devices"] == ["cpu:0", "cpu:1"]
     assert profile["meta"]["script"] == str(script)
     assert {p.name for p in out.iterdir()} == {"summary.txt", "profile.json", "phases.png", "bandwidth.png"}
-    assert "Time per step by phase and device" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "Time per step by phase and device" in printed.out
+    assert "Peak memory: not measured; pass --memory to measure it." in printed.out  # no memory.png: say why
+    assert "Peak memory: not measured; pass --memory to measure it." in (out / "summary.txt").read_text()
+    assert "note:" not in printed.err  # the script ran the steps asked
 
 
 def test_profile_with_memory_shows_the_primary_carrying_more(script: Path, tmp_path: Path) -> None:
@@ -126,16 +130,54 @@ def test_profile_of_a_script_that_never_steps_explains(tmp_path: Path, capsys: p
     idle.write_text("print('no optimizer here')\n")
     assert main(["profile", "--out", str(tmp_path / "r"), str(idle)]) == 2
     assert (
-        "finished before a step was kept (warm-up 1): a step ends at each optimizer.step()" in capsys.readouterr().err
+        "finished after 0 steps, before a step was kept (--warmup 1 + --steps 5 asked): "
+        "a step ends at each optimizer.step(); lower --warmup" in capsys.readouterr().err
     )
 
 
-def test_profile_reports_a_script_that_exits_by_itself(tmp_path: Path) -> None:
+def test_profile_of_a_script_that_ends_during_warm_up_counts_its_steps(
+    script: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["profile", "--warmup", "4", "--out", str(tmp_path / "r"), str(script), "3", str(tmp_path / "m")]
+    assert main(args) == 2
+    assert "finished after 3 steps, before a step was kept (--warmup 4 + --steps 5 asked)" in capsys.readouterr().err
+
+
+def test_profile_reports_a_script_that_exits_by_itself(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     short = tmp_path / "short.py"
     short.write_text(TRAIN.replace('Path(sys.argv[2]).write_text("finished")', "sys.exit(0)"))
     out = tmp_path / "r"
     assert main(["profile", "--steps", "50", "--no-probe", "--out", str(out), str(short), "3", "unused"]) == 0
     assert len(json.loads((out / "profile.json").read_text())["steps"]) == 2  # 3 steps, 1 warm-up
+    assert (
+        "ended after 3 steps, before the 51 asked (--warmup 1 + --steps 50): the report covers 2 kept steps, not 50"
+        in capsys.readouterr().err
+    )
+
+
+def test_profile_says_when_a_script_returns_before_the_steps_asked(
+    script: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, marker = tmp_path / "r", tmp_path / "finished.txt"
+    assert main(["profile", "--warmup", "0", "--no-probe", "--out", str(out), str(script), "2", str(marker)]) == 0
+    assert marker.exists()  # the script ran to its end
+    assert (
+        "ended after 2 steps, before the 5 asked (--warmup 0 + --steps 5): the report covers 2 kept steps, not 5"
+        in capsys.readouterr().err
+    )
+
+
+def test_profile_memory_of_a_model_without_replicas_says_none_ran(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--memory on a bare model (CPU): the tracker counts DataParallel replicas; say that none ran, not "pass --memory"."""
+    bare = tmp_path / "bare.py"
+    bare.write_text(TRAIN.replace('multigpu.DataParallel(net, devices="cpu:2")', "net"))
+    out = tmp_path / "r"
+    args = ["profile", "--steps", "2", "--memory", "--no-probe", "--out", str(out), str(bare), "3", str(tmp_path / "m")]
+    assert main(args) == 0
+    summary = (out / "summary.txt").read_text()
+    assert "Peak memory: the memory source reported none" in summary and "pass --memory" not in summary
 
 
 def test_profile_of_a_missing_script_explains(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

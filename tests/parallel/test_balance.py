@@ -75,6 +75,48 @@ def test_loss_fn_without_targets_returns_the_outputs_for_inference() -> None:
         torch.testing.assert_close(model(x), ref(x))
 
 
+@pytest.mark.parametrize("devices", ["cpu:2", "cpu:1"])
+def test_target_without_loss_fn_says_it_needs_loss_fn(devices: str) -> None:
+    """nn.Linear takes no ``target=``: the caller meant loss_fn=, say so before any replica runs (was a TypeError)."""
+    net = CountRows()
+    model = multigpu.DataParallel(net, devices=devices)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    with pytest.raises(ConfigError, match=r"target=\.\.\.\) needs loss_fn=: CountRows\.forward takes no target"):
+        model(x, target=y)
+    assert net.rows == []
+
+
+class OwnLoss(nn.Module):
+    """A model that takes the targets itself (as transformers' ``labels=``): ``target=`` is its own kwarg."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.lin(x)
+        return out if target is None else nn.functional.cross_entropy(out, target)
+
+
+class AnyKwargs(OwnLoss):
+    def forward(self, x: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, kwargs.get("target"))
+
+
+@pytest.mark.parametrize("kind", [OwnLoss, AnyKwargs])
+def test_target_still_reaches_a_forward_that_takes_it(kind: type[nn.Module]) -> None:
+    """Without loss_fn every kwarg goes to the module, as in nn.DataParallel: the replica losses, combined."""
+    torch.manual_seed(0)
+    net, ref = twin(kind)
+    x, y = torch.randn(7, 8), torch.randint(0, 3, (7,))
+    loss = multigpu.DataParallel(net, devices="cpu:2")(x, target=y)  # 0-dim outputs: mean weighted by chunk
+    want = ref(x, target=y)
+    torch.testing.assert_close(loss, want)
+    loss.backward()
+    want.backward()
+    assert_same_grads(net, ref)
+
+
 def test_loss_fn_needs_a_combinable_reduction() -> None:
     with pytest.raises(ConfigError, match=r"loss reduction 'none' cannot be combined"):
         multigpu.DataParallel(mlp(), devices="cpu:2", loss_fn=nn.CrossEntropyLoss(reduction="none"))

@@ -25,6 +25,7 @@ def test_public_names() -> None:
         "recommend",
         "to_json",
     ]
+    assert all(hasattr(planning, name) for name in planning.__all__)  # imported on first use
 
 
 def test_presets() -> None:

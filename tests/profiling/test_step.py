@@ -184,6 +184,30 @@ def test_a_memory_source_that_listens_hears_the_replica_threads() -> None:
     assert len(prof.profile().steps) == 2
 
 
+@pytest.mark.parametrize("with_model", [False, True])
+def test_track_memory_plugs_in_as_the_readme_shows(with_model: bool) -> None:
+    """``profile_steps(model, ..., memory=track_memory())``: the tracker is entered for the block (once AttributeError)."""
+    net = _net()
+    model = multigpu.DataParallel(net, devices="cpu:2")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    memory = multigpu.track_memory(model, opt) if with_model else multigpu.track_memory()
+    config = ProfileConfig(warmup=1, devices=["cpu:0", "cpu:1"])
+    with profile_steps(model, optimizer=opt, config=config, memory=memory) as prof:
+        _train(model, opt, steps=3, batch=64)
+    profile = prof.profile()
+    assert len(profile.steps) == 2 and profile.meta["memory"] is True
+    for step in profile.steps:
+        # each replica's forward and backward allocate at least its chunk's activations (32 x 32 floats)
+        assert step.peak_bytes["cpu:0"] >= 32 * 32 * 4 and step.peak_bytes["cpu:1"] >= 32 * 32 * 4
+    assert model._listeners._attached == ()  # the tracker left with the block, like the profiler
+
+
+def test_a_memory_argument_that_is_no_source_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"memory=42 is not a memory source: pass track_memory\(\)"):
+        with profile_steps(memory=42):  # type: ignore[arg-type]  # the wrong type is the test
+            pass
+
+
 def test_config_errors_name_the_value_and_the_fix() -> None:
     with pytest.raises(ConfigError, match=r"warmup=-1 must be >= 0"):
         ProfileConfig(warmup=-1)

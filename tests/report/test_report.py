@@ -64,7 +64,9 @@ def test_no_memory_source_says_so_and_draws_no_memory_figure(profile: StepProfil
     console = Console(record=True, width=140)
     files = write_profile_report(tmp_path, bare, console=console)
     assert "memory.png" not in {f.name for f in files}
-    assert "Peak memory: not measured" in console.export_text()
+    assert "Peak memory: not measured; pass memory=track_memory() to profile_steps to measure it." in (
+        console.export_text()
+    )
 
 
 def test_phase_table_shows_medians_per_device(profile: StepProfile) -> None:

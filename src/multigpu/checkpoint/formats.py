@@ -6,12 +6,14 @@ file, so nothing else ever parses it.
 torch files are pickles; they are read with ``torch.load(weights_only=True)``, whose unpickler
 only rebuilds tensors and plain containers. A file that needs anything more (a custom class, a
 function) is refused with :class:`~multigpu.errors.CheckpointError` naming the globals it wants
-and the explicit opt-in, ``allow_unsafe_pickle=True``, for files the user trusts.
+and the explicit opt-in, ``allow_unsafe_pickle=True``, for files the user trusts. Even then a
+file whose classes cannot be imported here is a CheckpointError naming them and the fix.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import mmap
 import os
@@ -112,8 +114,8 @@ def load_torch_file(
         map_location: passed to ``torch.load``; ``"meta"`` reads the structure without the data.
 
     Raises:
-        CheckpointError: the file is damaged, or needs arbitrary unpickling and
-            ``allow_unsafe_pickle`` is off.
+        CheckpointError: the file is damaged, needs arbitrary unpickling and ``allow_unsafe_pickle``
+            is off, or it is on and the file needs a class that cannot be imported here.
     """
     try:
         with open(path, "rb") as f:
@@ -127,11 +129,13 @@ def load_torch_file(
         raise CheckpointError(_unsafe_message(path)) from exc
     except (CheckpointError, OSError):
         raise
+    except (ImportError, AttributeError) as exc:  # unpickling's find_class: no such module, or no such name
+        missing = [name for name in _pickled_globals(path) if not _importable(name)] if allow_unsafe_pickle else []
+        if missing:
+            raise CheckpointError(_missing_class_message(path, missing, exc)) from exc
+        raise CheckpointError(_damaged_message(path, exc)) from exc
     except Exception as exc:  # torch reports damaged records as RuntimeError, AssertionError, ...
-        raise CheckpointError(
-            f"{str(path)!r} is a damaged torch file: {type(exc).__name__}: {str(exc)[:300]}. "
-            "Use another checkpoint, or re-save this one from its source."
-        ) from exc
+        raise CheckpointError(_damaged_message(path, exc)) from exc
 
 
 def read_tensors(
@@ -367,9 +371,47 @@ def _storage_ptr(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage().data_ptr())
 
 
-def _unsafe_message(path: str | os.PathLike[str]) -> str:
+def _pickled_globals(path: str | os.PathLike[str]) -> list[str]:
+    """The ``module.name`` globals a torch file's pickle needs beyond tensors and containers (read, not run)."""
     try:
-        wanted = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-    except Exception:
-        wanted = []
-    return unsafe_message(path, wanted or ["unknown objects"])
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    except Exception:  # not a zip-format torch file, or a torch without this helper
+        return []
+
+
+def _importable(qualified: str) -> bool:
+    """Whether ``a.b.C`` resolves here: the longest importable module prefix, then attributes (as unpickling does)."""
+    parts = qualified.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:cut]))
+        except Exception:  # no such module (or one that fails to import): try a shorter prefix
+            continue
+        try:
+            for attr in parts[cut:]:
+                found = getattr(found, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def _damaged_message(path: str | os.PathLike[str], exc: BaseException) -> str:
+    return (
+        f"{str(path)!r} is a damaged torch file: {type(exc).__name__}: {str(exc)[:300]}. "
+        "Use another checkpoint, or re-save this one from its source."
+    )
+
+
+def _missing_class_message(path: str | os.PathLike[str], missing: list[str], exc: BaseException) -> str:
+    shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+    return (
+        f"cannot load {str(path)!r}: its pickle needs {shown}, which cannot be imported here ({exc}). "
+        "Run where the code that defined it is importable: from your project's folder, or with that "
+        "folder on PYTHONPATH (e.g. PYTHONPATH=/path/to/project). Better, once it loads, re-save the "
+        "weights as plain tensors (multigpu ckpt convert), which need no code to read."
+    )
+
+
+def _unsafe_message(path: str | os.PathLike[str]) -> str:
+    return unsafe_message(path, _pickled_globals(path) or ["unknown objects"])

@@ -17,16 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import Progress
-
-from multigpu.devices import accelerator_type, parse_devices
 from multigpu.errors import ConfigError, MultigpuError
-from multigpu.profiling.allreduce_probe import default_backend, probe_all_reduce
-from multigpu.profiling.bandwidth import message_sizes, parse_size, probe_local
-from multigpu.report.figures import bandwidth_figure
-from multigpu.report.folder import write_bandwidth_json
-from multigpu.report.tables import bandwidth_table
 
 HELP = "measure copy, broadcast/reduce and all-reduce bandwidth against message size (nccl-tests algbw/busbw)"
 
@@ -56,6 +47,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # torch and the probes are imported when the command runs: building the parser stays cheap
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from multigpu.devices import accelerator_type, parse_devices
+    from multigpu.profiling.allreduce_probe import default_backend, probe_all_reduce
+    from multigpu.profiling.bandwidth import message_sizes, parse_size, probe_local
+    from multigpu.report.figures import bandwidth_figure
+    from multigpu.report.folder import write_bandwidth_json
+    from multigpu.report.tables import bandwidth_table
+
     console = Console()
     try:
         sizes = message_sizes(parse_size(args.min_size), parse_size(args.max_size), args.factor)

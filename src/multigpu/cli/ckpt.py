@@ -6,7 +6,8 @@
     multigpu ckpt convert a.safetensors a.pt --strip-prefix model.
 
 Files are read without executing code: a torch file that needs arbitrary unpickling is refused
-unless --allow-unsafe-pickle is given (only for files you trust). Inspect reads headers only;
+unless --allow-unsafe-pickle is given (only for files you trust; the classes such a file needs are
+imported from the current folder or PYTHONPATH, as in a script run from here). Inspect reads headers only;
 convert refuses files whose tensors, made contiguous, would take more than --max-expansion
 times the bytes on disk (a stride-0 view is a few bytes on disk and can be terabytes in memory),
 and files whose keys differ only by wrapper prefixes (``module.w`` next to ``w``). Every
@@ -16,17 +17,21 @@ problem with a file is one line on stderr and exit status 1.
 from __future__ import annotations
 
 import argparse
-from collections import Counter
+import contextlib
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from multigpu.errors import MultigpuError
 
-from multigpu.checkpoint.expansion import DEFAULT_MAX_EXPANSION, check_expansion
-from multigpu.checkpoint.formats import FORMATS, read_tensors, write_tensors
-from multigpu.checkpoint.keys import clean_state_dict, collision_message, find_collisions
-from multigpu.checkpoint.summary import Summary, summarize, weights_file
-from multigpu.errors import CheckpointError, MultigpuError
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from multigpu.checkpoint.summary import Summary
+
+# torch and the library are imported inside the command functions, so that building the parser
+# stays cheap; the values the parser needs are written here (tests/cli/test_startup.py checks they
+# match multigpu.checkpoint.formats.FORMATS and multigpu.checkpoint.expansion.DEFAULT_MAX_EXPANSION)
+FORMATS = ("safetensors", "torch")
+DEFAULT_MAX_EXPANSION = 4.0
 
 HELP = "inspect a checkpoint (keys, shapes, step, format) or convert it between formats"
 
@@ -91,12 +96,22 @@ def _add_unsafe_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.text import Text
+
+    from multigpu.checkpoint.summary import summarize
+    from multigpu.core.script import importable_from
+
     console = Console()
+    # an unsafe pickle's classes (mymodels.Net) import from the current folder, as in a script run here
+    classes_from_here = importable_from() if args.allow_unsafe_pickle else contextlib.nullcontext()
     try:
-        if args.action == "inspect":
-            _print_summary(console, summarize(args.path, allow_unsafe_pickle=args.allow_unsafe_pickle), args.max_keys)
-        else:
-            _convert(console, args)
+        with classes_from_here:
+            if args.action == "inspect":
+                summary = summarize(args.path, allow_unsafe_pickle=args.allow_unsafe_pickle)
+                _print_summary(console, summary, args.max_keys)
+            else:
+                _convert(console, args)
     except MultigpuError as exc:
         Console(stderr=True, soft_wrap=True).print(Text.assemble(("error:", "bold red"), " ", _printable(str(exc))))
         return 1
@@ -104,6 +119,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _convert(console: Console, args: argparse.Namespace) -> None:
+    from collections import Counter
+
+    from rich.text import Text
+
+    from multigpu.checkpoint.expansion import check_expansion
+    from multigpu.checkpoint.formats import read_tensors, write_tensors
+    from multigpu.checkpoint.keys import clean_state_dict, collision_message, find_collisions
+    from multigpu.checkpoint.summary import weights_file
+    from multigpu.errors import CheckpointError
+
     source = weights_file(args.input)
     tensors, metadata = read_tensors(source, allow_unsafe_pickle=args.allow_unsafe_pickle)
     check_expansion(tensors, source, max_expansion=args.max_expansion)
@@ -125,6 +150,9 @@ def _convert(console: Console, args: argparse.Namespace) -> None:
 
 
 def _print_summary(console: Console, summary: Summary, max_keys: int) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
     facts = Table(show_header=False, box=None)
     facts.add_column(style="bold")
     facts.add_column(overflow="fold")  # long paths wrap instead of being cut

@@ -17,26 +17,16 @@ import argparse
 import sys
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
-from torch import nn
+if TYPE_CHECKING:
+    from rich.table import Table
 
-from multigpu.demo.data import load_digits
-from multigpu.demo.ddp import run_ddp
-from multigpu.demo.figures import plot_losses, plot_memory
-from multigpu.demo.train import (
-    Plan,
-    RunResult,
-    TrainConfig,
-    max_weight_difference,
-    steps_per_run,
-    train_run,
-    warm_up,
-)
-from multigpu.devices import accelerator_type, device_count, parse_devices
-from multigpu.parallel import DataParallel
+    from multigpu.demo.train import Plan, RunResult
+
+# torch and the demo are imported when the command runs, so that building the parser stays
+# cheap; TrainConfig's defaults are written here (tests/cli/test_startup.py checks they match)
+_DEFAULTS = {"epochs": 10, "batch_size": 128, "lr": 0.03, "seed": 0, "dtype": "float32"}
 
 HELP = "train a digits CNN on one device, with DataParallel and with DDP, then report"
 
@@ -47,14 +37,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="devices for the parallel runs: 'cpu:2', 'cuda:0,1', ... (default: every GPU, else cpu:2)",
     )
-    parser.add_argument("--epochs", type=int, default=TrainConfig.epochs, help="passes over the training images")
-    parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="global batch size")
-    parser.add_argument("--lr", type=float, default=TrainConfig.lr, help="SGD learning rate")
-    parser.add_argument("--seed", type=int, default=TrainConfig.seed, help="seed for weights and data order")
+    parser.add_argument(
+        "--epochs", type=int, default=_DEFAULTS["epochs"], help="passes over the training images (default %(default)s)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=_DEFAULTS["batch_size"],
+        help="global batch size, split across the replicas (default %(default)s)",
+    )
+    parser.add_argument(
+        "--lr", type=float, default=_DEFAULTS["lr"], help="SGD learning rate, momentum 0.9 (default %(default)s)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=_DEFAULTS["seed"], help="seed for weights and data order (default %(default)s)"
+    )
     parser.add_argument(
         "--dtype",
         choices=("float32", "float64"),
-        default=TrainConfig.dtype,
+        default=_DEFAULTS["dtype"],
         help="float64 shows that what separates the runs' weights is float32 rounding",
     )
     parser.add_argument(
@@ -67,11 +68,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def default_devices() -> str:
+    from multigpu.devices import accelerator_type, device_count
+
     return "cuda" if accelerator_type() == "cuda" and device_count("cuda") > 1 else "cpu:2"
 
 
 def build_plans(devices: str, primary: str) -> list[Plan]:
     """The runs of the demo: the one-device oracle, standard DataParallel, balanced DataParallel."""
+    from torch import nn
+
+    from multigpu.demo.train import Plan
+    from multigpu.devices import parse_devices
+    from multigpu.parallel import DataParallel
+
     criterion = nn.CrossEntropyLoss()
     replicas = f"{len(parse_devices(devices))} replicas"
     return [
@@ -87,6 +96,14 @@ def build_plans(devices: str, primary: str) -> list[Plan]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from multigpu.demo.data import load_digits
+    from multigpu.demo.ddp import run_ddp
+    from multigpu.demo.figures import plot_losses, plot_memory
+    from multigpu.demo.train import Plan, TrainConfig, steps_per_run, train_run, warm_up
+
     console = Console(width=None if sys.stdout.isatty() else 124)
     devices = args.devices or default_devices()
     primary = "cuda:0" if devices.startswith("cuda") else "cpu"
@@ -120,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _table(runs: list[RunResult], plans: list[Plan]) -> Table:
+    from rich.table import Table
+
+    from multigpu.demo.train import max_weight_difference
+
     table = Table(
         title="Same seed, same global batch: one device vs DataParallel vs DDP",
         caption="max |Δw|: largest difference from the one-device run's weights after the first step and at "

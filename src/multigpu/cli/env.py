@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from multigpu.profiling.environment import collect_env
-
 HELP = "print versions (Python, torch, CUDA, NCCL), devices, backends and relevant env vars for a bug report"
 
 
@@ -19,6 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from multigpu.profiling.environment import collect_env  # imports torch: only when the command runs
+
     report = collect_env()
     # plain print, not rich: the text must paste unchanged (no wrapping, no markup)
     print(json.dumps(report.sections, indent=2) if args.json else report.to_text())

@@ -24,6 +24,19 @@ def subcommands() -> dict[str, ModuleType]:
     return dict(sorted(found.items()))
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the installed package's version, looked up only when asked (importlib.metadata is slow to import)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        import multigpu
+
+        print(f"multigpu {multigpu.__version__}")  # stdout, as argparse's own version action
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="multigpu",
@@ -33,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog="Run 'multigpu COMMAND --help' for the options of one command.",
     )
+    parser.add_argument("--version", action=_VersionAction, help="print multigpu's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module in subcommands().items():
         doc = (module.__doc__ or "").strip()

@@ -7,7 +7,7 @@ The script runs as ``__main__`` with its own arguments, unchanged. One step ends
 ``optimizer.step()``; after --warmup + --steps steps the script is stopped and the report written:
 a summary table here, and in --out: summary.txt, profile.json, phases.png (stacked time per
 phase per device), bandwidth.png (this run's communication against probe curves up to
---probe-max-size), memory.png (when per-device memory is measured) and, with --trace, a Chrome
+--probe-max-size), memory.png (with --memory: peak memory per device) and, with --trace, a Chrome
 trace (trace.json, open in chrome://tracing or ui.perfetto.dev) with the phases named.
 """
 
@@ -18,19 +18,15 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from rich.console import Console
-
-from multigpu.core.script import run_as_main
-from multigpu.devices import accelerator_type, get_device_type
 from multigpu.errors import ConfigError, MultigpuError
-from multigpu.profiling.bandwidth import message_sizes, parse_size, probe_local, replica_devices_from_labels
-from multigpu.profiling.memory import track_memory
-from multigpu.profiling.records import StepProfile
-from multigpu.profiling.step import ProfileConfig, profile_steps
-from multigpu.report.folder import write_profile_report
+
+if TYPE_CHECKING:
+    from multigpu.profiling.records import StepProfile
+
+# torch and the library are imported inside the functions that run the command: building the
+# parser (every command, also `multigpu --help`) must not pay for them (tests/cli/test_startup.py)
 
 HELP = "run a few steps of a training script and report time per phase and device, bytes moved and bandwidth"
 
@@ -41,7 +37,13 @@ class _StopScript(BaseException):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=5, help="steps to keep (default 5); the script stops after them")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=5,
+        help="steps to keep (default 5); the script is stopped after --warmup + --steps steps, and one that ends "
+        "sooner is reported as far as it ran, with a note giving both counts",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="steps run first and not kept (default 1)")
     parser.add_argument("--out", default="profile-out", help="report folder (default profile-out)")
     parser.add_argument("--trace", action="store_true", help="also write a Chrome trace through torch.profiler")
@@ -60,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from multigpu.profiling.bandwidth import parse_size
+    from multigpu.report.folder import write_profile_report
+
     console = Console()
     try:
         profile, trace = _profile_script(args)
@@ -67,15 +74,27 @@ def run(args: argparse.Namespace) -> int:
     except MultigpuError as exc:
         print(f"error: {exc}", file=sys.stderr)  # plain: an error message must not wrap
         return 2
-    files = write_profile_report(args.out, profile, bandwidth=points, console=console)
+    files = write_profile_report(args.out, profile, bandwidth=points, console=console, memory_hint="--memory")
     if trace is not None:
         files.append(Path(args.out) / "trace.json")
         trace.export_chrome_trace(str(files[-1]))
+    if len(profile.steps) < args.steps:  # the script ended first: the report is smaller than asked, say so
+        ran = args.warmup + len(profile.steps)
+        print(
+            f"note: {args.script} ended after {ran} steps, before the {args.warmup + args.steps} asked "
+            f"(--warmup {args.warmup} + --steps {args.steps}): the report covers {len(profile.steps)} kept steps, "
+            f"not {args.steps}",
+            file=sys.stderr,  # plain: a note must not wrap
+        )
     console.print("wrote " + ", ".join(str(f) for f in files))
     return 0
 
 
 def _profile_script(args: argparse.Namespace) -> tuple[StepProfile, Any]:
+    from multigpu.core.script import run_as_main
+    from multigpu.profiling.memory import track_memory
+    from multigpu.profiling.step import ProfileConfig, profile_steps
+
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps}: keep at least one step, e.g. --steps 5")
     script = Path(args.script)
@@ -87,11 +106,10 @@ def _profile_script(args: argparse.Namespace) -> tuple[StepProfile, Any]:
             raise _StopScript
 
     config = ProfileConfig(warmup=args.warmup, trace_ranges=args.trace)
-    memory = track_memory() if args.memory else contextlib.nullcontext()
+    memory = track_memory() if args.memory else None
     with (
         _maybe_trace(args.trace) as trace,
-        memory as tracker,
-        profile_steps(config=config, memory=tracker, on_step=stop_when_done) as profiler,
+        profile_steps(config=config, memory=memory, on_step=stop_when_done) as profiler,
     ):
         try:
             run_as_main(script, args.args)
@@ -103,8 +121,9 @@ def _profile_script(args: argparse.Namespace) -> tuple[StepProfile, Any]:
     profile = profiler.profile()
     if not profile.steps:
         raise ConfigError(
-            f"{script} finished before a step was kept (warm-up {args.warmup}): a step ends at each optimizer.step(); "
-            "lower --warmup or let the script run longer"
+            f"{script} finished after {profiler.steps_run} steps, before a step was kept (--warmup {args.warmup} "
+            f"+ --steps {args.steps} asked): a step ends at each optimizer.step(); lower --warmup or let the "
+            "script run longer"
         )
     profile.meta["script"] = str(script)
     return profile, trace
@@ -115,6 +134,10 @@ def _maybe_trace(enabled: bool) -> Iterator[Any]:
     if not enabled:
         yield None
         return
+    import torch
+
+    from multigpu.devices import accelerator_type, get_device_type
+
     activities = [torch.profiler.ProfilerActivity.CPU]
     accel = accelerator_type()
     activity = get_device_type(accel).profiler_activity if accel is not None else None
@@ -126,6 +149,8 @@ def _maybe_trace(enabled: bool) -> Iterator[Any]:
 
 def _probe_like(profile: StepProfile, max_bytes: int) -> list[Any]:
     """Copy and broadcast/reduce probes over the sizes this run moved (for the bandwidth figure)."""
+    from multigpu.profiling.bandwidth import message_sizes, probe_local, replica_devices_from_labels
+
     moved = [s.nbytes for s in profile.comm_stats()]
     if not moved or len(profile.devices) < 2:
         return []

@@ -8,10 +8,11 @@ batch. What it keeps from nn.DataParallel and what it fixes is listed in the REA
 
 from __future__ import annotations
 
+import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import lru_cache, partial
 from itertools import chain
 from typing import Any
 
@@ -286,8 +287,18 @@ class DataParallel(nn.Module):
         loss.backward()
 
     def _pop_target(self, kwargs: dict[str, Any]) -> Any:
-        """The targets of ``model(x, target=y)`` when DataParallel owns the loss; None otherwise."""
+        """The targets of ``model(x, target=y)`` when DataParallel owns the loss; None otherwise.
+
+        Without ``loss_fn`` a ``target=`` goes to the module's forward, as every kwarg does in
+        nn.DataParallel, unless that forward cannot take it: then the caller meant ``loss_fn=``.
+        """
         if self.loss_fn is None:
+            if "target" in kwargs and not _takes_keyword(getattr(self.module.forward, "__func__", None), "target"):
+                raise ConfigError(
+                    f"model(..., target=...) needs loss_fn=: {type(self.module).__name__}.forward takes no "
+                    "target argument, and DataParallel computes the loss on the replicas only when given one, "
+                    "e.g. multigpu.DataParallel(net, loss_fn=nn.CrossEntropyLoss()); or call loss_fn(model(x), y)"
+                )
             return None
         return kwargs.pop("target", None)
 
@@ -324,6 +335,18 @@ class DataParallel(nn.Module):
     def extra_repr(self) -> str:
         labels = ", ".join(d.label for d in self.replica_devices)
         return f"devices=[{labels}], output_device={self.output_device}, dim={self.dim}"
+
+
+@lru_cache(maxsize=64)
+def _takes_keyword(forward: Callable[..., Any] | None, name: str) -> bool:
+    """Whether ``forward`` accepts ``name=`` (a parameter of that name, or ``**kwargs``); unknown: yes."""
+    if forward is None:  # a forward that is no plain method (set on the instance): do not guess
+        return True
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): do not guess
+        return True
+    return any(p.kind is p.VAR_KEYWORD or (p.name == name and p.kind is not p.POSITIONAL_ONLY) for p in parameters)
 
 
 def _loss_reduction(loss_fn: Any, given: ScalarRule | None) -> ScalarRule:

@@ -16,14 +16,33 @@ Example:
     'ddp'
 """
 
-from multigpu.planning.advise import Recommendation, Row, evaluate, recommend, to_json
-from multigpu.planning.calibrate import measure_host_costs
-from multigpu.planning.costs import StepTime, predict_step
-from multigpu.planning.counting import count_step
-from multigpu.planning.host import HostCosts
-from multigpu.planning.measure import measure_workload
-from multigpu.planning.platform import Platform, gpu_platform
-from multigpu.planning.workload import FsdpLayout, StepCounts, Workload
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on first use
+    from multigpu.planning.advise import Recommendation, Row, evaluate, recommend, to_json
+    from multigpu.planning.calibrate import measure_host_costs
+    from multigpu.planning.costs import StepTime, predict_step
+    from multigpu.planning.counting import count_step
+    from multigpu.planning.host import HostCosts
+    from multigpu.planning.measure import measure_workload
+    from multigpu.planning.platform import Platform, gpu_platform
+    from multigpu.planning.workload import FsdpLayout, StepCounts, Workload
+
+# The names are imported on first use: `multigpu advise --help` reads the presets in
+# planning.hardware/models without paying for torch, which counting and measuring import.
+_SOURCES = {
+    **dict.fromkeys(("Recommendation", "Row", "evaluate", "recommend", "to_json"), "advise"),
+    "measure_host_costs": "calibrate",
+    **dict.fromkeys(("StepTime", "predict_step"), "costs"),
+    "count_step": "counting",
+    "HostCosts": "host",
+    "measure_workload": "measure",
+    **dict.fromkeys(("Platform", "gpu_platform"), "platform"),
+    **dict.fromkeys(("FsdpLayout", "StepCounts", "Workload"), "workload"),
+}
 
 __all__ = [
     "FsdpLayout",
@@ -43,3 +62,20 @@ __all__ = [
     "recommend",
     "to_json",
 ]
+
+
+def _import_on_first_use(name: str) -> Any:
+    """Import a public name from its module on first use (PEP 562), then keep it."""
+    if name not in _SOURCES:
+        raise AttributeError(f"module 'multigpu.planning' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"multigpu.planning.{_SOURCES[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if not TYPE_CHECKING:  # hidden from type checkers, which see the imports above: a misspelt name stays an error there
+    __getattr__ = _import_on_first_use

@@ -15,13 +15,12 @@ Example:
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from multigpu.core.script import importable_from
 from multigpu.errors import ConfigError
 
 PROBE_BATCH = 8  # samples per replica timed on this CPU; larger batches are scaled, never run
@@ -45,17 +44,11 @@ def load_factory(path: str) -> Callable[[], object]:
         from multigpu.planning.models import PRESETS
 
         raise ConfigError(f"--model {path!r} is neither a preset ({', '.join(PRESETS)}) nor 'package.module:factory'")
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.insert(0, cwd)  # console scripts do not put the current folder on the path
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
+        with importable_from():  # console scripts do not put the current folder on the path
+            factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"--model {path!r}: cannot import {attr!r} from {module_name!r} ({exc})") from exc
-    finally:
-        if added:
-            sys.path.remove(cwd)
     if not callable(factory):
         raise ConfigError(f"--model {path!r} names a {type(factory).__name__}, not a function that builds a model")
     return factory  # type: ignore[no-any-return]

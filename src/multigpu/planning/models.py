@@ -25,11 +25,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from multigpu.errors import ConfigError
-from multigpu.planning.counting import Counted
 from multigpu.planning.hardware import GpuSpec
 from multigpu.planning.workload import FsdpLayout, StepCounts, Workload
+
+if TYPE_CHECKING:  # counting imports torch; `multigpu advise --help` reads the presets here without it
+    from multigpu.planning.counting import Counted
 
 # Share of the fp32 peak a training step reaches. ResNet-50 at batch 32 on a V100 (15.7 TFLOPS)
 # takes 0.097 s for 32 x 24.5 GFLOP: 51% (PyTorch benchmarks/distributed/ddp); NVIDIA's

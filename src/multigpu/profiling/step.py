@@ -139,6 +139,11 @@ class StepProfiler:
         if self.on_step is not None:
             self.on_step(len(self._steps))
 
+    @property
+    def steps_run(self) -> int:
+        """Steps closed so far, warm-up included."""
+        return self._seen
+
     def optimizer_pre_hook(self, *_: Any) -> None:
         self._optimizer_token = self.begin("optimizer", None)
 
@@ -187,7 +192,7 @@ def profile_steps(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     config: ProfileConfig | None = None,
-    memory: MemorySource | None = None,
+    memory: MemorySource | contextlib.AbstractContextManager[MemorySource] | None = None,
     on_step: Callable[[int], None] | None = None,
 ) -> Iterator[StepProfiler]:
     """Profile every step run inside the block; one step ends at each ``optimizer.step()``.
@@ -197,35 +202,54 @@ def profile_steps(
             None: every engine called inside the block (found as it is called).
         optimizer: the optimizer whose ``step()`` ends a step; None hooks every optimizer.
         config: warmup, device labels, trace ranges (see :class:`ProfileConfig`).
-        memory: per-device peak memory, read and reset at the end of every step. When it is also
-            a phase listener (has ``begin``/``end``), it is attached to the engines too.
+        memory: per-device peak memory, read and reset at the end of every step: a source
+            (``reset_peaks()``, ``peak_bytes()``), or a context manager giving one, such as
+            ``track_memory()``, which is entered for the block. When the source is also a phase
+            listener (has ``begin``/``end``), it is attached to the engines too.
         on_step: called after every step with the number of steps kept so far.
 
     Returns:
         The profiler; call ``.profile()`` after the block for the numbers.
     """
-    profiler = StepProfiler(config, memory=memory, on_step=on_step)
-    if optimizer is None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    with contextlib.ExitStack() as stack:
+        source = _memory_source(memory, stack)
+        profiler = StepProfiler(config, memory=source, on_step=on_step)
+        if optimizer is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        handles = [
-            register_optimizer_step_pre_hook(profiler.optimizer_pre_hook),
-            register_optimizer_step_post_hook(profiler.optimizer_post_hook),
-        ]
-    else:
-        handles = [
-            optimizer.register_step_pre_hook(profiler.optimizer_pre_hook),
-            optimizer.register_step_post_hook(profiler.optimizer_post_hook),
-        ]
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(attached(profiler, model))
-            if isinstance(memory, PhaseListener):  # it begins each phase after the profiler, ends it before
-                stack.enter_context(attached(memory, model))
-            yield profiler
-    finally:
+            handles = [
+                register_optimizer_step_pre_hook(profiler.optimizer_pre_hook),
+                register_optimizer_step_post_hook(profiler.optimizer_post_hook),
+            ]
+        else:
+            handles = [
+                optimizer.register_step_pre_hook(profiler.optimizer_pre_hook),
+                optimizer.register_step_post_hook(profiler.optimizer_post_hook),
+            ]
         for handle in handles:
-            handle.remove()
+            stack.callback(handle.remove)
+        stack.enter_context(attached(profiler, model))
+        if isinstance(source, PhaseListener):  # it begins each phase after the profiler, ends it before
+            stack.enter_context(attached(source, model))
+        yield profiler
+
+
+def _memory_source(memory: Any, stack: contextlib.ExitStack) -> MemorySource | None:
+    """``memory=`` as a source: itself, or what entering it gives (``track_memory()`` is entered for the block)."""
+    if memory is None or _is_source(memory):
+        return cast("MemorySource | None", memory)
+    if isinstance(memory, contextlib.AbstractContextManager):
+        entered = stack.enter_context(memory)
+        if _is_source(entered):
+            return cast(MemorySource, entered)
+    raise ConfigError(
+        f"memory={memory!r} is not a memory source: pass track_memory() (or the tracker it gives), "
+        "or an object with reset_peaks() and peak_bytes() -> {'cpu:0': bytes, ...}"
+    )
+
+
+def _is_source(obj: Any) -> bool:
+    return callable(getattr(obj, "reset_peaks", None)) and callable(getattr(obj, "peak_bytes", None))
 
 
 def _aggregate(events: list[_Raw], primary: str) -> list[PhaseStat]:

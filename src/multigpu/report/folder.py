@@ -34,6 +34,7 @@ def write_profile_report(
     *,
     bandwidth: Sequence[BandwidthPoint] = (),
     console: Console | None = None,
+    memory_hint: str = "memory=track_memory() to profile_steps",
 ) -> list[Path]:
     """Render ``profile`` (and optional probe points) into ``out_dir`` and print the summary.
 
@@ -42,6 +43,8 @@ def write_profile_report(
         profile: a real profile from :class:`~multigpu.profiling.step.StepProfiler`.
         bandwidth: probe points drawn under the profile's achieved bandwidth.
         console: where the tables are printed (default: the terminal).
+        memory_hint: what to pass to measure memory, shown when the profile has none
+            (``multigpu profile`` says ``--memory``).
 
     Returns:
         The files written.
@@ -56,7 +59,7 @@ def write_profile_report(
     if profile.comm_stats():
         shown.append(tables.comm_table(profile))
     peaks = profile.peak_bytes()
-    shown.append(tables.memory_table(peaks) if peaks else _no_memory_note())
+    shown.append(tables.memory_table(peaks) if peaks else _no_memory_note(profile, memory_hint))
     for renderable in shown:
         (console or Console()).print(renderable)
         recorder.print(renderable)
@@ -95,5 +98,10 @@ def write_bandwidth_json(points: Sequence[BandwidthPoint], path: str | Path) -> 
     return out
 
 
-def _no_memory_note() -> str:
-    return "[dim]Peak memory: not measured (no memory source was given to the profiler).[/dim]"
+def _no_memory_note(profile: StepProfile, hint: str) -> str:
+    if profile.meta.get("memory"):  # a tracker ran, but saw no replica: on CPU it counts DataParallel's replicas
+        return (
+            "[dim]Peak memory: the memory source reported none (on CPU devices the tracker counts what "
+            "DataParallel replicas allocate, and none ran in the kept steps).[/dim]"
+        )
+    return f"[dim]Peak memory: not measured; pass {hint} to measure it.[/dim]"
