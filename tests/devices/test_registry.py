@@ -80,6 +80,25 @@ class MetaDevice(DeviceType):
     def current_device(self) -> torch.device:
         return torch.device("meta", getattr(self.current, "index", None) or 0)
 
+    def current_stream(self, device: torch.device) -> tuple[str, int]:
+        # like CUDA's current streams: one per device and per thread, the default one until set
+        return getattr(self.current, "streams", {}).get(device.index, ("default", device.index))
+
+    def stream_context(self, stream: tuple[str, int] | None):  # type: ignore[no-untyped-def]
+        import contextlib
+
+        @contextlib.contextmanager
+        def entered() -> Iterator[None]:
+            saved = dict(getattr(self.current, "streams", {}))
+            if stream is not None:
+                self.current.streams = {**saved, stream[1]: stream}
+            try:
+                yield
+            finally:
+                self.current.streams = saved
+
+        return entered()
+
     def get_rng_state_all(self) -> list[torch.Tensor] | None:
         return [t.clone() for t in self.rng]
 
@@ -142,6 +161,30 @@ def test_the_engine_enters_each_replicas_device_on_its_thread(meta: MetaDevice) 
     finally:
         threads.close()
     assert seen == [torch.device("meta", 0), torch.device("meta", 1)]
+
+
+def test_replica_threads_queue_work_on_the_callers_stream_of_each_device(meta: MetaDevice) -> None:
+    """As torch's parallel_apply: the engine copies a replica's chunk on the caller's current stream
+    of that device, so the replica's thread must compute on that stream too, or it may read the chunk
+    before the copy lands."""
+    replicas = parse_devices("meta:0,1")
+    threads = ReplicaThreads()
+    try:
+        with meta.stream_context(("side", 1)):
+            seen = run_replicas(lambda i: meta.current_stream(torch.device("meta", i)), replicas, threads)
+        after = run_replicas(lambda i: meta.current_stream(torch.device("meta", i)), replicas, threads)
+    finally:
+        threads.close()
+    assert seen == [("default", 0), ("side", 1)]
+    assert after == [("default", 0), ("default", 1)]  # a worker thread keeps nothing from the last step
+
+
+@pytest.mark.parametrize("spec", [[1, 1], ["meta:1", "meta:1"], [torch.device("meta", 0), 0], "meta:0,0"])
+def test_an_accelerator_named_twice_is_refused_in_every_form(meta: MetaDevice, spec: object) -> None:
+    """Two replicas on one accelerator are refused (the string form always was; lists slipped through)."""
+    with pytest.raises(DeviceError, match=r"names meta:\d twice; list each meta device once"):
+        parse_devices(spec)  # type: ignore[arg-type]
+    assert [d.label for d in parse_devices(["cpu", "cpu"])] == ["cpu:0", "cpu:1"]  # CPU replicas may share it
 
 
 def test_dataparallel_warns_of_imbalance_from_the_types_capacity(meta: MetaDevice) -> None:

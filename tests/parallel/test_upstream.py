@@ -107,7 +107,15 @@ def test_one_device_moves_a_cpu_batch_to_the_device() -> None:
 
 
 @pytest.mark.cuda
-def test_output_device_minus_one_on_cuda_gathers_on_the_cpu() -> None:
-    n = torch.cuda.device_count()
-    model = multigpu.DataParallel(mlp().cuda(), device_ids=list(range(n)), output_device=-1)
-    assert model(torch.randn(4 * n, 8, device="cuda")).device == torch.device("cpu")
+@pytest.mark.parametrize("count", [1, 2])
+def test_output_device_minus_one_on_cuda_lands_where_nn_data_parallels_does(count: int) -> None:
+    """Gathered on the CPU from two GPUs; with one, nn.DataParallel calls the module as it is and ignores
+    output_device, and so does multigpu (its one-device path is kept)."""
+    if torch.cuda.device_count() < count:
+        pytest.skip(f"needs {count} GPUs")
+    ids = list(range(count))
+    net = mlp().cuda()
+    x = torch.randn(4 * count, 8, device="cuda")
+    ours = multigpu.DataParallel(net, device_ids=ids, output_device=-1)(x).device
+    assert ours == nn.DataParallel(net, device_ids=ids, output_device=-1)(x).device
+    assert ours == (torch.device("cuda", 0) if count == 1 else torch.device("cpu"))

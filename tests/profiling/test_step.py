@@ -220,12 +220,14 @@ def test_cuda_phases_are_timed_with_events() -> None:
     count = torch.cuda.device_count()
     labels = [f"cuda:{i}" for i in range(count)]
     net = _net().cuda()
-    model = multigpu.DataParallel(net, devices=labels)
+    # The loss on the replicas: on one GPU a plain call is nn.DataParallel's shortcut (the module called
+    # as it is, no phases to time); with loss_fn every device count goes through the engine's step.
+    model = multigpu.DataParallel(net, devices=labels, loss_fn=nn.CrossEntropyLoss())
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with profile_steps(optimizer=opt, config=ProfileConfig(devices=labels)) as prof:
         for _ in range(3):
             x, y = torch.randn(16, 8, device="cuda"), torch.randint(0, 3, (16,), device="cuda")
-            nn.functional.cross_entropy(model(x), y).backward()
+            model(x, target=y).backward()
             opt.step()
             opt.zero_grad()
     profile = prof.profile()

@@ -70,7 +70,14 @@ def broadcast_detached(
         copies = fast.broadcast_coalesced([t.detach() for t in tensors], unique)
         if copies is not None:
             by_device = dict(zip(unique, copies))
-            return [list(by_device[d]) for d in devices]
+            # A device named again gets views of its own: replicas sharing leaf objects would sum their
+            # gradients into one .grad, which the reduction would then count once per replica.
+            seen: set[torch.device] = set()
+            rows = []
+            for d in devices:
+                rows.append([t.detach() for t in by_device[d]] if d in seen else list(by_device[d]))
+                seen.add(d)
+            return rows
     return [[t.detach().to(device) for t in tensors] for device in devices]
 
 

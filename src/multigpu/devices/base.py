@@ -117,6 +117,15 @@ class DeviceType:
         """The stream work on ``device`` is queued to now (None where the type has no streams)."""
         return self._call("current_stream", device)
 
+    def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Queue this thread's work on ``stream`` (from :meth:`current_stream`) inside the block.
+
+        Replica threads enter the caller's stream of their device: the caller queued the copies
+        of their inputs there, so work queued after them on the same stream waits for them.
+        """
+        enter = getattr(self.module, "stream", None)
+        return enter(stream) if enter is not None and stream is not None else contextlib.nullcontext()
+
     # memory -------------------------------------------------------------------------------
     def has_allocator_stats(self) -> bool:
         """Whether the allocator reports bytes allocated and their peak for this type, in this torch."""

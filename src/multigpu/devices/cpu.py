@@ -48,6 +48,9 @@ class CpuDevice(DeviceType):
     def current_stream(self, device: torch.device) -> Any:
         return None
 
+    def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
     def get_rng_state_all(self) -> list[torch.Tensor] | None:
         return None  # torch.get_rng_state() is the CPU's state; callers keep it under its own name
 

@@ -55,6 +55,9 @@ class CudaDevice(DeviceType):
     def current_stream(self, device: torch.device) -> Any:
         return torch.cuda.current_stream(device)
 
+    def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)  # None: a no-op, as torch.cuda.stream documents
+
     def memory_allocated(self, device: torch.device) -> int | None:
         return torch.cuda.memory_allocated(device)
 

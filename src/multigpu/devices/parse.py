@@ -133,6 +133,7 @@ def _parse_list(items: list[str | int | torch.device]) -> list[ReplicaDevice]:
             out.extend(_indexed(device.type, [device.index or 0], items))
     if cpu_count == 1 and len(out) == 1:
         return [ReplicaDevice(torch.device("cpu"), "cpu")]
+    _refuse_repeats([d.device for d in out if d.type != "cpu"], items)
     return out
 
 
@@ -217,6 +218,15 @@ def _indexed(device_type: str, indices: list[int], spec: object, what: str = "de
                 f"{available} {device_type} device(s); pick indices below {available} "
                 "or use devices='cpu:2' to run on the CPU"
             )
-    if len(set(indices)) != len(indices):
-        raise DeviceError(f"devices={spec!r} names a device twice; list each {device_type} device once")
+    _refuse_repeats([torch.device(device_type, i) for i in indices], spec)
     return [ReplicaDevice(torch.device(device_type, i), f"{device_type}:{i}") for i in indices]
+
+
+def _refuse_repeats(devices: list[torch.device], spec: object) -> None:
+    """One replica per accelerator: two would share its queue and memory for no gain (CPU replicas may share)."""
+    twice = next((d for i, d in enumerate(devices) if d in devices[:i]), None)
+    if twice is not None:
+        raise DeviceError(
+            f"devices={spec!r} names {twice} twice; list each {twice.type} device once "
+            "(one replica per accelerator; several replicas share only the CPU, e.g. devices='cpu:2')"
+        )

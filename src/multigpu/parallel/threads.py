@@ -1,9 +1,10 @@
 """Run one function per replica in parallel threads, with the caller's autograd and autocast state.
 
-Threads start with default thread-local state: grad mode on and autocast off. Each task
-re-enters the caller's grad mode and autocast (enabled flag *and* dtype) for its device type,
-so ``torch.no_grad()`` and ``torch.autocast(..., dtype=torch.bfloat16)`` around the model call
-reach every replica. Replica 0 runs on the calling thread; the others on the worker threads of a
+Threads start with default thread-local state: grad mode on, autocast off, each device's default
+stream. Each task re-enters the caller's grad mode and autocast (enabled flag *and* dtype) for its
+device type, so ``torch.no_grad()`` and ``torch.autocast(..., dtype=torch.bfloat16)`` around the
+model call reach every replica, and the caller's current stream of its device (where the caller
+queued the copies of its inputs), as torch's ``parallel_apply`` does. Replica 0 runs on the calling thread; the others on the worker threads of a
 :class:`ReplicaThreads` pool that the caller owns (each DataParallel owns one; starting threads
 every step would cost more than small models compute).
 
@@ -182,10 +183,15 @@ def run_replicas(
     if len(devices) == 1:
         with _device_context(devices[0].device), _replica_scope(listeners, devices[0]):
             return [_run_named(fn, 0, devices[0], what)]
+    # The caller queued each replica's input copies on its current stream of that device (as torch's
+    # parallel_apply, hand that stream to the replica's thread): work queued after them there waits for them.
+    streams = [get_device_type(d.type).current_stream(d.device) for d in devices]
 
     def task(i: int) -> T:
-        with state.entered(), _device_context(devices[i].device), _replica_scope(listeners, devices[i]):
-            return fn(i)
+        device = devices[i]
+        with state.entered(), _device_context(device.device), _stream_context(device.device, streams[i]):
+            with _replica_scope(listeners, device):
+                return fn(i)
 
     # CPU replicas share the process's intra-op pool (torch.set_num_threads is process-wide).
     # Re-dividing it per step was measured slower than leaving it alone: resizing the pool
@@ -238,3 +244,7 @@ def _replica_scope(listeners: Listeners | None, device: ReplicaDevice) -> Any:
 
 def _device_context(device: torch.device) -> Any:
     return get_device_type(device.type).device_context(device)
+
+
+def _stream_context(device: torch.device, stream: Any) -> Any:
+    return get_device_type(device.type).stream_context(stream)
