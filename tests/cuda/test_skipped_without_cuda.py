@@ -8,42 +8,26 @@ The child pytest sees no GPU (``CUDA_VISIBLE_DEVICES`` empty), so this holds on 
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from tests.launching import ROOT
+import pytest
+
+from tests.launching import ROOT, run_command
 
 REASON = "needs a CUDA device"
 
 
+@pytest.mark.multiprocess
 def test_every_cuda_test_is_collected_and_skipped_without_a_gpu(tmp_path: Path) -> None:
     report = tmp_path / "junit.xml"
     # Only the modules that mark tests: importing the whole suite would double this test's time.
     marking = sorted(
         str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if "mark.cuda" in p.read_text()
     )
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-m",
-            "cuda",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            f"--junitxml={report}",
-            *marking,
-        ],
-        cwd=ROOT,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    argv = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
+    done = run_command([*argv, *marking], env={"CUDA_VISIBLE_DEVICES": ""}, timeout_s=240)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]  # 2: a module failed to import
     cases = list(ET.parse(report).getroot().iter("testcase"))
     for case in cases:
