@@ -22,7 +22,9 @@ import runpy
 from pathlib import Path
 
 import pytest
+import torch
 
+import multigpu
 from multigpu.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,5 +213,9 @@ def test_the_first_example_runs_as_written(
     monkeypatch.chdir(tmp_path)
     # torch sets this the first time it looks for its compile cache: keep it out of os.environ for good
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
-    runpy.run_path(str(script), run_name="__main__")
-    assert (tmp_path / "model.pt").exists(), "the example saves model.pt"
+    names = runpy.run_path(str(script), run_name="__main__")
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)
+    bare = multigpu.unwrap(names["model"])
+    assert bare is not names["model"], "the example trains a wrapped model"
+    assert list(saved) == list(bare.state_dict()), "the saved keys are the bare model's (no module. prefix)"
+    bare.load_state_dict(saved)
