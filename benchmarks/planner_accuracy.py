@@ -1,10 +1,12 @@
-"""Planner accuracy on this CPU: predicted vs measured step time, five models x three strategies.
+"""Planner accuracy on this CPU: predicted vs measured step time, five models x three strategies, + fsdp.
 
-    python benchmarks/planner_accuracy.py [--pairs 11] [--models mlp,cnn-bn,...]
+    python benchmarks/planner_accuracy.py [--pairs 11] [--models mlp,cnn-bn,...] [--fsdp-models mlp] [--figure PNG]
 
 Models: an MLP, a CNN with BatchNorm, a small transformer with an Embedding, a grouped-conv net
 and an LSTM. Strategies: ``single`` (one process, one thread), ``dp`` (``multigpu.DataParallel``
-on ``"cpu:2"``) and ``ddp`` (torch DDP over gloo, two processes of one thread each).
+on ``"cpu:2"``) and ``ddp`` (torch DDP over gloo, two processes of one thread each); ``fsdp``
+(the Session's FSDP2 sharding, ``multigpu.session.fsdp.apply_fsdp`` with the default
+``FSDPOptions``, two gloo processes) for the models in ``--fsdp-models`` (default: the MLP).
 
 The machine is shared and its load changes by the second, so calibration and measurement come in
 pairs: each pair measures what the model needs (the workload, one replica alone and two at once,
@@ -40,21 +42,24 @@ from torch import nn
 import multigpu
 from multigpu.planning import predict_step
 from multigpu.planning.calibrate import fastest_s, measure_host_costs
+from multigpu.planning.counting import count_fsdp_groups
 from multigpu.planning.hardware import measured_link
 from multigpu.planning.host import HostCosts, backward_host_s, forward_host_s
 from multigpu.planning.measure import (
     ReplicaProbe,
     allreduce_busbw,
     device_contention,
+    gather_busbw,
     measure_workload,
     memory_bandwidth,
     thread_handoff_s,
 )
 from multigpu.planning.platform import Platform
-from multigpu.planning.workload import Workload
+from multigpu.planning.workload import FsdpLayout, Workload
+from multigpu.session.fsdp import FSDPOptions, apply_fsdp, select_blocks
 
 FIGURE = Path(__file__).parent / "figures" / "planner-accuracy-cpu2.png"
-STRATEGIES = ("single", "dp", "ddp")
+STRATEGIES = ("single", "dp", "ddp", "fsdp")
 GOAL = (0.75, 1.25)
 
 
@@ -196,7 +201,15 @@ def _compute(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[],
     return run
 
 
-def _ddp_worker(rank: int, name: str, port: int, out_dir: str, pairs: int) -> None:
+def _wrap(strategy: str, model: nn.Module) -> nn.Module:
+    if strategy == "fsdp":
+        return apply_fsdp(model, torch.device("cpu"), FSDPOptions(), "fp32")
+    return nn.parallel.DistributedDataParallel(model)
+
+
+def _process_worker(rank: int, strategy: str, name: str, port: int, out_dir: str, pairs: int) -> None:
+    """One of two gloo processes: per pair, the calibration (compute alone and together, the
+    optimizer, the collectives) and right after one real ``strategy`` step."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
@@ -205,71 +218,96 @@ def _ddp_worker(rank: int, name: str, port: int, out_dir: str, pairs: int) -> No
         full_x, full_y = batch(name)
         half = len(full_x) // 2
         x, y = full_x[rank * half : (rank + 1) * half], full_y[rank * half : (rank + 1) * half]
-        plain, model = build(name), build(name)
-        ddp = nn.parallel.DistributedDataParallel(model)
-        ddp_step, plain_opt = _train_step(ddp, _sgd(model), x, y), _sgd(plain)
+        plain = build(name)
+        wrapped = _wrap(strategy, build(name))
+        real_step, plain_opt = _train_step(wrapped, _sgd(wrapped), x, y), _sgd(plain)
         compute = _compute(plain, x, y)
-        grad_bytes = sum(p.numel() for p in model.parameters()) * 4
+        grad_bytes = sum(p.numel() for p in plain.parameters()) * 4
+        group_bytes = [4 * n for n in count_fsdp_groups(plain, select_blocks(plain, FSDPOptions()))]
+
+        def probe() -> float:  # one all-reduce of a small model swings 10x: the best of 3
+            if strategy == "ddp":
+                return allreduce_busbw(grad_bytes, repeats=3)
+            return gather_busbw(group_bytes, repeats=3)  # fsdp's all-gathers and reduce-scatters of one step
+
         rows = []
-        fastest_s(ddp_step, 1)  # build DDP's buckets and warm gloo
+        fastest_s(real_step, 1)  # build DDP's buckets / FSDP's buffers and warm gloo
         for _ in range(pairs):
             dist.barrier()
             solo = fastest_s(compute, 1) if rank == 0 else 0.0  # rank 1 idles: one device alone
             dist.barrier()
             both = fastest_s(lambda: (compute(), dist.barrier()), 1)  # both at once, the slower sets the pace
             opt_s = fastest_s(plain_opt.step, 1)
-            busbw = allreduce_busbw(grad_bytes, repeats=3)  # one all-reduce of a small model swings 10x
+            bandwidth = probe()
             dist.barrier()
-            rows.append(f"{solo} {both} {opt_s} {busbw} {fastest_s(ddp_step, 1)}\n")
+            rows.append(f"{solo} {both} {opt_s} {bandwidth} {fastest_s(real_step, 1)}\n")
         Path(out_dir, f"rank{rank}.txt").write_text("".join(rows))
-        del ddp  # release DDP's reducer before the group goes
+        del wrapped, real_step  # release DDP's reducer / FSDP's state before the group goes
     finally:
         dist.destroy_process_group()
 
 
-def ddp_pairs(name: str, host: HostCosts, pairs: int, timeout_s: float = 300.0) -> list[tuple[float, float]]:
-    """(predicted, measured) seconds of 2-process gloo DDP, one pair per round."""
+def _run_processes(strategy: str, name: str, pairs: int, timeout_s: float) -> list[list[list[float]]]:
+    """Both ranks' rows of :func:`_process_worker`, from two spawned processes (none outlives the call)."""
     with socket.socket() as sock:  # a free port for the rendezvous on loopback
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
-            _ddp_worker, args=(name, port, out_dir, pairs), nprocs=2, join=False, start_method="spawn"
+            _process_worker, args=(strategy, name, port, out_dir, pairs), nprocs=2, join=False, start_method="spawn"
         )
         deadline = time.monotonic() + timeout_s
         try:
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"DDP workers did not finish within {timeout_s} s")
-        finally:  # no worker outlives the call
+                    raise TimeoutError(f"{strategy} workers did not finish within {timeout_s} s")
+        finally:
             for proc in ctx.processes:
                 if proc.is_alive():
                     proc.kill()
                 proc.join(5)
-        ranks = [
+        return [
             [list(map(float, line.split())) for line in Path(out_dir, f"rank{r}.txt").read_text().splitlines()]
             for r in range(2)
         ]
+
+
+def process_pairs(
+    strategy: str, name: str, host: HostCosts, pairs: int, timeout_s: float = 300.0
+) -> list[tuple[float, float]]:
+    """(predicted, measured) seconds of 2-process gloo ``ddp`` or ``fsdp``, one pair per round."""
+    ranks = _run_processes(strategy, name, pairs, timeout_s)
     x, y = batch(name)
     half = len(x) // 2
-    base = measure_workload(build(name), x[:half], loss_fn=_loss(y), repeats=3, host=host)
+    model = build(name)
+    base = measure_workload(model, x[:half], loss_fn=_loss(y), repeats=3, host=host)
+    base = replace(base, fsdp=FsdpLayout(groups=count_fsdp_groups(model, select_blocks(model, FSDPOptions()))))
     plat, out = _platform(host), []
     for r0, r1 in zip(*ranks):
         solo, both = r0[0], max(r0[1], r1[1])
         device = max(solo - _host_s(base, host), 0.1 * solo)
         w = replace(base, compute_s_per_sample=device / half, optimizer_s=max(r0[2], r1[2]))
-        p = replace(
-            plat, contention=device_contention(solo, both, _host_s(base, host)), link=measured_link(min(r0[3], r1[3]))
-        )
-        out.append((predict_step("ddp", w, p, chunks=[half, half]).total_s, max(r0[4], r1[4])))
+        # ddp's all-reduce, or fsdp's all-gathers and reduce-scatters, at the bus bandwidth measured for them
+        busbw = min(r0[3], r1[3])
+        links = {"link": measured_link(busbw)} if strategy == "ddp" else {"gather_busbw": busbw}
+        p = replace(plat, contention=device_contention(solo, both, _host_s(base, host)), **links)
+        out.append((predict_step(strategy, w, p, chunks=[half, half]).total_s, max(r0[4], r1[4])))
     return out
+
+
+def ddp_pairs(name: str, host: HostCosts, pairs: int) -> list[tuple[float, float]]:
+    return process_pairs("ddp", name, host, pairs)
+
+
+def fsdp_pairs(name: str, host: HostCosts, pairs: int) -> list[tuple[float, float]]:
+    return process_pairs("fsdp", name, host, pairs)
 
 
 def figure(results: dict[tuple[str, str], list[tuple[float, float]]], path: Path) -> Path:
     from multigpu.report.figures import pyplot, save_figure
 
     fig, ax = pyplot().subplots(figsize=(6.0, 5.0))
-    markers = {"single": ("o", "C0"), "dp": ("s", "C1"), "ddp": ("^", "C2")}
+    markers = {"single": ("o", "C0"), "dp": ("s", "C1"), "ddp": ("^", "C2"), "fsdp": ("D", "C3")}
     ms = {
         k: (statistics.median(p for p, _ in v) * 1e3, statistics.median(m for _, m in v) * 1e3)
         for k, v in results.items()
@@ -296,6 +334,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=11, help="calibration/measurement pairs per row (median)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
+    parser.add_argument("--fsdp-models", default="mlp", help="models that also get an fsdp row ('' for none)")
+    parser.add_argument("--figure", type=Path, default=FIGURE, help=f"where the PNG goes (default {FIGURE.name})")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per replica, as each DDP process has
     console = Console()
@@ -303,10 +343,13 @@ def main() -> None:
     console.print(f"{datetime.datetime.now():%Y-%m-%d %H:%M}, revision {revision}, load {os.getloadavg()[0]:.2f}")
     host = measure_host_costs(replicate="multigpu", repeats=15)
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    runners = {"single": single_pairs, "dp": dp_pairs, "ddp": ddp_pairs}
+    runners = {"single": single_pairs, "dp": dp_pairs, "ddp": ddp_pairs, "fsdp": fsdp_pairs}
+    fsdp_models = set(filter(None, args.fsdp_models.split(",")))
     with console.status("measuring") as status:
         for name in args.models.split(","):
             for strategy in STRATEGIES:
+                if strategy == "fsdp" and name not in fsdp_models:
+                    continue
                 status.update(f"{name}: {strategy}")
                 results[name, strategy] = runners[strategy](name, host, args.pairs)
     table = Table(
@@ -320,7 +363,7 @@ def main() -> None:
         pred, meas = statistics.median(p for p, _ in pairs), statistics.median(m for _, m in pairs)
         table.add_row(name, strategy, f"{pred * 1e3:.1f}", f"{meas * 1e3:.1f}", f"{ratio:.2f}", ok)
     console.print(table)
-    console.print(f"figure: {figure(results, FIGURE)}")
+    console.print(f"figure: {figure(results, args.figure)}")
 
 
 if __name__ == "__main__":

@@ -19,9 +19,19 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, settings
 
 _PROCESS_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec"}
 _started = [0]  # processes started so far in this interpreter (an audit hook cannot be removed: count)
+
+
+# The machine's cores are shared: how fast hypothesis generates data says nothing about the code
+# (its too_slow check failed a derandomized planner property under load); no per-example deadline.
+settings.register_profile("shared-cores", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("shared-cores")
+
+# Set by pytest itself, and by torch's inductor on first use (its process-wide cache folder).
+_SET_BY_TOOLS = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
 
 
 def _count_process_starts(event: str, _args: object) -> None:
@@ -48,7 +58,7 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         dist.destroy_process_group()
         problems.append("left a process group initialized (destroy it, or close the Session)")
     changed = sorted(
-        k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST"
+        k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k) and k not in _SET_BY_TOOLS
     )
     if changed:
         os.environ.clear()

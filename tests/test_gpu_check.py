@@ -49,6 +49,7 @@ def test_an_unknown_step_is_named_with_the_known_ones(tmp_path: Path, capsys: py
     assert "warp-drive" in said and "dp-overhead" in said
 
 
+@pytest.mark.multiprocess
 def test_probes_run_and_their_figures_reach_the_report(tmp_path: Path) -> None:
     assert gpu_check.main(["--allow-cpu", "--only", "dp-overhead,copies", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
@@ -68,6 +69,7 @@ def test_a_spent_budget_skips_the_remaining_steps_and_fails_the_check(tmp_path: 
     assert statuses == ["skipped", "skipped"]
 
 
+@pytest.mark.multiprocess
 def test_a_step_that_overruns_its_limit_is_stopped_and_reported(tmp_path: Path) -> None:
     step = gpu_check.Step("sleep", [sys.executable, "-c", "import time; time.sleep(30)"], timeout_s=1.5)
     outcome = gpu_check.run_step(step, tmp_path, budget_s=60)

@@ -45,6 +45,7 @@ def _kill_during_second_save(mode: str, folder: Path) -> list[Path]:
             child.wait(timeout=10)
 
 
+@pytest.mark.multiprocess
 def test_sigkill_during_a_weights_save_leaves_the_previous_file(tmp_path: Path) -> None:
     leftovers = _kill_during_second_save("weights", tmp_path)
     assert any(p.exists() for p in leftovers), "the kill must land in the middle of the save"
@@ -53,6 +54,7 @@ def test_sigkill_during_a_weights_save_leaves_the_previous_file(tmp_path: Path) 
     assert bool((model.weight == 1.0).all())  # the first save, whole
 
 
+@pytest.mark.multiprocess
 def test_sigkill_during_a_state_save_leaves_the_previous_step_as_latest(tmp_path: Path) -> None:
     leftovers = _kill_during_second_save("state", tmp_path)
     assert any(p.exists() for p in leftovers), "the kill must land in the middle of the save"
@@ -133,6 +135,7 @@ def small_tmpfs() -> Iterator[Path]:
         mount_point.rmdir()
 
 
+@pytest.mark.multiprocess
 def test_full_disk_raises_and_keeps_the_previous_checkpoint(small_tmpfs: Path) -> None:
     checkpointer, small = _previous_then_big(small_tmpfs)
     with pytest.raises(CheckpointError, match=r"No space left on device.*is full"):

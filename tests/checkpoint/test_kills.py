@@ -126,6 +126,7 @@ def _run(tally: Tally, mode: str, folder: Path, seed: int, *extra: str) -> Itera
         yield [first, *saved], first
 
 
+@pytest.mark.multiprocess
 def test_kills_during_multigpu_save_leave_a_whole_file(tmp_path: Path) -> None:
     tally = Tally()
     for saved, _ in _run(tally, "weights", tmp_path, seed=1):
@@ -148,6 +149,7 @@ def test_kills_during_multigpu_save_leave_a_whole_file(tmp_path: Path) -> None:
         pytest.param("resave --fallback", marks=pytest.mark.skipif(not LONG, reason="long run only")),
     ],
 )
+@pytest.mark.multiprocess
 def test_kills_during_checkpointer_saves_lose_nothing(tmp_path: Path, mode: str) -> None:
     name, *extra = mode.split()
     tally = Tally()
@@ -169,6 +171,7 @@ def test_kills_during_checkpointer_saves_lose_nothing(tmp_path: Path, mode: str)
     tally.report(f"Checkpointer.save {mode}")
 
 
+@pytest.mark.multiprocess
 def test_two_processes_saving_the_same_steps_both_succeed(tmp_path: Path) -> None:
     # Small saves of one step, many of them, so the two processes' renames interleave.
     writers = [Worker("resave", tmp_path, "--saves", "30", "--width", "4") for _ in (1, 2)]
@@ -180,6 +183,7 @@ def test_two_processes_saving_the_same_steps_both_succeed(tmp_path: Path) -> Non
     assert resumed is not None and resumed.step == 5 and _value(model) == resumed.extra["value"]
 
 
+@pytest.mark.multiprocess
 def test_two_processes_saving_into_one_folder(tmp_path: Path) -> None:
     tally = Tally()
     rng = random.Random(3)

@@ -119,6 +119,7 @@ def _dead_pid() -> int:
     return child.pid
 
 
+@pytest.mark.multiprocess
 def test_a_weights_save_removes_temporaries_of_killed_saves_of_that_file(tmp_path: Path) -> None:
     host = socket.gethostname().replace(".", "_")
     dead = tmp_path / f".w.safetensors.tmp-{host}-{_dead_pid()}-0badc0de"

@@ -9,6 +9,7 @@ import pytest
 from multigpu.cli.main import main
 
 
+@pytest.mark.multiprocess
 def test_demo_trains_every_run_and_writes_its_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--epochs", "1", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -193,6 +193,7 @@ def test_bandwidth_rejects_a_bad_size(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "size 'lots' does not parse" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_env_prints_versions_devices_backends(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.multiprocess
 def test_building_the_cli_imports_no_plotting_library() -> None:
     """pyplot is imported by the first figure, not by ``multigpu launch --help`` (it costs ~0.3 s)."""
     probe = "import sys; from multigpu.cli.main import build_parser; build_parser(); print(sorted(m for m in sys.modules if m.startswith('matplotlib')))"

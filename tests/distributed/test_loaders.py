@@ -98,12 +98,14 @@ def test_an_iterable_dataset_is_strided_into_the_one_device_global_batches(
     assert steps == [sorted(b) for b in want][: len(want) - lost]
 
 
+@pytest.mark.multiprocess
 def test_workers_each_stride_their_own_part_of_the_stream() -> None:
     loader = DataLoader(Stream(16), batch_size=4, num_workers=2)
     want = sorted(sorted(_ids(b)) for b in loader)  # worker 0: evens, worker 1: odds, batches alternate
     assert sorted(_global_steps(loader, 2)) == want
 
 
+@pytest.mark.multiprocess
 def test_the_loader_settings_are_kept() -> None:
     def collate(samples: list[tuple[torch.Tensor]]) -> torch.Tensor:
         return torch.stack([s[0] for s in samples]) * 10

@@ -10,7 +10,8 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
-from multigpu.distributed.root_cause import format_summary, from_torch, root_cause
+from multigpu.distributed import records
+from multigpu.distributed.root_cause import format_summary, from_torch, merge, root_cause
 from multigpu.errors import CollectiveTimeoutError, PeerExitedError
 
 
@@ -111,3 +112,63 @@ def test_a_worker_the_launcher_stopped_is_not_the_cause(tmp_path: Path, monkeypa
         "  rank 1 (local_rank 1, exit code -15): Signal 15 (SIGTERM) received by PID 1001 (stopped by the launcher)"
         in summary
     )
+
+
+def _record_as(monkeypatch: pytest.MonkeyPatch, folder: Path, rank: int, error: BaseException) -> None:
+    """``records.record(error)`` as a worker of rank ``rank`` under multigpu launch would call it."""
+    monkeypatch.setenv("MULTIGPU_FAILURE_DIR", str(folder))
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    try:
+        raise error
+    except BaseException as exc:
+        records.record(exc)
+
+
+def test_a_rank_the_agent_never_reported_is_named_from_its_own_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The agent saw only rank 0's consequence; rank 1 recorded its error before its group closed.
+    reported = from_torch(_failures(tmp_path, monkeypatch, {0: (PeerExitedError("lost a peer"), _SECOND)}))
+    _record_as(monkeypatch, tmp_path, 1, ValueError("the cause"))
+    failures = merge(reported, records.read(tmp_path, attempt=0))
+    assert root_cause(failures).rank == 1
+    summary = format_summary("train.py", failures)
+    assert "failed on rank 1 (local_rank 1, stopped by the launcher as it exited): ValueError: the cause" in summary
+    assert "raise error" in summary  # its traceback, from the record
+    assert "  rank 0 (local_rank 0, exit code 1): PeerExitedError: lost a peer" in summary
+
+
+def test_a_record_replaces_what_the_agent_saw_of_a_rank_it_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stopped = ProcessFailure(local_rank=1, pid=1001, exitcode=-15, error_file=str(tmp_path / "missing.json"))
+    reported = from_torch({**_failures(tmp_path, monkeypatch, {0: (PeerExitedError("lost"), _SECOND)}), 1: stopped})
+    assert root_cause(reported).rank == 0  # without the record: only a consequence and a SIGTERM
+    _record_as(monkeypatch, tmp_path, 1, ValueError("the cause"))
+    cause = root_cause(merge(reported, records.read(tmp_path, attempt=0)))
+    assert (cause.rank, cause.exitcode, cause.message) == (1, -15, "ValueError: the cause")
+
+
+def test_only_a_workers_first_failure_and_only_the_asked_attempt_are_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _record_as(monkeypatch, tmp_path, 1, ValueError("first"))
+    _record_as(monkeypatch, tmp_path, 1, PeerExitedError("its echo, while the group closed"))
+    assert records.read(tmp_path, attempt=0)[1].message == "ValueError: first"
+    assert records.read(tmp_path, attempt=1) == {}  # a restarted attempt does not see the last one's records
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    _record_as(monkeypatch, tmp_path, 0, KeyError("second attempt"))
+    assert set(records.read(tmp_path, attempt=1)) == {0}
+
+
+def test_unreadable_records_are_skipped_and_recording_outside_a_launch_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "attempt-0-rank-0.json").write_text('{"rank": 0, "local_')  # cut short
+    (tmp_path / "attempt-0-rank-1.json").write_text('{"rank": "one"}')
+    assert records.read(tmp_path, attempt=0) == {}
+    monkeypatch.delenv("MULTIGPU_FAILURE_DIR", raising=False)
+    records.record(ValueError("not launched"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attempt-0-rank-0.json", "attempt-0-rank-1.json"]

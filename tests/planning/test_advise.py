@@ -6,7 +6,8 @@ import pytest
 
 from multigpu.errors import ConfigError
 from multigpu.planning import hardware, models
-from multigpu.planning.advise import evaluate, recommend, to_json
+from multigpu.planning.advise import Row, evaluate, recommend, to_json
+from multigpu.planning.costs import StepTime
 from multigpu.planning.platform import Platform, gpu_platform
 from multigpu.planning.workload import Workload
 
@@ -97,6 +98,54 @@ def test_json_has_exactly_the_documented_schema() -> None:
             "peak_bytes",
             "fits",
         }
-        assert row["strategy"] in {"single", "dp", "dp-balanced", "ddp"}
+        assert row["strategy"] in {"single", "dp", "dp-balanced", "ddp", "fsdp"}
         assert len(row["batch_per_device"]) == len(row["peak_bytes"]) == row["devices"]
+    assert [(r["strategy"], r["devices"]) for r in plan["rows"]] == [
+        ("single", 1),
+        ("dp", 2),
+        ("dp-balanced", 2),
+        ("ddp", 2),
+        ("fsdp", 2),
+    ]
     assert set(plan["recommendation"]) == {"strategy", "devices", "reason"}
+
+
+def _row(strategy: str, devices: int, samples_per_s: float, fits: bool = True, peak: float = 1e9) -> Row:
+    step = StepTime(strategy, devices, (10,) * devices, 10 * devices / samples_per_s)
+    return Row(step, [peak] * devices, fits, samples_per_s / (devices * 100))
+
+
+def test_fsdp_is_recommended_where_ddp_does_not_fit_and_says_so() -> None:
+    rows = [
+        _row("single", 1, 100, fits=False, peak=90e9),
+        _row("ddp", 4, 390, fits=False, peak=95e9),
+        _row("fsdp", 4, 350, peak=30e9),
+    ]
+    rec = recommend(rows, 80e9)
+    assert (rec.strategy, rec.devices) == ("fsdp", 4)
+    assert rec.sentence.startswith("Use FSDP on 4 devices:")
+    assert "DDP does not fit on 4 devices (peak 88.5 GiB per device); FSDP shards the parameters" in rec.sentence
+
+
+def test_fsdp_is_never_recommended_where_ddp_fits_and_is_faster_or_as_fast() -> None:
+    for fsdp_speed in (300, 390, 395):  # slower, equal, within the 2% the planner cannot resolve
+        rows = [_row("single", 1, 100), _row("ddp", 4, 390), _row("fsdp", 4, fsdp_speed)]
+        assert recommend(rows).strategy == "ddp", fsdp_speed
+    rows = [_row("single", 1, 100), _row("ddp", 4, 390), _row("fsdp", 4, 420)]
+    rec = recommend(rows)
+    assert rec.strategy == "fsdp" and "FSDP is predicted faster than DDP here (390 samples/s)" in rec.sentence
+
+
+def test_fsdp_slower_than_one_device_is_never_recommended() -> None:
+    rows = [_row("single", 1, 100), _row("ddp", 2, 90, fits=False), _row("fsdp", 2, 95)]
+    assert recommend(rows).strategy == "single"
+
+
+def test_a_model_too_large_for_ddp_gets_fsdp_from_evaluate() -> None:
+    # 6 B parameters with Adam: 96 GB of state, 120 GB with DDP's bucket; FSDP on 8 holds 12 GB of shards.
+    w = Workload(name="big", params=6_000_000_000, compute_s_per_sample=1e-2)
+    rows = evaluate(w, A100, [1, 2, 8], 1)
+    fits = {(r.strategy, r.devices): r.fits for r in rows}
+    assert not fits[("ddp", 8)] and not fits[("single", 1)] and fits[("fsdp", 8)]
+    rec = recommend(rows, A100.memory_bytes)
+    assert (rec.strategy, rec.devices) == ("fsdp", 8) and "DDP does not fit on 8 devices" in rec.sentence

@@ -36,6 +36,7 @@ def test_advise_flags_are_a_decision() -> None:
         "--activation-mb",
         "--output-mb",
         "--utilization",
+        "--fsdp-no-reshard",
         "--gpu",
         "--gpu-tflops",
         "--gpu-mem-gb",
@@ -94,7 +95,7 @@ def test_json_plan_uses_the_session_vocabulary(tmp_path: Path, capsys: pytest.Ca
         ["--model", "resnet50", "--gpu", "a100-80gb", "--link", "nvlink-a100", "--devices", "1,2,8"], capsys, tmp_path
     )
     assert set(plan) == {"inputs", "rows", "recommendation"}
-    assert {r["strategy"] for r in plan["rows"]} == {"single", "dp", "dp-balanced", "ddp"}
+    assert {r["strategy"] for r in plan["rows"]} == {"single", "dp", "dp-balanced", "ddp", "fsdp"}
     assert set(plan["rows"][0]) == {
         "strategy",
         "devices",
@@ -166,6 +167,8 @@ def test_a_factory_model_is_counted_on_the_meta_device_for_a_gpu(
     plan = _json([*argv, "--devices", "1,2"], capsys, tmp_path)
     assert plan["inputs"]["params"] == 100 * 8 + 8 * 16 * 4 + 4
     assert plan["inputs"]["input_bytes_per_sample"] == 16 * 8  # int64 ids
+    # fsdp's default rule: the Embedding (61%) and the Linear (39%) have no children, so each is a group
+    assert plan["inputs"]["fsdp_groups"] == [0, 800, 516]
 
 
 def test_a_factory_from_the_current_folder_on_this_cpu_shows_its_real_size(
@@ -212,6 +215,24 @@ def test_on_cpu_the_recommendation_is_never_slower_than_single(
     assert chosen["samples_per_s"] >= single["samples_per_s"]
 
 
+def test_fsdp_rows_keep_blocks_gathered_with_no_reshard_and_follow_params(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["--model", "gpt2-124m", "--gpu", "a100-80gb", "--link", "pcie4", "--devices", "1,4", "--batch", "2"]
+    default = _json(common, capsys, tmp_path)
+    kept = _json([*common, "--fsdp-no-reshard"], capsys, tmp_path)
+    fsdp = {
+        plan["inputs"]["fsdp_reshard_after_forward"]: next(r for r in plan["rows"] if r["strategy"] == "fsdp")
+        for plan in (default, kept)
+    }
+    assert fsdp[False]["peak_bytes"][0] > fsdp[True]["peak_bytes"][0]  # every block stays gathered
+    assert fsdp[False]["step_ms"] < fsdp[True]["step_ms"]  # and is not gathered again in backward
+    assert default["inputs"]["fsdp_groups"][0] == 50257 * 768 + 1024 * 768 + 2 * 768  # the tied embedding's root
+    big = _json([*common, "--params", "1000000000"], capsys, tmp_path)
+    assert sum(big["inputs"]["fsdp_groups"]) == 10**9 and len(big["inputs"]["fsdp_groups"]) == 13
+
+
+@pytest.mark.multiprocess
 def test_table_fits_80_columns_when_piped(tmp_path: Path) -> None:
     argv = [
         "advise",
@@ -238,8 +259,9 @@ def test_table_fits_80_columns_when_piped(tmp_path: Path) -> None:
     table = done.stdout.split("inputs:")[0].splitlines()
     assert max(len(line) for line in table) <= 80
     assert "…" not in done.stdout.split("inputs:")[0]
-    rows = [line.split() for line in table if line.strip().startswith(("single", "dp", "ddp"))]
-    assert [r[1] for r in rows] == ["1", "2", "2", "2", "4", "4", "4", "8", "8", "8"]  # the N column is there
+    rows = [line.split() for line in table if line.strip().startswith(("single", "dp", "ddp", "fsdp"))]
+    assert [r[0] for r in rows[1:5]] == ["dp", "dp-balanced", "ddp", "fsdp"]
+    assert [r[1] for r in rows] == ["1"] + ["2"] * 4 + ["4"] * 4 + ["8"] * 4  # the N column is there
 
 
 @pytest.mark.parametrize(

@@ -181,8 +181,8 @@ def test_bad_requests_say_what_to_do() -> None:
     plat = gpu_platform(
         hardware.gpu("v100-32gb"), hardware.link("nvlink-v100"), network=hardware.link("ib-hdr"), devices_per_node=8
     )
-    with pytest.raises(ConfigError, match=r"strategy='fsdp' is not one of single, dp, dp-balanced, ddp"):
-        predict_step("fsdp", _work(), plat, devices=2, per_device_batch=4)
+    with pytest.raises(ConfigError, match=r"strategy='pipeline' is not one of single, dp, dp-balanced, ddp, fsdp"):
+        predict_step("pipeline", _work(), plat, devices=2, per_device_batch=4)
     with pytest.raises(
         ConfigError, match=r"devices=0, per_device_batch=4, chunks=None: every device needs >= 1 sample"
     ):
@@ -191,6 +191,7 @@ def test_bad_requests_say_what_to_do() -> None:
         predict_step("dp", _work(), plat, chunks=[4, 0])
     with pytest.raises(ConfigError, match=r"cannot span 16 devices over nodes of 8; use strategy='ddp'"):
         predict_step("dp", _work(), plat, devices=16, per_device_batch=4)
+    assert predict_step("fsdp", _work(), plat, devices=16, per_device_batch=4).devices == 16  # processes span nodes
     with pytest.raises(ConfigError, match=r"overlap=1.5 must be within \[0, 1\]"):
         gpu_platform(hardware.gpu("t4"), hardware.link("pcie3"), overlap=1.5)
     with pytest.raises(ConfigError, match=r"compute_s_per_sample=0 must be > 0; measure it"):

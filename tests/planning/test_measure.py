@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -55,3 +57,44 @@ def test_measure_workload_on_a_cuda_device() -> None:
     w = measure_workload(model, torch.randn(64, 256, device="cuda"), repeats=3)
     assert w.params == 256 * 256 + 256 * 10 + 256 + 10
     assert w.compute_s_per_sample > 0 and w.activation_bytes_per_sample >= 256 * 4
+
+
+def _gather_busbw_worker(rank: int, port: int, out: str) -> None:
+    import datetime
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from multigpu.planning.measure import gather_busbw
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        Path(out, f"rank{rank}").write_text(repr(gather_busbw([4_000, 200_000, 400_000], repeats=2)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_fsdp_collectives_bandwidth_over_two_gloo_processes(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from tests.conftest import free_port
+
+    mp.start_processes(_gather_busbw_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    values = [float((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+    assert all(0 < v < 1e13 for v in values)  # bytes/s: positive and finite, below 10 TB/s on loopback
+
+
+def test_fsdp_collectives_need_two_processes() -> None:
+    import torch.distributed as dist
+
+    from multigpu.planning.measure import gather_busbw
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match=r"world_size=1, groups \[400\]: fsdp's collectives need at least 2"):
+            gather_busbw([400])
+    finally:
+        dist.destroy_process_group()

@@ -72,7 +72,7 @@ platforms = st.one_of(
 def test_every_step_is_the_sum_of_its_parts_and_grows_with_compute(
     w: Workload, plat: Platform, chunks: list[int]
 ) -> None:
-    for strategy in ("single", "dp", "dp-balanced", "ddp"):
+    for strategy in ("single", "dp", "dp-balanced", "ddp", "fsdp"):
         step = predict_step(strategy, w, plat, chunks=chunks)
         assert math.isfinite(step.total_s) and step.total_s > 0
         assert step.total_s == sum(step.parts.values())
@@ -105,3 +105,43 @@ def test_the_recommendation_is_never_below_one_device_and_the_plan_is_json(
         chosen = next(r for r in rows if (r.strategy, r.devices) == (rec.strategy, rec.devices))
         assert chosen.fits and (chosen.step.throughput >= single.step.throughput or not single.fits)
     json.dumps(to_json(rows, rec, {}), allow_nan=False)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(workloads, platforms, st.integers(1, 64))
+def test_fsdp_is_recommended_only_where_ddp_does_not_fit_or_is_slower(w: Workload, plat: Platform, batch: int) -> None:
+    rows = evaluate(w, plat, [1, 2, 8], batch)
+    rec = recommend(rows, plat.memory_bytes)
+    for r in rows:
+        if r.strategy == "fsdp":  # groups of at most a tenth of the model: never more per device than ddp
+            ddp = next(d for d in rows if d.strategy == "ddp" and d.devices == r.devices)
+            assert max(r.memory) <= max(ddp.memory)
+    if rec.strategy == "fsdp":
+        fsdp = next(r for r in rows if (r.strategy, r.devices) == ("fsdp", rec.devices))
+        ddp = next(r for r in rows if (r.strategy, r.devices) == ("ddp", rec.devices))
+        assert not ddp.fits or ddp.step.throughput < 0.98 * fsdp.step.throughput
+        assert ("DDP does not fit" in rec.sentence) == (not ddp.fits)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    st.integers(100_000_000, 20_000_000_000),
+    st.floats(1e-4, 1e-1),
+    st.floats(0.0, 1e8),
+    st.sampled_from(["t4", "a100-80gb", "rtx-4090"]),
+    st.integers(1, 16),
+)
+def test_where_only_fsdp_fits_it_is_recommended_and_the_reason_says_so(
+    params: int, compute: float, activations: float, gpu: str, batch: int
+) -> None:
+    w = Workload(name="w", params=params, compute_s_per_sample=compute, activation_bytes_per_sample=activations)
+    plat = gpu_platform(hardware.gpu(gpu), hardware.link("pcie4"))
+    rows = evaluate(w, plat, [1, 2, 8], batch)
+    rec = recommend(rows, plat.memory_bytes)
+    fitting = {r.strategy for r in rows if r.fits}
+    if fitting == {"fsdp"}:
+        assert rec.strategy == "fsdp" and "DDP does not fit on" in rec.sentence
+    if "ddp" in fitting and rec.strategy == "fsdp":  # only where it is clearly faster
+        ddp = next(r for r in rows if (r.strategy, r.devices) == ("ddp", rec.devices))
+        chosen = next(r for r in rows if (r.strategy, r.devices) == ("fsdp", rec.devices))
+        assert ddp.step.throughput < 0.98 * chosen.step.throughput

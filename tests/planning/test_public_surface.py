@@ -8,6 +8,7 @@ from multigpu.planning import hardware, models
 
 def test_public_names() -> None:
     assert sorted(planning.__all__) == [
+        "FsdpLayout",
         "HostCosts",
         "Platform",
         "Recommendation",

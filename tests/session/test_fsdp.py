@@ -1,7 +1,7 @@
 """Two real gloo processes under ``multigpu launch --strategy fsdp`` against PyTorch on one device.
 
 One launch runs every scenario (tests/session/fsdp_worker.py); each test checks one of them.
-MULTIGPU_LONG_TESTS=1 adds the compiled fsdp run (its first compile takes tens of seconds).
+MULTIGPU_LONG=1 adds the compiled fsdp run (its first compile takes tens of seconds).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tests.session.strategy_oracle import adamw, batchnorm_model, deep_model, on
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
-LONG = os.environ.get("MULTIGPU_LONG_TESTS") == "1"
+LONG = bool(os.environ.get("MULTIGPU_LONG"))
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_an_optimizer_built_before_setup_model_is_refused_at_the_first_step(rank
         assert "Build the optimizer after it" in message
 
 
-@pytest.mark.skipif(not LONG, reason="compiles (tens of seconds); set MULTIGPU_LONG_TESTS=1")
+@pytest.mark.skipif(not LONG, reason="compiles (tens of seconds); set MULTIGPU_LONG=1")
 def test_compiled_fsdp_trains_to_the_eager_weights(run: tuple[Path, list[dict[str, Any]]]) -> None:
     out, ranks = run
     want = _oracle()

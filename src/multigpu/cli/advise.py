@@ -12,6 +12,8 @@ measured here at a small batch for a plan on this CPU:
     multigpu advise --model mynet:build --input-shape 3,224,224 --gpu h100 --link nvlink-h100
     multigpu advise --model mynet:build --input-shape 128 --input-dtype long --devices 1,2   # this CPU
 
+Rows for every strategy: single, dp, dp-balanced, ddp and fsdp (its groups: the Session's default
+rule, counted on the model; --fsdp-no-reshard plans FSDPOptions(reshard_after_forward=False)).
 Any GPU: a preset (--gpu), or its figures (--gpu-tflops, --gpu-mem-gb, --gpu-mem-bw). A bandwidth
 measured by ``multigpu bandwidth`` replaces the link preset: ``--busbw 180`` (GB/s). ``--json``
 prints the plan for programs; the figure and advise.json go to --out. Equations, assumptions and
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from multigpu.errors import ConfigError, MultigpuError
 from multigpu.planning import hardware, models
 from multigpu.planning.platform import DEFAULT_GPU_OVERLAP
-from multigpu.planning.workload import OPTIMIZER_TRAFFIC, PRECISION_WEIGHT_BYTES
+from multigpu.planning.workload import OPTIMIZER_TRAFFIC, PRECISION_WEIGHT_BYTES, FsdpLayout
 
 if TYPE_CHECKING:
     from multigpu.planning.advise import Row
@@ -61,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--output-mb", type=float, help="override: MB of outputs per sample (DataParallel gathers them)")
     model.add_argument(
         "--utilization", type=float, default=models.FP32_UTILIZATION, help="share of fp32 peak reached (FLOPs -> time)"
+    )
+    model.add_argument(
+        "--fsdp-no-reshard",
+        action="store_true",
+        help="fsdp rows with FSDPOptions(reshard_after_forward=False): blocks stay gathered until backward",
     )
 
     hw = parser.add_argument_group("hardware")
@@ -156,11 +163,13 @@ def _measured(args: argparse.Namespace, gpu: hardware.GpuSpec | None, batch: int
         w = models.counted_workload(
             counted, gpu, name=args.model, utilization=args.utilization, optimizer=args.optimizer
         )
-        return w, None
+        return replace(w, fsdp=_fsdp_layout(model)), None
     model = factory.build(args.model, meta=False)
     probe = factory.sample_inputs(min(batch, factory.PROBE_BATCH), shape, args.input_dtype, "cpu")
     host = measure_host_costs(replicate="multigpu")
-    w = measure_workload(model, probe, optimizer=args.optimizer, name=args.model, host=host)
+    w = replace(
+        measure_workload(model, probe, optimizer=args.optimizer, name=args.model, host=host), fsdp=_fsdp_layout(model)
+    )
     if args.busbw is not None and args.busbw <= 0:
         raise ConfigError(f"--busbw {args.busbw} must be > 0 GB/s (a measured all-reduce bus bandwidth)")
     busbw = args.busbw * 1e9 if args.busbw is not None else None
@@ -168,10 +177,22 @@ def _measured(args: argparse.Namespace, gpu: hardware.GpuSpec | None, batch: int
     return w, measure_cpu_platform(model, probe[: max(1, len(probe) // 2)], busbw=busbw, host=host, host_s=host_s)
 
 
+def _fsdp_layout(model: Any) -> FsdpLayout:
+    """The groups the fsdp strategy makes of ``model`` by default (the Session's own rule)."""
+    from multigpu.planning.counting import count_fsdp_groups
+    from multigpu.session.fsdp import FSDPOptions, select_blocks
+
+    return FsdpLayout(groups=count_fsdp_groups(model, select_blocks(model, FSDPOptions())))
+
+
 def _overrides(w: Workload, args: argparse.Namespace) -> Workload:
-    changes: dict[str, Any] = {"precision": args.precision}
+    changes: dict[str, Any] = {
+        "precision": args.precision,
+        "fsdp": replace(w.fsdp, reshard_after_forward=not args.fsdp_no_reshard),
+    }
     if args.params is not None:
         changes["params"] = args.params
+        changes["fsdp"] = changes["fsdp"].scaled(args.params)
     if args.compute_ms is not None:
         changes["compute_s_per_sample"] = args.compute_ms / 1e3
     if args.activation_mb is not None:
@@ -240,6 +261,8 @@ def _inputs(w: Workload, plat: Platform, rows: list[Row], batches: dict[str, Any
         "input_bytes_per_sample": w.input_bytes_per_sample,
         "optimizer": w.optimizer,
         "precision": w.precision,
+        "fsdp_groups": list(w.fsdp.resolved(w.params)),
+        "fsdp_reshard_after_forward": w.fsdp.reshard_after_forward,
         "platform": plat.name,
         "memory_bytes_per_device": plat.memory_bytes,
         "devices": sorted({r.devices for r in rows}),

@@ -9,8 +9,9 @@ rendezvous or collectives. What it adds:
 - a per-process thread count (``OMP_NUM_THREADS``): the node's cores divided by its processes,
   unless the user set it;
 - each worker runs under :mod:`multigpu.distributed._entry`, whose ``@record`` writes the
-  exception to torch elastic's error file; the launcher names the rank whose failure caused the
-  others and prints its traceback (:mod:`multigpu.distributed.root_cause`);
+  exception to torch elastic's error file, and records its first failure itself in a folder the
+  launcher owns (:mod:`multigpu.distributed.records`); the launcher names the rank whose failure
+  caused the others and prints its traceback (:mod:`multigpu.distributed.root_cause`);
 - ``single`` and ``dp`` run the script in one ordinary process, with the same script.
 
 Example::
@@ -25,13 +26,15 @@ import math
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from multigpu.devices import accelerator_type, device_count, parse_devices
+from multigpu.distributed import records
 from multigpu.distributed.preflight import check_listen_address
-from multigpu.distributed.root_cause import format_summary, from_torch
+from multigpu.distributed.root_cause import format_summary, from_torch, merge
 from multigpu.distributed.runtime import check_world_matches_devices, configured_threads
 from multigpu.distributed.supervise import run_supervised
 from multigpu.errors import ConfigError, LaunchError
@@ -258,7 +261,9 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
     agent = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(config.grace_period_s))}
     if config.multi_node:  # the rendezvous waits silently for the other nodes: say where and for whom
         print(f"multigpu launch: {waiting_message(config, nproc)}", file=sys.stderr, flush=True)
-    return _run_torchrun(args, {**worker_env(config, strategy, nproc), **agent}, script)
+    with tempfile.TemporaryDirectory(prefix="multigpu-failures-") as failure_dir:
+        env = {**worker_env(config, strategy, nproc), **agent, "MULTIGPU_FAILURE_DIR": failure_dir}
+        return _run_torchrun(args, env, script, config.max_restarts)
 
 
 def waiting_message(config: LaunchConfig, nproc: int) -> str:
@@ -281,7 +286,7 @@ def waiting_message(config: LaunchConfig, nproc: int) -> str:
     )
 
 
-def _run_torchrun(args: list[str], env: dict[str, str], script: str) -> int:
+def _run_torchrun(args: list[str], env: dict[str, str], script: str, max_restarts: int) -> int:
     # Imported here: torch.distributed.run pulls in the elastic agent, only needed for ddp.
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -308,7 +313,11 @@ def _run_torchrun(args: list[str], env: dict[str, str], script: str) -> int:
         except ChildFailedError as exc:
             # torch's own summary names the earliest error file by whole-second timestamp, often a
             # rank that failed only because the cause's rank exited: name the cause instead
-            print(format_summary(script, from_torch(exc.failures)), file=sys.stderr, flush=True)
+            # and the agent reports only the ranks that had exited by then: add the workers' own records
+            # (of the last attempt: the agent gives up once its restarts are spent)
+            recorded = records.read(env["MULTIGPU_FAILURE_DIR"], attempt=max_restarts)
+            failures = merge(from_torch(exc.failures), recorded)
+            print(format_summary(script, failures), file=sys.stderr, flush=True)
             return 1
     return 0
 

@@ -4,10 +4,15 @@ When rank 1 raises while rank 0 waits in a collective, rank 0 fails too, a momen
 :class:`~multigpu.errors.PeerExitedError` (or, if rank 1 hangs instead, a
 :class:`~multigpu.errors.CollectiveTimeoutError`). torch elastic reports as root cause the failure
 with the earliest error-file timestamp, in whole seconds, ties going to the lowest rank, so it
-named rank 0's consequence in 9 of 24 runs. :func:`root_cause` picks instead:
+named rank 0's consequence in 9 of 24 runs. Worse, the agent reports only the workers that had
+exited when it noticed the first failure: if rank 0's consequence exits first, rank 1's error is
+not in its report at all. :func:`merge` adds each worker's own record of its first failure
+(:mod:`multigpu.distributed.records`, written before its process group closed), and
+:func:`root_cause` picks:
 
-1. among the failures that are not consequences of another rank's, the earliest by the error
-   file's modification time (nanoseconds), so two failures within one second keep their order;
+1. among the failures that are not consequences of another rank's, the earliest by the worker's
+   record (else the error file's modification time; nanoseconds), so two failures within one
+   second keep their order;
 2. else the earliest *consequence*: a ``PeerExitedError``, a ``CollectiveTimeoutError``, or a
    backend error that says a peer closed the connection or a collective timed out (a rank hung
    and was stopped, or the cause ran on another node); the summary says it is a consequence;
@@ -31,6 +36,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from multigpu.distributed.records import Record
+
 # Messages of a rank that failed because another one did (multigpu's explained errors, and the raw
 # backend errors of a collective whose peer went away or never came).
 _CONSEQUENCE = re.compile(
@@ -47,8 +54,9 @@ class WorkerFailure:
     Attributes:
         rank: its global rank.
         local_rank: its rank on this node.
-        exitcode: its exit code (negative: the signal that ended it).
-        pid: its process id.
+        exitcode: its exit code (negative: the signal that ended it); None when the agent stopped it
+            while it was exiting with a recorded error.
+        pid: its process id (None when the agent did not report it).
         message: ``"Type: message"`` from its error file, or the signal that ended it.
         traceback: its Python traceback (empty when it wrote no error file).
         when_ns: when it failed: the error file's modification time, else the agent's timestamp.
@@ -56,8 +64,8 @@ class WorkerFailure:
 
     rank: int
     local_rank: int
-    exitcode: int
-    pid: int
+    exitcode: int | None
+    pid: int | None
     message: str
     traceback: str
     when_ns: int = 0
@@ -102,6 +110,28 @@ def _from_process_failure(rank: int, failure: Any) -> WorkerFailure:
     )
 
 
+def merge(reported: Sequence[WorkerFailure], recorded: Mapping[int, Record]) -> list[WorkerFailure]:
+    """The agent's failures completed by the workers' own records of their first failure.
+
+    A recorded error replaces what the agent saw of that rank (a SIGTERM, or its later error file);
+    a rank the agent did not report at all (it was stopped while exiting) is added with
+    ``exitcode=None``.
+    """
+    by_rank = {failure.rank: failure for failure in reported}
+    for rank, rec in recorded.items():
+        seen = by_rank.get(rank)
+        by_rank[rank] = WorkerFailure(
+            rank=rank,
+            local_rank=rec.local_rank,
+            exitcode=seen.exitcode if seen else None,
+            pid=seen.pid if seen else None,
+            message=rec.message,
+            traceback=rec.traceback,
+            when_ns=rec.when_ns,
+        )
+    return sorted(by_rank.values(), key=lambda f: f.rank)
+
+
 def root_cause(failures: Sequence[WorkerFailure]) -> WorkerFailure:
     """The failure that caused the others (see the module docstring). ``failures`` must not be empty."""
     return min(failures, key=lambda f: (f._tier, f.when_ns, f.rank))
@@ -112,7 +142,7 @@ def format_summary(script: str, failures: Sequence[WorkerFailure]) -> str:
     cause = root_cause(failures)
     head = (
         f"multigpu launch: {script} failed on rank {cause.rank} (local_rank {cause.local_rank}, "
-        f"exit code {cause.exitcode}): {_first_line(cause.message)}"
+        f"{_ending(cause)}): {_first_line(cause.message)}"
     )
     if cause.is_consequence or cause.stopped_by_launcher:
         head += (
@@ -125,8 +155,14 @@ def format_summary(script: str, failures: Sequence[WorkerFailure]) -> str:
     others = sorted((f for f in failures if f is not cause), key=lambda f: f.rank)
     if others:
         lines += ["", "Other ranks that failed (consequences or later errors):"]
-        lines += [f"  rank {f.rank} (local_rank {f.local_rank}, exit code {f.exitcode}): {_outcome(f)}" for f in others]
+        lines += [f"  rank {f.rank} (local_rank {f.local_rank}, {_ending(f)}): {_outcome(f)}" for f in others]
     return "\n".join(lines)
+
+
+def _ending(failure: WorkerFailure) -> str:
+    if failure.exitcode is None:
+        return "stopped by the launcher as it exited"
+    return f"exit code {failure.exitcode}"
 
 
 def _outcome(failure: WorkerFailure) -> str:

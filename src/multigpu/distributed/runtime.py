@@ -3,7 +3,8 @@
 This is the one module that reads the launcher's environment variables (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
 multigpu's own (``MULTIGPU_STRATEGY``, ``MULTIGPU_DEVICES``, ``MULTIGPU_COLLECTIVE_TIMEOUT``,
-``MULTIGPU_BIND_CORES``, set by ``multigpu launch``), and
+``MULTIGPU_BIND_CORES``, ``MULTIGPU_FAILURE_DIR``, set by ``multigpu launch``), torch elastic's
+``TORCHELASTIC_RESTART_COUNT``, and
 the user's ``OMP_NUM_THREADS``.
 Everything else asks :func:`read_launch_env`.
 
@@ -133,6 +134,17 @@ def collective_timeout_s() -> float:
         return float(value) if float(value) > 0 else DEFAULT_TIMEOUT_S
     except ValueError:
         return DEFAULT_TIMEOUT_S
+
+
+def failure_dir() -> str | None:
+    """Where this worker records its failure for the launcher's summary (``MULTIGPU_FAILURE_DIR``), if set."""
+    return os.environ.get("MULTIGPU_FAILURE_DIR") or None
+
+
+def restart_count() -> int:
+    """How often torch elastic has restarted this run's workers (``TORCHELASTIC_RESTART_COUNT``; 0 if unset)."""
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(value) if value.isdigit() else 0
 
 
 def configured_threads() -> int | None:

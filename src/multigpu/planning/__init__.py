@@ -1,7 +1,7 @@
 """Predict: per-step time and per-device memory of each strategy, and which to use.
 
 Modules: hardware (GPU and link presets with sources), workload (what is trained), counting (one
-step counted on the meta device), host (the host's share: Python, dispatch, launches, the GIL),
+step counted on the meta device, fsdp's groups), host (the host's share: Python, dispatch, launches, the GIL),
 calibrate (the host constants, measured), models (built-in presets), factory (a user's model by
 import path), platform (devices + links), costs (time), memory (bytes per device), measure
 (timings on this CPU), cases (published results), advise (the answer), table (the answer, printed).
@@ -23,9 +23,10 @@ from multigpu.planning.counting import count_step
 from multigpu.planning.host import HostCosts
 from multigpu.planning.measure import measure_workload
 from multigpu.planning.platform import Platform, gpu_platform
-from multigpu.planning.workload import StepCounts, Workload
+from multigpu.planning.workload import FsdpLayout, StepCounts, Workload
 
 __all__ = [
+    "FsdpLayout",
     "HostCosts",
     "Platform",
     "Recommendation",

@@ -1,7 +1,7 @@
 """The answer: every strategy at every device count, the one to use with its reason, and its JSON.
 
 Strategy names are the Session's: ``single``, ``dp``, ``dp-balanced`` (DataParallel with chunk
-sizes that even out memory) and ``ddp``.
+sizes that even out memory), ``ddp`` and ``fsdp``.
 
 Example:
     >>> from multigpu.planning import hardware, models
@@ -26,8 +26,18 @@ from multigpu.planning.memory import device_memory
 from multigpu.planning.platform import Platform
 from multigpu.planning.workload import Workload
 
-MULTI_DEVICE = ("dp", "dp-balanced", "ddp")
-LABELS = {"single": "single device", "dp": "DataParallel", "dp-balanced": "balanced DataParallel", "ddp": "DDP"}
+MULTI_DEVICE = ("dp", "dp-balanced", "ddp", "fsdp")
+MULTI_PROCESS = ("ddp", "fsdp")  # the strategies that can span nodes
+LABELS = {
+    "single": "single device",
+    "dp": "DataParallel",
+    "dp-balanced": "balanced DataParallel",
+    "ddp": "DDP",
+    "fsdp": "FSDP",
+}
+# Within this share of the best throughput, fewer devices win, and then ddp over fsdp: the planner
+# cannot tell them apart, and the simpler set-up is the better bet.
+TIE = 0.02
 
 
 @dataclass(frozen=True)
@@ -109,7 +119,7 @@ def evaluate(
     rows = [single]
     for n in sorted(set(device_counts) - {1}):
         for strategy in MULTI_DEVICE:
-            if strategy != "ddp" and not plat.single_process(n):
+            if strategy not in MULTI_PROCESS and not plat.single_process(n):
                 continue  # one process cannot span nodes
             given_split = chunk_sizes is not None and strategy == "dp"
             rows.append(_row(strategy, w, plat, list(chunk_sizes) if given_split else split(n), single.step.throughput))  # type: ignore[arg-type]
@@ -128,7 +138,9 @@ def recommend(rows: Sequence[Row], memory_limit: float | None = None) -> Recomme
     """The fitting row with the highest throughput, in one sentence with its numbers.
 
     Single device is a candidate like any other, so a strategy predicted slower than one device is
-    never recommended; among rows within 2% of the best, the fewest devices win.
+    never recommended; among rows within 2% of the best, the fewest devices win, then ddp over
+    fsdp. So fsdp is recommended where ddp does not fit (the sentence says so), or where it is
+    predicted faster than ddp by more than 2%; never where ddp fits and is predicted faster.
     """
     fitting = [r for r in rows if r.fits]
     if not fitting:
@@ -141,7 +153,10 @@ def recommend(rows: Sequence[Row], memory_limit: float | None = None) -> Recomme
             f"on {smallest.devices}){limit}; lower the batch or use a larger device.",
         )
     top = max(r.step.throughput for r in fitting)
-    best = min((r for r in fitting if r.step.throughput >= 0.98 * top), key=lambda r: (r.devices, r.step.total_s))
+    best = min(
+        (r for r in fitting if r.step.throughput >= (1 - TIE) * top),
+        key=lambda r: (r.devices, r.strategy == "fsdp", r.step.total_s),
+    )
     plural = "s" if best.devices > 1 else ""
     sentence = (
         f"Use {LABELS[best.strategy]} on {best.devices} device{plural}: {best.step.total_s * 1e3:.1f} ms per step, "
@@ -150,10 +165,29 @@ def recommend(rows: Sequence[Row], memory_limit: float | None = None) -> Recomme
     )
     others = [r for r in rows if r is not best and r.devices == max(x.devices for x in rows)]
     if others:
-        runner = max(others, key=lambda r: r.step.throughput if r.fits else 0.0)
+        runner = max(others, key=lambda r: (r.fits, r.step.throughput))  # the fastest fitting, else the fastest
         why = "does not fit" if not runner.fits else f"{runner.step.throughput:,.0f} samples/s"
-        sentence += f"; {LABELS[runner.strategy]} on {runner.devices}: {why}"
-    return Recommendation(best.strategy, best.devices, sentence + "." + _slower_than_one(rows))
+        if not (best.strategy == "fsdp" and runner.strategy == "ddp" and runner.devices == best.devices):
+            sentence += f"; {LABELS[runner.strategy]} on {runner.devices}: {why}"  # else _why_fsdp speaks for ddp
+    return Recommendation(best.strategy, best.devices, sentence + "." + _why_fsdp(best, rows) + _slower_than_one(rows))
+
+
+def _why_fsdp(best: Row, rows: Sequence[Row]) -> str:
+    """Why fsdp was chosen: DDP does not fit on that many devices, or is predicted slower."""
+    if best.strategy != "fsdp":
+        return ""
+    ddp = next((r for r in rows if r.strategy == "ddp" and r.devices == best.devices), None)
+    if ddp is None:
+        return ""
+    if not ddp.fits:
+        return (
+            f" DDP does not fit on {ddp.devices} devices (peak {format_bytes(max(ddp.memory))} per device); FSDP "
+            "shards the parameters, gradients and optimizer state over them."
+        )
+    return (
+        f" FSDP is predicted faster than DDP here ({ddp.step.throughput:,.0f} samples/s): each device steps "
+        "the optimizer on its shard only."
+    )
 
 
 def _slower_than_one(rows: Sequence[Row]) -> str:
@@ -202,7 +236,14 @@ def plot_throughput(rows: Sequence[Row], path: str | Path, title: str) -> Path:
     for strategy in MULTI_DEVICE:
         pts = [(1, single.step.throughput)] + [(r.devices, r.step.throughput) for r in rows if r.strategy == strategy]
         if len(pts) > 1:
-            ax.plot(*zip(*pts), marker="o", label=f"{strategy} ({LABELS[strategy]})")
+            dashed = strategy == "fsdp"  # often on top of ddp: dashed and hollow, so both show
+            ax.plot(
+                *zip(*pts),
+                linestyle="--" if dashed else "-",
+                marker="D" if dashed else "o",
+                markerfacecolor="none" if dashed else None,
+                label=f"{strategy} ({LABELS[strategy]})",
+            )
         for r in rows:
             if r.strategy == strategy and not r.fits:
                 ax.plot(r.devices, r.step.throughput, "x", color="red", markersize=10)

@@ -12,7 +12,11 @@ only adds time) divided by the items it holds, counted as :mod:`multigpu.plannin
   module holding many parameters, per module and per tensor. ``replicate="torch"`` times
   ``torch.nn.parallel.replicate`` (what nn.DataParallel runs on GPUs; its CUDA-only coalesced
   broadcast replaced by detached views, whose bytes the broadcast term of the model pays);
-  ``"multigpu"`` times the engine's own :func:`multigpu.parallel.replicas.build_replicas`.
+  ``"multigpu"`` times the engine's own :func:`multigpu.parallel.replicas.build_replicas`;
+- ``fsdp_group_s``: a training step (zero_grad, forward, backward, SGD step) of a stack of tiny
+  Linear layers, each its own ``fully_shard`` group, against the same stack unsharded, per group:
+  FSDP2's hooks and bookkeeping, in a one-process gloo group (no collective runs). Where a process
+  group already exists the probe is skipped and the development machine's figure kept.
 
 Run it:  python -m multigpu.planning.calibrate
 
@@ -34,7 +38,7 @@ from torch import nn
 from multigpu.errors import ConfigError
 from multigpu.parallel.replicas import build_replicas
 from multigpu.planning.counting import OpCounter
-from multigpu.planning.host import HostCosts
+from multigpu.planning.host import DEFAULT_HOST, HostCosts
 from multigpu.profiling.bandwidth import time_per_op
 
 
@@ -114,8 +118,42 @@ def _replicate_costs(items: int, repeats: int, which: str) -> tuple[float, float
     return per_module, max(0.0, with_tensors - per_module) / items
 
 
+def _fsdp_group_s(groups: int, repeats: int) -> float | None:
+    """Seconds of FSDP2's own work per group and step; None where a process group already exists."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_available() or dist.is_initialized():
+        return None
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        plain = nn.Sequential(*[nn.Linear(4, 4) for _ in range(groups)])
+        sharded = nn.Sequential(*[nn.Linear(4, 4) for _ in range(groups)])
+        for block in sharded:
+            fully_shard(block, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        x = torch.ones(2, 4)
+
+        def step(model: nn.Module) -> Callable[[], None]:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+            def run() -> None:
+                opt.zero_grad(set_to_none=True)
+                model(x).sum().backward()
+                opt.step()
+
+            return run
+
+        extra = fastest_s(step(sharded), repeats) - fastest_s(step(plain), repeats)
+        return max(0.0, extra) / (groups + 1)  # the root is a group too
+    finally:
+        dist.destroy_process_group()
+
+
 def measure_host_costs(
-    *, items: int = 2000, repeats: int = 7, threads: int = 2, replicate: str = "multigpu"
+    *, items: int = 2000, repeats: int = 7, threads: int = 2, replicate: str = "multigpu", fsdp_groups: int = 16
 ) -> HostCosts:
     """This machine's host costs (seconds per item; ``launch_s`` 0: add a GPU's with ``.on_gpu()``).
 
@@ -125,11 +163,13 @@ def measure_host_costs(
         threads: threads for the GIL probe (at most the cores free for them).
         replicate: whose replicate to time: ``"multigpu"`` (the engine, as CPU replicas run it)
             or ``"torch"`` (nn.DataParallel's, as GPU replicas in public reports run it).
+        fsdp_groups: groups of the fsdp probe (0: keep the development machine's figure).
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # one-element ops: the intra-op pool would only add noise
     try:
         replicate_module_s, replicate_tensor_s = _replicate_costs(items, repeats, replicate)
+        fsdp = _fsdp_group_s(fsdp_groups, repeats) if fsdp_groups else None
         return HostCosts(
             op_s=fastest_s(_op_loop(items), repeats) / items,
             module_call_s=_module_call_s(items, repeats),
@@ -137,6 +177,7 @@ def measure_host_costs(
             gil_contention=max(1.0 / threads, _gil_contention(items, repeats, threads)),
             replicate_module_s=replicate_module_s,
             replicate_tensor_s=replicate_tensor_s,
+            fsdp_group_s=DEFAULT_HOST.fsdp_group_s if fsdp is None else fsdp,
             source=f"measured here (fastest of {repeats}, {items} items per probe, {replicate} replicate)",
         )
     finally:
@@ -147,7 +188,14 @@ def _main() -> None:
     for which in ("torch", "multigpu"):
         host = measure_host_costs(replicate=which, repeats=15)
         print(f"-- replicate: {which}")
-        for name in ("op_s", "module_call_s", "backward_op_s", "replicate_module_s", "replicate_tensor_s"):
+        for name in (
+            "op_s",
+            "module_call_s",
+            "backward_op_s",
+            "replicate_module_s",
+            "replicate_tensor_s",
+            "fsdp_group_s",
+        ):
             print(f"{name:20s} {getattr(host, name) * 1e6:8.2f} us")
         print(f"{'gil_contention':20s} {host.gil_contention:8.2f}")
 

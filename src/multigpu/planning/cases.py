@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from multigpu.planning import hardware, models
 from multigpu.planning.costs import predict_step
 from multigpu.planning.host import DEFAULT_HOST, HostCosts
+from multigpu.planning.memory import sharded_state_bytes
 from multigpu.planning.platform import DEFAULT_GPU_OVERLAP, Platform, gpu_platform
 from multigpu.planning.workload import Workload
 
@@ -178,6 +179,43 @@ def dataparallel_regimes(host: HostCosts = DEFAULT_HOST) -> list[CaseRow]:
                 1.0,
                 "dp" if tput > single else "single",
                 "single",
+            )
+        )
+    return rows
+
+
+# ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+# Models", SC20, arXiv:1910.02054): model-state memory per device with P_os+g+p (stage 3: parameters,
+# gradients and optimizer state partitioned, what FSDP implements), mixed-precision Adam (K = 12),
+# in GB of 1e9 bytes. Figure 1: 7.5B parameters on 64 devices; Table 1: its bold cells for stage 3.
+_ZERO_STAGE3_GB = {
+    (7_500_000_000, 64): (1.9, "Figure 1"),
+    (7_500_000_000, 4): (30.0, "Table 1"),
+    (128_000_000_000, 64): (32.0, "Table 1"),
+    (1_000_000_000_000, 1024): (15.6, "Table 1"),
+}
+
+
+def zero_stage3_memory() -> list[CaseRow]:
+    """Case 5: the ZeRO paper's per-device memory of fully sharded model states, from the fsdp equation.
+
+    Built from what the paper states (parameters, data-parallel degree, mixed-precision Adam) and
+    predicted with the same term the fsdp rows of ``advise`` use (:func:`sharded_state_bytes`);
+    the paper counts model states only (no activations, no gathered block), so only that term is
+    compared. "faster" does not apply: both columns hold "fsdp".
+    """
+    rows = []
+    for (params, devices), (published, where) in _ZERO_STAGE3_GB.items():
+        w = Workload(name="zero", params=params, compute_s_per_sample=1.0, optimizer="adam", precision="amp")
+        size = f"{params / 1e12:g}T" if params >= 1e12 else f"{params / 1e9:g}B"
+        rows.append(
+            CaseRow(
+                f"5 ZeRO stage 3, {where}",
+                f"{size} params, {devices} GPUs: GB/GPU",
+                sharded_state_bytes(w, devices) / 1e9,
+                published,
+                "fsdp",
+                "fsdp",
             )
         )
     return rows

@@ -1,4 +1,4 @@
-"""Per-step time of single device, DataParallel (``dp``), balanced DataParallel and DDP: one equation each.
+"""Per-step time of single device, DataParallel (``dp``), balanced DataParallel, DDP and FSDP: one equation each.
 
 Every term is a byte count over a bandwidth, a per-sample compute time times a batch, or a host
 count times a host cost (:mod:`multigpu.planning.host`); the equations, their assumptions and
@@ -9,6 +9,8 @@ backward, ``H_f``/``H_b`` the host's, and ``chain`` the sum on a CPU or the long
     dp      T = h2d(B) + scatter + R(N) + broadcast(W) + max(chain(H_f, F_max), N sigma H_f)
                 + chain(H_b, K_max) + gather(+grad) + reduce(G) + opt + threads
     ddp     T = h2d(b) + chain(H_f, F) + chain(H_b, K) + exposed_allreduce(G) + bucket copies + opt
+    fsdp    T = h2d(b) + chain(H_f, F) + chain(H_b, K) + exposed(all-gathers, reduce-scatters)
+                + copies + opt / N
 
 Example:
     >>> from multigpu.planning import hardware, models
@@ -45,7 +47,7 @@ class StepTime:
     chunks: tuple[int, ...]  # samples per device this step
     total_s: float
     parts: dict[str, float] = field(default_factory=dict)  # sums to total_s
-    allreduce_total_s: float = 0.0  # DDP: all-reduce time before overlap (only ``allreduce`` is exposed)
+    allreduce_total_s: float = 0.0  # DDP/FSDP: collective time before overlap (the parts hold what is exposed)
 
     @property
     def global_batch(self) -> int:
@@ -66,14 +68,21 @@ def _h2d_s(nbytes: float, plat: Platform) -> float:
     return nbytes / bandwidth if bandwidth else 0.0
 
 
-def _phases(w: Workload, plat: Platform, samples: int, replicas: int) -> tuple[float, float]:
-    """(forward, backward) seconds of one replica of ``samples``: host and device chained."""
+def _phases(w: Workload, plat: Platform, samples: int, replicas: int, hooks_s: float = 0.0) -> tuple[float, float]:
+    """(forward, backward) seconds of one replica of ``samples``: host and device chained.
+
+    ``hooks_s``: host work of a wrapper (fsdp's), half in each phase.
+    """
     device = samples * w.compute_s_per_sample * plat.compute_slowdown(replicas)
     forward = host.chain(
-        host.forward_host_s(w.counts, plat.host), device * (1 - w.backward_fraction), synchronous=plat.synchronous
+        host.forward_host_s(w.counts, plat.host) + hooks_s / 2,
+        device * (1 - w.backward_fraction),
+        synchronous=plat.synchronous,
     )
     backward = host.chain(
-        host.backward_host_s(w.counts, plat.host), device * w.backward_fraction, synchronous=plat.synchronous
+        host.backward_host_s(w.counts, plat.host) + hooks_s / 2,
+        device * w.backward_fraction,
+        synchronous=plat.synchronous,
     )
     return forward, backward
 
@@ -185,11 +194,122 @@ def ddp_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
     return StepTime("ddp", n, tuple(chunks), sum(parts.values()), parts, allreduce_total_s=comm_total)
 
 
+def collective_s(kind: str, nbytes: float, devices: int, busbw: float) -> float:
+    """Seconds of a ring ``all-gather`` or ``reduce-scatter`` whose whole array is ``nbytes``.
+
+    nccl-tests: busbw = algbw x (n-1)/n for both, with S the size of the whole (gathered, or
+    to-be-reduced) array; a link's bus bandwidth is the same for every ring collective.
+    """
+    if devices <= 1:
+        return 0.0
+    return nbytes * bus_factor(kind, devices) / busbw
+
+
+@dataclass(frozen=True)
+class _Group:
+    compute_f: float  # this group's share of forward seconds
+    compute_b: float
+    gather: float  # seconds of its all-gather
+    reduce: float  # seconds of its reduce-scatter
+
+
+def _fsdp_groups(w: Workload, plat: Platform, n: int, forward: float, backward: float) -> list[_Group]:
+    """Per group, root first: compute shares (by parameters: an assumption) and collective seconds."""
+    sizes = w.fsdp.resolved(w.params)
+    busbw = plat.gather_busbw_at(n)
+    gather, reduce = memory.fsdp_gather_bytes(w), memory.fsdp_reduce_bytes(w)
+    return [
+        _Group(
+            forward * u / w.params,
+            backward * u / w.params,
+            collective_s("all-gather", u * gather, n, busbw),
+            collective_s("reduce-scatter", u * reduce, n, busbw),
+        )
+        for u in sizes
+    ]
+
+
+def _gathered_by(link: float, issued: float, seconds: float) -> tuple[float, float]:
+    """(link busy until, group ready at) for an all-gather issued at ``issued`` behind ``link``;
+    a group with nothing to gather is ready at once and leaves the link as it is."""
+    if seconds <= 0.0:
+        return link, 0.0
+    end = max(link, issued) + seconds
+    return end, end
+
+
+def _forward_clock(groups: Sequence[_Group]) -> float:
+    """End of forward: each group computes once its all-gather is done; the next one's all-gather
+    is issued as it starts (FSDP2's implicit prefetch), one collective at a time."""
+    link, ready = _gathered_by(0.0, 0.0, groups[0].gather)
+    compute = 0.0
+    for i, g in enumerate(groups):
+        start = max(compute, ready)
+        if i + 1 < len(groups):
+            link, ready = _gathered_by(link, start, groups[i + 1].gather)
+        compute = start + g.compute_f
+    return compute
+
+
+def _backward_clock(groups: Sequence[_Group], regather: bool) -> float:
+    """End of backward (reverse order, the root last): a block is gathered again (when resharded
+    after forward; the next one prefetched as one starts), its gradients reduce-scattered when
+    its backward ends; the step ends when the last reduce-scatter does."""
+    order = list(reversed(groups))
+    gather = [g.gather if regather and g is not groups[0] else 0.0 for g in order]
+    link, ready = _gathered_by(0.0, 0.0, gather[0])
+    compute = 0.0
+    for i, g in enumerate(order):
+        start = max(compute, ready)
+        if i + 1 < len(order):
+            link, ready = _gathered_by(link, start, gather[i + 1])
+        compute = start + g.compute_b
+        link = max(link, compute) + g.reduce
+    return max(compute, link)
+
+
+def exposed_fsdp_s(w: Workload, plat: Platform, devices: int, forward: float, backward: float) -> tuple[float, float]:
+    """(total collective seconds, seconds not hidden behind compute) of one fsdp step.
+
+    As for DDP: the ideal exposure ``X`` is what the one-at-a-time queue of collectives adds to
+    forward and backward; of the rest, a share ``1 - overlap`` is exposed too.
+    """
+    groups = _fsdp_groups(w, plat, devices, forward, backward)
+    regather = w.fsdp.reshard_after_forward
+    total = sum(g.gather + g.reduce for g in groups) + sum(g.gather for g in groups[1:] if regather)
+    ideal = max(0.0, _forward_clock(groups) - forward) + max(0.0, _backward_clock(groups, regather) - backward)
+    ideal = min(ideal, total)
+    return total, ideal + (1.0 - plat.overlap) * (total - ideal)
+
+
+def fsdp_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
+    """One process per device, parameters sharded: each block all-gathered before its forward (and
+    again before its backward), its gradients reduce-scattered; each rank steps its shard."""
+    n, b = len(chunks), max(chunks)
+    groups = w.fsdp.resolved(w.params)
+    forward, backward = _phases(w, plat, b, n, hooks_s=len(groups) * plat.host.fsdp_group_s)
+    comm_total, exposed = exposed_fsdp_s(w, plat, n, forward, backward)
+    gather, reduce = memory.fsdp_gather_bytes(w), memory.fsdp_reduce_bytes(w)
+    gathered = w.params + (w.params - groups[0] if w.fsdp.reshard_after_forward else 0)
+    parts = {
+        "inputs": _h2d_s(b * w.input_bytes_per_sample, plat),
+        "forward": forward,
+        "backward": backward,
+        "collectives": exposed,
+        # FSDP2 copies each gathered group out of its flat buffer into the parameters (read and
+        # write) and each group's gradients into the reduce-scatter input (read p, write r).
+        "copies": (2 * gather * gathered + (gather + reduce) * w.params) / plat.memory_bandwidth if n > 1 else 0.0,
+        "optimizer": _optimizer_s(w, plat) / n,
+    }
+    return StepTime("fsdp", n, tuple(chunks), sum(parts.values()), parts, allreduce_total_s=comm_total)
+
+
 STRATEGIES: dict[str, Callable[[Workload, Platform, Sequence[int]], StepTime]] = {
     "single": single_step,
     "dp": dataparallel_step,
     "dp-balanced": balanced_dataparallel_step,
     "ddp": ddp_step,
+    "fsdp": fsdp_step,
 }
 
 
@@ -205,7 +325,7 @@ def predict_step(
     """Predict one training step.
 
     Args:
-        strategy: ``single``, ``dp``, ``dp-balanced`` or ``ddp`` (the Session's names).
+        strategy: ``single``, ``dp``, ``dp-balanced``, ``ddp`` or ``fsdp`` (the Session's names).
         w: the workload (per-sample compute, sizes, host counts).
         plat: the devices and links.
         devices: how many devices (1 for ``single``), with ``per_device_batch`` samples each;

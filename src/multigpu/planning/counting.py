@@ -29,7 +29,7 @@ Example:
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,6 +207,36 @@ def count_step(model: nn.Module, inputs: torch.Tensor, *, loss_fn: LossFn = defa
         output_bytes=first.numel() * first.element_size(),
         input_bytes=inputs.numel() * inputs.element_size(),
     )
+
+
+def count_fsdp_groups(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[int, ...]:
+    """Trainable parameters per fsdp all-gather group: the root's own first, then ``blocks`` in forward order.
+
+    ``blocks`` are the submodules ``fully_shard`` is applied to, children before parents (as
+    :func:`multigpu.session.fsdp.select_blocks` returns them): each claims the parameters no
+    earlier block claimed, and the root keeps the rest. Forward order is taken to be the order
+    the modules were registered in.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        >>> count_fsdp_groups(net, [net[1]])
+        (20, 10)
+    """
+    owner: dict[int, int] = {}
+    for i, block in enumerate(blocks):
+        for param in block.parameters():
+            owner.setdefault(id(param), i)
+    sizes, root = [0] * len(blocks), 0
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        if id(param) in owner:
+            sizes[owner[id(param)]] += param.numel()
+        else:
+            root += param.numel()
+    position = {id(m): k for k, m in enumerate(model.modules())}
+    order = sorted(range(len(blocks)), key=lambda i: position.get(id(blocks[i]), len(position)))
+    return (root, *[sizes[i] for i in order if sizes[i]])
 
 
 def count_flops(model: nn.Module, inputs: torch.Tensor, *, loss_fn: LossFn = default_loss) -> float:

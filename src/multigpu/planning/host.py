@@ -6,6 +6,7 @@ per-item costs (:class:`HostCosts`)::
     H_f = module_calls * t_call + forward_ops * t_op + forward_kernels * t_launch     (forward)
     H_b = backward_ops * t_bop + backward_kernels * t_launch                         (backward)
     R(N) = N * (modules * t_rmod + tensors * t_rten)                                 (replicate)
+    H_fsdp = groups * t_group                                                        (fsdp's hooks)
 
 A GPU runs the kernels while the host issues the next ones, so a phase takes the longer of the
 two; a CPU runs each op on the thread that issued it, so the two add up (:func:`chain`).
@@ -50,10 +51,21 @@ class HostCosts:
     replicate_module_s: float  # replicate: one module copied for one replica
     replicate_tensor_s: float  # replicate: one parameter or buffer handed to one replica
     launch_s: float = 0.0  # one kernel launch on a GPU (0 on CPU: the op is the kernel)
+    # fsdp: FSDP2's Python per all-gather group and step (its forward and backward hooks, the
+    # copies' bookkeeping, the optimizer on DTensors), beyond the model's own ops.
+    fsdp_group_s: float = 0.0
     source: str = "measured"
 
     def __post_init__(self) -> None:
-        for name in ("op_s", "module_call_s", "backward_op_s", "replicate_module_s", "replicate_tensor_s", "launch_s"):
+        for name in (
+            "op_s",
+            "module_call_s",
+            "backward_op_s",
+            "replicate_module_s",
+            "replicate_tensor_s",
+            "launch_s",
+            "fsdp_group_s",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"HostCosts.{name}={getattr(self, name)} must be >= 0 seconds")
         if self.gil_contention <= 0:
@@ -76,6 +88,7 @@ DEFAULT_HOST = HostCosts(
     gil_contention=1.1,
     replicate_module_s=22e-6,
     replicate_tensor_s=5.0e-6,
+    fsdp_group_s=740e-6,  # median of 12 probes (650-2170 us) of 16 groups, fastest of 15 each
     source="measured on the development machine (python -m multigpu.planning.calibrate)",
 )
 

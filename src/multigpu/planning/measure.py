@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -249,3 +250,37 @@ def allreduce_busbw(nbytes: int, *, repeats: int = 7) -> float:
     tensor = torch.ones(max(1, nbytes // 4))
     seconds = fastest_s(lambda: dist.all_reduce(tensor), repeats)
     return tensor.numel() * 4 / seconds * bus_factor("all-reduce", world)
+
+
+def gather_busbw(group_bytes: Sequence[int], *, repeats: int = 7) -> float:
+    """Bus bandwidth (bytes/s) of fsdp's collectives over groups of ``group_bytes`` (float32) each.
+
+    Every rank must call it (it runs collectives). One step's worth, as FSDP2 issues them: an
+    all-gather of every group, another of every group but the first (the root's, kept gathered),
+    then a reduce-scatter of every group in reverse, each into buffers allocated for it (FSDP2
+    allocates them anew every step; on a CPU the first touch of fresh memory is part of the cost).
+    busbw = sum of S (n-1)/n over the time of the sequence (nccl-tests: busbw = algbw (n-1)/n for
+    both, S the whole array).
+    """
+    import torch.distributed as dist
+
+    # torch 2.13 renamed the two (the old names warn); torch 2.4 has only the old ones
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    world = dist.get_world_size()
+    if world < 2 or not group_bytes:
+        raise ConfigError(
+            f"world_size={world}, groups {list(group_bytes)}: fsdp's collectives need at least 2 processes "
+            "and one group; call it in every rank of a group of 2 or more"
+        )
+    shards = [max(1, nbytes // 4 // world) for nbytes in group_bytes]
+    gathers = shards + shards[1:]
+
+    def step() -> None:
+        for shard in gathers:
+            all_gather(torch.empty(shard * world), torch.ones(shard))
+        for shard in reversed(shards):
+            reduce_scatter(torch.empty(shard), torch.ones(shard * world))
+
+    moved = sum(shard * world * 4 for shard in [*gathers, *shards]) * bus_factor("all-gather", world)
+    return moved / fastest_s(step, repeats)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from multigpu.errors import ConfigError
 from multigpu.planning.counting import Counted
 from multigpu.planning.hardware import GpuSpec
-from multigpu.planning.workload import StepCounts, Workload
+from multigpu.planning.workload import FsdpLayout, StepCounts, Workload
 
 # Share of the fp32 peak a training step reaches. ResNet-50 at batch 32 on a V100 (15.7 TFLOPS)
 # takes 0.097 s for 32 x 24.5 GFLOP: 51% (PyTorch benchmarks/distributed/ddp); NVIDIA's
@@ -56,6 +56,7 @@ class ModelPreset:
     last_ready_params: int  # parameters whose gradient is final only at the end of backward
     counts: StepCounts
     outputs_scale: bool = False  # outputs grow with the input (per-token logits), not fixed (classes)
+    fsdp_groups: tuple[int, ...] = ()  # fsdp's default grouping rule on the module tree: root's group first
     source: str
 
     def at_input_shape(self, shape: Sequence[int] | None) -> ModelPreset:
@@ -93,6 +94,7 @@ class ModelPreset:
             last_ready_params=self.last_ready_params,
             optimizer=optimizer,
             counts=self.counts,
+            fsdp=FsdpLayout(groups=self.fsdp_groups),
         )
 
 
@@ -130,6 +132,19 @@ def counted_workload(
 
 _SEQ, _VOCAB, _D, _LAYERS = 1024, 50257, 768, 12
 _GPT2_EMBED = _VOCAB * _D  # tied with the LM head: its gradient completes at the embedding, last
+# fsdp groups under the default rule (FSDPOptions(): a group holds 1-10% of the parameters), as
+# multigpu.session.fsdp.select_blocks chooses them on the presets' module trees (tests check them
+# on equivalent trees). GPT-2: every block; the tied embedding/LM head is shared, so it stays with
+# the root (with wpe and ln_f). ResNets: layer2, then each block of layer3, each conv/downsample of
+# layer4's first block... (anything above 10% is split into its children), and fc; the root keeps
+# conv1, layer1 and the BatchNorms. VGG-16: the large convolutions and each classifier Linear.
+_GPT2_FSDP = (_GPT2_EMBED + _SEQ * _D + 2 * _D, *[7_087_872] * _LAYERS)
+_LAYER4_FSDP = (524_288, 2_359_296, 1_048_576, 2_101_248, *[1_048_576, 2_359_296, 1_048_576] * 2)
+_RESNET_FSDP = {
+    "resnet50": (243_776, 1_219_584, 1_512_448, *[1_117_184] * 5, *_LAYER4_FSDP, 2_049_000),
+    "resnet101": (243_776, 1_219_584, 1_512_448, *[1_117_184] * 22, *_LAYER4_FSDP, 2_049_000),
+}
+_VGG16_FSDP = (2_915_648, *[2_359_808] * 5, 102_764_544, 16_781_312, 4_097_000)
 _IMAGE = (3, 224, 224)
 _IMAGE_BYTES = 3 * 224 * 224 * 4
 _COUNTED = "counted on the meta device from an equivalent module tree"
@@ -160,6 +175,7 @@ PRESETS: dict[str, ModelPreset] = {
                 backward_kernels=409,
             ),
             outputs_scale=True,
+            fsdp_groups=_GPT2_FSDP,
             source=f"GPT-2 small, sequence 1024 (HF transformers GPT2Config); activations per Korthikanti et al. 2022, x2 for fp32; ops {_COUNTED}",
         ),
         ModelPreset(
@@ -182,6 +198,7 @@ PRESETS: dict[str, ModelPreset] = {
                 forward_kernels=229,
                 backward_kernels=181,
             ),
+            fsdp_groups=_RESNET_FSDP["resnet50"],
             source=f"torchvision resnet50, 224x224; 4.09 GMACs (torchvision docs); activations and ops {_COUNTED}",
         ),
         ModelPreset(
@@ -204,6 +221,7 @@ PRESETS: dict[str, ModelPreset] = {
                 forward_kernels=450,
                 backward_kernels=351,
             ),
+            fsdp_groups=_RESNET_FSDP["resnet101"],
             source=f"torchvision resnet101, 224x224; 7.80 GMACs (torchvision docs); activations and ops {_COUNTED}",
         ),
         ModelPreset(
@@ -248,6 +266,7 @@ PRESETS: dict[str, ModelPreset] = {
                 forward_kernels=45,
                 backward_kernels=50,
             ),
+            fsdp_groups=_VGG16_FSDP,
             source=f"torchvision vgg16, 224x224; 15.47 GMACs (torchvision docs); activations and ops {_COUNTED}",
         ),
     )

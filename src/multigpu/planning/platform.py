@@ -51,6 +51,10 @@ class Platform:
     context_bytes: float = 0.0  # per process (CUDA context)
     devices_per_node: int | None = None  # None: one node holds every device
     network: LinkSpec | None = None  # between nodes
+    # Bus bandwidth of all-gather and reduce-scatter (fsdp); None: the all-reduce's. nccl-tests
+    # defines busbw so that one link gives every ring collective the same; gloo's all-gather and
+    # reduce-scatter run slower than its all-reduce, so a CPU platform measures them.
+    gather_busbw: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.overlap <= 1.0:
@@ -59,6 +63,8 @@ class Platform:
             raise ConfigError(f"contention={self.contention} must be >= 1 (a slowdown factor)")
         if self.memory_bandwidth <= 0:
             raise ConfigError(f"memory_bandwidth={self.memory_bandwidth} must be > 0 bytes/s")
+        if self.gather_busbw is not None and self.gather_busbw <= 0:
+            raise ConfigError(f"gather_busbw={self.gather_busbw} must be > 0 bytes/s (or None: the all-reduce's)")
         if self.devices_per_node is not None and self.network is None:
             raise ConfigError("devices_per_node is set but no network links the nodes; pass network=link('ib-hdr')")
 
@@ -79,6 +85,11 @@ class Platform:
         if self.network is not None and self.devices_per_node is not None and devices > self.devices_per_node:
             return min(self.link.allreduce_busbw, self.network.allreduce_busbw)
         return self.link.allreduce_busbw
+
+    def gather_busbw_at(self, devices: int) -> float:
+        """Bus bandwidth of an all-gather or reduce-scatter over ``devices`` (fsdp's collectives)."""
+        ring = self.allreduce_busbw(devices)
+        return ring if self.gather_busbw is None else min(ring, self.gather_busbw)
 
     def single_process(self, devices: int) -> bool:
         """Whether ``devices`` fit in one process (DataParallel cannot span nodes)."""

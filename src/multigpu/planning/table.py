@@ -98,5 +98,5 @@ def print_plan(console: Console, w: Workload, plat: Platform, rows: Sequence[Row
     console.print(rec.sentence, soft_wrap=True)
     top = max(r.devices for r in rows)
     for r in rows:
-        if r.devices == top and r.strategy in ("dp", "ddp"):
+        if r.devices == top and r.strategy in ("dp", "ddp", "fsdp"):
             console.print(breakdown(r), soft_wrap=True)

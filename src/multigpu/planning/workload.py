@@ -3,7 +3,8 @@
 A :class:`Workload` comes from counting a model's step on the meta device
 (:mod:`multigpu.planning.counting`) and, on this CPU, timing it (:mod:`multigpu.planning.measure`),
 from a built-in preset (:mod:`multigpu.planning.models`), or from flags. Its :class:`StepCounts`
-are what the host (Python, the dispatcher, kernel launches) pays per step, whatever the batch.
+are what the host (Python, the dispatcher, kernel launches) pays per step, whatever the batch;
+its :class:`FsdpLayout`, how the fsdp strategy groups its parameters.
 
 Example:
     >>> w = Workload(name="mlp", params=2_000_000, compute_s_per_sample=1e-4)
@@ -27,6 +28,11 @@ OPTIMIZER_STATE = {"sgd": 0, "sgd-momentum": 4, "adam": 8, "adamw": 8}
 # gradients and a half-precision weight copy for the forward (HF docs: 18 bytes/param with Adam).
 PRECISION_WEIGHT_BYTES = {"fp32": 4.0, "amp": 6.0}
 PRECISION_GRAD_BYTES = {"fp32": 4.0, "amp": 4.0}
+# fsdp: the dtype parameters are all-gathered and computed in (FSDP2's MixedPrecisionPolicy
+# param_dtype: bf16/fp16 under amp). Sharded parameters, gradients and optimizer state stay fp32.
+FSDP_GATHER_BYTES = {"fp32": 4.0, "amp": 2.0}
+# The default grouping rule (multigpu's FSDPOptions.max_share): no group above a tenth of the model.
+FSDP_DEFAULT_MAX_SHARE = 0.1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +62,48 @@ class StepCounts:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FsdpLayout:
+    """How the ``fsdp`` strategy groups and gathers the model (the Session's ``FSDPOptions``).
+
+    Attributes:
+        groups: trainable parameters of each all-gather group in forward order, the root's own
+            group first (what no block claims: small layers, tied weights); empty: not counted,
+            the default rule's bound is assumed (:meth:`resolved`).
+        reshard_after_forward: blocks free their gathered parameters after forward and gather
+            them again in backward (the default); False keeps them gathered until backward.
+        reduce_fp32: under amp, gradients are reduce-scattered in fp32 (the default), else in 16 bits.
+    """
+
+    groups: tuple[int, ...] = ()
+    reshard_after_forward: bool = True
+    reduce_fp32: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "groups", tuple(int(g) for g in self.groups))
+        if any(g < 0 for g in self.groups) or (self.groups and sum(self.groups) == 0):
+            raise ConfigError(
+                f"FsdpLayout(groups={list(self.groups)}) must count parameters per group (>= 0, not all 0)"
+            )
+
+    def resolved(self, params: int) -> tuple[int, ...]:
+        """The groups, root first; not counted: an empty root and groups of a tenth of ``params`` each
+        (the most the default rule lets one group hold)."""
+        if self.groups:
+            return self.groups
+        count = round(1 / FSDP_DEFAULT_MAX_SHARE)
+        return (0, *[params // count + (1 if i < params % count else 0) for i in range(count)])
+
+    def scaled(self, params: int) -> FsdpLayout:
+        """The same layout for a model of ``params`` parameters (every group scaled alike)."""
+        if not self.groups:
+            return self
+        total = sum(self.groups)
+        sizes = [g * params // total for g in self.groups]
+        sizes[max(range(len(sizes)), key=lambda i: self.groups[i])] += params - sum(sizes)
+        return replace(self, groups=tuple(sizes))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Workload:
     """One model's training step, per sample where it scales with the batch.
 
@@ -75,6 +123,7 @@ class Workload:
     precision: str = "fp32"
     optimizer_s: float | None = None  # measured optimizer step; None: from memory bandwidth
     counts: StepCounts = StepCounts()  # host work per step (zero: host overhead not modelled)
+    fsdp: FsdpLayout = FsdpLayout()  # the fsdp strategy's groups and options
 
     def __post_init__(self) -> None:
         if self.params <= 0:
@@ -92,6 +141,11 @@ class Workload:
             raise ConfigError(f"precision={self.precision!r} is not one of {sorted(PRECISION_WEIGHT_BYTES)}")
         if not 0 <= self.last_ready_params <= self.params:
             raise ConfigError(f"last_ready_params={self.last_ready_params} must be within [0, params={self.params}]")
+        if self.fsdp.groups and sum(self.fsdp.groups) != self.params:
+            raise ConfigError(
+                f"workload {self.name!r}: fsdp groups hold {sum(self.fsdp.groups)} parameters, not params={self.params}; "
+                "count them on the same model, or rescale them with FsdpLayout.scaled(params)"
+            )
 
     @property
     def weight_bytes(self) -> int:

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from multigpu.checkpoint.keys import unwrap
-from multigpu.distributed import collectives, data, loaders, runtime
+from multigpu.distributed import collectives, data, loaders, records, runtime
 from multigpu.distributed.collectives import ReduceOp
 from multigpu.distributed.data import EpochLoader
 from multigpu.distributed.failures import explain_collective_failures
@@ -105,7 +105,10 @@ class Session:
     def __enter__(self) -> Session:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None:
+            # on record before closing the group wakes the other ranks with a consequence (see records)
+            records.record(exc)
         self.close()
 
     def _started(self) -> tuple[Strategy, Precision]:

@@ -1,0 +1,89 @@
+"""Each worker's first failure, written where the launcher can read it even if the agent could not.
+
+torch elastic's agent collects the workers that have exited when it notices the first failure and
+stops the rest with SIGTERM. When rank 1 raises while rank 0 waits in a collective, closing rank
+1's process group wakes rank 0 with a :class:`~multigpu.errors.PeerExitedError`; if rank 0 exits
+first (both are tearing down; load decides the order), the agent never sees rank 1's error: it
+reports only rank 0's consequence, and rank 1 is stopped as it exits. So each worker records its
+first failure itself, *before* its process group closes, into a folder the launcher creates for the
+run (``MULTIGPU_FAILURE_DIR``): one JSON file per rank and attempt, written atomically. The
+launcher merges these records with the agent's report (:mod:`multigpu.distributed.root_cause`).
+
+Example::
+
+    record(ValueError("broke"))     # in a worker; a no-op when not under multigpu launch
+    read(folder, attempt=0)         # in the launcher: {rank: Record}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from multigpu.distributed import runtime
+
+
+@dataclass(frozen=True, kw_only=True)
+class Record:
+    """One worker's first failure.
+
+    Attributes:
+        rank: its global rank.
+        local_rank: its rank on its node.
+        message: ``"Type: message"``.
+        traceback: the formatted Python traceback.
+        when_ns: when it was recorded (``time.time_ns()``), before its process group closed.
+    """
+
+    rank: int
+    local_rank: int
+    message: str
+    traceback: str
+    when_ns: int
+
+
+def record(exc: BaseException) -> None:
+    """Record ``exc`` as this worker's failure (only the first one counts; no-op outside ``multigpu launch``).
+
+    Call it before the process group closes: every rank may call it; it adds no communication.
+    """
+    folder, env = runtime.failure_dir(), runtime.read_launch_env()
+    if folder is None or env is None:
+        return
+    path = Path(folder) / f"attempt-{runtime.restart_count()}-rank-{env.global_rank}.json"
+    if path.exists():  # an earlier failure of this attempt is the cause; later ones are its echo
+        return
+    data = {
+        "rank": env.global_rank,
+        "local_rank": env.local_rank,
+        "message": f"{type(exc).__name__}: {exc}",
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "when_ns": time.time_ns(),
+    }
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    with contextlib.suppress(OSError):  # a record is a courtesy to the summary; never fail the worker over it
+        partial.write_text(json.dumps(data))
+        os.replace(partial, path)
+
+
+def read(folder: str | Path, *, attempt: int) -> dict[int, Record]:
+    """The records of ``attempt`` in ``folder``, by global rank (unreadable files are skipped)."""
+    found: dict[int, Record] = {}
+    for path in Path(folder).glob(f"attempt-{attempt}-rank-*.json"):
+        try:
+            data = json.loads(path.read_text())
+            found[int(data["rank"])] = Record(
+                rank=int(data["rank"]),
+                local_rank=int(data["local_rank"]),
+                message=str(data["message"]),
+                traceback=str(data["traceback"]),
+                when_ns=int(data["when_ns"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
