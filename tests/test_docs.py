@@ -8,17 +8,28 @@ Checked in README.md, docs/*.md and benchmarks/*.md:
   ``scripts/...``, ``tests/...``, ``docs/...``, ``requirements/...``), inline or in a code block,
   exists; so does every entry of the README's layout under ``src/multigpu/``;
 - every code span that is a dotted ``multigpu.`` name imports (module) or resolves (attribute);
-- every ``multigpu COMMAND --flag`` shown is a subcommand with that flag;
+- every ``multigpu COMMAND --flag`` shown is a subcommand with that flag (the real parser), a value
+  shown for a flag with choices is one of them; the flags shown after a repository script
+  (``python benchmarks/x.py --flag``, ``python -m multigpu.x``, ``./scripts/gpu-check``,
+  ``./scripts/demo``, ``multigpu launch ... examples/train.py --flag``) are ones its argparse declares;
+- every ``MULTIGPU_*`` environment variable the README and guides name is read by the code or tests;
+- every ``$ multigpu advise ...`` output block prints what it shows (run in-process);
 - the README stays short (at most 320 lines), and its quick start and the DataParallel guide's
   first example run as written.
+
+Each check loops over the documents and lists every failure at once (one test per check: the
+suite's leak guard costs each test a garbage collection).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
 import importlib
 import re
 import runpy
+import shlex
 from pathlib import Path
 
 import pytest
@@ -26,22 +37,32 @@ import torch
 
 import multigpu
 from multigpu.cli.main import build_parser
+from multigpu.cli.main import main as multigpu_main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
-_IDS = [str(p.relative_to(ROOT)) for p in DOCS]
+GUIDES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+DOCS = [*GUIDES, *sorted(set((ROOT / "benchmarks").glob("*.md")) - set(GUIDES))]
 
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 _INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 _LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)\)")
 _REPO_PATH = re.compile(r"(?<![\w./-])(?:src|tests|examples|benchmarks|scripts|docs|requirements)/[\w./-]*")
 _DOTTED = re.compile(r"multigpu(?:\.\w+)+")
+_ENV_VAR = re.compile(r"\bMULTIGPU_[A-Z0-9_]+\b")
+# What may stand before a command: environment assignments, nice, timeout, the venv's bin folder.
+_PREFIX = re.compile(r"^(?:[A-Z][A-Z0-9_]*=\S*\s+|nice(?:\s+-n\s*-?\d+)?\s+|timeout\s+\d+\s+)*(?:\.venv/bin/)?")
 # Dotted names in the docs that are not Python objects.
 _NOT_OBJECTS = {
     "multigpu.balance": "the name of the auto-balancer's logger",
     "multigpu.checksum": "a key of the safetensors metadata",
 }
+# Commands whose arguments another program parses (pytest's own flags).
+_FOREIGN = ("python -m pytest",)
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
 
 
 def _without_code_blocks(text: str) -> str:
@@ -84,32 +105,29 @@ def test_the_readme_stays_short() -> None:
     assert lines <= 320, f"README.md has {lines} lines; keep it at most 320 and move detail into docs/"
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=_IDS)
-def test_relative_links_and_anchors_resolve(doc: Path) -> None:
+def test_relative_links_and_anchors_resolve() -> None:
     broken = []
-    for target in _LINK.findall(_without_code_blocks(doc.read_text())):
-        if re.match(r"[a-z]+:", target):  # https:, mailto:
-            continue
-        file_part, _, anchor = target.partition("#")
-        linked = (doc.parent / file_part).resolve() if file_part else doc
-        if not linked.exists():
-            broken.append(f"{target}: no file {linked}")
-        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
-            broken.append(f"{target}: no heading with anchor #{anchor} in {linked.name}")
-    assert not broken, f"{doc.name}: broken links:\n" + "\n".join(broken)
+    for doc in DOCS:
+        for target in _LINK.findall(_without_code_blocks(doc.read_text())):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            file_part, _, anchor = target.partition("#")
+            linked = (doc.parent / file_part).resolve() if file_part else doc
+            if not linked.exists():
+                broken.append(f"{_rel(doc)}: {target}: no file {linked}")
+            elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+                broken.append(f"{_rel(doc)}: {target}: no heading with anchor #{anchor} in {linked.name}")
+    assert not broken, "broken links:\n" + "\n".join(broken)
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=_IDS)
-def test_repository_paths_in_code_exist(doc: Path) -> None:
+def test_repository_paths_in_code_exist() -> None:
     missing = sorted(
-        {
-            path
-            for code in _code(doc.read_text())
-            for path in _REPO_PATH.findall(code)
-            if not (ROOT / path.rstrip(".")).exists()
-        }
+        f"{_rel(doc)}: {path}"
+        for doc in DOCS
+        for path in {p for code in _code(doc.read_text()) for p in _REPO_PATH.findall(code)}
+        if not (ROOT / path.rstrip(".")).exists()
     )
-    assert not missing, f"{doc.name} names paths that do not exist: {missing}"
+    assert not missing, "paths that do not exist:\n" + "\n".join(missing)
 
 
 def test_every_entry_of_the_readme_layout_exists() -> None:
@@ -138,59 +156,207 @@ def _resolves(name: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=_IDS)
-def test_dotted_multigpu_names_resolve(doc: Path) -> None:
-    spans = _INLINE.findall(_without_code_blocks(doc.read_text()))
-    names = {m.group(0) for span in spans if (m := _DOTTED.match(span)) and m.end() in (len(span), span.find("("))}
-    unknown = sorted(n for n in names - set(_NOT_OBJECTS) if not _resolves(n))
-    assert not unknown, f"{doc.name} names what multigpu does not have: {unknown}"
+def test_dotted_multigpu_names_resolve() -> None:
+    unknown = []
+    for doc in DOCS:
+        spans = _INLINE.findall(_without_code_blocks(doc.read_text()))
+        names = {m.group(0) for s in spans if (m := _DOTTED.match(s)) and m.end() in (len(s), s.find("("))}
+        unknown += [f"{_rel(doc)}: {n}" for n in sorted(names - set(_NOT_OBJECTS)) if not _resolves(n)]
+    assert not unknown, "names multigpu does not have:\n" + "\n".join(unknown)
 
 
-def _options(parser: argparse.ArgumentParser) -> tuple[set[str], dict[str, argparse.ArgumentParser]]:
-    flags: set[str] = set()
+def test_environment_variables_named_are_read_somewhere() -> None:
+    # RESULTS.md records commands as they were run at past revisions; the guides must be current.
+    sources = "\n".join(
+        path.read_text()
+        for folder in ("src", "tests", "scripts", "benchmarks", "examples")
+        for path in (ROOT / folder).rglob("*")
+        if path.suffix in {".py", ".sh", ""} and path.is_file() and path.name != "test_docs.py"
+    )
+    unread = sorted(
+        f"{_rel(doc)}: {name}"
+        for doc in GUIDES
+        for name in set(_ENV_VAR.findall(doc.read_text()))
+        if name not in sources
+    )
+    assert not unread, "environment variables nothing reads:\n" + "\n".join(unread)
+
+
+# --- commands and their flags ------------------------------------------------------------------
+
+
+@functools.cache
+def _multigpu_parser() -> argparse.ArgumentParser:
+    return build_parser()
+
+
+def _options(parser: argparse.ArgumentParser) -> tuple[dict[str, argparse.Action], dict[str, argparse.ArgumentParser]]:
+    flags: dict[str, argparse.Action] = {}
     children: dict[str, argparse.ArgumentParser] = {}
     for action in parser._actions:
-        flags.update(action.option_strings)
+        flags.update(dict.fromkeys(action.option_strings, action))
         if isinstance(action, argparse._SubParsersAction):
             children.update(action.choices)
     return flags, children
 
 
-def _command_lines(text: str) -> list[str]:
-    lines = []
+@functools.cache
+def _declared_flags(script: Path) -> frozenset[str]:
+    """The option strings a script's argparse declares (read from its source, nothing imported)."""
+    flags = {"-h", "--help"}
+    for node in ast.walk(ast.parse(script.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+            flags.update(a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("-"))
+    return frozenset(flags)
+
+
+def _module_file(module: str) -> Path | None:
+    base = ROOT / "src" / Path(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__main__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _commands(text: str) -> list[list[str]]:
+    """Each command line shown in code, as words: prefixes, comments and a ``$ `` prompt removed."""
+    found = []
     for code in _code(text):
         for raw in code.splitlines():
-            line = raw.strip().removeprefix("$ ")
-            if line.startswith("multigpu ") and not line.startswith("multigpu."):
-                lines.append(line)
-    return lines
+            line = _PREFIX.sub("", raw.strip().removeprefix("$ ")).split(" #", 1)[0]
+            if line.startswith(_FOREIGN) or not re.match(r"(multigpu |python3? |\./scripts/)", line):
+                continue
+            second = line.split()[1]
+            if line.startswith("multigpu") and (second.isupper() or second.endswith(":")):
+                continue  # a placeholder (multigpu COMMAND) or program output (multigpu launch: ...)
+            try:
+                words = shlex.split(line.replace("[", " ").replace("]", " "))
+            except ValueError:
+                words = line.split()
+            found.append(words)
+    return found
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=_IDS)
-def test_commands_shown_have_those_flags(doc: Path) -> None:
-    _, commands = _options(build_parser())
+def _flag_errors(words: list[str], flags: dict[str, argparse.Action] | frozenset[str], where: str) -> list[str]:
+    """Flags in ``words`` that ``flags`` lacks, and literal values outside a flag's choices."""
     wrong = []
-    for line in _command_lines(doc.read_text()):
-        words = line.split("#", 1)[0].replace("[", " ").replace("]", " ").split()[1:]
-        if not words or words[0].isupper() or words[0].endswith(":"):  # a placeholder, or program output
+    for word, following in zip(words, [*words[1:], ""]):
+        name = word.split("=", 1)[0]
+        if not word.startswith("--") or word == "--":
             continue
-        if words[0].startswith("--"):
-            top, _ = _options(build_parser())
-            wrong += [f"{line}: multigpu has no {w}" for w in words if w.startswith("--") and w not in top]
+        if name not in flags:
+            wrong.append(f"{where} has no {name}")
             continue
-        parser = commands.get(words[0])
-        if parser is None:
-            wrong.append(f"{line}: no subcommand {words[0]!r}")
-            continue
-        flags, children = _options(parser)
-        for word in words[1:]:
-            if word.endswith(".py"):  # the script's own arguments follow
-                break
-            if word in children:
-                flags, children = _options(children[word])
-            elif word.startswith("--") and word.split("=")[0] not in flags:
-                wrong.append(f"{line}: multigpu {words[0]} has no {word}")
-    assert not wrong, f"{doc.name}:\n" + "\n".join(wrong)
+        action = flags.get(name) if isinstance(flags, dict) else None
+        value = word.split("=", 1)[1] if "=" in word else following
+        literal = (
+            value and not value.startswith("-") and "|" not in value and not value.isupper() and "..." not in value
+        )
+        if action is not None and action.choices and action.option_strings and literal and value not in action.choices:
+            wrong.append(f"{where} {name}: {value!r} is not one of {sorted(action.choices)}")
+    return wrong
+
+
+def _script_errors(words: list[str]) -> list[str]:
+    """The flags after a repository script, checked against what that script declares."""
+    for i, word in enumerate(words):
+        if word.endswith(".py") and (ROOT / word).is_file():
+            return _flag_errors(words[i + 1 :], _declared_flags(ROOT / word), word)
+    return []
+
+
+def _multigpu_errors(words: list[str]) -> list[str]:
+    flags, commands = _options(_multigpu_parser())
+    if words[1].startswith("-"):
+        return _flag_errors(words[1:], flags, "multigpu")
+    parser = commands.get(words[1])
+    if parser is None:
+        return [f"no subcommand {words[1]!r}"]
+    flags, children = _options(parser)
+    path = f"multigpu {words[1]}"
+    for i, word in enumerate(words[2:], start=2):
+        if word in children:
+            flags, children = _options(children[word])
+            path += f" {word}"
+        elif word.endswith(".py"):  # the script's own arguments follow
+            return _flag_errors(words[2:i], flags, path) + _script_errors(words)
+    return _flag_errors(words[2:], flags, path)
+
+
+def _command_errors(words: list[str]) -> list[str]:
+    if words[0] == "multigpu":
+        return _multigpu_errors(words)
+    if words[0] == "./scripts/demo":
+        return _multigpu_errors(["multigpu", "demo", *words[1:]])
+    if words[0] == "./scripts/gpu-check":
+        return _flag_errors(words[1:], _declared_flags(ROOT / "scripts" / "gpu_check.py"), words[0])
+    if words[0].startswith("./scripts/"):
+        return [] if (ROOT / words[0]).is_file() else [f"no script {words[0]}"]
+    if len(words) > 2 and words[1] == "-m" and words[2].startswith("multigpu"):
+        module = _module_file(words[2])
+        if module is None:
+            return [f"no module {words[2]} to run"]
+        return _flag_errors(words[3:], _declared_flags(module), words[2])
+    return _script_errors(words)
+
+
+def test_commands_shown_have_those_flags() -> None:
+    wrong = [
+        f"{_rel(doc)}: {' '.join(words)}: {error}"
+        for doc in DOCS
+        for words in _commands(doc.read_text())
+        for error in _command_errors(words)
+    ]
+    assert not wrong, "commands the code does not accept:\n" + "\n".join(wrong)
+
+
+def test_the_flag_check_catches_what_it_should() -> None:
+    assert _command_errors(["multigpu", "advise", "--gpus", "2"]) == ["multigpu advise has no --gpus"]
+    assert _command_errors(["multigpu", "launch", "--strategy", "zero3", "x.py"])[0].startswith(
+        "multigpu launch --strategy: 'zero3' is not one of"
+    )
+    assert _command_errors(["multigpu", "launch", "examples/train.py", "--epoch", "1"]) == [
+        "examples/train.py has no --epoch"
+    ]
+    assert _command_errors(["python", "benchmarks/balance.py", "--nope"]) == ["benchmarks/balance.py has no --nope"]
+    assert _command_errors(["./scripts/gpu-check", "--skip", "demo", "--outdir", "x"]) == [
+        "./scripts/gpu-check has no --outdir"
+    ]
+    assert _command_errors(["python", "-m", "multigpu.planning.calibrate", "--x"]) == [
+        "multigpu.planning.calibrate has no --x"
+    ]
+    assert _command_errors(["./scripts/demo", "--dtype", "float16"])[0].startswith("multigpu demo --dtype: 'float16'")
+    assert _commands("`MULTIGPU_LONG=1 nice -n 10 .venv/bin/python benchmarks/x.py --a 1  # note`") == [
+        ["python", "benchmarks/x.py", "--a", "1"]
+    ]
+
+
+def _shown_advise_runs(text: str) -> list[tuple[list[str], list[str]]]:
+    """(arguments, output lines) of every fenced block that shows ``$ multigpu advise ...`` and its output."""
+    runs = []
+    for block in _FENCE.findall(text):
+        first, *output = block.splitlines()
+        if first.startswith("$ multigpu advise "):
+            runs.append((shlex.split(first.removeprefix("$ multigpu ")), output))
+    return runs
+
+
+def test_advise_outputs_shown_are_what_it_prints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A shown line must be printed as it stands; one ending in "..." is a prefix; a lone "..." skips rows.
+    differ = []
+    runs = [(doc, run) for doc in GUIDES for run in _shown_advise_runs(doc.read_text())]
+    assert runs, "no document shows the output of multigpu advise"
+    for doc, (args, shown) in runs:
+        capsys.readouterr()
+        assert multigpu_main([*args, "--out", str(tmp_path), "--no-figure"]) == 0
+        printed = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
+        for line in (s.rstrip() for s in shown):
+            if not line.strip() or line.strip() == "...":
+                continue
+            prefix = line.removesuffix("...").rstrip(" ,") if line.endswith("...") else None
+            if not any(p == line or (prefix is not None and p.startswith(prefix)) for p in printed):
+                differ.append(f"{_rel(doc)}: multigpu {' '.join(args)}: prints no line {line!r}")
+    assert not differ, "\n".join(differ)
 
 
 def _first_python_block(text: str) -> str:
