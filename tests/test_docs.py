@@ -206,7 +206,7 @@ def _declared_flags(script: Path) -> frozenset[str]:
     flags = {"-h", "--help"}
     for node in ast.walk(ast.parse(script.read_text())):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
-            flags.update(a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("-"))
+            flags.update(a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str))
     return frozenset(flags)
 
 
@@ -226,7 +226,7 @@ def _commands(text: str) -> list[list[str]]:
             line = _PREFIX.sub("", raw.strip().removeprefix("$ ")).split(" #", 1)[0]
             if line.startswith(_FOREIGN) or not re.match(r"(multigpu |python3? |\./scripts/)", line):
                 continue
-            second = line.split()[1]
+            second = [*line.split(), ""][1]
             if line.startswith("multigpu") and (second.isupper() or second.endswith(":")):
                 continue  # a placeholder (multigpu COMMAND) or program output (multigpu launch: ...)
             try:
