@@ -359,6 +359,40 @@ def test_advise_outputs_shown_are_what_it_prints(tmp_path: Path, capsys: pytest.
     assert not differ, "\n".join(differ)
 
 
+_CONTEXT = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import multigpu
+
+def build_model():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+dataset = TensorDataset(torch.randn(128, 8), torch.randint(0, 3, (128,)))
+model, x, y = build_model(), torch.randn(16, 8), torch.randint(0, 3, (16,))
+opt = optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+step = 1
+"""
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+
+
+def test_the_readmes_fragments_run_in_a_small_context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every README fragment after the quick start (which runs on its own below), and the guide's
+    # functional primitives, each in a fresh namespace holding the names they assume.
+    fragments = _python_blocks(README.read_text().split("## Quick start", 1)[1])[1:]
+    fragments += [b for b in _python_blocks((ROOT / "docs" / "dataparallel.md").read_text()) if "scatter(" in b]
+    assert len(fragments) >= 5, fragments
+    monkeypatch.chdir(tmp_path)
+    for fragment in fragments:
+        names: dict[str, object] = {"__name__": "__main__"}
+        exec(compile(_CONTEXT + fragment, "<README fragment>", "exec"), names)
+        del names
+
+
 def _first_python_block(text: str) -> str:
     block = re.search(r"^```python\n(.*?)^```", text, re.S | re.M)
     assert block is not None
