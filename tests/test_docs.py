@@ -14,8 +14,9 @@ Checked in README.md, docs/*.md and benchmarks/*.md:
   ``./scripts/demo``, ``multigpu launch ... examples/train.py --flag``) are ones its argparse declares;
 - every ``MULTIGPU_*`` environment variable the README and guides name is read by the code or tests;
 - every ``$ multigpu advise ...`` output block prints what it shows (run in-process);
-- the README stays short (at most 320 lines), and its quick start and the DataParallel guide's
-  first example run as written.
+- the README stays short (at most 320 lines); its quick start and the DataParallel guide's first
+  example run as written, and the README's other fragments (and the guide's functional
+  primitives) run given the few names they assume.
 
 Each check loops over the documents and lists every failure at once (one test per check: the
 suite's leak guard costs each test a garbage collection).
