@@ -30,8 +30,11 @@ _started = [0]  # processes started so far in this interpreter (an audit hook ca
 settings.register_profile("shared-cores", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("shared-cores")
 
-# Set by pytest itself, and by torch's inductor on first use (its process-wide cache folder).
-_SET_BY_TOOLS = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
+# Set by pytest itself, by torch's inductor on first use (its process-wide cache folder) and by
+# scikit-learn on import (the demo's digits data), whichever test comes first.
+_SET_BY_TOOLS = frozenset(
+    {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
+)
 
 
 def _count_process_starts(event: str, _args: object) -> None:

@@ -73,4 +73,4 @@ def test_a_spent_budget_skips_the_remaining_steps_and_fails_the_check(tmp_path: 
 def test_a_step_that_overruns_its_limit_is_stopped_and_reported(tmp_path: Path) -> None:
     step = gpu_check.Step("sleep", [sys.executable, "-c", "import time; time.sleep(30)"], timeout_s=1.5)
     outcome = gpu_check.run_step(step, tmp_path, budget_s=60)
-    assert outcome.status.startswith("timed out") and outcome.seconds < 10
+    assert outcome.status.startswith("timed out") and outcome.seconds < 20  # stopped, not the 30 s sleep

@@ -141,6 +141,11 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in status  # a zombie has exited; only its exit code waits to be read
 
 
+# The promise is "ends soon after the cause", against the 600 s a collective waits by default; the
+# room is for a shared machine, where 10 s was measured at 17.7 s under load.
+_ENDS_WITHIN_S = 60
+
+
 def _wait_until_gone(pids: list[int], limit_s: float) -> float:
     deadline = time.monotonic() + limit_s
     while any(_alive(pid) for pid in pids):
@@ -159,7 +164,7 @@ def test_one_rank_raising_ends_every_rank_and_names_it(tmp_path: Path) -> None:
     assert "RuntimeError: injected failure in rank 1 at step 2" in output
     assert re.search(r"Traceback \(most recent call last\)", output)
     assert re.search(r"Root Cause \(first observed failure\):\n\[\d\]:\n.*\n.*\n\s+rank\s+: 1 ", output), output[-3000:]
-    assert seconds < 10
+    assert seconds < _ENDS_WITHIN_S
 
 
 def test_a_hanging_collective_times_out_and_names_the_likely_cause(tmp_path: Path) -> None:
@@ -173,7 +178,7 @@ def test_a_hanging_collective_times_out_and_names_the_likely_cause(tmp_path: Pat
         r"another rank stopped calling it",
         output,
     ), output[-3000:]
-    assert 3 <= seconds < 3 + 10
+    assert 3 <= seconds < 3 + _ENDS_WITHIN_S
 
 
 def test_a_failed_save_on_rank_0_fails_every_rank_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
@@ -191,7 +196,7 @@ def test_a_failed_save_on_rank_0_fails_every_rank_and_keeps_the_previous_checkpo
     assert ckpt.find_latest(run.folder) == run.folder / "step-00000002"
     with pytest.warns(RuntimeWarning, match=r"saved at world_size=2"):
         assert ckpt.Checkpointer(folder=run.folder).resume(model=tr.build_model()) is not None
-    assert seconds < 10
+    assert seconds < _ENDS_WITHIN_S
 
 
 def test_a_killed_worker_restarts_resumes_and_ends_with_the_uninterrupted_weights(tmp_path: Path) -> None:

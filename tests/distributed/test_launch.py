@@ -100,7 +100,7 @@ def test_a_foreign_master_address_without_a_port_fails_before_the_store_retries(
     began = time.monotonic()
     with pytest.raises(LaunchError, match=r"master address 192\.0\.2\.1 is not one of this machine's addresses"):
         build_torchrun_args(LaunchConfig(nproc_per_node=2, master_addr="192.0.2.1"), "t.py", [])
-    assert time.monotonic() - began < 5
+    assert time.monotonic() - began < 30  # refused up front, not after the store's 71 s of retries
 
 
 def test_dp_devices_are_checked_before_the_script_runs(tmp_path: Path) -> None:

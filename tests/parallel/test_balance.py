@@ -86,6 +86,14 @@ def test_water_fill_equalises_predicted_peaks() -> None:
     assert sum(water_fill([3.0, 1.0, 2.0], [0.5, 1.0, 2.0], 37)) == 37
 
 
+def test_water_fill_with_per_sample_costs_too_small_for_a_float_ratio() -> None:
+    # found by the planner's property test: 2e-313 bytes of activations per sample overflowed a share
+    tiny = 2.2250738585e-313
+    assert water_fill([2.0**33, 2.0**32, 2.0**32], [tiny] * 3, 48) == [0, 24, 24]
+    assert water_fill([100.0, 0.0], [tiny, tiny], 6) == [0, 6]
+    assert water_fill([2.0**40, 2.0**40], [tiny, tiny], 5) == [3, 2]
+
+
 class BigHead(nn.Module):
     """Small body, large output: the classic case where the primary's gathered outputs dominate."""
 

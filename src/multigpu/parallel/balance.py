@@ -27,6 +27,7 @@ Algorithm (run once per distinct batch size, logged once):
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import weakref
@@ -115,6 +116,10 @@ def water_fill(bases: Sequence[float], rates: Sequence[float], batch: int) -> li
         mid = (low + high) / 2
         low, high = (mid, high) if filled(mid) < batch else (low, mid)
     shares = [max(0.0, (high - b) / r) for b, r in zip(bases, rates)]
+    if not all(math.isfinite(s) for s in shares) or not any(shares):
+        # rates so small (subnormal) that a share overflows, or vanishes beside equal bases: samples
+        # cost nothing next to the bases, so the devices at the level split the batch evenly
+        shares = [1.0 if b <= high else 0.0 for b in bases]
     return proportional_sizes(batch, shares)
 
 

@@ -82,8 +82,10 @@ def proportional_sizes(batch: int, weights: Sequence[float]) -> list[int]:
         >>> proportional_sizes(10, [1, 1, 1])
         [4, 3, 3]
     """
-    total = float(sum(weights))
-    exact = [batch * w / total for w in weights]
+    peak = max(weights)  # scaled to at most 1 first: batch * w overflows for weights near the float limit
+    scaled = [w / peak for w in weights]
+    total = sum(scaled)
+    exact = [batch * w / total for w in scaled]
     sizes = [int(x) for x in exact]
     order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - sizes[i]), i))
     for i in order[: batch - sum(sizes)]:
