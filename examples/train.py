@@ -37,7 +37,7 @@ def build_model() -> nn.Module:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", default="auto", help="single, dp, ddp or auto (what multigpu launch asked for)")
+    parser.add_argument("--strategy", default="auto", help="single, dp, ddp, fsdp or auto (what multigpu launch asked for)")
     parser.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--epochs", type=int, default=2)
@@ -68,7 +68,7 @@ def main() -> None:
             predicted = session.evaluate(lambda batch: model(batch[0]).argmax(dim=1), dataset, batch_size=256)
             accuracy = (predicted == dataset.tensors[1]).float().mean().item()
             session.print(
-                f"[{session.strategy_name} x{session.world_size}] epoch {epoch}: "
+                f"[{session.strategy_name} x{session.replicas}] epoch {epoch}: "
                 f"loss {losses[-1]:.4f}, accuracy {accuracy:.3f} on {len(predicted)} samples"
             )
         # Every rank: under fsdp the weights are gathered from the shards (a collective); else a no-op.

@@ -31,6 +31,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
         done = multigpu_launch(*launch_args, SCRIPT, *_script_args(path), timeout_s=90)
         assert done.returncode == 0, done.stderr[-3000:]
         assert f"[{name} x" in done.stdout and done.stdout.count("epoch 0") == 1  # printed once
+        assert name != "dp" or "[dp x2]" in done.stdout  # replicas, not processes
         results[name] = torch.load(path)
     results["ddp, 2 nodes"] = _two_nodes(out / "two-nodes.pt")
     return results

@@ -53,6 +53,17 @@ def test_dp_wraps_in_data_parallel_with_two_cpu_replicas_by_default() -> None:
     assert [d.label for d in model.replica_devices] == ["cpu:0", "cpu:1"]
 
 
+@pytest.mark.parametrize(
+    ("strategy", "devices", "replicas"), [("dp", "cpu:3", 3), ("dp", None, 2), ("single", None, 1)]
+)
+def test_replicas_count_the_copies_of_the_model_not_the_processes(
+    strategy: str, devices: str | None, replicas: int
+) -> None:
+    # examples/train.py printed "[dp x1]" for two replicas: world_size counts processes
+    with Session(strategy=strategy, devices=devices) as session:
+        assert (session.world_size, session.replicas) == (1, replicas)
+
+
 def test_step_only_at_the_end_of_an_accumulation_window() -> None:
     with Session(strategy="single", accumulate=3) as session:
         model = session.setup_model(build_model())

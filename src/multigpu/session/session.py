@@ -134,6 +134,12 @@ class Session:
         return self._started()[0].shard.world_size
 
     @property
+    def replicas(self) -> int:
+        """How many copies of the model train together: processes times dp's replicas per process."""
+        strategy = self._started()[0]
+        return strategy.shard.world_size * strategy.replicas_per_process
+
+    @property
     def global_rank(self) -> int:
         """This process's rank among all processes of the run (0 in one process)."""
         return self._started()[0].shard.rank

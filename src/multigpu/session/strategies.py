@@ -74,6 +74,11 @@ class Strategy(ABC):
         return True
 
     @property
+    def replicas_per_process(self) -> int:
+        """How many copies of the model this process trains (one, but dp's threads)."""
+        return 1
+
+    @property
     def local_rank(self) -> int:
         """This process's rank on its node (its device index on GPUs)."""
         return 0
@@ -161,6 +166,10 @@ class DataParallelStrategy(_OneProcess):
         if spec is None and len(replicas) == 1 and replicas[0].type == "cpu":
             replicas = parse_devices("cpu:2")  # no GPU: two CPU replicas still exercise the engine
         self.replicas: list[ReplicaDevice] = replicas
+
+    @property
+    def replicas_per_process(self) -> int:
+        return len(self.replicas)
 
     @property
     def device(self) -> torch.device:
