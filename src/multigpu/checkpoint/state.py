@@ -32,11 +32,15 @@ import torch
 from torch import nn
 
 from multigpu.checkpoint.atomic import atomic_write_file, explain_os_errors, remove_stale_temporaries, remove_tree
+from multigpu.checkpoint.dcp_checkpoint import resume_sharded, save_sharded
+from multigpu.checkpoint.dcp_files import is_sharded_folder
+from multigpu.checkpoint.dcp_io import is_sharded_model
 from multigpu.checkpoint.discovery import (
     MODEL_FILE,
     STATE_FILE,
     complete_checkpoints,
     find_latest,
+    recorded_step_of,
     recover_asides,
 )
 from multigpu.checkpoint.formats import write_tensors
@@ -146,18 +150,32 @@ class Checkpointer:
         rngs = gather_on_main(capture_rng(), "random states")
         target = self.folder / folder_name(step)
 
-        def write() -> Path:  # runs on the main process only
-            state = {
+        def entries() -> dict[str, Any]:  # state.pt, less the optimizer
+            return {
                 "format_version": FORMAT_VERSION,
                 "step": step,
                 "epoch": epoch,
                 "world_size": world_size(),
                 "rng": rngs,
-                "optimizer": None if optimizer is None else optimizer.state_dict(),
                 "scheduler": None if scheduler is None else scheduler.state_dict(),
                 "scaler": None if scaler is None else scaler.state_dict(),
                 **counters,
             }
+
+        if is_sharded_model(model):  # fsdp: every rank writes its own shards (dcp_checkpoint)
+            save_sharded(
+                self.folder,
+                target,
+                model=model,
+                optimizer=optimizer,
+                state=entries(),
+                lock_timeout_s=self.lock_timeout_s,
+                prune=lambda just_written: self._prune(just_written=just_written),
+            )
+            return target
+
+        def write() -> Path:  # runs on the main process only
+            state = {**entries(), "optimizer": None if optimizer is None else optimizer.state_dict()}
             return self._write(target, unwrap(model).state_dict(), state)
 
         run_on_main(write, f"saving checkpoint {target}")
@@ -191,13 +209,22 @@ class Checkpointer:
         uninterrupted one).
         """
         locate = (lambda: Path(path)) if path is not None else self.latest
-        read = read_checkpoint(locate, allow_unsafe_pickle=allow_unsafe_pickle)
-        if read is None:
-            return None
-        found, state, tensors, metadata = read
         parts = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
-        checked, weights = check_all(found, state, tensors, metadata, model, parts, allow_objects=allow_unsafe_pickle)
-        apply_all(found, checked, weights, model, parts)
+        first = locate()
+        if first is not None and is_sharded_folder(first):
+            found = first
+            checked = resume_sharded(found, model=model, parts=parts, allow_unsafe_pickle=allow_unsafe_pickle)
+        else:
+            if first is not None and is_sharded_model(model):
+                raise CheckpointError(_UNSHARDED_INTO_SHARDED.format(folder=str(first)))
+            read = read_checkpoint(locate, allow_unsafe_pickle=allow_unsafe_pickle)
+            if read is None:
+                return None
+            found, state, tensors, metadata = read
+            checked, weights = check_all(
+                found, state, tensors, metadata, model, parts, allow_objects=allow_unsafe_pickle
+            )
+            apply_all(found, checked, weights, model, parts)
         return Resumed(
             path=found,
             step=checked.step,
@@ -252,12 +279,16 @@ class Checkpointer:
             remove_tree(found.path)
 
 
+_UNSHARDED_INTO_SHARDED = (
+    "{folder!r} is an unsharded checkpoint (model.safetensors, saved without fsdp) and the model is sharded "
+    "by fsdp: resuming its optimizer state into shards is not supported. Load its weights with "
+    "multigpu.load(model, '{folder}/model.safetensors') and start a fresh optimizer, or resume it without fsdp."
+)
+
+
 def _written_here(folder: Path, step: int) -> bool:
-    # Prune only what a Checkpointer wrote: its weights header records the folder's step.
-    try:
-        return read_header(folder / MODEL_FILE).metadata.get("step") == str(step)
-    except (CheckpointError, OSError):
-        return False
+    # Prune only what a Checkpointer wrote: its weights header (or manifest) records the folder's step.
+    return recorded_step_of(folder) == step
 
 
 def _refuse_at_save(where: str, found: Any, expected: str) -> NoReturn:

@@ -22,10 +22,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from multigpu.checkpoint.expansion import DEFAULT_MAX_EXPANSION, check_expansion
-from multigpu.checkpoint.formats import FORMATS, read_tensors, write_tensors
+from multigpu.checkpoint.expansion import DEFAULT_MAX_EXPANSION
+from multigpu.checkpoint.formats import FORMATS, write_tensors
 from multigpu.checkpoint.keys import clean_state_dict, collision_message, find_collisions
-from multigpu.checkpoint.summary import Summary, summarize, weights_file
+from multigpu.checkpoint.summary import Summary, read_weights, summarize, weights_file
 from multigpu.errors import CheckpointError, MultigpuError
 
 HELP = "inspect a checkpoint (keys, shapes, step, format) or convert it between formats"
@@ -105,8 +105,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _convert(console: Console, args: argparse.Namespace) -> None:
     source = weights_file(args.input)
-    tensors, metadata = read_tensors(source, allow_unsafe_pickle=args.allow_unsafe_pickle)
-    check_expansion(tensors, source, max_expansion=args.max_expansion)
+    tensors, metadata = read_weights(
+        source, allow_unsafe_pickle=args.allow_unsafe_pickle, max_expansion=args.max_expansion
+    )
     if not args.keep_prefixes:
         tensors = clean_state_dict(tensors)
         collisions = find_collisions(tensors)
@@ -129,7 +130,7 @@ def _print_summary(console: Console, summary: Summary, max_keys: int) -> None:
     facts.add_column(style="bold")
     facts.add_column(overflow="fold")  # long paths wrap instead of being cut
     facts.add_row("file", Text(_printable(str(summary.path))))
-    facts.add_row("format", summary.format)
+    facts.add_row("format", _FORMAT_NAMES.get(summary.format, summary.format))
     facts.add_row("size on disk", _bytes(summary.size_on_disk))
     facts.add_row("tensors", f"{len(summary.tensors)} ({_bytes(summary.tensor_bytes)})")
     facts.add_row("saved step", "-" if summary.step is None else str(summary.step))
@@ -148,6 +149,9 @@ def _print_summary(console: Console, summary: Summary, max_keys: int) -> None:
     if len(shown) < len(summary.tensors):
         table.caption = f"{len(summary.tensors) - len(shown)} more; --max-keys 0 lists all"
     console.print(table)
+
+
+_FORMAT_NAMES = {"dcp": "dcp (torch.distributed.checkpoint, sharded)"}
 
 
 def _printable(text: str) -> str:
