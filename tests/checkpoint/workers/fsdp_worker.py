@@ -15,7 +15,7 @@ which event it was to OUT/killed-rank<R>.txt first.
 the whole weights (OUT/resumed.safetensors), this rank's optimizer slices and one draw of every
 random generator (OUT/resumed-rank<R>.pt); then train a fresh model ``--steps`` steps straight
 from the same start without checkpoints and record the same (straight*). Last, rank 0 copies the
-latest checkpoint to OUT/damaged and flips one byte of rank 1's shard, and both ranks try to
+latest checkpoint to OUT/damaged and flips one byte of rank 0's shard, and both ranks try to
 resume from it (OUT/damaged-rank<R>.txt: the error each got).
 """
 
@@ -140,7 +140,9 @@ def resume(session: Session, args: argparse.Namespace) -> None:
         latest = checkpointer.latest()
         assert latest is not None
         shutil.copytree(latest, damaged / latest.name)
-        shard = damaged / latest.name / "__1_0.distcp"
+        # The files' CRC-32s are split over the ranks in name order (.metadata, __0_0, __1_0): rank 1
+        # checks __0_0.distcp, so rank 0's own checks pass and only the ranks' agreement stops it.
+        shard = damaged / latest.name / "__0_0.distcp"
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0x01
         shard.write_bytes(bytes(data))
