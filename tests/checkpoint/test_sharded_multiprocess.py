@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401 (sets TORCHINDUCTOR_CACHE_DIR when first imported: here, not in a test)
+import torch._dynamo
 
 import multigpu
 import multigpu.checkpoint as ckpt

@@ -15,6 +15,11 @@ tensors and containers only, so it loads weights-only). The folder appears in on
 rename, so a crash mid-save leaves the previous step as the latest; re-saving a step swaps the
 folders atomically (:mod:`swap`). One process saves into a folder at a time (:mod:`lock`).
 Resume checks the whole state before it changes anything (:mod:`resume`, :mod:`validate`).
+
+A model sharded by fsdp is saved without gathering it: each rank writes its slices of the weights
+and optimizer state with torch.distributed.checkpoint into the same ``step-N`` scheme, next to
+``state.pt`` and a ``manifest.json`` that marks the format (:mod:`dcp_files`, :mod:`dcp_checkpoint`).
+Resume reads either format; a sharded one at any world size, into a sharded model or not.
 """
 
 from __future__ import annotations
@@ -137,7 +142,9 @@ class Checkpointer:
                 for ``lock_timeout_s``; previous checkpoints are intact.
 
         Every rank must call it: the random states of all ranks are gathered, rank 0 writes,
-        the others return when the checkpoint is complete.
+        the others return when the checkpoint is complete. Under fsdp (a model whose parameters
+        are DTensors) every rank also writes its own shards, and rank 0 puts the folder in place
+        once all have (see :mod:`dcp_checkpoint`).
         """
         check_count(step, "step")
         check_count(epoch, "epoch")
@@ -206,7 +213,9 @@ class Checkpointer:
         Any rank may call it and every rank should: each reads the files and takes its own
         random state. Resuming at another world size loads everything except the random state
         of ranks that did not exist before (a warning says so: the run then differs from the
-        uninterrupted one).
+        uninterrupted one). A sharded checkpoint (saved under fsdp) is read with
+        torch.distributed.checkpoint: under a process group every rank must call it (the ranks
+        check the folder and read it together); without one, one process reads it whole.
         """
         locate = (lambda: Path(path)) if path is not None else self.latest
         parts = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}

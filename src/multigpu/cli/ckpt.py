@@ -4,8 +4,11 @@
     multigpu ckpt inspect model.safetensors          # keys, shapes, dtypes, size, step, prefixes
     multigpu ckpt convert old.pt new.safetensors     # torch -> safetensors, module./_orig_mod. stripped
     multigpu ckpt convert a.safetensors a.pt --strip-prefix model.
+    multigpu ckpt convert runs/a model.safetensors   # a sharded (fsdp, DCP) checkpoint -> one file
 
-Files are read without executing code: a torch file that needs arbitrary unpickling is refused
+A sharded checkpoint (a Checkpointer's step folder under fsdp, or any torch.distributed.checkpoint
+folder) is inspected from its index and converted into one file of whole tensors with the model's
+keys. Files are read without executing code: a torch file that needs arbitrary unpickling is refused
 unless --allow-unsafe-pickle is given (only for files you trust). Inspect reads headers only;
 convert refuses files whose tensors, made contiguous, would take more than --max-expansion
 times the bytes on disk (a stride-0 view is a few bytes on disk and can be terabytes in memory),
@@ -36,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     inspect = actions.add_parser(
         "inspect",
         help="list keys, shapes, dtypes, sizes, saved step, format and wrapper prefixes",
-        description="Describe a weights file, a step-N checkpoint folder, or a Checkpointer folder (its latest step).",
+        description="Describe a weights file, a step-N checkpoint folder (sharded ones too), or a Checkpointer "
+        "folder (its latest step).",
     )
     inspect.add_argument("path", help="weights file (.safetensors, .pt, ...), step folder, or checkpoint folder")
     inspect.add_argument("--max-keys", type=int, default=40, help="tensors to list (0 lists all; default 40)")
