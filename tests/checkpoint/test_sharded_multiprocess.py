@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import sklearn.datasets  # noqa: F401 (see below)
 import torch
-import torch._dynamo
+import torch._dynamo  # see below
 
 import multigpu
 import multigpu.checkpoint as ckpt
@@ -37,6 +38,10 @@ from tests.distributed.launching import run_command
 WORKER = Path(__file__).parent / "workers" / "fsdp_worker.py"
 STEPS_BEFORE_KILL, STEPS = 3, 6
 LONG_KILLS = int(os.environ.get("MULTIGPU_KILL_CASES", "6" if os.environ.get("MULTIGPU_LONG") else "0"))
+
+# Both set environment variables when first imported (scikit-learn, for the digits: KMP_*; DCP's
+# first use imports torch._dynamo: TORCHINDUCTOR_CACHE_DIR): imported with this module, not inside
+# a test, whose guard (tests/conftest.py) would take them for the test's own changes.
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300 + 90 * LONG_KILLS)]
 
