@@ -191,6 +191,10 @@ def _state_of_another_save(folder: Path) -> None:
 DAMAGE = {
     "no index": (lambda f: (f / METADATA_FILE).unlink(), r"\.metadata', DCP's index of the checkpoint, is missing"),
     "truncated shard": (_truncate, r"__0_0\.distcp' has \d+ bytes; the manifest records \d+ \(the file was truncated"),
+    "truncated index": (
+        lambda f: (f / METADATA_FILE).write_bytes((f / METADATA_FILE).read_bytes()[:200]),
+        r"\.metadata' is not a readable DCP index \((EOFError|UnpicklingError)",
+    ),
     "flipped bit": (_flip, r"__0_0\.distcp' does not match the CRC-32 its manifest records"),
     "missing shard": (
         lambda f: (f / "__0_0.distcp").unlink(),
@@ -309,3 +313,15 @@ def test_a_failed_shard_write_leaves_the_previous_checkpoint_and_no_temporary(
     assert dcp_checkpoint.dcp_io.write_shards is disk_full
     assert ckpt.find_latest(tmp_path) == folder
     assert not [p for p in tmp_path.iterdir() if is_temporary(p)]
+
+
+def test_inspect_and_convert_of_a_damaged_folder_fail_in_one_line(
+    group: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = _saved(tmp_path)
+    _truncate(folder)
+    assert main(["ckpt", "inspect", str(folder)]) == 1
+    assert main(["ckpt", "convert", str(tmp_path), str(tmp_path / "out.safetensors")]) == 1
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 2 and all("__0_0.distcp' has" in e and "truncated" in e for e in errors), errors
+    assert not (tmp_path / "out.safetensors").exists()
