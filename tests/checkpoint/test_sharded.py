@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import resource
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,6 @@ import torch.distributed as dist
 
 import multigpu
 import multigpu.checkpoint as ckpt
-from multigpu.checkpoint import dcp_checkpoint, dcp_io
 from multigpu.checkpoint.atomic import is_temporary
 from multigpu.checkpoint.dcp_files import MANIFEST_FILE, METADATA_FILE
 from multigpu.checkpoint.formats import read_tensors
@@ -297,22 +297,41 @@ def test_an_unsharded_checkpoint_is_refused_by_a_sharded_model_with_the_fix(grou
         ckpt.Checkpointer(folder=tmp_path).resume(model=run.model, optimizer=run.optimizer)
 
 
-def test_a_failed_shard_write_leaves_the_previous_checkpoint_and_no_temporary(
-    group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_full_disk_during_the_shard_write_leaves_the_previous_checkpoint_and_no_temporary(
+    group: None, tmp_path: Path
 ) -> None:
     folder = _saved(tmp_path)
-    run = sh.build_run(sh.sharded_model())
-
-    def disk_full(directory: Path, state: dict[str, object]) -> None:
-        (directory / "__0_0.distcp").write_bytes(b"partial")
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(dcp_io, "write_shards", disk_full)
-    with pytest.raises(CheckpointError, match=r"could not write the shards of checkpoint .*step-00000003.*unchanged"):
-        ckpt.Checkpointer(folder=tmp_path).save(step=3, model=run.model, optimizer=run.optimizer)
-    assert dcp_checkpoint.dcp_io.write_shards is disk_full
+    run = _fresh_run()
+    sh.train_step(run, 0)  # AdamW state: the shards are tens of KiB
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8192, hard))  # writes past 8 KiB fail with EFBIG
+    try:
+        with pytest.raises(
+            CheckpointError,
+            match=r"could not write checkpoint .*step-00000003'?: File too large \(errno 27\)\. The disk holding .* is full "
+            r"or a file-size/quota limit was hit\. The previous checkpoint is unchanged",
+        ):
+            ckpt.Checkpointer(folder=tmp_path).save(step=3, model=run.model, optimizer=run.optimizer)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert ckpt.find_latest(tmp_path) == folder
     assert not [p for p in tmp_path.iterdir() if is_temporary(p)]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # torch's own save, alone: as meant
+def test_a_folder_that_passes_the_checks_but_fails_in_dcp_is_a_checkpoint_error(tmp_path: Path) -> None:
+    # A DCP folder written by torch itself (no manifest, so no checksums), whose index sends each
+    # tensor to the other's bytes: only DCP's reading finds out.
+    torch.distributed.checkpoint.save({"a": torch.ones(4), "b": torch.ones(2, 3)}, checkpoint_id=tmp_path, no_dist=True)
+    index = torch.distributed.checkpoint.FileSystemReader(tmp_path).read_metadata()
+    first, second = index.storage_data
+    index.storage_data[first], index.storage_data[second] = index.storage_data[second], index.storage_data[first]
+    (tmp_path / METADATA_FILE).write_bytes(pickle.dumps(index))
+    with pytest.raises(
+        CheckpointError,
+        match=r"reading the tensors of .* failed \(rank 0: AssertionError: .*mismatch sizes.*\); the folder is damaged",
+    ):
+        multigpu.load(torch.nn.Module(), tmp_path)
 
 
 def test_inspect_and_convert_of_a_damaged_folder_fail_in_one_line(

@@ -26,7 +26,7 @@ import contextlib
 import copy
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -77,7 +77,7 @@ from multigpu.checkpoint.validate import (
 )
 from multigpu.checkpoint.weights import describe_mismatch
 from multigpu.distributed.failures import explain_collective_failures
-from multigpu.errors import CheckpointError
+from multigpu.errors import CheckpointError, MultigpuError
 
 T = TypeVar("T")
 
@@ -110,19 +110,28 @@ def save_sharded(
             try:
                 with explain_collective_failures(f"writing the shards of checkpoint {target}"):
                     dcp_io.write_shards(tmp, shards)
-            except CheckpointError:
-                raise
-            except Exception as exc:  # DCP gathers every rank's failure into one exception
-                raise CheckpointError(
-                    f"could not write the shards of checkpoint {str(target)!r}: {type(exc).__name__}: "
-                    f"{str(exc)[:600]}. The previous checkpoint is unchanged."
-                ) from exc
+            except MultigpuError:
+                raise  # already explained (a collective timed out, a peer exited, ...)
+            except dcp_io.DCP_FAILURES as exc:  # DCP gathers every rank's failure into one exception
+                _raise_write_failure(target, exc)
             files = gather_on_main(_checksums(tmp), "the checksums of the checkpoint files")
             run_on_main(lambda: _finish(tmp, target, files or [], state, prune), f"saving checkpoint {target}")
         except BaseException:
             if is_main_process():
                 remove_tree(tmp)
             raise
+
+
+def _raise_write_failure(target: Path, exc: BaseException) -> NoReturn:
+    causes = dcp_io.failure_causes(exc)
+    os_error = next((cause for _, cause in causes if isinstance(cause, OSError)), None)
+    if os_error is not None:
+        with explain_os_errors(target):  # a full disk, a size limit, an unwritable folder: explained
+            raise os_error from exc
+    raise CheckpointError(
+        f"could not write the shards of checkpoint {str(target)!r} ({dcp_io.describe_failure(exc)}). "
+        "The previous checkpoint is unchanged."
+    ) from exc
 
 
 def _prepare(folder: Path, target: Path, lock_timeout_s: float, held: contextlib.ExitStack) -> Path:
@@ -230,8 +239,7 @@ def resume_sharded(
         checked, target, metadata = _agreed(
             lambda: _check(folder, model, parts, allow_unsafe_pickle), f"checking checkpoint {folder}"
         )
-        with explain_collective_failures(f"reading checkpoint {folder}"):
-            dcp_io.read_shards(folder, target, metadata, allow_unsafe_pickle=allow_unsafe_pickle)
+        dcp_io.read_shards(folder, target, metadata, allow_unsafe_pickle=allow_unsafe_pickle)
     except BaseException:
         if optimizer is not None and fresh is not None:
             optimizer.load_state_dict(fresh)  # as it was: no state

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -43,12 +44,15 @@ from torch.distributed.tensor import DTensor
 from multigpu.checkpoint.dcp_files import check_files, is_sharded_folder, read_manifest, read_metadata
 from multigpu.checkpoint.expansion import check_total
 from multigpu.checkpoint.keys import unwrap
-from multigpu.errors import CheckpointError
+from multigpu.distributed.failures import explain_collective_failures
+from multigpu.errors import CheckpointError, MultigpuError
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _NO_GROUP = "torch.distributed is disabled, unavailable or uninitialized"
+# What DCP raises: its CheckpointException (every rank's failures, gathered) derives from BaseException.
+DCP_FAILURES = (Exception, CheckpointException)
 
 
 def is_sharded_model(model: nn.Module) -> bool:
@@ -134,13 +138,13 @@ def read_shards(folder: Path, target: dict[str, Any], metadata: Metadata, *, all
     """
     planner = DefaultLoadPlanner() if allow_unsafe_pickle else _PlainValuesPlanner()
     try:
-        with _quiet():
+        with _quiet(), explain_collective_failures(f"reading checkpoint {folder}"):
             dcp.load(target, storage_reader=_CheckedReader(folder, metadata), planner=planner, no_dist=not _grouped())
-    except CheckpointError:
-        raise
-    except Exception as exc:  # DCP wraps every rank's failure in a CheckpointException
+    except MultigpuError:
+        raise  # a damaged value (CheckpointError), a collective that timed out, a peer that exited
+    except DCP_FAILURES as exc:  # DCP wraps every rank's failure in a CheckpointException
         raise CheckpointError(
-            f"reading the sharded checkpoint {str(folder)!r} failed: {type(exc).__name__}: {str(exc)[:400]}. "
+            f"reading the sharded checkpoint {str(folder)!r} failed ({describe_failure(exc)}). "
             "Resume from another step (Checkpointer.resume(path=...)) if it is damaged."
         ) from exc
 
@@ -181,9 +185,9 @@ def read_model_tensors(folder: Path, metadata: Metadata) -> OrderedDict[str, tor
             )
     except CheckpointError:
         raise
-    except Exception as exc:
+    except DCP_FAILURES as exc:
         raise CheckpointError(
-            f"reading the tensors of {str(folder)!r} failed: {type(exc).__name__}: {str(exc)[:400]}."
+            f"reading the tensors of {str(folder)!r} failed ({describe_failure(exc)}); the folder is damaged."
         ) from exc
     return OrderedDict((key, plain[fqn]) for key, (fqn, _) in entries.items())
 
@@ -227,6 +231,21 @@ class _PlainValuesPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
+
+
+def failure_causes(exc: BaseException) -> list[tuple[int | None, BaseException]]:
+    """The exceptions behind a DCP failure, with the rank each happened on (``None``: this process)."""
+    if isinstance(exc, CheckpointException):
+        return [(rank, wrapped[0]) for rank, wrapped in sorted(exc.failures.items())]
+    return [(None, exc)]
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line per cause of a DCP failure, instead of DCP's tracebacks of every rank."""
+    return "; ".join(
+        ("" if rank is None else f"rank {rank}: ") + f"{type(cause).__name__}: {str(cause)[:300]}"
+        for rank, cause in failure_causes(exc)[:4]
+    )
 
 
 def _grouped() -> bool:
