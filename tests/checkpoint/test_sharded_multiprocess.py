@@ -25,6 +25,7 @@ import pytest
 import sklearn.datasets  # noqa: F401 (see below)
 import torch
 import torch._dynamo  # see below
+import torch.distributed as dist
 
 import multigpu
 import multigpu.checkpoint as ckpt
@@ -170,6 +171,21 @@ def test_loading_at_world_size_1_warns_and_gives_the_saved_state(resumed: Path) 
     assert run.scheduler.state_dict()["last_epoch"] == STEPS
     bare = multigpu.load(tr.build_model(), resumed / "ckpt" / f"step-{STEPS:08d}")  # the weights alone
     assert all(torch.equal(bare.state_dict()[k], want[k]) for k in want)
+
+
+def test_loading_into_a_model_sharded_over_one_rank_reshards_the_two_ranks_slices(resumed: Path) -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        run = sh.build_run(sh.sharded_model())
+        with pytest.warns(RuntimeWarning, match=r"resuming at world_size=1 from a checkpoint saved at world_size=2"):
+            back = ckpt.Checkpointer(folder=resumed / "ckpt").resume(model=run.model, optimizer=run.optimizer)
+        assert back is not None and back.step == STEPS
+        got, want = sh.full_weights(run.model), read_tensors(resumed / "resumed.safetensors")[0]
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        exp_avg = [sh.local(s["exp_avg"]) for s in run.optimizer.state_dict()["state"].values()]
+        assert [tuple(t.shape) for t in exp_avg] == [(48, 64), (48,), (10, 48), (10,)]  # whole: one rank holds all
+    finally:
+        dist.destroy_process_group()
 
 
 def test_inspect_and_convert_give_the_whole_weights(resumed: Path, capsys: pytest.CaptureFixture[str]) -> None:
