@@ -10,6 +10,7 @@ import os
 import pickle
 import resource
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -344,3 +345,36 @@ def test_inspect_and_convert_of_a_damaged_folder_fail_in_one_line(
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 2 and all("__0_0.distcp' has" in e and "truncated" in e for e in errors), errors
     assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("step", [2, 1], ids=["next-step", "resave"])
+def test_the_latest_checkpoint_is_whole_at_every_rename_of_a_sharded_save(
+    group: None, tmp_path: Path, step: int
+) -> None:
+    # A kill lands between two system calls; the ones that change what a name points at are renames.
+    run = _fresh_run()
+    checkpointer = ckpt.Checkpointer(folder=tmp_path)
+    checkpointer.save(step=1, model=run.model, optimizer=run.optimizer)
+    sh.train_step(run, 0)
+    seen: list[tuple[Path | None, int | None]] = []
+    busy = False
+
+    def watch(frame: object, event: str, arg: object) -> None:
+        nonlocal busy
+        if event == "c_call" and arg in (os.rename, os.replace) and not busy:
+            busy = True
+            try:
+                latest = ckpt.find_latest(tmp_path)
+                resumed = ckpt.Checkpointer(folder=tmp_path).resume(model=sh.sharded_model()) if latest else None
+                seen.append((latest, resumed.step if resumed else None))
+            finally:
+                busy = False
+
+    sys.setprofile(watch)
+    try:
+        checkpointer.save(step=step, model=run.model, optimizer=run.optimizer)
+    finally:
+        sys.setprofile(None)
+    assert len(seen) >= 3, seen  # DCP's index, the manifest, state.pt, the folder
+    assert all(latest is not None and found in (1, step) for latest, found in seen), seen
+    assert ckpt.find_latest(tmp_path) == tmp_path / f"step-{step:08d}"
