@@ -37,7 +37,9 @@ def build_model() -> nn.Module:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", default="auto", help="single, dp, ddp, fsdp or auto (what multigpu launch asked for)")
+    parser.add_argument(
+        "--strategy", default="auto", help="single, dp, ddp, fsdp or auto (what multigpu launch asked for)"
+    )
     parser.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--epochs", type=int, default=2)

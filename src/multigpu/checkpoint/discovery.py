@@ -1,8 +1,10 @@
 """Find the complete checkpoints in a Checkpointer folder, ignoring (with a warning) what is not one.
 
 A checkpoint is complete when its folder has a strict step name (see :mod:`naming`), is a real
-folder (not a symlink), and holds both files as regular files; each file is written atomically
-before the folder gets its name, so present means whole. A step whose folder is missing but
+folder (not a symlink), and holds its files as regular files: ``model.safetensors`` and
+``state.pt``, or, for a sharded checkpoint (fsdp, :mod:`dcp_files`), ``manifest.json``, DCP's
+``.metadata`` and ``state.pt``. Every file is written before the folder gets its name, so present
+means whole. A step whose folder is missing but
 whose previous copy sits under an aside name (a replacement was interrupted) is found there,
 if that copy's weights header records the same step.
 """
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from multigpu.checkpoint.atomic import remove_tree
+from multigpu.checkpoint.dcp_files import MANIFEST_FILE, METADATA_FILE, recorded_step
 from multigpu.checkpoint.naming import ASIDE_MARKER, PREFIX, parse_aside, parse_step
 from multigpu.checkpoint.safetensors_header import read_header
 from multigpu.errors import CheckpointError
@@ -56,7 +59,8 @@ def complete_checkpoints(folder: Path, *, warn: bool = True) -> list[Found]:
         shown = ", ".join(sorted(ignored)[:5]) + (f" (+{len(ignored) - 5} more)" if len(ignored) > 5 else "")
         warnings.warn(
             f"ignoring {len(ignored)} entries of {str(folder)!r} that are not complete checkpoints: {shown}. "
-            f"Checkpoint folders are named {PREFIX}NNNNNNNN and hold {MODEL_FILE} and {STATE_FILE}.",
+            f"Checkpoint folders are named {PREFIX}NNNNNNNN and hold {MODEL_FILE} (or, sharded, {MANIFEST_FILE} "
+            f"and {METADATA_FILE}) and {STATE_FILE}.",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -77,13 +81,38 @@ def find_latest(folder: str | os.PathLike[str]) -> Path | None:
 
 
 def is_complete(path: Path) -> bool:
-    """Whether ``path`` is a real folder holding both checkpoint files as regular files."""
+    """Whether ``path`` is a real folder holding a checkpoint's files as regular files (either format)."""
     try:
         if not stat.S_ISDIR(os.lstat(path).st_mode):
             return False
-        return all(stat.S_ISREG(os.lstat(path / name).st_mode) for name in (MODEL_FILE, STATE_FILE))
     except OSError:
         return False
+    return _regular_files(path, (MODEL_FILE, STATE_FILE)) or _regular_files(
+        path, (MANIFEST_FILE, METADATA_FILE, STATE_FILE)
+    )
+
+
+def _regular_files(folder: Path, names: tuple[str, ...]) -> bool:
+    try:
+        return all(stat.S_ISREG(os.lstat(folder / name).st_mode) for name in names)
+    except OSError:
+        return False
+
+
+def recorded_step_of(folder: Path) -> int | None:
+    """The step a checkpoint's own files record (weights header or manifest), or ``None``.
+
+    A Checkpointer writes it into every checkpoint; a folder without it was not written by one.
+    """
+    if (folder / MANIFEST_FILE).is_file():
+        return recorded_step(folder)
+    try:
+        text = read_header(folder / MODEL_FILE).metadata.get("step")
+    except (CheckpointError, OSError):
+        return None
+    if text is None or not (text.isascii() and text.isdigit()) or str(int(text)) != text:
+        return None
+    return int(text)
 
 
 def recover_asides(folder: Path) -> list[Path]:
@@ -111,12 +140,7 @@ def recover_asides(folder: Path) -> list[Path]:
 
 def _is_aside_of(path: Path, step: int) -> bool:
     # Hidden entries are ours only if complete and their weights record the step (a cheap header read).
-    if not is_complete(path):
-        return False
-    try:
-        return read_header(path / MODEL_FILE).metadata.get("step") == str(step)
-    except (CheckpointError, OSError):
-        return False
+    return is_complete(path) and recorded_step_of(path) == step
 
 
 def _entries(folder: Path) -> list[Path]:

@@ -57,11 +57,21 @@ def check_expansion(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike
         total += size
         if size > largest:
             largest, largest_key = size, key
-    on_disk = os.path.getsize(path)
+    check_total(path, os.path.getsize(path), total, (largest_key, largest), max_expansion=max_expansion)
+
+
+def check_total(
+    path: str | os.PathLike[str], on_disk: int, total: int, largest: tuple[str, int], *, max_expansion: float
+) -> None:
+    """Refuse tensors of ``total`` bytes read from ``on_disk`` bytes at ``path`` beyond ``max_expansion``.
+
+    Raises:
+        CheckpointError: naming the largest tensor (``(key, bytes)``), the sizes, and how to allow it.
+    """
     if total > max_expansion * on_disk + _SLACK:
         raise CheckpointError(
             f"{str(path)!r} holds {on_disk} bytes but its tensors take {total} bytes once contiguous "
-            f"({total / max(on_disk, 1):.3g}x, above the limit of {max_expansion:g}x; largest: {largest_key!r}, "
-            f"{largest} bytes, a strided or expanded view). If you expect this, raise the limit "
+            f"({total / max(on_disk, 1):.3g}x, above the limit of {max_expansion:g}x; largest: {largest[0]!r}, "
+            f"{largest[1]} bytes, a strided or expanded view). If you expect this, raise the limit "
             "(CLI: --max-expansion FACTOR, or inf)."
         )

@@ -20,7 +20,7 @@ from multigpu.errors import CheckpointError
 T = TypeVar("T")
 
 
-def _communicates() -> bool:
+def is_distributed() -> bool:
     """Whether a process group with more than one rank is up (checkpoint writes then need collectives)."""
     return in_process_group() and world_size() > 1
 
@@ -36,7 +36,7 @@ def run_on_main(write: Callable[[], T], what: str) -> T | None:
     Returns:
         ``write()``'s result on the main process, ``None`` elsewhere.
     """
-    if not _communicates():
+    if not is_distributed():
         return write() if is_main_process() else None
     result: T | None = None
     failure: BaseException | None = None
@@ -61,7 +61,7 @@ def gather_on_main(obj: Any, what: str) -> list[Any] | None:
 
     Every rank must call this. Without a process group: ``[obj]`` on the main process.
     """
-    if not _communicates():
+    if not is_distributed():
         return [obj] if is_main_process() else None
     gathered: list[Any] | None = [None] * world_size() if is_main_process() else None
     with explain_collective_failures(f"gathering {what} on rank 0"):

@@ -140,7 +140,7 @@ def apply_all(
         stage = "model"
         unwrap(model).load_state_dict(weights, strict=False)
         stage = "random state"
-        _restore_this_rank_rng(checked)
+        restore_rank_rng(checked)
     except Exception as exc:
         for target, before in reversed(applied):
             target.load_state_dict(before)
@@ -152,7 +152,8 @@ def apply_all(
         raise as_error(exc, folder, stage, note) from exc
 
 
-def _restore_this_rank_rng(checked: TrainingState) -> None:
+def restore_rank_rng(checked: TrainingState, *, stacklevel: int = 4) -> None:
+    """Restore this rank's saved random state; warn when the world size changed since the save."""
     rank = global_rank()
     if checked.world_size != world_size():
         warnings.warn(
@@ -160,7 +161,7 @@ def _restore_this_rank_rng(checked: TrainingState) -> None:
             f"{checked.world_size}: model and optimizer load, but random streams differ from the "
             "original run, so results will not match it bit for bit.",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
     if rank < len(checked.rng):
         restore_rng(checked.rng[rank])

@@ -15,6 +15,11 @@ tensors and containers only, so it loads weights-only). The folder appears in on
 rename, so a crash mid-save leaves the previous step as the latest; re-saving a step swaps the
 folders atomically (:mod:`swap`). One process saves into a folder at a time (:mod:`lock`).
 Resume checks the whole state before it changes anything (:mod:`resume`, :mod:`validate`).
+
+A model sharded by fsdp is saved without gathering it: each rank writes its slices of the weights
+and optimizer state with torch.distributed.checkpoint into the same ``step-N`` scheme, next to
+``state.pt`` and a ``manifest.json`` that marks the format (:mod:`dcp_files`, :mod:`dcp_checkpoint`).
+Resume reads either format; a sharded one at any world size, into a sharded model or not.
 """
 
 from __future__ import annotations
@@ -32,11 +37,15 @@ import torch
 from torch import nn
 
 from multigpu.checkpoint.atomic import atomic_write_file, explain_os_errors, remove_stale_temporaries, remove_tree
+from multigpu.checkpoint.dcp_checkpoint import resume_sharded, save_sharded
+from multigpu.checkpoint.dcp_files import is_sharded_folder
+from multigpu.checkpoint.dcp_io import is_sharded_model
 from multigpu.checkpoint.discovery import (
     MODEL_FILE,
     STATE_FILE,
     complete_checkpoints,
     find_latest,
+    recorded_step_of,
     recover_asides,
 )
 from multigpu.checkpoint.formats import write_tensors
@@ -50,6 +59,7 @@ from multigpu.checkpoint.rng import capture_rng
 from multigpu.checkpoint.safetensors_header import read_header
 from multigpu.checkpoint.swap import atomic_folder
 from multigpu.checkpoint.validate import FORMAT_VERSION, walk_plain
+from multigpu.distributed.runtime import world_size
 from multigpu.errors import CheckpointError, ConfigError
 
 __all__ = ["MODEL_FILE", "STATE_FILE", "Checkpointer", "Resumed", "Stateful", "find_latest"]
@@ -133,7 +143,9 @@ class Checkpointer:
                 for ``lock_timeout_s``; previous checkpoints are intact.
 
         Every rank must call it: the random states of all ranks are gathered, rank 0 writes,
-        the others return when the checkpoint is complete.
+        the others return when the checkpoint is complete. Under fsdp (a model whose parameters
+        are DTensors) every rank also writes its own shards, and rank 0 puts the folder in place
+        once all have (see :mod:`dcp_checkpoint`).
         """
         check_count(step, "step")
         check_count(epoch, "epoch")
@@ -146,19 +158,33 @@ class Checkpointer:
         rngs = gather_on_main(capture_rng(), "random states")
         target = self.folder / folder_name(step)
 
-        def write() -> Path:  # runs on the main process only, which holds every rank's random state
-            assert rngs is not None  # gather_on_main gives the main process the list
-            state = {
+        def entries() -> dict[str, Any]:  # state.pt, less the optimizer
+            return {
                 "format_version": FORMAT_VERSION,
                 "step": step,
                 "epoch": epoch,
-                "world_size": len(rngs),  # the ranks that took part in this save
+                # the ranks that took part in this save (the gathered list exists on the main process only)
+                "world_size": len(rngs) if rngs is not None else world_size(),
                 "rng": rngs,
-                "optimizer": None if optimizer is None else optimizer.state_dict(),
                 "scheduler": None if scheduler is None else scheduler.state_dict(),
                 "scaler": None if scaler is None else scaler.state_dict(),
                 **counters,
             }
+
+        if is_sharded_model(model):  # fsdp: every rank writes its own shards (dcp_checkpoint)
+            save_sharded(
+                self.folder,
+                target,
+                model=model,
+                optimizer=optimizer,
+                state=entries(),
+                lock_timeout_s=self.lock_timeout_s,
+                prune=lambda just_written: self._prune(just_written=just_written),
+            )
+            return target
+
+        def write() -> Path:  # runs on the main process only
+            state = {**entries(), "optimizer": None if optimizer is None else optimizer.state_dict()}
             return self._write(target, unwrap(model).state_dict(), state)
 
         run_on_main(write, f"saving checkpoint {target}")
@@ -189,16 +215,27 @@ class Checkpointer:
         Any rank may call it and every rank should: each reads the files and takes its own
         random state. Resuming at another world size loads everything except the random state
         of ranks that did not exist before (a warning says so: the run then differs from the
-        uninterrupted one).
+        uninterrupted one). A sharded checkpoint (saved under fsdp) is read with
+        torch.distributed.checkpoint: under a process group every rank must call it (the ranks
+        check the folder and read it together); without one, one process reads it whole.
         """
         locate = (lambda: Path(path)) if path is not None else self.latest
-        read = read_checkpoint(locate, allow_unsafe_pickle=allow_unsafe_pickle)
-        if read is None:
-            return None
-        found, state, tensors, metadata = read
         parts = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
-        checked, weights = check_all(found, state, tensors, metadata, model, parts, allow_objects=allow_unsafe_pickle)
-        apply_all(found, checked, weights, model, parts)
+        first = locate()
+        if first is not None and is_sharded_folder(first):
+            found = first
+            checked = resume_sharded(found, model=model, parts=parts, allow_unsafe_pickle=allow_unsafe_pickle)
+        else:
+            if first is not None and is_sharded_model(model):
+                raise CheckpointError(_UNSHARDED_INTO_SHARDED.format(folder=str(first)))
+            read = read_checkpoint(locate, allow_unsafe_pickle=allow_unsafe_pickle)
+            if read is None:
+                return None
+            found, state, tensors, metadata = read
+            checked, weights = check_all(
+                found, state, tensors, metadata, model, parts, allow_objects=allow_unsafe_pickle
+            )
+            apply_all(found, checked, weights, model, parts)
         return Resumed(
             path=found,
             step=checked.step,
@@ -253,12 +290,16 @@ class Checkpointer:
             remove_tree(found.path)
 
 
+_UNSHARDED_INTO_SHARDED = (
+    "{folder!r} is an unsharded checkpoint (model.safetensors, saved without fsdp) and the model is sharded "
+    "by fsdp: resuming its optimizer state into shards is not supported. Load its weights with "
+    "multigpu.load(model, '{folder}/model.safetensors') and start a fresh optimizer, or resume it without fsdp."
+)
+
+
 def _written_here(folder: Path, step: int) -> bool:
-    # Prune only what a Checkpointer wrote: its weights header records the folder's step.
-    try:
-        return read_header(folder / MODEL_FILE).metadata.get("step") == str(step)
-    except (CheckpointError, OSError):
-        return False
+    # Prune only what a Checkpointer wrote: its weights header (or manifest) records the folder's step.
+    return recorded_step_of(folder) == step
 
 
 def _refuse_at_save(where: str, found: Any, expected: str) -> NoReturn:

@@ -1,10 +1,12 @@
 """What a checkpoint holds, without a model: keys, shapes, dtypes, sizes, step, format, prefixes.
 
 Backs ``multigpu ckpt inspect`` and ``multigpu ckpt convert``. Accepts a weights file
-(safetensors or torch), a ``step-N`` checkpoint folder, or a :class:`Checkpointer` folder (its
-latest step). Nothing here executes code from a file (see :mod:`formats`), and a summary reads
-headers only: the safetensors header, or a torch file's pickle with its tensors mapped to the
-``meta`` device (shapes without data). Every field shown is type- and range-checked first.
+(safetensors or torch), a ``step-N`` checkpoint folder (either format: ``model.safetensors``, or
+sharded with torch.distributed.checkpoint, :mod:`dcp_files`), any DCP checkpoint folder, or a
+:class:`Checkpointer` folder (its latest step). Nothing here executes code from a file (see
+:mod:`formats`), and a summary reads headers only: the safetensors header, a torch file's pickle
+with its tensors mapped to the ``meta`` device (shapes without data), or DCP's index (its
+``.metadata``, unpickled safely). Every field shown is type- and range-checked first.
 """
 
 from __future__ import annotations
@@ -12,14 +14,26 @@ from __future__ import annotations
 import math
 import os
 import reprlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from multigpu.checkpoint.dcp_files import (
+    METADATA_FILE,
+    check_files,
+    is_dcp_folder,
+    is_sharded_folder,
+    read_manifest,
+    read_metadata,
+    recorded_step,
+)
+from multigpu.checkpoint.dcp_io import files_bytes, model_entries, read_sharded_weights
 from multigpu.checkpoint.discovery import MODEL_FILE, STATE_FILE, find_latest
-from multigpu.checkpoint.formats import Format, detect_format, load_torch_file, read_structure
+from multigpu.checkpoint.expansion import check_expansion
+from multigpu.checkpoint.formats import Format, detect_format, load_torch_file, read_structure, read_tensors
 from multigpu.checkpoint.keys import find_prefixes
 from multigpu.checkpoint.naming import MAX_STEP, parse_aside, parse_step
 from multigpu.checkpoint.validate import check_counters
@@ -41,8 +55,8 @@ class TensorInfo:
 class Summary:
     """A checkpoint described: see :func:`summarize`."""
 
-    path: Path  # the weights file described
-    format: Format
+    path: Path  # the weights file (or sharded checkpoint folder) described
+    format: Format | Literal["dcp"]
     size_on_disk: int  # bytes of the file (or of the whole step folder)
     tensors: list[TensorInfo]
     prefixes: dict[str, int]  # wrapper prefix -> number of keys carrying it
@@ -56,7 +70,10 @@ class Summary:
 
 
 def weights_file(path: str | os.PathLike[str]) -> Path:
-    """The weights file behind ``path``: the file itself, a step folder's, or the latest step's."""
+    """The weights behind ``path``: the file itself, a step folder's file, the latest step's, or a DCP folder.
+
+    A sharded checkpoint (a folder holding DCP's ``.metadata``) is returned as the folder itself.
+    """
     path = Path(path)
     if path.is_file():
         return path
@@ -66,13 +83,31 @@ def weights_file(path: str | os.PathLike[str]) -> Path:
         )
     if (path / MODEL_FILE).is_file():
         return path / MODEL_FILE
+    if is_dcp_folder(path):
+        return path
     latest = find_latest(path)
     if latest is None:
         raise CheckpointError(
-            f"{str(path)!r} holds no checkpoint: no {MODEL_FILE} and no complete step-N folder. "
-            "Give a weights file, a step folder, or the folder a Checkpointer saved into."
+            f"{str(path)!r} holds no checkpoint: no {MODEL_FILE}, no DCP {METADATA_FILE} and no complete step-N "
+            "folder. Give a weights file, a step folder, or the folder a Checkpointer saved into."
         )
-    return latest / MODEL_FILE
+    return latest if is_sharded_folder(latest) else latest / MODEL_FILE
+
+
+def read_weights(
+    source: Path, *, allow_unsafe_pickle: bool = False, max_expansion: float = math.inf
+) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
+    """The whole tensors and metadata of ``source`` (from :func:`weights_file`): a file, or a DCP folder.
+
+    A DCP folder is checked first (:func:`~multigpu.checkpoint.dcp_files.check_files`) and refused
+    when its tensors would take more than ``max_expansion`` times its files' bytes.
+    """
+    if not source.is_dir():
+        tensors, metadata = read_tensors(source, allow_unsafe_pickle=allow_unsafe_pickle)
+        check_expansion(tensors, source, max_expansion=max_expansion)
+        return tensors, metadata
+    step = recorded_step(source)  # as a Checkpointer's model.safetensors records it
+    return read_sharded_weights(source, max_expansion=max_expansion), {} if step is None else {"step": str(step)}
 
 
 def summarize(path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False) -> Summary:
@@ -86,6 +121,8 @@ def summarize(path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False
         ('safetensors', ['w'], {})
     """
     weights = weights_file(path)
+    if weights.is_dir():
+        return _summarize_sharded(weights, allow_unsafe_pickle)
     structure, metadata = read_structure(weights, allow_unsafe_pickle=allow_unsafe_pickle)
     state = _training_state(weights.parent, allow_unsafe_pickle) if weights.name == MODEL_FILE else {}
     step = state["step"] if state else _step_in(metadata)
@@ -101,6 +138,30 @@ def summarize(path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False
         step=step,
         metadata=metadata,
         training_state=state,
+    )
+
+
+def _summarize_sharded(folder: Path, allow_unsafe_pickle: bool) -> Summary:
+    index = read_metadata(folder)
+    manifest = read_manifest(folder) if is_sharded_folder(folder) else None
+    check_files(folder, index, manifest, crc=False)  # sizes only: inspect reads no data
+    structure = [(key, tuple(e.size), e.properties.dtype) for key, (_, e) in model_entries(index).items()]
+    state = _training_state(folder, allow_unsafe_pickle) if (folder / STATE_FILE).is_file() else {}
+    if state:  # the optimizer's state lies in the shards, unless it had not stepped yet (then in state.pt)
+        state["optimizer"] = state["optimizer"] or any(k.startswith("optimizer.") for k in index.state_dict_metadata)
+    shards = sorted({i.relative_path for i in index.storage_data.values()})
+    step = state["step"] if state else (manifest.step if manifest else None)
+    return Summary(
+        path=folder,
+        format="dcp",
+        size_on_disk=files_bytes(folder),
+        tensors=[
+            TensorInfo(key=k, shape=shape, dtype=str(dtype).replace("torch.", ""), nbytes=_nbytes(shape, dtype))
+            for k, shape, dtype in structure
+        ],
+        prefixes=find_prefixes(k for k, _, _ in structure),
+        step=step,
+        training_state={**state, "shard files": len(shards)},
     )
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from multigpu.checkpoint.dcp_files import is_dcp_folder
+from multigpu.checkpoint.dcp_io import read_sharded_weights
 from multigpu.checkpoint.formats import Format, read_tensors, write_tensors
 from multigpu.checkpoint.keys import clean_state_dict, collision_message, match_keys, unwrap
 from multigpu.checkpoint.ranks import run_on_main
@@ -80,7 +82,8 @@ def load(
 
     Args:
         model: the module to fill; a DataParallel/DDP/compiled wrapper is unwrapped.
-        path: a safetensors or torch file (format detected from its bytes).
+        path: a safetensors or torch file (format detected from its bytes), or the step folder of a
+            sharded checkpoint (a Checkpointer's under fsdp): its whole weights are read.
         strict: raise when keys or shapes differ; with ``False`` load the keys that match.
         strip: extra key prefixes to remove (e.g. ``("model.",)`` for a Lightning checkpoint).
         allow_unsafe_pickle: allow torch files that need arbitrary unpickling. Only for files
@@ -105,7 +108,10 @@ def load(
         >>> load(nn.DataParallel(nn.Linear(2, 1)), p).__class__.__name__
         'DataParallel'
     """
-    tensors, _ = read_tensors(path, allow_unsafe_pickle=allow_unsafe_pickle)
+    if is_dcp_folder(Path(path)):  # a sharded checkpoint folder (fsdp, torch.distributed.checkpoint)
+        tensors = read_sharded_weights(Path(path))
+    else:
+        tensors, _ = read_tensors(path, allow_unsafe_pickle=allow_unsafe_pickle)
     load_tensors(model, tensors, strict=strict, strip=strip, source=str(path))
     return model
 

@@ -4,8 +4,11 @@
     multigpu ckpt inspect model.safetensors          # keys, shapes, dtypes, size, step, prefixes
     multigpu ckpt convert old.pt new.safetensors     # torch -> safetensors, module./_orig_mod. stripped
     multigpu ckpt convert a.safetensors a.pt --strip-prefix model.
+    multigpu ckpt convert runs/a model.safetensors   # a sharded (fsdp, DCP) checkpoint -> one file
 
-Files are read without executing code: a torch file that needs arbitrary unpickling is refused
+A sharded checkpoint (a Checkpointer's step folder under fsdp, or any torch.distributed.checkpoint
+folder) is inspected from its index and converted into one file of whole tensors with the model's
+keys. Files are read without executing code: a torch file that needs arbitrary unpickling is refused
 unless --allow-unsafe-pickle is given (only for files you trust; the classes such a file needs are
 imported from the current folder or PYTHONPATH, as in a script run from here). Inspect reads headers only;
 convert refuses files whose tensors, made contiguous, would take more than --max-expansion
@@ -41,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     inspect = actions.add_parser(
         "inspect",
         help="list keys, shapes, dtypes, sizes, saved step, format and wrapper prefixes",
-        description="Describe a weights file, a step-N checkpoint folder, or a Checkpointer folder (its latest step).",
+        description="Describe a weights file, a step-N checkpoint folder (sharded ones too), or a Checkpointer "
+        "folder (its latest step).",
     )
     inspect.add_argument("path", help="weights file (.safetensors, .pt, ...), step folder, or checkpoint folder")
     inspect.add_argument("--max-keys", type=int, default=40, help="tensors to list (0 lists all; default 40)")
@@ -123,15 +127,15 @@ def _convert(console: Console, args: argparse.Namespace) -> None:
 
     from rich.text import Text
 
-    from multigpu.checkpoint.expansion import check_expansion
-    from multigpu.checkpoint.formats import read_tensors, write_tensors
+    from multigpu.checkpoint.formats import write_tensors
     from multigpu.checkpoint.keys import clean_state_dict, collision_message, find_collisions
-    from multigpu.checkpoint.summary import weights_file
+    from multigpu.checkpoint.summary import read_weights, weights_file
     from multigpu.errors import CheckpointError
 
     source = weights_file(args.input)
-    tensors, metadata = read_tensors(source, allow_unsafe_pickle=args.allow_unsafe_pickle)
-    check_expansion(tensors, source, max_expansion=args.max_expansion)
+    tensors, metadata = read_weights(
+        source, allow_unsafe_pickle=args.allow_unsafe_pickle, max_expansion=args.max_expansion
+    )
     if not args.keep_prefixes:
         tensors = clean_state_dict(tensors)
         collisions = find_collisions(tensors)
@@ -157,7 +161,7 @@ def _print_summary(console: Console, summary: Summary, max_keys: int) -> None:
     facts.add_column(style="bold")
     facts.add_column(overflow="fold")  # long paths wrap instead of being cut
     facts.add_row("file", Text(_printable(str(summary.path))))
-    facts.add_row("format", summary.format)
+    facts.add_row("format", _FORMAT_NAMES.get(summary.format, summary.format))
     facts.add_row("size on disk", _bytes(summary.size_on_disk))
     facts.add_row("tensors", f"{len(summary.tensors)} ({_bytes(summary.tensor_bytes)})")
     facts.add_row("saved step", "-" if summary.step is None else str(summary.step))
@@ -176,6 +180,9 @@ def _print_summary(console: Console, summary: Summary, max_keys: int) -> None:
     if len(shown) < len(summary.tensors):
         table.caption = f"{len(summary.tensors) - len(shown)} more; --max-keys 0 lists all"
     console.print(table)
+
+
+_FORMAT_NAMES = {"dcp": "dcp (torch.distributed.checkpoint, sharded)"}
 
 
 def _printable(text: str) -> str:
