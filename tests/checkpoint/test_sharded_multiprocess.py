@@ -34,7 +34,7 @@ from multigpu.checkpoint.formats import read_tensors
 from multigpu.cli.main import main
 from tests.checkpoint import _sharded as sh
 from tests.checkpoint import _training as tr
-from tests.distributed.launching import run_command
+from tests.launching import run_command
 
 WORKER = Path(__file__).parent / "workers" / "fsdp_worker.py"
 STEPS_BEFORE_KILL, STEPS = 3, 6
