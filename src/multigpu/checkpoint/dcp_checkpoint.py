@@ -55,7 +55,7 @@ from multigpu.checkpoint.formats import load_torch_file
 from multigpu.checkpoint.keys import unwrap
 from multigpu.checkpoint.lock import folder_lock
 from multigpu.checkpoint.naming import parse_aside, parse_step
-from multigpu.checkpoint.ranks import gather_on_main, is_distributed, run_on_main
+from multigpu.checkpoint.ranks import gather_on_main, is_distributed, run_on_main, shared_from_main
 from multigpu.checkpoint.resume import restore_rank_rng
 from multigpu.checkpoint.rng import capture_rng, restore_rng
 from multigpu.checkpoint.swap import install_folder
@@ -97,9 +97,7 @@ def save_sharded(
     shards, plain_optimizer = dcp_io.live_state(model, optimizer)
     state = {**state, "optimizer": plain_optimizer}
     with contextlib.ExitStack() as held:  # rank 0 holds the folder's lock until the end
-        tmp = Path(
-            _shared_from_main(lambda: str(_prepare(folder, target, lock_timeout_s, held)), f"preparing {target}")
-        )
+        tmp = Path(shared_from_main(lambda: str(_prepare(folder, target, lock_timeout_s, held)), f"preparing {target}"))
         try:
             try:
                 with explain_collective_failures(f"writing the shards of checkpoint {target}"):
@@ -172,26 +170,6 @@ def _finish(
         fsync_folder(tmp)
         install_folder(tmp, target)
         prune(state["step"])
-
-
-def _shared_from_main(compute: Callable[[], str], what: str) -> str:
-    """``compute()`` run on rank 0 and its result given to every rank; its failure raised on every rank."""
-    if not is_distributed():
-        return compute()
-    message: list[Any] = [None, None]
-    failure: BaseException | None = None
-    if is_main_process():
-        try:
-            message[0] = compute()
-        except Exception as exc:
-            failure, message[1] = exc, f"{type(exc).__name__}: {exc}"
-    with explain_collective_failures(f"waiting for rank 0 {what}"):
-        dist.broadcast_object_list(message, src=0)
-    if failure is not None:
-        raise failure
-    if message[1] is not None:
-        raise CheckpointError(f"rank 0 failed {what}, so no checkpoint was written: {message[1]}")
-    return str(message[0])
 
 
 def _agreed(compute: Callable[[], T], what: str) -> T:

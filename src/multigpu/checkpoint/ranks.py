@@ -38,22 +38,40 @@ def run_on_main(write: Callable[[], T], what: str) -> T | None:
     """
     if not is_distributed():
         return write() if is_main_process() else None
+    return _from_main(write, what, share=False)
+
+
+def shared_from_main(compute: Callable[[], T], what: str) -> T:
+    """``compute()`` run on the main process and its result given to every rank.
+
+    Every rank must call this; failures behave as in :func:`run_on_main`. Without a process
+    group every process computes it itself.
+    """
+    if not is_distributed():
+        return compute()
+    return _from_main(compute, what, share=True)  # type: ignore[return-value]
+
+
+def _from_main(compute: Callable[[], T], what: str, *, share: bool) -> T | None:
     result: T | None = None
     failure: BaseException | None = None
     if is_main_process():
         try:
-            result = write()
+            result = compute()
         except Exception as exc:
             failure = exc
-    status: list[Any] = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-    # Sync point: the other ranks wait here until the main process has written (or failed).
+    message: list[Any] = [
+        result if share else None,
+        None if failure is None else f"{type(failure).__name__}: {failure}",
+    ]
+    # Sync point: the other ranks wait here until the main process has finished (or failed).
     with explain_collective_failures(f"waiting for rank 0 to finish {what}"):
-        dist.broadcast_object_list(status, src=0)
+        dist.broadcast_object_list(message, src=0)
     if failure is not None:
         raise failure
-    if status[0] is not None:
-        raise CheckpointError(f"rank 0 failed {what}, so no checkpoint was written: {status[0]}")
-    return result
+    if message[1] is not None:
+        raise CheckpointError(f"rank 0 failed {what}, so no checkpoint was written: {message[1]}")
+    return result if is_main_process() else message[0]
 
 
 def gather_on_main(obj: Any, what: str) -> list[Any] | None:
