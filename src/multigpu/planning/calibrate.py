@@ -38,7 +38,7 @@ from torch import nn
 from multigpu.errors import ConfigError
 from multigpu.parallel.replicas import build_replicas
 from multigpu.planning.counting import OpCounter
-from multigpu.planning.host import DEFAULT_HOST, HostCosts
+from multigpu.planning.host import DEFAULT_HOST, TIME_FIELDS, HostCosts
 from multigpu.profiling.bandwidth import time_per_op
 
 
@@ -188,14 +188,7 @@ def _main() -> None:
     for which in ("torch", "multigpu"):
         host = measure_host_costs(replicate=which, repeats=15)
         print(f"-- replicate: {which}")
-        for name in (
-            "op_s",
-            "module_call_s",
-            "backward_op_s",
-            "replicate_module_s",
-            "replicate_tensor_s",
-            "fsdp_group_s",
-        ):
+        for name in TIME_FIELDS:
             print(f"{name:20s} {getattr(host, name) * 1e6:8.2f} us")
         print(f"{'gil_contention':20s} {host.gil_contention:8.2f}")
 

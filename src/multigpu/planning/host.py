@@ -40,6 +40,18 @@ from multigpu.planning.workload import StepCounts
 GPU_LAUNCH_S = 5e-6
 
 
+# The per-event times of HostCosts, in seconds (validated together, printed by the calibration).
+TIME_FIELDS = (
+    "op_s",
+    "module_call_s",
+    "backward_op_s",
+    "replicate_module_s",
+    "replicate_tensor_s",
+    "launch_s",
+    "fsdp_group_s",
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class HostCosts:
     """Seconds per item of host work (one thread, unless said otherwise)."""
@@ -57,15 +69,7 @@ class HostCosts:
     source: str = "measured"
 
     def __post_init__(self) -> None:
-        for name in (
-            "op_s",
-            "module_call_s",
-            "backward_op_s",
-            "replicate_module_s",
-            "replicate_tensor_s",
-            "launch_s",
-            "fsdp_group_s",
-        ):
+        for name in TIME_FIELDS:
             if getattr(self, name) < 0:
                 raise ConfigError(f"HostCosts.{name}={getattr(self, name)} must be >= 0 seconds")
         if self.gil_contention <= 0:
