@@ -21,6 +21,9 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 
+from multigpu.devices import register_device_type, unregister_device_type
+from tests.devices.fake_device import MetaDevice
+
 _PROCESS_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec"}
 # Set by libraries for themselves on their first use in a process, whichever test that is: scikit-learn's
 # import (setdefault of the two KMP_ variables) and torch's first optimizer (inductor's cache folder).
@@ -93,6 +96,18 @@ def _new_threads(before: set[threading.Thread], grace_s: float = 2.0) -> list[th
 def _ours(thread: threading.Thread) -> bool:
     """Threads of the test tooling itself (pytest-timeout's watchdog), not of the code under test."""
     return thread.name.startswith("pytest_timeout")
+
+
+@pytest.fixture
+def meta() -> Iterator[MetaDevice]:
+    """The fake "meta" accelerator (tests/devices/fake_device.py), registered for the test."""
+    if torch.cuda.is_available():
+        pytest.skip("a real accelerator is found first; the fake type is looked up after it")
+    device_type = register_device_type(MetaDevice())
+    try:
+        yield device_type  # type: ignore[misc]
+    finally:
+        unregister_device_type("meta")
 
 
 def free_port() -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from torch import nn
 
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.atomic import is_temporary
+from tests.checkpoint._renames import before_every_rename
 from tests.checkpoint.workers.save_forever import WIDTH
 from tests.launching import start_python
 
@@ -166,7 +166,7 @@ def test_kills_during_checkpointer_saves_lose_nothing(tmp_path: Path, mode: str)
 @pytest.mark.multiprocess
 def test_two_processes_saving_the_same_steps_both_succeed(tmp_path: Path) -> None:
     # Small saves of one step, many of them, so the two processes' renames interleave.
-    writers = [Worker("resave", tmp_path, "--saves", "30", "--width", "4") for _ in (1, 2)]
+    writers = [Worker("resave", tmp_path, "--saves", "30", "--width", "4", "--fresh") for _ in (1, 2)]
     for writer in writers:
         writer.process.wait(timeout=120)
         assert writer.process.returncode == 0, writer.stderr()[-2000:]
@@ -224,22 +224,8 @@ def test_a_resaved_step_is_findable_at_every_rename(
     checkpointer = ckpt.Checkpointer(folder=tmp_path)
     checkpointer.save(step=5, model=nn.Linear(3, 2))
     seen: list[Path | None] = []
-    busy = False
-
-    def watch(frame: object, event: str, arg: object) -> None:
-        nonlocal busy
-        if event == "c_call" and arg in (os.rename, os.replace) and not busy:
-            busy = True
-            try:
-                seen.append(ckpt.find_latest(tmp_path))
-            finally:
-                busy = False
-
-    sys.setprofile(watch)
-    try:
+    with before_every_rename(lambda: seen.append(ckpt.find_latest(tmp_path))):
         checkpointer.save(step=5, model=nn.Linear(3, 2))
-    finally:
-        sys.setprofile(None)
     assert seen, "the re-save made no rename"
     assert all(found is not None for found in seen), seen
     assert ckpt.find_latest(tmp_path) == tmp_path / "step-00000005"

@@ -7,7 +7,6 @@ process that writes is the one :func:`multigpu.is_main_process` names, launched 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,18 +18,7 @@ import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.formats import load_torch_file
 from multigpu.devices import register_device_type, unregister_device_type
 from multigpu.errors import CheckpointError
-from tests.devices.test_registry import MetaDevice
-
-
-@pytest.fixture
-def meta() -> Iterator[MetaDevice]:
-    if torch.cuda.is_available():
-        pytest.skip("a real accelerator is found first; the fake type is looked up after it")
-    device_type = register_device_type(MetaDevice())
-    try:
-        yield device_type  # type: ignore[misc]
-    finally:
-        unregister_device_type("meta")
+from tests.devices.fake_device import MetaDevice
 
 
 def test_every_accelerator_types_generators_are_saved_and_restored(tmp_path: Path, meta: MetaDevice) -> None:

@@ -10,7 +10,6 @@ import os
 import pickle
 import resource
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from multigpu.cli.main import main
 from multigpu.errors import CheckpointError
 from tests.checkpoint import _sharded as sh
 from tests.checkpoint import _training as tr
+from tests.checkpoint._renames import before_every_rename
 
 STEPS = 6
 
@@ -357,24 +357,14 @@ def test_the_latest_checkpoint_is_whole_at_every_rename_of_a_sharded_save(
     checkpointer.save(step=1, model=run.model, optimizer=run.optimizer)
     sh.train_step(run, 0)
     seen: list[tuple[Path | None, int | None]] = []
-    busy = False
 
-    def watch(frame: object, event: str, arg: object) -> None:
-        nonlocal busy
-        if event == "c_call" and arg in (os.rename, os.replace) and not busy:
-            busy = True
-            try:
-                latest = ckpt.find_latest(tmp_path)
-                resumed = ckpt.Checkpointer(folder=tmp_path).resume(model=sh.sharded_model()) if latest else None
-                seen.append((latest, resumed.step if resumed else None))
-            finally:
-                busy = False
+    def look() -> None:
+        latest = ckpt.find_latest(tmp_path)
+        resumed = ckpt.Checkpointer(folder=tmp_path).resume(model=sh.sharded_model()) if latest else None
+        seen.append((latest, resumed.step if resumed else None))
 
-    sys.setprofile(watch)
-    try:
+    with before_every_rename(look):
         checkpointer.save(step=step, model=run.model, optimizer=run.optimizer)
-    finally:
-        sys.setprofile(None)
     assert len(seen) >= 3, seen  # DCP's index, the manifest, state.pt, the folder
     assert all(latest is not None and found in (1, step) for latest, found in seen), seen
     assert ckpt.find_latest(tmp_path) == tmp_path / f"step-{step:08d}"

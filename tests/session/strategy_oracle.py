@@ -85,3 +85,17 @@ def one_device_train(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             optimizer.step()
     return model
+
+
+def assert_weights_close(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float, rtol: float = 1e-5
+) -> None:
+    """Same keys in the same order, and every tensor within the tolerance (the key names the miss)."""
+    assert list(got) == list(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=rtol, atol=atol, msg=key)
+
+
+def max_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference over every tensor of ``want``."""
+    return max(float((got[k].float() - want[k].float()).abs().max()) for k in want)

@@ -15,7 +15,16 @@ import torch.nn.functional as F
 from multigpu.checkpoint.formats import read_tensors
 from tests.launching import launch_workers
 from tests.session.oracle import regression_data
-from tests.session.strategy_oracle import Branchy, adamw, batchnorm_model, deep_model, one_device_train, sgd
+from tests.session.strategy_oracle import (
+    Branchy,
+    adamw,
+    assert_weights_close,
+    batchnorm_model,
+    deep_model,
+    max_difference,
+    one_device_train,
+    sgd,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,16 +43,6 @@ def ranks(run: tuple[Path, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return run[1]
 
 
-def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float, rtol: float = 1e-5) -> None:
-    assert list(got) == list(want)
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=rtol, atol=atol, msg=key)
-
-
-def _distance(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    return max(float((got[k].float() - want[k].float()).abs().max()) for k in want)
-
-
 def test_an_unused_branch_fails_in_the_next_forward_naming_the_option(ranks: list[dict[str, Any]]) -> None:
     for rank in ranks:
         failure = rank["unused_fails"]
@@ -59,7 +58,7 @@ def test_find_unused_parameters_trains_the_branchy_model_like_one_device(ranks: 
     want = one_device_train(regression_data(32), Branchy, sgd).state_dict()
     for rank in ranks:
         got = rank["unused_found"]["state_dict"]
-        _close(got, want, atol=1e-6)
+        assert_weights_close(got, want, atol=1e-6)
         torch.testing.assert_close(got["unused.weight"], untouched["weight"], rtol=0, atol=0)
 
 
@@ -67,7 +66,7 @@ def test_the_other_knobs_keep_the_one_device_weights(ranks: list[dict[str, Any]]
     # static_graph, gradient copies instead of bucket views, tiny buckets, no buffer broadcast
     want = one_device_train(regression_data(32), deep_model, sgd).state_dict()
     for rank in ranks:
-        _close(rank["knobs"]["state_dict"], want, atol=1e-6)
+        assert_weights_close(rank["knobs"]["state_dict"], want, atol=1e-6)
 
 
 # Distance from the exact all-reduce's weights after 8 SGD steps (lr 0.2), measured then bounded:
@@ -81,10 +80,10 @@ HOOK_TOLERANCE = {"fp16": 1e-3, "bf16": 5e-3, "powersgd": 0.1}
 def test_each_comm_hook_trains_near_the_exact_weights(ranks: list[dict[str, Any]], hook: str) -> None:
     want = one_device_train(regression_data(32), deep_model, sgd).state_dict()
     result = ranks[0][hook]
-    _close(result["state_dict"], want, atol=HOOK_TOLERANCE[hook], rtol=0)
-    assert _distance(result["state_dict"], want) > 1e-6  # the hook compressed: not the exact all-reduce
+    assert_weights_close(result["state_dict"], want, atol=HOOK_TOLERANCE[hook], rtol=0)
+    assert max_difference(result["state_dict"], want) > 1e-6  # the hook compressed: not the exact all-reduce
     assert result["losses"][-1] < 0.1 * result["losses"][0]
-    _close(ranks[1][hook]["state_dict"], result["state_dict"], atol=0, rtol=0)  # the ranks agree
+    assert_weights_close(ranks[1][hook]["state_dict"], result["state_dict"], atol=0, rtol=0)  # the ranks agree
 
 
 def test_sync_batchnorm_equals_one_device_batchnorm_on_the_global_batch(ranks: list[dict[str, Any]]) -> None:
@@ -108,10 +107,10 @@ def test_sync_batchnorm_trains_and_evaluates_like_one_device(ranks: list[dict[st
         want_eval = model(regression_data(11).tensors[0])
     for rank in ranks:
         trained = rank["sync_batchnorm"]["trained"]
-        _close(trained["state_dict"], model.state_dict(), atol=1e-6)  # weights and running statistics
+        assert_weights_close(trained["state_dict"], model.state_dict(), atol=1e-6)  # weights and running statistics
         torch.testing.assert_close(trained["eval_outputs"], want_eval, rtol=1e-5, atol=1e-6)
     # Plain BatchNorm normalizes each rank's half batch on its own: far from one device. The check bites.
-    assert _distance(ranks[0]["plain_batchnorm"]["state_dict"], model.state_dict()) > 1e-2
+    assert max_difference(ranks[0]["plain_batchnorm"]["state_dict"], model.state_dict()) > 1e-2
 
 
 def test_compile_trains_to_the_eager_weights_and_saves_bare_keys(run: tuple[Path, list[dict[str, Any]]]) -> None:
@@ -119,7 +118,7 @@ def test_compile_trains_to_the_eager_weights_and_saves_bare_keys(run: tuple[Path
     want = one_device_train(regression_data(32), deep_model, adamw, accumulate=2).state_dict()
     for rank in ranks:
         result = rank["compile"]
-        _close(result["state_dict"], want, atol=1e-5)  # inductor may fuse and reorder float32 operations
+        assert_weights_close(result["state_dict"], want, atol=1e-5)  # inductor may fuse and reorder float32 operations
         assert result["syncs"] == [False, True] * 4  # no_sync reached the DDP module inside the compiled one
         assert result["keys"][0].startswith("_orig_mod.module.")  # what the compiled module itself reports
     bare = sorted(deep_model().state_dict())

@@ -18,7 +18,15 @@ import multigpu
 from multigpu.checkpoint.formats import read_tensors
 from tests.launching import multigpu_launch
 from tests.session.oracle import regression_data
-from tests.session.strategy_oracle import adamw, batchnorm_model, deep_model, one_device_train, sgd
+from tests.session.strategy_oracle import (
+    adamw,
+    assert_weights_close,
+    batchnorm_model,
+    deep_model,
+    max_difference,
+    one_device_train,
+    sgd,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,16 +48,6 @@ def ranks(run: tuple[Path, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return run[1]
 
 
-def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float, rtol: float = 1e-5) -> None:
-    assert list(got) == list(want)
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=rtol, atol=atol, msg=key)
-
-
-def _distance(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    return max(float((got[k] - want[k]).abs().max()) for k in want)
-
-
 def _oracle(**kwargs: Any) -> dict[str, torch.Tensor]:
     kwargs.setdefault("build", deep_model)
     kwargs.setdefault("make_optimizer", adamw)
@@ -64,7 +62,7 @@ def test_two_processes_end_with_the_weights_of_one_device(ranks: list[dict[str, 
     want = _oracle()  # AdamW, 2 epochs of 4 global batches of 8
     for rank in ranks:
         assert rank["adamw"]["steps"] == 8
-        _close(rank["adamw"]["state_dict"], want, atol=1e-6)
+        assert_weights_close(rank["adamw"]["state_dict"], want, atol=1e-6)
 
 
 @pytest.mark.parametrize("scenario", ["wrap_block", "keep_gathered"])
@@ -73,21 +71,21 @@ def test_named_blocks_and_keeping_gathered_parameters_train_the_same(
 ) -> None:
     want = _oracle()  # FSDPOptions(wrap=[Block]) / FSDPOptions(reshard_after_forward=False)
     for rank in ranks:
-        _close(rank[scenario]["state_dict"], want, atol=1e-6)
+        assert_weights_close(rank[scenario]["state_dict"], want, atol=1e-6)
 
 
 def test_accumulation_matches_one_device_on_the_combined_batch(ranks: list[dict[str, Any]]) -> None:
     want = _oracle(accumulate=2)
     for rank in ranks:
         assert rank["accumulate"]["steps"] == 4
-        _close(rank["accumulate"]["state_dict"], want, atol=1e-6)
+        assert_weights_close(rank["accumulate"]["state_dict"], want, atol=1e-6)
 
 
 def test_max_grad_norm_clips_the_global_norm_of_the_sharded_gradients(ranks: list[dict[str, Any]]) -> None:
     want = _oracle(make_optimizer=sgd, max_grad_norm=0.05)
-    assert _distance(want, _oracle(make_optimizer=sgd)) > 1e-2  # clipping changed the run: the check bites
+    assert max_difference(want, _oracle(make_optimizer=sgd)) > 1e-2  # clipping changed the run: the check bites
     for rank in ranks:
-        _close(rank["clip"]["state_dict"], want, atol=1e-6)
+        assert_weights_close(rank["clip"]["state_dict"], want, atol=1e-6)
 
 
 def test_bf16_computes_in_bf16_and_stays_near_the_fp32_weights(ranks: list[dict[str, Any]]) -> None:
@@ -99,10 +97,10 @@ def test_bf16_computes_in_bf16_and_stays_near_the_fp32_weights(ranks: list[dict[
     want = _oracle()
     for scenario in ("bf16", "bf16_reduce"):
         got = ranks[0][scenario]["state_dict"]
-        _close(got, want, atol=5e-3, rtol=0)
-        assert _distance(got, want) > 1e-5  # the 16-bit computation did take place
+        assert_weights_close(got, want, atol=5e-3, rtol=0)
+        assert max_difference(got, want) > 1e-5  # the 16-bit computation did take place
     # reduce_fp32=False reduce-scatters in bf16: a different (rounded) sum than in float32
-    assert _distance(ranks[0]["bf16"]["state_dict"], ranks[0]["bf16_reduce"]["state_dict"]) > 0
+    assert max_difference(ranks[0]["bf16"]["state_dict"], ranks[0]["bf16_reduce"]["state_dict"]) > 0
 
 
 def test_fp16_trains_with_a_scaler_shared_by_the_ranks(ranks: list[dict[str, Any]]) -> None:
@@ -116,7 +114,7 @@ def test_fp16_trains_with_a_scaler_shared_by_the_ranks(ranks: list[dict[str, Any
 def test_sync_batchnorm_under_fsdp_matches_one_device_batchnorm(ranks: list[dict[str, Any]]) -> None:
     want = _oracle(build=batchnorm_model, make_optimizer=sgd)
     for rank in ranks:
-        _close(rank["sync_batchnorm"]["state_dict"], want, atol=1e-6)
+        assert_weights_close(rank["sync_batchnorm"]["state_dict"], want, atol=1e-6)
 
 
 def test_save_is_a_collective_whose_file_loads_into_the_bare_model(run: tuple[Path, list[dict[str, Any]]]) -> None:
@@ -124,13 +122,13 @@ def test_save_is_a_collective_whose_file_loads_into_the_bare_model(run: tuple[Pa
     path = out / "fsdp.safetensors"
     assert path.read_bytes()[8:9] == b"{"  # safetensors: a little-endian header length, then JSON
     bare = multigpu.load(deep_model(), path)
-    _close(bare.state_dict(), ranks[0]["adamw"]["state_dict"], atol=0, rtol=0)
+    assert_weights_close(bare.state_dict(), ranks[0]["adamw"]["state_dict"], atol=0, rtol=0)
     assert sorted(read_tensors(path)[0]) == sorted(deep_model().state_dict())
 
 
 def test_the_file_loads_into_a_sharded_model_too(ranks: list[dict[str, Any]]) -> None:
     for rank in ranks:  # a model set up with other initial weights, then multigpu.load on every rank
-        _close(rank["reloaded"], rank["adamw"]["state_dict"], atol=0, rtol=0)
+        assert_weights_close(rank["reloaded"], rank["adamw"]["state_dict"], atol=0, rtol=0)
 
 
 def test_unwrap_returns_the_sharded_model_with_bare_keys(ranks: list[dict[str, Any]]) -> None:
@@ -159,5 +157,5 @@ def test_compiled_fsdp_trains_to_the_eager_weights(run: tuple[Path, list[dict[st
     out, ranks = run
     want = _oracle()
     for rank in ranks:  # inductor may fuse and reorder float32 operations: 1e-5, not bitwise
-        _close(rank["compile"]["state_dict"], want, atol=1e-5)
+        assert_weights_close(rank["compile"]["state_dict"], want, atol=1e-5)
     assert sorted(read_tensors(out / "fsdp-compiled.safetensors")[0]) == sorted(deep_model().state_dict())

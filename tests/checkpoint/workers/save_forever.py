@@ -60,11 +60,14 @@ def main() -> None:
     parser.add_argument("--fallback", action="store_true")
     parser.add_argument("--saves", type=int, default=0)
     parser.add_argument("--width", type=int, default=WIDTH)
+    # start counting at 0 instead of resuming: a writer started beside another one that is already
+    # re-saving the same step in a tight loop may find it changing at every read (resume refuses then)
+    parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args()
     if swap is not None:
         swap.use_exchange = not args.fallback
     checkpointer = ckpt.Checkpointer(folder=args.folder, keep_last=2)
-    n = 0 if args.mode == "concurrent" else current_value(args.mode, args.folder, args.width)
+    n = 0 if args.mode == "concurrent" or args.fresh else current_value(args.mode, args.folder, args.width)
     for _ in iter(int, 1) if args.saves <= 0 else range(args.saves):  # forever, or N times
         n += 1
         value = args.writer * 1_000_000 + n if args.mode == "concurrent" else n
