@@ -32,8 +32,9 @@ def test_inspect_shows_keys_shapes_format_and_prefixes(tmp_path: Path, capsys: p
 
 
 def test_inspect_a_checkpointer_folder_shows_its_latest_step(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("COLUMNS", "500")  # the path is folded at the terminal's width, and tmp paths are long
     model = nn.Linear(3, 2)
     checkpointer = ckpt.Checkpointer(folder=tmp_path)
     for step in (5, 9):

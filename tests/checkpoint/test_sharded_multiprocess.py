@@ -188,7 +188,10 @@ def test_loading_into_a_model_sharded_over_one_rank_reshards_the_two_ranks_slice
         dist.destroy_process_group()
 
 
-def test_inspect_and_convert_give_the_whole_weights(resumed: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_and_convert_give_the_whole_weights(
+    resumed: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "500")  # the path is folded at the terminal's width, and tmp paths are long
     assert main(["ckpt", "inspect", str(resumed / "ckpt")]) == 0
     out = capsys.readouterr().out
     assert f"step-{STEPS:08d}" in out and "dcp (torch.distributed.checkpoint, sharded)" in out

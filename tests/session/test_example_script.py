@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import free_port
-from tests.launching import ROOT, multigpu_launch, run_together
+from tests.launching import ROOT, run_together
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,53 +24,30 @@ STRATEGY_ARGS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every run at once (their start-up, mostly imports, overlaps): one launcher per strategy, two for two nodes."""
     out = tmp_path_factory.mktemp("example")
+    launch = [sys.executable, "-m", "multigpu", "launch"]
+    commands = [[*launch, *args, SCRIPT, *_script_args(out / f"{name}.pt")] for name, args in STRATEGY_ARGS.items()]
+    port = str(free_port())
+    for node in ("0", "1"):  # one process per "node", meeting at node 0's address (loopback here)
+        nodes = ["--nnodes", "2", "--node-rank", node, "--master-addr", "127.0.0.1", "--master-port", port]
+        two_nodes = [*launch, "--strategy", "ddp", *nodes, "--nproc-per-node", "1"]
+        commands.append([*two_nodes, SCRIPT, *_script_args(out / "two-nodes.pt")])
+    *single_node, node0, node1 = run_together(commands, timeout_s=180)
     results = {}
-    for name, launch_args in STRATEGY_ARGS.items():
-        path = out / f"{name}.pt"
-        done = multigpu_launch(*launch_args, SCRIPT, *_script_args(path), timeout_s=90)
+    for name, done in zip(STRATEGY_ARGS, single_node):
         assert done.returncode == 0, done.stderr[-3000:]
         assert f"[{name} x" in done.stdout and done.stdout.count("epoch 0") == 1  # printed once
         assert name != "dp" or "[dp x2]" in done.stdout  # replicas, not processes
-        results[name] = torch.load(path)
-    results["ddp, 2 nodes"] = _two_nodes(out / "two-nodes.pt")
+        results[name] = torch.load(out / f"{name}.pt")
+    assert node0.returncode == 0 and node1.returncode == 0, node0.stderr[-2000:] + node1.stderr[-2000:]
+    assert "[ddp x2]" in node0.stdout and "epoch 0" not in node1.stdout  # global rank 0 prints, on node 0
+    results["ddp, 2 nodes"] = torch.load(out / "two-nodes.pt")
     return results
 
 
 def _script_args(save: Path) -> list[str]:
     return ["--epochs", "1", "--max-steps", "6", "--save", str(save)]
-
-
-def _two_nodes(path: Path) -> dict[str, Any]:
-    """Two launchers, one per "node", one process each, meeting at rank 0's address (loopback here)."""
-    port = str(free_port())
-    launchers = [
-        [
-            sys.executable,
-            "-m",
-            "multigpu",
-            "launch",
-            "--strategy",
-            "ddp",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            str(rank),
-            "--nproc-per-node",
-            "1",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            port,
-            SCRIPT,
-            *_script_args(path),
-        ]
-        for rank in (0, 1)
-    ]
-    node0, node1 = run_together(launchers, timeout_s=120)
-    assert node0.returncode == 0 and node1.returncode == 0, node0.stderr[-2000:] + node1.stderr[-2000:]
-    assert "[ddp x2]" in node0.stdout and "epoch 0" not in node1.stdout  # global rank 0 prints, on node 0
-    return torch.load(path)  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("strategy", ["dp", "ddp", "ddp, 2 nodes"])
