@@ -15,10 +15,15 @@ if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
         constraints=(-c "$root/requirements/cpu.txt")
     fi
     "$venv/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
-    # --no-compile: pip would compile every module of torch (two thirds of the set-up time);
-    # Python compiles the modules that are imported instead, once, into the venv (below).
+    # --no-compile: pip would compile all of torch, most of which is never imported (two thirds of
+    # the set-up time). Instead one process compiles what the training processes and tests import,
+    # so that the many processes started next find it compiled instead of compiling it side by side.
     "$venv/bin/python" -m pip install --quiet --no-compile "${constraints[@]}" -e "$root[$extras]"
+    PYTHONDONTWRITEBYTECODE='' "$venv/bin/python" -c "$(
+        printf 'import %s\n' torch torch.distributed torch.distributed.fsdp torch.distributed.checkpoint \
+            torch._dynamo torch.nn.parallel multigpu.session multigpu.cli.main rich.table matplotlib.pyplot
+    )"
     touch "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
-unset PYTHONDONTWRITEBYTECODE  # the venv keeps the bytecode it compiles: later processes start faster
+unset PYTHONDONTWRITEBYTECODE  # Python caches the bytecode of what else is imported, in the venv
