@@ -16,13 +16,15 @@ if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
     fi
     "$venv/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
     # --no-compile: pip would compile all of torch, most of which is never imported (two thirds of
-    # the set-up time). Instead one process compiles what the training processes and tests import,
-    # so that the many processes started next find it compiled instead of compiling it side by side.
+    # the set-up time). Instead two processes compile, side by side, what the training processes
+    # and the tests import, so that the many processes started next do not each compile it again.
     "$venv/bin/python" -m pip install --quiet --no-compile "${constraints[@]}" -e "$root[$extras]"
-    PYTHONDONTWRITEBYTECODE='' "$venv/bin/python" -c "$(
-        printf 'import %s\n' torch torch.distributed torch.distributed.fsdp torch.distributed.checkpoint \
-            torch._dynamo torch.nn.parallel multigpu.session multigpu.cli.main rich.table matplotlib.pyplot
-    )"
+    compile_imports() { PYTHONDONTWRITEBYTECODE='' "$venv/bin/python" -c "$(printf 'import %s\n' "$@")"; }
+    compile_imports torch.distributed.fsdp torch.distributed.checkpoint torch._inductor.compile_fx \
+        torch.nn.parallel multigpu.session multigpu.cli.main &
+    torch_side=$!
+    compile_imports sklearn.datasets matplotlib.pyplot rich.table pytest hypothesis
+    wait "$torch_side"
     touch "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
