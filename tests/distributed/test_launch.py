@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from multigpu.cli import launch as launch_cli
-from multigpu.devices import accelerator_type
+from multigpu.devices import accelerator_type, get_device_type
 from multigpu.distributed.affinity import core_share
 from multigpu.distributed.launch import (
     LaunchConfig,
@@ -232,6 +232,18 @@ def test_fsdp_launches_one_bound_process_per_device_like_ddp() -> None:
     assert resolve_strategy(config, 2) == "fsdp"
     env = worker_env(config, "fsdp", 2)
     assert env["MULTIGPU_STRATEGY"] == "fsdp" and env["MULTIGPU_BIND_CORES"] == "1"
+
+
+@pytest.mark.skipif(accelerator_type() == "cuda", reason="the workers compute on the GPU")
+def test_fsdp_workers_on_the_cpu_start_with_what_the_cpu_asks_for_sharding(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in os.environ if n.startswith("MALLOC_")] + ["GLIBC_TUNABLES"]:
+        monkeypatch.delenv(name, raising=False)
+    wanted = get_device_type("cpu").sharded_process_env(dict(os.environ))
+    env = worker_env(LaunchConfig(strategy="fsdp"), "fsdp", 2)
+    assert env["GLIBC_TUNABLES"] == wanted["GLIBC_TUNABLES"]
+    assert "GLIBC_TUNABLES" not in worker_env(LaunchConfig(strategy="ddp"), "ddp", 2)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")  # the user's own malloc setting stays
+    assert "GLIBC_TUNABLES" not in worker_env(LaunchConfig(strategy="fsdp"), "fsdp", 2)
 
 
 def test_cli_flags_are_the_documented_surface() -> None:

@@ -9,6 +9,7 @@ device (tests/session/strategy_oracle.py). ``--long`` adds the compiled run (slo
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -88,6 +89,7 @@ def scenarios(session: Session, out: Path, long: bool) -> dict[str, Any]:
         return Session(strategy="fsdp", **kwargs).start()
 
     results: dict[str, Any] = {"strategy": session.strategy_name, "world_size": session.world_size}
+    results["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES")  # every scenario ran under them
     adam = train(session, deep_model, adamw)
     model = adam.pop("model")
     results["adamw"] = adam

@@ -16,6 +16,7 @@ import torch
 
 import multigpu
 from multigpu.checkpoint.formats import read_tensors
+from multigpu.devices import get_device_type
 from tests.launching import multigpu_launch
 from tests.session.oracle import regression_data
 from tests.session.strategy_oracle import (
@@ -56,6 +57,12 @@ def _oracle(**kwargs: Any) -> dict[str, torch.Tensor]:
 
 def test_auto_follows_the_launcher_to_fsdp(ranks: list[dict[str, Any]]) -> None:
     assert [(r["strategy"], r["world_size"]) for r in ranks] == [("fsdp", 2), ("fsdp", 2)]
+
+
+def test_the_workers_ran_with_what_the_cpu_asks_for_sharding(ranks: list[dict[str, Any]]) -> None:
+    wanted = get_device_type("cpu").sharded_process_env(dict(os.environ))  # nothing where malloc is configured
+    for rank in ranks:
+        assert rank["glibc_tunables"] == wanted.get("GLIBC_TUNABLES", os.environ.get("GLIBC_TUNABLES"))
 
 
 def test_two_processes_end_with_the_weights_of_one_device(ranks: list[dict[str, Any]]) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -146,6 +146,16 @@ class DeviceType:
         """Start a new peak for :meth:`max_memory_allocated` (no-op where not known)."""
         if self.allocator_stats:
             self._call("reset_peak_memory_stats", device)
+
+    def sharded_process_env(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """Variables to start a process with that trains a model sharded by fsdp on this type.
+
+        Such a process allocates and frees every block's gathered parameters and gradients at each
+        step; what it frees must serve the next block instead of staying reserved. Nothing by
+        default: a caching allocator (CUDA's) reuses its freed blocks. ``environ`` is what the
+        process would inherit: a setting the user made there is kept.
+        """
+        return {}
 
     # random state -------------------------------------------------------------------------
     def get_rng_state_all(self) -> list[torch.Tensor] | None:

@@ -8,6 +8,8 @@ rendezvous or collectives. What it adds:
   port after checking it is free, or else on a port the store picks itself (c10d on port 0);
 - a per-process thread count (``OMP_NUM_THREADS``): the node's cores divided by its processes,
   unless the user set it;
+- under fsdp, what the workers' device type asks for a process that shards its model (on the CPU:
+  glibc's malloc returning freed buffers, :meth:`~multigpu.devices.cpu.CpuDevice.sharded_process_env`);
 - each worker runs under :mod:`multigpu.distributed._entry`, whose ``@record`` writes the
   exception to torch elastic's error file, and records its first failure itself in a folder the
   launcher owns (:mod:`multigpu.distributed.records`); the launcher names the rank whose failure
@@ -32,7 +34,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from multigpu.devices import accelerator_type, device_count, parse_devices
+from multigpu.devices import accelerator_type, device_count, get_device_type, parse_devices
 from multigpu.distributed import records
 from multigpu.distributed.preflight import check_listen_address
 from multigpu.distributed.root_cause import format_summary, from_torch, merge
@@ -227,6 +229,9 @@ def worker_env(config: LaunchConfig, strategy: str, nproc: int) -> dict[str, str
     bind = config.bind_cores if config.bind_cores is not None else accelerator_type() != "cuda"
     if bind and strategy not in _ONE_PROCESS:
         env["MULTIGPU_BIND_CORES"] = "1"
+    if strategy == "fsdp":  # on the device each process takes (runtime.process_device): a GPU, else the CPU
+        device_type = get_device_type("cuda" if accelerator_type() == "cuda" else "cpu")
+        env.update(device_type.sharded_process_env({**os.environ, **env}))
     if config.collective_timeout_s is not None:
         env["MULTIGPU_COLLECTIVE_TIMEOUT"] = str(config.collective_timeout_s)
     if config.max_restarts > 0:
