@@ -15,15 +15,19 @@ How memory is measured: the peak resident set size each process reaches after it
 process group (the kernel's VmHWM, reset through /proc/self/clear_refs just before the model is
 built, after a tiny warm-up step has loaded kernels and thread pools), minus its resident size at
 that moment: what training the model added, as the OS charges it.
-Each strategy runs twice per round:
+Each strategy runs under three C-allocator settings:
 
-- ``glibc default``: the C allocator as it comes. After the first large buffer is freed, glibc
-  raises its mmap threshold and serves later buffers from its heap, which it rarely gives back:
-  fsdp, which allocates and frees every block's gathered parameters and gradients at each step,
-  keeps far more resident than it holds live.
-- ``MALLOC_MMAP_THRESHOLD_=131072``: buffers above 128 KiB are mapped and unmapped one by one,
-  so the resident peak is the peak of live bytes (what a caching allocator such as CUDA's would
-  need to hold); it costs page faults, so its step times are not the ones to quote.
+- ``as launched``: what ``multigpu launch`` gives each strategy. fsdp's workers on the CPU start
+  with glibc's malloc set to return large freed buffers at once, on huge pages
+  (``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072:glibc.malloc.hugetlb=1``, from
+  ``CpuDevice.sharded_process_env``); ddp's with glibc as it comes. The goal is checked here.
+- ``glibc default`` (both): the C allocator as it comes (a malloc setting of the user's own,
+  the default value, so that the launcher adds nothing). After the first large buffer is freed,
+  glibc raises its mmap threshold and serves later buffers from its heap, which it rarely gives
+  back: fsdp, which allocates and frees every block's gathered parameters and gradients at each
+  step, keeps far more resident than it holds live.
+- ``fsdp's setting`` (both): ddp under the same setting, so that the ratio compares the strategies
+  under one allocator.
 
 The project's allocation tracker (``multigpu.track_memory``) is not used: FSDP2 frees gathered
 parameters by resizing their storage to zero bytes, which no dispatch mode sees, so the tracker
@@ -121,13 +125,26 @@ def run_worker(args: argparse.Namespace) -> None:
             "state": _state_bytes(model, optimizer),
             "ms_per_step": statistics.median(steps),
             "parameters": sum(p.numel() for p in model.parameters()),
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         }
         Path(f"{args.result}.rank{session.global_rank}").write_text(json.dumps(result))
 
 
 # -- the driver ----------------------------------------------------------------------------------------
 
-ALLOCATORS = {"glibc default": {}, "mmap above 128 KiB": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
+
+def _allocators() -> dict[str, dict[str, str]]:
+    from multigpu.devices import get_device_type
+
+    fsdp_setting = get_device_type("cpu").sharded_process_env({})
+    return {
+        "as launched": {},
+        "glibc default": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"},
+        "fsdp's setting": fsdp_setting,
+    }
+
+
+ALLOCATORS = _allocators()
 RUNS = [(strategy, allocator) for allocator in ALLOCATORS for strategy in STRATEGIES]
 Runs = dict[str, list[list[dict[str, Any]]]]  # "strategy|allocator" -> rounds -> ranks
 
@@ -138,11 +155,20 @@ def run_once(strategy: str, allocator: str, args: argparse.Namespace, out_dir: P
     worker += ["--blocks", str(args.blocks), "--width", str(args.width), "--batch", str(args.batch)]
     worker += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     command = [sys.executable, "-m", "multigpu", "launch", "--strategy", strategy, "--nproc-per-node", "2", *worker]
-    env = {**os.environ, **ALLOCATORS[allocator]}
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    env = {**inherited, **ALLOCATORS[allocator]}
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{strategy} ({allocator}) failed:\n{done.stderr[-3000:]}")
-    return [json.loads(Path(f"{result}.rank{r}").read_text()) for r in (0, 1)]
+    ranks = [json.loads(Path(f"{result}.rank{r}").read_text()) for r in (0, 1)]
+    wanted = ALLOCATORS[allocator].get("GLIBC_TUNABLES")
+    if allocator == "as launched" and strategy == "fsdp":
+        wanted = ALLOCATORS["fsdp's setting"]["GLIBC_TUNABLES"]
+    if any(r["glibc_tunables"] != wanted for r in ranks):
+        raise SystemExit(
+            f"{strategy} ({allocator}) ran with GLIBC_TUNABLES={ranks[0]['glibc_tunables']!r}, not {wanted!r}"
+        )
+    return ranks
 
 
 def measure(args: argparse.Namespace) -> Runs:
@@ -220,27 +246,23 @@ def _figure(summary: dict[str, dict[str, float]], path: Path) -> None:
     from multigpu.report.figures import pyplot, save_figure
 
     plt = pyplot()
-    fig, (mem, time_ax) = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, (mem, time_ax) = plt.subplots(1, 2, figsize=(10, 3.6))
     mib = 2**20
     xs = list(range(len(STRATEGIES)))
-    for offset, allocator in zip((-0.27, 0.0), ALLOCATORS):
-        mem.bar(
-            [x + offset for x in xs],
-            [summary[f"{s}|{allocator}"]["peak"] / mib for s in STRATEGIES],
-            0.27,
-            label=f"peak, {allocator}",
-        )
-    states = [summary[f"{s}|{next(iter(ALLOCATORS))}"]["state"] / mib for s in STRATEGIES]
-    mem.bar([x + 0.27 for x in xs], states, 0.27, label="params + optimizer state", color="grey")
-    mem.set_xticks(xs, STRATEGIES)
-    mem.set_ylabel("MiB added per process")
-    mem.legend(fontsize=7)
-    for offset, allocator in zip((-0.2, 0.2), ALLOCATORS):
+    width = 0.8 / (len(ALLOCATORS) + 1)
+    for i, allocator in enumerate(ALLOCATORS):
+        offset = (i - len(ALLOCATORS) / 2) * width
+        peaks = [summary[f"{s}|{allocator}"]["peak"] / mib for s in STRATEGIES]
+        mem.bar([x + offset for x in xs], peaks, width, label=f"peak, {allocator}")
         times = [summary[f"{s}|{allocator}"]["ms"] for s in STRATEGIES]
-        time_ax.bar([x + offset for x in xs], times, 0.4, label=allocator)
-    time_ax.set_xticks(xs, STRATEGIES)
-    time_ax.set_ylabel("ms / step")
-    time_ax.legend(fontsize=7)
+        time_ax.bar([x + offset for x in xs], times, width, label=allocator)
+    states = [summary[f"{s}|{next(iter(ALLOCATORS))}"]["state"] / mib for s in STRATEGIES]
+    offset = len(ALLOCATORS) / 2 * width
+    mem.bar([x + offset for x in xs], states, width, label="params + optimizer state", color="grey")
+    for ax, label in ((mem, "MiB added per process"), (time_ax, "ms / step")):
+        ax.set_xticks(xs, STRATEGIES)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
     ratios = ", ".join(f"{a}: {summary[f'ratio|{a}']['peak']:.2f}x" for a in ALLOCATORS)
     fig.suptitle(f"fsdp / ddp peak memory per process ({ratios})", fontsize=9)
     save_figure(fig, path)
@@ -248,7 +270,7 @@ def _figure(summary: dict[str, dict[str, float]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the four runs, order alternating (default 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the six runs, order alternating (default 3)")
     parser.add_argument("--blocks", type=int, default=16, help="residual blocks of 2 Linear layers (default 16)")
     parser.add_argument("--width", type=int, default=1024, help="layer width (default 1024)")
     parser.add_argument("--batch", type=int, default=16, help="global batch (default 16)")

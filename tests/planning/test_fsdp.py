@@ -218,8 +218,8 @@ class _ResidualBlock(nn.Module):
 
 def test_the_measured_cpu_peak_of_the_fsdp_memory_benchmark_is_predicted() -> None:
     # benchmarks/RESULTS.md, "fsdp vs ddp": 16 blocks of 2 Linear(1024, 1024), AdamW, global batch 16 on
-    # 2 gloo processes; with MALLOC_MMAP_THRESHOLD_=131072 (freed buffers go back at once, so the resident
-    # peak is the peak of live bytes) each fsdp process added 290 MiB (289-290 in every round).
+    # 2 gloo processes; as multigpu launch starts fsdp on CPU (freed buffers go back at once, so the
+    # resident peak is the peak of live bytes) each process added 292-293 MiB in every round.
     from multigpu.planning.counting import count_step
 
     with torch.device("meta"):
@@ -235,7 +235,7 @@ def test_the_measured_cpu_peak_of_the_fsdp_memory_benchmark_is_predicted() -> No
         fsdp=FsdpLayout(groups=count_fsdp_groups(model, select_blocks(model, FSDPOptions()))),
     )
     predicted = device_memory("fsdp", w, _cpu(), [8, 8])[0] / MIB
-    assert predicted == pytest.approx(290, rel=0.05)
+    assert predicted == pytest.approx(293, rel=0.05)
 
 
 def test_without_reshard_only_the_first_gather_and_the_last_reduce_are_exposed() -> None:
