@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import platform
-import subprocess
 import sys
 
 import pytest
 
 from multigpu.devices import get_device_type
+from tests.launching import run_command
 
 OURS = "glibc.malloc.mmap_threshold=131072:glibc.malloc.hugetlb=1"
 
@@ -58,6 +58,6 @@ print(rss_mib() - base)
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc tunables")
 def test_a_process_started_with_them_gives_freed_buffers_back() -> None:
     env = {"PATH": "/usr/bin:/bin", **get_device_type("cpu").sharded_process_env({})}
-    done = subprocess.run([sys.executable, "-c", _FREE_HALF], env=env, capture_output=True, text=True, timeout=60)
+    done = run_command([sys.executable, "-c", _FREE_HALF], env=env, timeout_s=60)
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) <= 128 + 16  # MiB resident above the start: the live half, not all sixteen
