@@ -23,7 +23,8 @@ from multigpu.checkpoint.formats import read_tensors
 from tests.checkpoint import _training as tr
 from tests.launching import kill_tree, start_launch
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
+# Up to four launches per test (the restart test: 17 s alone, 54-67 s beside another test file's workers).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 WORKER = Path(__file__).parent / "workers" / "ddp_worker.py"
 # The worker's default process group times out after this long: a teardown that took as long waited for that
