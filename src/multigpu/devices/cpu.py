@@ -3,8 +3,9 @@
 Nothing runs asynchronously on the CPU, so synchronizing is a no-op and the host clock times it.
 Its memory has no allocator statistics: per-replica memory comes from the allocation tracker
 (:mod:`multigpu.profiling.memory`). A process sharding its model (fsdp) starts with glibc's malloc
-set to return large freed buffers to the system (:meth:`CpuDevice.sharded_process_env`). Its random state is torch's default generator, which callers
-read with ``torch.get_rng_state()``; it has no per-device generators of its own.
+set to return large freed buffers to the system (:meth:`CpuDevice.sharded_process_env`). Its
+random state is torch's default generator, which callers read with ``torch.get_rng_state()``; it
+has no per-device generators of its own.
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ class CpuDevice(DeviceType):
 
         By default glibc raises its mmap threshold when the first large buffer is freed, and then
         serves buffers of that size from its heap, which fragments and keeps them resident: fsdp's
-        peak per process on CPU was 1.74x ddp's, 0.55x with the threshold fixed at 128 KiB (each
-        large buffer mapped when allocated and unmapped when freed), and the mapping costs less on
-        huge pages (``benchmarks/fsdp_memory.py``). Other C libraries ignore the variable.
+        peak per process on CPU was 1.76x ddp's. With the threshold fixed at 128 KiB each large
+        buffer is mapped when allocated and unmapped when freed: 0.51x, for steps about 1.3x as
+        long; huge pages make the mapping cheaper (``benchmarks/fsdp_memory.py``). Other C
+        libraries ignore the variable.
         """
         tunables = environ.get("GLIBC_TUNABLES", "")
         if "glibc.malloc." in tunables or any(name.startswith("MALLOC_") for name in environ):
