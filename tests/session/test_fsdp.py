@@ -41,6 +41,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, 
     args = ["--strategy", "fsdp", "--nproc-per-node", "2", str(WORKER), str(out), *(["--long"] if LONG else [])]
     done = multigpu_launch(*args, timeout_s=300 if LONG else 150)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "started without GLIBC_TUNABLES" not in done.stderr  # the launcher gave the workers the setting
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 

@@ -5,6 +5,8 @@ In one process; the multi-process behaviour is in test_fsdp.py and test_ddp_opti
 
 from __future__ import annotations
 
+import platform
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -14,12 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from multigpu.devices import get_device_type
 from multigpu.distributed import runtime
 from multigpu.distributed.runtime import LaunchEnv
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.parallel import DataParallel
 from multigpu.session import DDPOptions, FSDPOptions, Session, SessionConfig
-from multigpu.session.fsdp import select_blocks
+from multigpu.session.fsdp import select_blocks, warn_if_started_without_sharding_env
 from multigpu.session.sync_batchnorm import CPUSyncBatchNorm, _SyncBatchNorm, apply_sync_batchnorm
 from tests.conftest import free_port
 from tests.session.strategy_oracle import Block, deep_model
@@ -75,6 +78,22 @@ def test_fsdp_outside_a_launch_says_how_to_launch(monkeypatch: pytest.MonkeyPatc
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(LaunchError, match=r"strategy 'fsdp' needs a launched process.*multigpu launch"):
         Session(strategy="fsdp").start()
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc tunables")
+def test_fsdp_on_the_cpu_without_the_launchers_malloc_setting_says_how_to_get_it() -> None:
+    with pytest.warns(
+        RuntimeWarning, match=r"started without GLIBC_TUNABLES=glibc\.malloc.*multigpu launch --strategy fsdp"
+    ):
+        warn_if_started_without_sharding_env(torch.device("cpu"), {"PATH": "/bin"})
+    launched = get_device_type("cpu").sharded_process_env({})  # what multigpu launch gives the workers
+    for environ in (launched, {"MALLOC_ARENA_MAX": "2"}):  # set by the launcher, or malloc set by the user
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            warn_if_started_without_sharding_env(torch.device("cpu"), environ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_started_without_sharding_env(torch.device("cuda", 0), {})  # a caching allocator: nothing to set
 
 
 # -- which modules fsdp shards on their own -----------------------------------------------------

@@ -26,9 +26,10 @@ for the optimizer, all-gather and compute in 16 bits, reduce-scatter gradients i
 
 from __future__ import annotations
 
+import platform
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -40,6 +41,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from multigpu.devices import get_device_type
 from multigpu.errors import ConfigError
 from multigpu.session.precision import FP16, Precision, build_precision
 
@@ -160,6 +162,28 @@ def apply_fsdp(model: nn.Module, device: torch.device, options: FSDPOptions, pre
         model, mesh=mesh, reshard_after_forward=None if options.reshard_after_forward else False, mp_policy=root
     )
     return model
+
+
+def warn_if_started_without_sharding_env(device: torch.device, environ: Mapping[str, str]) -> None:
+    """Warn when this process was started without what its device type asks for fsdp.
+
+    ``multigpu launch --strategy fsdp`` starts its workers with it
+    (:meth:`~multigpu.devices.base.DeviceType.sharded_process_env`); a process started by torchrun
+    or by hand does not. On the CPU it is glibc's malloc returning freed buffers, read when the
+    process starts: without it the blocks' gathered copies stay resident after they are freed.
+    """
+    missing = get_device_type(device.type).sharded_process_env(environ)
+    if not missing or platform.libc_ver()[0] != "glibc":
+        return
+    settings = " ".join(f"{name}={value}" for name, value in missing.items())
+    warnings.warn(
+        f"fsdp on {device.type} in a process started without {settings}: glibc's malloc keeps the freed "
+        "copies of the gathered blocks resident, and each process's peak memory can exceed ddp's (1.76x "
+        "measured on CPU; 0.51x with it). Start the workers with `multigpu launch --strategy fsdp`, which "
+        "sets it, or set it in the environment of torchrun; any malloc setting of your own silences this.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def fsdp_root(model: nn.Module) -> FSDPModule | None:

@@ -17,6 +17,7 @@ the model, how to skip gradient sync while accumulating); everything else is sha
 from __future__ import annotations
 
 import gc
+import os
 import warnings
 import weakref
 from abc import ABC, abstractmethod
@@ -268,6 +269,8 @@ class FSDPStrategy(DDPStrategy):
         return fsdp.build_fsdp_precision(name, self._device.type)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
+        if not self._sharded and self.is_main_process:  # once, from rank 0
+            fsdp.warn_if_started_without_sharding_env(self._device, os.environ)
         sharded = fsdp.apply_fsdp(model.to(self._device), self._device, self.fsdp, self._precision)
         self._sharded.append(weakref.ref(sharded))
         return sharded
