@@ -12,15 +12,8 @@ from torch import nn
 
 import multigpu.checkpoint as ckpt
 from multigpu.errors import CheckpointError
+from tests.checkpoint._models import filled
 from tests.launching import finished_pid
-
-
-def _filled(value: float) -> nn.Module:
-    model = nn.Linear(3, 2)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(value)
-    return model
 
 
 def _value_of(checkpointer: ckpt.Checkpointer) -> float:
@@ -41,8 +34,8 @@ def test_resaving_a_step_replaces_it_and_leaves_nothing_behind(
 
     monkeypatch.setattr(swap, "use_exchange", exchange)
     checkpointer = ckpt.Checkpointer(folder=tmp_path)
-    checkpointer.save(step=3, model=_filled(1.0))
-    checkpointer.save(step=3, model=_filled(2.0))
+    checkpointer.save(step=3, model=filled(1.0))
+    checkpointer.save(step=3, model=filled(2.0))
     assert _value_of(checkpointer) == 2.0
     assert _visible(tmp_path) == ["step-00000003"]
 
@@ -66,7 +59,7 @@ def test_a_replacement_interrupted_between_its_renames_keeps_the_old_step(
 
     monkeypatch.setattr(swap, "use_exchange", False)
     checkpointer = ckpt.Checkpointer(folder=tmp_path)
-    checkpointer.save(step=3, model=_filled(1.0))
+    checkpointer.save(step=3, model=filled(1.0))
     real_rename = os.rename
     calls = []
 
@@ -78,13 +71,13 @@ def test_a_replacement_interrupted_between_its_renames_keeps_the_old_step(
 
     monkeypatch.setattr(swap.os, "rename", rename_then_die)
     with pytest.raises(KeyboardInterrupt):
-        checkpointer.save(step=3, model=_filled(2.0))
+        checkpointer.save(step=3, model=filled(2.0))
     monkeypatch.setattr(swap.os, "rename", real_rename)
 
     assert not (tmp_path / "step-00000003").exists()  # the name is empty at this instant...
     assert checkpointer.steps() == [3]  # ...and the old step is still found, under its aside name
     assert _value_of(checkpointer) == 1.0
-    checkpointer.save(step=4, model=_filled(4.0))  # the next save puts the aside back
+    checkpointer.save(step=4, model=filled(4.0))  # the next save puts the aside back
     assert _visible(tmp_path) == ["step-00000003", "step-00000004"]
     assert _value_of(ckpt.Checkpointer(folder=tmp_path)) == 4.0
 
@@ -93,14 +86,14 @@ def test_a_held_folder_lock_names_its_holder(tmp_path: Path) -> None:
     from multigpu.checkpoint.lock import folder_lock
 
     checkpointer = ckpt.Checkpointer(folder=tmp_path, lock_timeout_s=0.3)
-    checkpointer.save(step=1, model=_filled(1.0))
+    checkpointer.save(step=1, model=filled(1.0))
     with folder_lock(tmp_path, timeout_s=1):
         with pytest.raises(
             CheckpointError, match=rf"another process is saving into .*host={socket.gethostname()} pid={os.getpid()}"
         ):
-            checkpointer.save(step=2, model=_filled(2.0))
+            checkpointer.save(step=2, model=filled(2.0))
     assert checkpointer.steps() == [1]
-    checkpointer.save(step=2, model=_filled(2.0))  # released: saves again
+    checkpointer.save(step=2, model=filled(2.0))  # released: saves again
     assert checkpointer.steps() == [1, 2]
 
 
@@ -121,7 +114,7 @@ def test_a_weights_save_removes_temporaries_of_killed_saves_of_that_file(tmp_pat
     other_host = tmp_path / f".w.safetensors.tmp-elsewhere-{finished_pid()}-0badc0de"
     for leftover in (dead, alive, other_file, other_host):
         leftover.write_bytes(b"partial")
-    ckpt.save(_filled(1.0), tmp_path / "w.safetensors")
+    ckpt.save(filled(1.0), tmp_path / "w.safetensors")
     assert not dead.exists()
     assert alive.exists() and other_file.exists() and other_host.exists()
 
@@ -130,12 +123,12 @@ def test_a_weights_file_replaced_while_read_is_read_whole(tmp_path: Path, monkey
     # Another process re-saves the file (atomic rename) between our header check and our data read.
     from multigpu.checkpoint import formats
 
-    path = ckpt.save(_filled(1.0), tmp_path / "w.safetensors")
+    path = ckpt.save(filled(1.0), tmp_path / "w.safetensors")
     checked = formats.checked_safetensors_header
 
     def check_then_replace(*args: object, **kwargs: object) -> object:
         header = checked(*args, **kwargs)  # type: ignore[arg-type]
-        ckpt.save(_filled(2.0), path)
+        ckpt.save(filled(2.0), path)
         return header
 
     monkeypatch.setattr(formats, "checked_safetensors_header", check_then_replace)
@@ -151,7 +144,7 @@ def test_a_torch_file_replaced_after_its_check_is_not_loaded(tmp_path: Path, mon
     from tests.checkpoint import _craft
 
     path = tmp_path / "w.pt"
-    torch.save(_filled(1.0).state_dict(), path)
+    torch.save(filled(1.0).state_dict(), path)
     checked = formats.check_torch_file
 
     def check_then_replace(*args: object, **kwargs: object) -> None:

@@ -10,19 +10,12 @@ import torch
 from torch import nn
 
 import multigpu.checkpoint as ckpt
-
-
-def _filled(value: float) -> nn.Module:
-    model = nn.Linear(3, 2)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(value)
-    return model
+from tests.checkpoint._models import filled
 
 
 def _copy_of_a_checkpoint(tmp_path: Path, name: str) -> Path:
     """A complete checkpoint folder (written by a Checkpointer elsewhere) under ``name``."""
-    source = ckpt.Checkpointer(folder=tmp_path / "elsewhere").save(step=1, model=_filled(9.0))
+    source = ckpt.Checkpointer(folder=tmp_path / "elsewhere").save(step=1, model=filled(9.0))
     target = tmp_path / "run" / name
     target.parent.mkdir(exist_ok=True)
     shutil.copytree(source, target)
@@ -43,7 +36,7 @@ def test_a_stray_folder_is_ignored_and_never_deleted(tmp_path: Path, stray: str)
     stray_folder = _copy_of_a_checkpoint(tmp_path, stray)
     checkpointer = ckpt.Checkpointer(folder=tmp_path / "run", keep_last=1)
     with pytest.warns(RuntimeWarning, match=rf"not complete checkpoints: {stray}"):
-        written = checkpointer.save(step=5, model=_filled(1.0))
+        written = checkpointer.save(step=5, model=filled(1.0))
     assert written == tmp_path / "run" / "step-00000005" and written.is_dir()
     with pytest.warns(RuntimeWarning):
         assert checkpointer.latest() == written
@@ -57,9 +50,9 @@ def test_a_stray_folder_is_ignored_and_never_deleted(tmp_path: Path, stray: str)
 def test_keep_last_never_deletes_the_checkpoint_just_written(tmp_path: Path) -> None:
     # A later step from an earlier run in the same folder: the new, lower step must survive.
     checkpointer = ckpt.Checkpointer(folder=tmp_path, keep_last=1)
-    checkpointer.save(step=100, model=_filled(9.0))
+    checkpointer.save(step=100, model=filled(9.0))
     with pytest.warns(RuntimeWarning, match=r"checkpoints of later steps \(\[100\]\) than the one just saved \(5\)"):
-        written = checkpointer.save(step=5, model=_filled(1.0))
+        written = checkpointer.save(step=5, model=filled(1.0))
     assert written.is_dir() and checkpointer.steps() == [5, 100]
 
 
@@ -67,24 +60,24 @@ def test_keep_last_deletes_only_what_a_checkpointer_wrote(tmp_path: Path) -> Non
     # A folder with a checkpoint name whose weights were not written by a Checkpointer (no step in the header).
     foreign = tmp_path / "step-00000001"
     foreign.mkdir()
-    ckpt.save(_filled(7.0), foreign / "model.safetensors")
+    ckpt.save(filled(7.0), foreign / "model.safetensors")
     torch.save({"mine": True}, foreign / "state.pt")
     checkpointer = ckpt.Checkpointer(folder=tmp_path, keep_last=1)
     for step in (2, 3):
-        checkpointer.save(step=step, model=_filled(float(step)))
+        checkpointer.save(step=step, model=filled(float(step)))
     assert foreign.is_dir() and (foreign / "state.pt").is_file()
     assert checkpointer.steps() == [1, 3]  # step 2 was ours and older than 3: pruned
 
 
 def test_a_symlinked_step_folder_is_not_followed(tmp_path: Path) -> None:
     outside = tmp_path / "outside"
-    shutil.copytree(ckpt.Checkpointer(folder=tmp_path / "elsewhere").save(step=1, model=_filled(9.0)), outside)
+    shutil.copytree(ckpt.Checkpointer(folder=tmp_path / "elsewhere").save(step=1, model=filled(9.0)), outside)
     run = tmp_path / "run"
     run.mkdir()
     (run / "step-00000001").symlink_to(outside, target_is_directory=True)
     checkpointer = ckpt.Checkpointer(folder=run, keep_last=1)
     with pytest.warns(RuntimeWarning, match=r"step-00000001"):
-        checkpointer.save(step=2, model=_filled(2.0))
+        checkpointer.save(step=2, model=filled(2.0))
     assert sorted(p.name for p in outside.iterdir()) == ["model.safetensors", "state.pt"]
     with pytest.warns(RuntimeWarning):
         assert checkpointer.latest() == run / "step-00000002"
@@ -93,7 +86,7 @@ def test_a_symlinked_step_folder_is_not_followed(tmp_path: Path) -> None:
 def test_large_steps_round_trip(tmp_path: Path) -> None:
     checkpointer = ckpt.Checkpointer(folder=tmp_path, keep_last=None)
     for step in (99_999_999, 100_000_000, 2**63 - 1):
-        checkpointer.save(step=step, model=_filled(1.0))
+        checkpointer.save(step=step, model=filled(1.0))
     assert checkpointer.steps() == [99_999_999, 100_000_000, 2**63 - 1]
     resumed = checkpointer.resume(model=nn.Linear(3, 2))
     assert resumed is not None and resumed.step == 2**63 - 1

@@ -13,11 +13,11 @@ file whose classes cannot be imported here is a CheckpointError naming them and 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import mmap
 import os
 import pickle
+import pkgutil
 import re
 import reprlib
 import sys
@@ -381,19 +381,11 @@ def _pickled_globals(path: str | os.PathLike[str]) -> list[str]:
 
 def _importable(qualified: str) -> bool:
     """Whether ``a.b.C`` resolves here: the longest importable module prefix, then attributes (as unpickling does)."""
-    parts = qualified.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            found: Any = importlib.import_module(".".join(parts[:cut]))
-        except Exception:  # no such module (or one that fails to import): try a shorter prefix
-            continue
-        try:
-            for attr in parts[cut:]:
-                found = getattr(found, attr)
-        except AttributeError:
-            return False
-        return True
-    return False
+    try:
+        pkgutil.resolve_name(qualified)
+    except Exception:  # no such module or attribute, or a module that fails to import
+        return False
+    return True
 
 
 def _damaged_message(path: str | os.PathLike[str], exc: BaseException) -> str:
