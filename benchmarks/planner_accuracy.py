@@ -41,20 +41,18 @@ from torch import nn
 
 import multigpu
 from multigpu.planning import predict_step
-from multigpu.planning.calibrate import fastest_s, measure_host_costs
-from multigpu.planning.counting import count_fsdp_groups
-from multigpu.planning.hardware import measured_link
-from multigpu.planning.host import HostCosts, backward_host_s, forward_host_s
-from multigpu.planning.measure import (
+from multigpu.planning.calibrate import (
     ReplicaProbe,
     allreduce_busbw,
     device_contention,
     gather_busbw,
-    measure_workload,
+    measure_host_costs,
     memory_bandwidth,
     thread_handoff_s,
 )
-from multigpu.planning.platform import Platform
+from multigpu.planning.costs import host_step_s
+from multigpu.planning.counting import count_fsdp_groups, fastest_s, measure_workload
+from multigpu.planning.hardware import HostCosts, Platform, measured_link
 from multigpu.planning.workload import FsdpLayout, Workload
 from multigpu.session.fsdp import FSDPOptions, apply_fsdp, select_blocks
 
@@ -159,7 +157,7 @@ def _platform(host: HostCosts, contention: float = 1.0, busbw: float | None = No
 
 
 def _host_s(w: Workload, host: HostCosts) -> float:
-    return forward_host_s(w.counts, host) + backward_host_s(w.counts, host)
+    return host_step_s(w.counts, host)
 
 
 def single_pairs(name: str, host: HostCosts, pairs: int) -> list[tuple[float, float]]:
