@@ -1,4 +1,5 @@
-"""The published end-to-end cases (/work/shared/published_cases.md), predicted from their setups.
+"""The published end-to-end cases (docs/planning.md, "Validation against published results"), predicted
+from their setups: validation data for tests/planning/test_cases.py and test_fsdp.py, not part of the package.
 
 Each case is built only from what its setup states (model, batch, GPU, link); the published
 answers sit in separate fields and are only compared, never used to predict. Where a setup is

@@ -1,4 +1,4 @@
-"""The published end-to-end cases, predicted from their setups (see multigpu.planning.cases)."""
+"""The published end-to-end cases, predicted from their setups (tests/planning/_published_cases.py)."""
 
 from __future__ import annotations
 

@@ -10,12 +10,10 @@ sources are on one page: docs/planning.md. The host's share of a step::
     R(N) = N * (modules * t_rmod + tensors * t_rten)                                 (replicate)
     H_fsdp = groups * t_group                                                        (fsdp's hooks)
 
-A GPU runs the kernels while the host issues the next ones, so a phase takes the longer of the
-two; a CPU runs each op on the thread that issued it, so the two add up (:func:`chain`).
-DataParallel issues every replica's forward from one Python process: the threads take turns on
-the GIL, and N of them need ``N * sigma * H_f`` (sigma >= 1 measured: turns are not free).
-Backward runs in the autograd engine's C++ threads without the GIL, one per replica.
-With ``F``/``K`` the device time of forward / backward:
+``chain`` is the sum of host and device time on a CPU (an op runs on the thread that issues it),
+the longer on a GPU; DataParallel's N forwards take turns on one GIL (``N sigma H_f``, sigma >= 1
+measured), its backwards run in the autograd engine's threads. With ``F``/``K`` the device time
+of forward / backward:
 
     single  T = h2d(b) + chain(H_f, F) + chain(H_b, K) + opt
     dp      T = h2d(B) + scatter + R(N) + broadcast(W) + max(chain(H_f, F_max), N sigma H_f)

@@ -142,13 +142,14 @@ _BY_KEY = {**{_key(n): n for n in GPUS}, **{_key(a): n for a, n in _ALIASES.item
 _BY_KEY.update({_key(n.removeprefix(p)): n for n in GPUS for p in ("gtx-", "rtx-") if n.startswith(p)})
 
 
-def _nvlink(name: str, one_way_gbs: float, measured_busbw: float | None, source: str) -> LinkSpec:
+def _nvlink(name: str, product: str, one_way_gbs: float, measured_busbw: float | None = None) -> LinkSpec:
     busbw = measured_busbw if measured_busbw is not None else one_way_gbs * NVLINK_ALLREDUCE_EFFICIENCY
+    how = f"busbw {measured_busbw} GB/s measured, 8 GPUs" if measured_busbw else "busbw at the A100 NVSwitch efficiency"
     return LinkSpec(
         name=name,
         copy_bandwidth=one_way_gbs * NVLINK_ALLREDUCE_EFFICIENCY * GB,
         allreduce_busbw=busbw * GB,
-        source=source,
+        source=f"{_VENDOR}: {product} NVLink {one_way_gbs} GB/s one way; {how} (nccl-tests)",
     )
 
 
@@ -181,23 +182,11 @@ LINKS: dict[str, LinkSpec] = {
             allreduce_busbw=3.9 * GB,
             source="NVIDIA/nccl issue 384: SHM transport, PCIe Gen3 x16, 2 GPUs",
         ),
-        _nvlink(
-            "nvlink-v100", 150, None, f"{_VENDOR}: V100 NVLink 150 GB/s one way; busbw at the A100 NVSwitch efficiency"
-        ),
-        _nvlink(
-            "nvlink-a100",
-            300,
-            234.89,
-            "NVIDIA/nccl-tests: A100 NVLink 300 GB/s one way; busbw 234.89 GB/s measured, 8 GPUs (NVSwitch)",
-        ),
-        _nvlink(
-            "nvlink-h100",
-            450,
-            368.0,
-            f"{_VENDOR}: H100 NVLink 450 GB/s one way; busbw ~368 GB/s measured (ring, 8 GPUs)",
-        ),
+        _nvlink("nvlink-v100", "V100", 150),
+        _nvlink("nvlink-a100", "A100", 300, 234.89),  # NVSwitch
+        _nvlink("nvlink-h100", "H100", 450, 368.0),  # ring; ~480 with NVLS
         # TITAN RTX: one NVLink bridge, 2 links, 100 GB/s both ways = 50 GB/s one way.
-        _nvlink("nvlink-titan-rtx", 50, None, f"{_VENDOR}: TITAN RTX NVLink bridge 100 GB/s (2 links)"),
+        _nvlink("nvlink-titan-rtx", "TITAN RTX bridge", 50),
         _network("ib-hdr", 200, "InfiniBand HDR: 200 Gb/s per port"),
         _network("ib-ndr", 400, "InfiniBand NDR: 400 Gb/s per port"),
         _network("roce-25g", 25, "Horovod docs/benchmarks.rst: its network, 25 Gbit/s RoCE"),
