@@ -41,21 +41,19 @@ from torch import nn
 
 import multigpu
 from multigpu.planning import predict_step
-from multigpu.planning.calibrate import fastest_s, measure_host_costs
-from multigpu.planning.counting import count_fsdp_groups
-from multigpu.planning.hardware import measured_link
-from multigpu.planning.host import HostCosts, backward_host_s, forward_host_s
-from multigpu.planning.measure import (
+from multigpu.planning.calibrate import (
     ReplicaProbe,
     allreduce_busbw,
     device_contention,
     gather_busbw,
-    measure_workload,
+    measure_host_costs,
     memory_bandwidth,
     thread_handoff_s,
 )
-from multigpu.planning.platform import Platform
-from multigpu.planning.workload import FsdpLayout, Workload
+from multigpu.planning.costs import host_step_s
+from multigpu.planning.counting import count_fsdp_groups, fastest_s, measure_workload
+from multigpu.planning.hardware import HostCosts, Platform, measured_link
+from multigpu.planning.workload import FsdpLayout
 from multigpu.session.fsdp import FSDPOptions, apply_fsdp, select_blocks
 
 FIGURE = Path(__file__).parent / "figures" / "planner-accuracy-cpu2.png"
@@ -158,10 +156,6 @@ def _platform(host: HostCosts, contention: float = 1.0, busbw: float | None = No
     )
 
 
-def _host_s(w: Workload, host: HostCosts) -> float:
-    return forward_host_s(w.counts, host) + backward_host_s(w.counts, host)
-
-
 def single_pairs(name: str, host: HostCosts, pairs: int) -> list[tuple[float, float]]:
     """(predicted, measured) seconds of one step on one thread, from a fresh measurement each pair."""
     x, y = batch(name)
@@ -186,9 +180,9 @@ def dp_pairs(name: str, host: HostCosts, pairs: int) -> list[tuple[float, float]
     with ReplicaProbe(probe_model, x[:half], loss_fn=_loss(y)) as replicas:
         for _ in range(pairs):  # calibration and the real step back to back: the same machine load
             solo, together = replicas.times(repeats=1)
-            device = max(solo - _host_s(base, host), 0.1 * solo)
+            device = max(solo - host_step_s(base.counts, host), 0.1 * solo)
             w = replace(base, compute_s_per_sample=device / half)
-            p = replace(plat, contention=device_contention(solo, together, _host_s(base, host)))
+            p = replace(plat, contention=device_contention(solo, together, host_step_s(base.counts, host)))
             out.append((predict_step("dp", w, p, chunks=[half, len(x) - half]).total_s, fastest_s(step, 1)))
     return out
 
@@ -285,12 +279,12 @@ def process_pairs(
     plat, out = _platform(host), []
     for r0, r1 in zip(*ranks):
         solo, both = r0[0], max(r0[1], r1[1])
-        device = max(solo - _host_s(base, host), 0.1 * solo)
+        device = max(solo - host_step_s(base.counts, host), 0.1 * solo)
         w = replace(base, compute_s_per_sample=device / half, optimizer_s=max(r0[2], r1[2]))
         # ddp's all-reduce, or fsdp's all-gathers and reduce-scatters, at the bus bandwidth measured for them
         busbw = min(r0[3], r1[3])
         links = {"link": measured_link(busbw)} if strategy == "ddp" else {"gather_busbw": busbw}
-        p = replace(plat, contention=device_contention(solo, both, _host_s(base, host)), **links)
+        p = replace(plat, contention=device_contention(solo, both, host_step_s(base.counts, host)), **links)
         out.append((predict_step(strategy, w, p, chunks=[half, half]).total_s, max(r0[4], r1[4])))
     return out
 

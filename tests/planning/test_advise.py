@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from multigpu.errors import ConfigError
-from multigpu.planning import hardware, models
+from multigpu.planning import hardware, workload
 from multigpu.planning.advise import Row, evaluate, recommend, to_json
 from multigpu.planning.costs import StepTime
-from multigpu.planning.platform import Platform, gpu_platform
+from multigpu.planning.hardware import Platform, gpu_platform
 from multigpu.planning.workload import Workload
 
 A100 = gpu_platform(hardware.gpu("a100-80gb"), hardware.link("nvlink-a100"))
@@ -43,22 +43,22 @@ def test_a_strategy_slower_than_one_device_is_never_recommended() -> None:
 
 
 def test_the_fastest_strategy_wins_where_it_scales() -> None:
-    rows = evaluate(models.workload("resnet50", hardware.gpu("a100-80gb")), A100, [1, 2, 4, 8], 32)
+    rows = evaluate(workload.from_preset("resnet50", hardware.gpu("a100-80gb")), A100, [1, 2, 4, 8], 32)
     assert (recommend(rows).strategy, recommend(rows).devices) == ("ddp", 8)
     assert "slower than one device" not in recommend(rows).sentence  # 32 images of 224x224 keep a GPU busy
 
 
 def test_global_batch_is_split_as_dataparallel_splits_it() -> None:
-    rows = evaluate(models.workload("resnet50", hardware.gpu("a100-80gb")), A100, [1, 3], global_batch=100)
+    rows = evaluate(workload.from_preset("resnet50", hardware.gpu("a100-80gb")), A100, [1, 3], global_batch=100)
     assert next(r for r in rows if r.strategy == "single").step.chunks == (100,)
     assert next(r for r in rows if r.strategy == "dp").step.chunks == (34, 33, 33)
     with pytest.raises(ConfigError, match=r"global batch 2 is smaller than 3 devices"):
-        evaluate(models.workload("resnet50", hardware.gpu("a100-80gb")), A100, [1, 3], global_batch=2)
+        evaluate(workload.from_preset("resnet50", hardware.gpu("a100-80gb")), A100, [1, 3], global_batch=2)
 
 
 def test_chunk_sizes_plan_one_dataparallel_split() -> None:
     rows = evaluate(
-        models.workload("gpt2-124m", hardware.gpu("a100-80gb")), A100, [1, 2, 8], chunk_sizes=[4, 19, 19, 18]
+        workload.from_preset("gpt2-124m", hardware.gpu("a100-80gb")), A100, [1, 2, 8], chunk_sizes=[4, 19, 19, 18]
     )
     assert sorted({r.devices for r in rows}) == [1, 4]
     by = {r.strategy: r.step.chunks for r in rows}
@@ -67,7 +67,7 @@ def test_chunk_sizes_plan_one_dataparallel_split() -> None:
 
 
 def test_exactly_one_batch_is_asked_for() -> None:
-    w = models.workload("resnet50", hardware.gpu("a100-80gb"))
+    w = workload.from_preset("resnet50", hardware.gpu("a100-80gb"))
     with pytest.raises(
         ConfigError, match=r"pass exactly one of --batch \(per device\), --global-batch and --chunk-sizes"
     ):
@@ -78,13 +78,13 @@ def test_exactly_one_batch_is_asked_for() -> None:
 
 def test_nothing_fits_says_so_with_the_smallest_peak() -> None:
     t4 = gpu_platform(hardware.gpu("t4"), hardware.link("pcie3"))
-    rows = evaluate(models.workload("gpt2-124m", hardware.gpu("t4")), t4, [1, 2], 64)
+    rows = evaluate(workload.from_preset("gpt2-124m", hardware.gpu("t4")), t4, [1, 2], 64)
     rec = recommend(rows, t4.memory_bytes)
     assert rec.strategy == "none" and "Nothing fits: the smallest peak is" in rec.sentence
 
 
 def test_json_has_exactly_the_documented_schema() -> None:
-    rows = evaluate(models.workload("resnet50", hardware.gpu("a100-80gb")), A100, [1, 2], 32)
+    rows = evaluate(workload.from_preset("resnet50", hardware.gpu("a100-80gb")), A100, [1, 2], 32)
     plan = to_json(rows, recommend(rows), {"model": "resnet50"})
     assert set(plan) == {"inputs", "rows", "recommendation"}
     for row in plan["rows"]:

@@ -1,4 +1,4 @@
-"""The published end-to-end cases, predicted from their setups (see multigpu.planning.cases)."""
+"""The published end-to-end cases, predicted from their setups (tests/planning/_published_cases.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from multigpu.planning import cases, host
+from multigpu.planning import hardware
+from tests.planning import _published_cases as cases
 
 
 @pytest.mark.parametrize("overlap", [0.0, 0.2, 0.5, 0.75])
@@ -51,7 +52,7 @@ def test_horovod_vgg16_scales_worst() -> None:
 def test_dataparallel_regimes_of_public_reports(host_scale: float) -> None:
     # No per-case factor: the same constants as every other case (host costs measured, launch cited),
     # and the regimes hold for a server host twice as fast or twice as slow as the one measured.
-    h = host.DEFAULT_HOST
+    h = hardware.DEFAULT_HOST
     scaled = replace(
         h,
         op_s=h.op_s * host_scale,

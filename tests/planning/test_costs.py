@@ -5,10 +5,9 @@ from dataclasses import replace
 import pytest
 
 from multigpu.errors import ConfigError
-from multigpu.planning import costs, hardware, models
-from multigpu.planning.costs import predict_step, ring_allreduce_s
-from multigpu.planning.host import HostCosts
-from multigpu.planning.platform import Platform, gpu_platform
+from multigpu.planning import costs, hardware, workload
+from multigpu.planning.costs import collective_s, predict_step
+from multigpu.planning.hardware import HostCosts, Platform, gpu_platform
 from multigpu.planning.workload import StepCounts, Workload
 
 
@@ -24,9 +23,9 @@ def _work(**kw: object) -> Workload:
 
 def test_ring_allreduce_follows_nccl_tests_bus_bandwidth() -> None:
     # busbw = algbw * 2(n-1)/n, so t = S * 2(n-1)/n / busbw; one device moves nothing.
-    assert ring_allreduce_s(1e9, 2, 10e9) == pytest.approx(0.1)
-    assert ring_allreduce_s(1e9, 8, 10e9) == pytest.approx(0.175)
-    assert ring_allreduce_s(1e9, 1, 10e9) == 0.0
+    assert collective_s("all-reduce", 1e9, 2, 10e9) == pytest.approx(0.1)
+    assert collective_s("all-reduce", 1e9, 8, 10e9) == pytest.approx(0.175)
+    assert collective_s("all-reduce", 1e9, 1, 10e9) == 0.0
 
 
 def test_single_step_is_compute_plus_optimizer() -> None:
@@ -108,7 +107,7 @@ def test_ddp_exposes_at_least_the_last_bucket_and_at_most_everything() -> None:
         step = predict_step("ddp", w, _plat("pcie3", overlap), devices=4, per_device_batch=32)
         total = step.allreduce_total_s
         assert step.total_s == pytest.approx(sum(step.parts.values()))
-        last = ring_allreduce_s(10_000_000 * 4, 4, hardware.link("pcie3").allreduce_busbw)
+        last = collective_s("all-reduce", 10_000_000 * 4, 4, hardware.link("pcie3").allreduce_busbw)
         assert last <= step.parts["allreduce"] + 1e-12 <= total + 1e-12
     none = predict_step("ddp", w, _plat("pcie3", 0.0), devices=4, per_device_batch=32)
     assert none.parts["allreduce"] == pytest.approx(none.allreduce_total_s)
@@ -158,7 +157,7 @@ def test_cpu_replicas_copy_nothing_and_slow_each_other() -> None:
 
 
 def test_balanced_dataparallel_gives_the_primary_fewer_samples() -> None:
-    w = models.workload("gpt2-124m", hardware.gpu("titan-rtx"))
+    w = workload.from_preset("gpt2-124m", hardware.gpu("titan-rtx"))
     step = predict_step("dp-balanced", w, _plat(), devices=2, per_device_batch=8)
     assert step.chunks[0] < step.chunks[1] and sum(step.chunks) == 16
 

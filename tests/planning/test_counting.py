@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from multigpu.errors import ConfigError
-from multigpu.planning import models
+from multigpu.planning import workload
 from multigpu.planning.counting import count_flops, count_step
 from tests.planning import _reference_nets as nets
 
@@ -91,7 +91,7 @@ def test_a_model_that_cannot_run_says_what_to_do() -> None:
 def test_preset_numbers_are_the_counts_of_an_equivalent_tree(
     preset: str, build: object, shape: tuple[int, ...], dtype: torch.dtype
 ) -> None:
-    spec = models.preset(preset)
+    spec = workload.preset(preset)
     net = _meta(build)
     x = torch.zeros(2, *shape, dtype=dtype, device="meta")
     counted = count_step(net, x)

@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 from multigpu.errors import ConfigError
-from multigpu.planning import cases, hardware, models
-from multigpu.planning.costs import collective_s, exposed_fsdp_s, predict_step, ring_allreduce_s
+from multigpu.planning import hardware, workload
+from multigpu.planning.costs import collective_s, device_memory, exposed_fsdp_s, predict_step
 from multigpu.planning.counting import count_fsdp_groups
-from multigpu.planning.host import DEFAULT_HOST
-from multigpu.planning.memory import device_memory, sharded_state_bytes
-from multigpu.planning.platform import Platform, gpu_platform
+from multigpu.planning.hardware import DEFAULT_HOST, Platform, gpu_platform
+from multigpu.planning.memory import sharded_state_bytes
 from multigpu.planning.workload import FsdpLayout, Workload
 from multigpu.session.fsdp import FSDPOptions, select_blocks
+from tests.planning import _published_cases as cases
 from tests.planning import _reference_nets as nets
 
 MIB = 2**20
@@ -109,7 +109,7 @@ def test_fsdp_moves_one_and_a_half_times_ddps_bytes_in_fp32_and_as_many_under_am
     # ZeRO: stage 3 costs 1.5x data parallelism's communication (all-gather twice, reduce-scatter once).
     plat = _cpu(busbw=1e9)
     w = _w(groups=(0, 500, 500))
-    ddp = ring_allreduce_s(w.grad_bytes, 4, 1e9)
+    ddp = collective_s("all-reduce", w.grad_bytes, 4, 1e9)
     total, exposed = exposed_fsdp_s(w, plat, 4, 1.0, 2.0)
     assert total == pytest.approx(1.5 * ddp) and exposed == total  # CPU: nothing hides (overlap 0)
     amp_total, _ = exposed_fsdp_s(replace(w, precision="amp"), plat, 4, 1.0, 2.0)
@@ -191,8 +191,8 @@ def test_preset_groups_are_what_the_sessions_rule_makes_of_the_module_tree(prese
     with torch.device("meta"):
         model = build()
     groups = count_fsdp_groups(model, select_blocks(model, FSDPOptions()))
-    assert models.preset(preset).fsdp_groups == groups
-    assert sum(groups) == models.preset(preset).params
+    assert workload.preset(preset).fsdp_groups == groups
+    assert sum(groups) == workload.preset(preset).params
 
 
 def test_layouts_are_validated_and_rescaled() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from multigpu.errors import ConfigError
-from multigpu.planning import host
+from multigpu.planning import costs, hardware
 from multigpu.planning.calibrate import measure_host_costs
 from multigpu.planning.workload import StepCounts
 
-COSTS = host.HostCosts(
+COSTS = hardware.HostCosts(
     op_s=4e-6,
     module_call_s=2e-6,
     backward_op_s=6e-6,
@@ -24,31 +24,31 @@ COUNTS = StepCounts(
 
 
 def test_host_seconds_are_counts_times_costs() -> None:
-    assert host.forward_host_s(COUNTS, COSTS) == pytest.approx(12 * 2e-6 + 100 * 4e-6 + 80 * 5e-6)
-    assert host.backward_host_s(COUNTS, COSTS) == pytest.approx(150 * 6e-6 + 90 * 5e-6)
-    assert host.replicate_s(COUNTS, COSTS, 3) == pytest.approx(3 * (10 * 20e-6 + 20 * 5e-6))
+    assert costs.forward_host_s(COUNTS, COSTS) == pytest.approx(12 * 2e-6 + 100 * 4e-6 + 80 * 5e-6)
+    assert costs.backward_host_s(COUNTS, COSTS) == pytest.approx(150 * 6e-6 + 90 * 5e-6)
+    assert costs.replicate_s(COUNTS, COSTS, 3) == pytest.approx(3 * (10 * 20e-6 + 20 * 5e-6))
 
 
 def test_chain_adds_on_cpu_and_overlaps_on_gpu() -> None:
-    assert host.chain(2.0, 3.0, synchronous=True) == 5.0
-    assert host.chain(2.0, 3.0, synchronous=False) == 3.0
+    assert costs.chain(2.0, 3.0, synchronous=True) == 5.0
+    assert costs.chain(2.0, 3.0, synchronous=False) == 3.0
 
 
 def test_threads_queue_on_the_gil_only_past_one_replica() -> None:
-    h_f = host.forward_host_s(COUNTS, COSTS)
-    assert host.threaded_forward_s(COUNTS, COSTS, 1, 1e-9) == 1e-9
-    assert host.threaded_forward_s(COUNTS, COSTS, 4, 1e-9) == pytest.approx(4 * 1.5 * h_f)
-    assert host.threaded_forward_s(COUNTS, COSTS, 4, 1.0) == 1.0  # a long device forward hides the queue
+    h_f = costs.forward_host_s(COUNTS, COSTS)
+    assert costs.threaded_forward_s(COUNTS, COSTS, 1, 1e-9) == 1e-9
+    assert costs.threaded_forward_s(COUNTS, COSTS, 4, 1e-9) == pytest.approx(4 * 1.5 * h_f)
+    assert costs.threaded_forward_s(COUNTS, COSTS, 4, 1.0) == 1.0  # a long device forward hides the queue
 
 
 def test_gpu_costs_add_the_cited_launch() -> None:
-    cpu = host.DEFAULT_HOST
-    assert cpu.launch_s == 0.0 and cpu.on_gpu().launch_s == host.GPU_LAUNCH_S
+    cpu = hardware.DEFAULT_HOST
+    assert cpu.launch_s == 0.0 and cpu.on_gpu().launch_s == hardware.GPU_LAUNCH_S
 
 
 def test_bad_costs_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"HostCosts.op_s=-1 must be >= 0"):
-        host.HostCosts(
+        hardware.HostCosts(
             op_s=-1, module_call_s=0, backward_op_s=0, gil_contention=1, replicate_module_s=0, replicate_tensor_s=0
         )
     with pytest.raises(ConfigError, match=r"StepCounts.forward_ops=-2 must be >= 0"):

@@ -7,13 +7,8 @@ import torch
 from torch import nn
 
 from multigpu.errors import ConfigError
-from multigpu.planning.measure import (
-    ReplicaProbe,
-    device_seconds,
-    measure_workload,
-    memory_bandwidth,
-    replica_contention,
-)
+from multigpu.planning.calibrate import ReplicaProbe, memory_bandwidth, replica_contention
+from multigpu.planning.counting import device_seconds, measure_workload
 from tests.launching import multigpu_launch
 
 
@@ -64,7 +59,7 @@ _GATHER_BUSBW = """
 import sys
 from pathlib import Path
 
-from multigpu.planning.measure import gather_busbw
+from multigpu.planning.calibrate import gather_busbw
 from multigpu.session import Session
 
 with Session(strategy="ddp", timeout_s=60) as session:
@@ -86,7 +81,7 @@ def test_fsdp_collectives_bandwidth_over_two_gloo_processes(tmp_path: Path) -> N
 def test_fsdp_collectives_need_two_processes() -> None:
     import torch.distributed as dist
 
-    from multigpu.planning.measure import gather_busbw
+    from multigpu.planning.calibrate import gather_busbw
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -2,9 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from multigpu.planning import hardware, models
-from multigpu.planning.memory import balanced_chunks, bytes_per_param, device_memory
-from multigpu.planning.platform import gpu_platform
+from multigpu.planning import hardware, workload
+from multigpu.planning.costs import device_memory
+from multigpu.planning.hardware import gpu_platform
+from multigpu.planning.memory import balanced_chunks, bytes_per_param
 from multigpu.planning.workload import Workload
 
 
@@ -40,7 +41,7 @@ def test_ddp_holds_full_state_and_one_bucket_buffer_per_process() -> None:
 
 
 def test_balanced_chunks_lower_the_peak() -> None:
-    w = models.workload("gpt2-124m", hardware.gpu("titan-rtx"))
+    w = workload.from_preset("gpt2-124m", hardware.gpu("titan-rtx"))
     even = device_memory("dp", w, PLAT, [8, 8])
     sizes = balanced_chunks(w, PLAT, 2, 16)
     balanced = device_memory("dp", w, PLAT, sizes)

@@ -10,10 +10,9 @@ from hypothesis import strategies as st
 
 from multigpu.planning import hardware
 from multigpu.planning.advise import evaluate, recommend, to_json
-from multigpu.planning.costs import predict_step
-from multigpu.planning.host import DEFAULT_HOST
-from multigpu.planning.memory import balanced_chunks, device_memory
-from multigpu.planning.platform import Platform, gpu_platform
+from multigpu.planning.costs import device_memory, predict_step
+from multigpu.planning.hardware import DEFAULT_HOST, Platform, gpu_platform
+from multigpu.planning.memory import balanced_chunks
 from multigpu.planning.workload import StepCounts, Workload
 
 workloads = st.builds(

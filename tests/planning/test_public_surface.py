@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import multigpu.planning as planning
-from multigpu.planning import hardware, models
+from multigpu.planning import hardware, workload
 
 
 def test_public_names() -> None:
@@ -29,7 +29,7 @@ def test_public_names() -> None:
 
 
 def test_presets() -> None:
-    assert sorted(models.PRESETS) == ["gpt2-124m", "inception-v3", "resnet101", "resnet50", "vgg16"]
+    assert sorted(workload.PRESETS) == ["gpt2-124m", "inception-v3", "resnet101", "resnet50", "vgg16"]
     assert sorted(hardware.GPUS) == [
         "a10",
         "a100-40gb",

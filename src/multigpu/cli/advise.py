@@ -23,29 +23,37 @@ sources: docs/planning.md.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from multigpu.core.script import importable_from
 from multigpu.errors import ConfigError, MultigpuError
-from multigpu.planning import hardware, models
-from multigpu.planning.platform import DEFAULT_GPU_OVERLAP
+from multigpu.planning import hardware, workload
+from multigpu.planning.hardware import DEFAULT_GPU_OVERLAP
 from multigpu.planning.workload import OPTIMIZER_TRAFFIC, PRECISION_WEIGHT_BYTES, FsdpLayout
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from multigpu.planning.advise import Row
-    from multigpu.planning.platform import Platform
+    from multigpu.planning.hardware import Platform
     from multigpu.planning.workload import Workload
 
 HELP = "predict time and memory of each strategy and device count, and recommend one"
 DEFAULT_BATCH = 32
+PROBE_BATCH = 8  # samples per replica timed on this CPU; larger batches are scaled, never run
+INPUT_DTYPES = {"float32": "float32", "float": "float32", "float16": "float16", "long": "int64", "int64": "int64"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument(
-        "--model", required=True, help=f"a preset ({', '.join(models.PRESETS)}) or 'package.module:factory'"
+        "--model", required=True, help=f"a preset ({', '.join(workload.PRESETS)}) or 'package.module:factory'"
     )
     model.add_argument("--input-shape", help="per-sample input shape, e.g. 512 or 3,224,224 (presets: rescales them)")
     model.add_argument(
@@ -62,7 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--activation-mb", type=float, help="override: MB saved for backward per sample")
     model.add_argument("--output-mb", type=float, help="override: MB of outputs per sample (DataParallel gathers them)")
     model.add_argument(
-        "--utilization", type=float, default=models.FP32_UTILIZATION, help="share of fp32 peak reached (FLOPs -> time)"
+        "--utilization",
+        type=float,
+        default=workload.FP32_UTILIZATION,
+        help="share of fp32 peak reached (FLOPs -> time)",
     )
     model.add_argument(
         "--fsdp-no-reshard",
@@ -122,8 +133,6 @@ def _batches(args: argparse.Namespace) -> dict[str, Any]:
     if len(given) > 1:
         raise ConfigError(f"pass one of --batch, --global-batch and --chunk-sizes, not {' and '.join(given)}")
     if args.chunk_sizes is not None:
-        from multigpu.planning.factory import parse_shape
-
         return {"chunk_sizes": list(parse_shape(args.chunk_sizes, flag="--chunk-sizes") or ())}
     if args.global_batch is not None:
         if args.global_batch < 1:
@@ -145,27 +154,23 @@ def _counting_batch(batches: dict[str, Any]) -> int:
 
 def _measured(args: argparse.Namespace, gpu: hardware.GpuSpec | None, batch: int) -> tuple[Workload, Platform | None]:
     """A factory model: counted on the meta device for a GPU, measured at a probe batch on this CPU."""
-    from multigpu.planning import factory
-    from multigpu.planning.calibrate import measure_host_costs
-    from multigpu.planning.counting import count_step
-    from multigpu.planning.host import backward_host_s, forward_host_s
-    from multigpu.planning.measure import measure_cpu_platform, measure_workload
+    from multigpu.planning.calibrate import measure_cpu_platform, measure_host_costs
+    from multigpu.planning.costs import host_step_s
+    from multigpu.planning.counting import count_step, counted_workload, measure_workload
 
-    factory.load_factory(args.model)  # a bad path is the first thing to report
-    shape = factory.parse_shape(args.input_shape)
+    load_factory(args.model)  # a bad path is the first thing to report
+    shape = parse_shape(args.input_shape)
     if shape is None:
         raise ConfigError(
             f"--model {args.model!r} is counted on sample inputs: pass --input-shape, e.g. 512 or 3,224,224"
         )
     if gpu is not None:
-        model = factory.build(args.model, meta=True)
-        counted = count_step(model, factory.sample_inputs(batch, shape, args.input_dtype, "meta"))
-        w = models.counted_workload(
-            counted, gpu, name=args.model, utilization=args.utilization, optimizer=args.optimizer
-        )
+        model = build(args.model, meta=True)
+        counted = count_step(model, sample_inputs(batch, shape, args.input_dtype, "meta"))
+        w = counted_workload(counted, gpu, name=args.model, utilization=args.utilization, optimizer=args.optimizer)
         return replace(w, fsdp=_fsdp_layout(model)), None
-    model = factory.build(args.model, meta=False)
-    probe = factory.sample_inputs(min(batch, factory.PROBE_BATCH), shape, args.input_dtype, "cpu")
+    model = build(args.model, meta=False)
+    probe = sample_inputs(min(batch, PROBE_BATCH), shape, args.input_dtype, "cpu")
     host = measure_host_costs(replicate="multigpu")
     w = replace(
         measure_workload(model, probe, optimizer=args.optimizer, name=args.model, host=host), fsdp=_fsdp_layout(model)
@@ -173,7 +178,7 @@ def _measured(args: argparse.Namespace, gpu: hardware.GpuSpec | None, batch: int
     if args.busbw is not None and args.busbw <= 0:
         raise ConfigError(f"--busbw {args.busbw} must be > 0 GB/s (a measured all-reduce bus bandwidth)")
     busbw = args.busbw * 1e9 if args.busbw is not None else None
-    host_s = forward_host_s(w.counts, host) + backward_host_s(w.counts, host)
+    host_s = host_step_s(w.counts, host)
     return w, measure_cpu_platform(model, probe[: max(1, len(probe) // 2)], busbw=busbw, host=host, host_s=host_s)
 
 
@@ -203,13 +208,11 @@ def _overrides(w: Workload, args: argparse.Namespace) -> Workload:
 
 
 def _gpu_platform(args: argparse.Namespace, gpu: hardware.GpuSpec) -> Platform:
-    from multigpu.planning.platform import gpu_platform
-
     if args.busbw is None and not args.link:
         raise ConfigError(f"--gpu {gpu.name} needs --link (one of {', '.join(hardware.LINKS)}) or a measured --busbw")
     device_link = hardware.measured_link(args.busbw * 1e9) if args.busbw is not None else hardware.link(args.link)
     network = hardware.link(args.network) if args.network else None
-    return gpu_platform(
+    return hardware.gpu_platform(
         gpu,
         device_link,
         network=network,
@@ -221,18 +224,17 @@ def _gpu_platform(args: argparse.Namespace, gpu: hardware.GpuSpec) -> Platform:
 
 def _plan(args: argparse.Namespace) -> tuple[Workload, Platform, list[Row], dict[str, Any]]:
     from multigpu.planning.advise import evaluate
-    from multigpu.planning.factory import parse_shape
 
     counts = list(parse_shape(args.devices, flag="--devices") or ())
     batches = _batches(args)
     gpu = _gpu(args)
     plat: Platform | None = None
-    if args.model.lower() in models.PRESETS:
+    if args.model.lower() in workload.PRESETS:
         if gpu is None:
             raise ConfigError(
                 f"preset {args.model!r} needs --gpu (one of {', '.join(hardware.GPUS)}) or --gpu-tflops ..."
             )
-        w = models.workload(
+        w = workload.from_preset(
             args.model,
             gpu,
             utilization=args.utilization,
@@ -273,8 +275,7 @@ def _inputs(w: Workload, plat: Platform, rows: list[Row], batches: dict[str, Any
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from multigpu.planning.advise import plot_throughput, recommend, to_json
-    from multigpu.planning.table import print_plan
+    from multigpu.planning.advise import plot_throughput, print_plan, recommend, to_json
 
     console = Console()
     try:
@@ -296,3 +297,87 @@ def run(args: argparse.Namespace) -> int:
     print_plan(console, w, plat, rows, rec)
     console.print(f"written: {out / 'advise.json'}" + (f", {figure}" if figure else ""), soft_wrap=True)
     return 0
+
+
+def load_factory(path: str) -> Callable[[], object]:
+    """The callable at ``package.module:attribute``, importable from the current folder too (console
+    scripts do not put it on the path), so ``--model mynet:build`` finds ``./mynet.py``.
+
+    Raises:
+        ConfigError: no ``:``, a module or attribute that does not import (the message says which).
+    """
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(
+            f"--model {path!r} is neither a preset ({', '.join(workload.PRESETS)}) nor 'package.module:factory'"
+        )
+    try:
+        with importable_from():  # console scripts do not put the current folder on the path
+            factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--model {path!r}: cannot import {attr!r} from {module_name!r} ({exc})") from exc
+    if not callable(factory):
+        raise ConfigError(f"--model {path!r} names a {type(factory).__name__}, not a function that builds a model")
+    return factory  # type: ignore[no-any-return]
+
+
+def build(path: str, *, meta: bool) -> nn.Module:
+    """Call the factory at ``path`` (on the meta device when ``meta``) and check it built a module.
+
+    For a GPU plan the factory runs under ``torch.device("meta")``: every tensor it creates has a
+    shape and no data, so a billion-parameter model is built and counted in seconds without memory.
+    For a plan on this CPU the model is built for real and timed at :data:`PROBE_BATCH` samples at most.
+    """
+    import torch
+    from torch import nn
+
+    factory = load_factory(path)
+    try:
+        if meta:
+            with torch.device("meta"):
+                made = factory()
+        else:
+            made = factory()
+    except Exception as exc:  # the user's code: any failure becomes one clear line
+        where = (
+            " on the meta device (a GPU plan builds it without data; plan on this CPU to build it for real)"
+            if meta
+            else ""
+        )
+        raise ConfigError(f"--model {path!r}: the factory raised {type(exc).__name__}: {exc}{where}") from exc
+    if not isinstance(made, nn.Module):
+        raise ConfigError(f"--model {path!r} returned {type(made).__name__}, not an nn.Module")
+    return made
+
+
+def parse_shape(text: str | None, *, flag: str = "--input-shape") -> tuple[int, ...] | None:
+    """``"3,224,224"`` -> ``(3, 224, 224)``; None stays None (also for device counts and chunk sizes).
+
+    Raises:
+        ConfigError: a part that is not a positive integer.
+    """
+    if text is None:
+        return None
+    try:
+        shape = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise ConfigError(f"{flag} {text!r} must be positive integers separated by commas, e.g. 512 or 3,224,224")
+    return shape
+
+
+def sample_inputs(batch: int, shape: Sequence[int], dtype: str, device: torch.device | str) -> torch.Tensor:
+    """A batch of ``batch`` samples of ``shape``: random floats, or token ids 0 (valid for any vocabulary).
+
+    Raises:
+        ConfigError: an unknown dtype.
+    """
+    import torch
+
+    if dtype not in INPUT_DTYPES:
+        raise ConfigError(f"--input-dtype {dtype!r} is not one of {', '.join(INPUT_DTYPES)}")
+    kind = getattr(torch, INPUT_DTYPES[dtype])
+    if kind.is_floating_point:
+        return torch.randn(batch, *shape, dtype=kind, device=device)
+    return torch.zeros(batch, *shape, dtype=kind, device=device)

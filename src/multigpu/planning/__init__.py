@@ -1,17 +1,17 @@
 """Predict: per-step time and per-device memory of each strategy, and which to use.
 
-Modules: hardware (GPU and link presets with sources), workload (what is trained), counting (one
-step counted on the meta device, fsdp's groups), host (the host's share: Python, dispatch, launches, the GIL),
-calibrate (the host constants, measured), models (built-in presets), factory (a user's model by
-import path), platform (devices + links), costs (time), memory (bytes per device), measure
-(timings on this CPU), cases (published results), advise (the answer), table (the answer, printed).
-The equations: docs/planning.md.
+Modules: hardware (what a step runs on: GPU and link presets with sources, the host's costs, the
+platform), workload (what is trained: the workload and model presets), counting (one step counted
+on the meta device or timed on this CPU, fsdp's groups), calibrate (this machine measured: host
+costs, what CPU replicas share, collectives), costs (time, and the strategies' names and facts),
+memory (bytes per device), advise (the answer: recommendation, JSON, table rows, figure).
+The equations: docs/planning.md; the published cases they are checked against: tests/planning.
 
 Example:
     >>> from multigpu.planning import evaluate, gpu_platform, recommend
-    >>> from multigpu.planning import hardware, models
+    >>> from multigpu.planning import hardware, workload
     >>> gpu = hardware.gpu("v100-32gb")
-    >>> rows = evaluate(models.workload("resnet50", gpu), gpu_platform(gpu, hardware.link("nvlink-v100")), [1, 8], 32)
+    >>> rows = evaluate(workload.from_preset("resnet50", gpu), gpu_platform(gpu, hardware.link("nvlink-v100")), [1, 8], 32)
     >>> recommend(rows).strategy
     'ddp'
 """
@@ -25,22 +25,18 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
     from multigpu.planning.advise import Recommendation, Row, evaluate, recommend, to_json
     from multigpu.planning.calibrate import measure_host_costs
     from multigpu.planning.costs import StepTime, predict_step
-    from multigpu.planning.counting import count_step
-    from multigpu.planning.host import HostCosts
-    from multigpu.planning.measure import measure_workload
-    from multigpu.planning.platform import Platform, gpu_platform
+    from multigpu.planning.counting import count_step, measure_workload
+    from multigpu.planning.hardware import HostCosts, Platform, gpu_platform
     from multigpu.planning.workload import FsdpLayout, StepCounts, Workload
 
 # The names are imported on first use: `multigpu advise --help` reads the presets in
-# planning.hardware/models without paying for torch, which counting and measuring import.
+# planning.hardware/workload without paying for torch, which counting and measuring import.
 _SOURCES = {
     **dict.fromkeys(("Recommendation", "Row", "evaluate", "recommend", "to_json"), "advise"),
     "measure_host_costs": "calibrate",
     **dict.fromkeys(("StepTime", "predict_step"), "costs"),
-    "count_step": "counting",
-    "HostCosts": "host",
-    "measure_workload": "measure",
-    **dict.fromkeys(("Platform", "gpu_platform"), "platform"),
+    **dict.fromkeys(("count_step", "measure_workload"), "counting"),
+    **dict.fromkeys(("HostCosts", "Platform", "gpu_platform"), "hardware"),
     **dict.fromkeys(("FsdpLayout", "StepCounts", "Workload"), "workload"),
 }
 

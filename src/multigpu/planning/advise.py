@@ -1,13 +1,17 @@
-"""The answer: every strategy at every device count, the one to use with its reason, and its JSON.
+"""The answer: every strategy at every device count, the one to use with its reason, as JSON, table and figure.
 
-Strategy names are the Session's: ``single``, ``dp``, ``dp-balanced`` (DataParallel with chunk
-sizes that even out memory), ``ddp`` and ``fsdp``.
+Strategy names and facts are the cost model's (:data:`multigpu.planning.costs.STRATEGIES`). The
+table fits 80 columns (also when piped) and numbers keep their real size: a 5 k-parameter model
+shows ``5.2 k params`` and its peak in KiB, not ``0.0M`` and ``0 MB``. DataParallel rows show the
+primary and the other devices apart (``primary | others``): the primary carries the optimizer state
+and the gathered outputs. The table and figure are drawn by :mod:`multigpu.report`; this module
+supplies their rows.
 
 Example:
-    >>> from multigpu.planning import hardware, models
-    >>> from multigpu.planning.platform import gpu_platform
-    >>> g = hardware.gpu("titan-rtx")
-    >>> rows = evaluate(models.workload("gpt2-124m", g), gpu_platform(g, hardware.link("nvlink-titan-rtx")), [1, 2], 4)
+    >>> from multigpu.planning.hardware import gpu, gpu_platform, link
+    >>> from multigpu.planning.workload import from_preset
+    >>> g = gpu("titan-rtx")
+    >>> rows = evaluate(from_preset("gpt2-124m", g), gpu_platform(g, link("nvlink-titan-rtx")), [1, 2], 4)
     >>> recommend(rows).strategy
     'ddp'
 """
@@ -19,22 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
 from multigpu.errors import ConfigError
 from multigpu.parallel.scatter_gather import even_chunk_sizes
-from multigpu.planning.costs import StepTime, predict_step
-from multigpu.planning.memory import device_memory
-from multigpu.planning.platform import Platform
+from multigpu.planning.costs import DDP, DP, FSDP, SINGLE, STRATEGIES, StepTime, device_memory, predict_step
+from multigpu.planning.hardware import Platform
 from multigpu.planning.workload import Workload
+from multigpu.report.figures import Line, line_figure
+from multigpu.report.tables import binary_unit, compact_table, format_bytes, human_count
 
-MULTI_DEVICE = ("dp", "dp-balanced", "ddp", "fsdp")
-MULTI_PROCESS = ("ddp", "fsdp")  # the strategies that can span nodes
-LABELS = {
-    "single": "single device",
-    "dp": "DataParallel",
-    "dp-balanced": "balanced DataParallel",
-    "ddp": "DDP",
-    "fsdp": "FSDP",
-}
 # Within this share of the best throughput, fewer devices win, and then ddp over fsdp: the planner
 # cannot tell them apart, and the simpler set-up is the better bet.
 TIE = 0.02
@@ -115,23 +113,16 @@ def evaluate(
             )
         return even_chunk_sizes(total, n)
 
-    single = _row("single", w, plat, split(1), None)
+    single = _row(SINGLE, w, plat, split(1), None)
     rows = [single]
     for n in sorted(set(device_counts) - {1}):
-        for strategy in MULTI_DEVICE:
-            if strategy not in MULTI_PROCESS and not plat.single_process(n):
+        for strategy in (s for s in STRATEGIES.values() if s.multi_device):
+            if strategy.one_process and not plat.single_process(n):
                 continue  # one process cannot span nodes
-            given_split = chunk_sizes is not None and strategy == "dp"
-            rows.append(_row(strategy, w, plat, list(chunk_sizes) if given_split else split(n), single.step.throughput))  # type: ignore[arg-type]
+            given_split = chunk_sizes is not None and strategy.name == DP
+            sizes = list(chunk_sizes) if given_split else split(n)  # type: ignore[arg-type]
+            rows.append(_row(strategy.name, w, plat, sizes, single.step.throughput))
     return rows
-
-
-def format_bytes(nbytes: float) -> str:
-    """Bytes in the largest binary unit that keeps a digit before the point: 512 B, 3.4 MiB, 24.7 GiB."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.1f} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 def recommend(rows: Sequence[Row], memory_limit: float | None = None) -> Recommendation:
@@ -149,17 +140,17 @@ def recommend(rows: Sequence[Row], memory_limit: float | None = None) -> Recomme
         return Recommendation(
             "none",
             smallest.devices,
-            f"Nothing fits: the smallest peak is {format_bytes(max(smallest.memory))} ({LABELS[smallest.strategy]} "
+            f"Nothing fits: the smallest peak is {format_bytes(max(smallest.memory))} ({_label(smallest.strategy)} "
             f"on {smallest.devices}){limit}; lower the batch or use a larger device.",
         )
     top = max(r.step.throughput for r in fitting)
     best = min(
         (r for r in fitting if r.step.throughput >= (1 - TIE) * top),
-        key=lambda r: (r.devices, r.strategy == "fsdp", r.step.total_s),
+        key=lambda r: (r.devices, r.strategy == FSDP, r.step.total_s),
     )
     plural = "s" if best.devices > 1 else ""
     sentence = (
-        f"Use {LABELS[best.strategy]} on {best.devices} device{plural}: {best.step.total_s * 1e3:.1f} ms per step, "
+        f"Use {_label(best.strategy)} on {best.devices} device{plural}: {best.step.total_s * 1e3:.1f} ms per step, "
         f"{best.step.throughput:,.0f} samples/s, {best.efficiency:.0%} scaling efficiency, "
         f"peak {format_bytes(max(best.memory))} per device"
     )
@@ -167,16 +158,16 @@ def recommend(rows: Sequence[Row], memory_limit: float | None = None) -> Recomme
     if others:
         runner = max(others, key=lambda r: (r.fits, r.step.throughput))  # the fastest fitting, else the fastest
         why = "does not fit" if not runner.fits else f"{runner.step.throughput:,.0f} samples/s"
-        if not (best.strategy == "fsdp" and runner.strategy == "ddp" and runner.devices == best.devices):
-            sentence += f"; {LABELS[runner.strategy]} on {runner.devices}: {why}"  # else _why_fsdp speaks for ddp
+        if not (best.strategy == FSDP and runner.strategy == DDP and runner.devices == best.devices):
+            sentence += f"; {_label(runner.strategy)} on {runner.devices}: {why}"  # else _why_fsdp speaks for ddp
     return Recommendation(best.strategy, best.devices, sentence + "." + _why_fsdp(best, rows) + _slower_than_one(rows))
 
 
 def _why_fsdp(best: Row, rows: Sequence[Row]) -> str:
     """Why fsdp was chosen: DDP does not fit on that many devices, or is predicted slower."""
-    if best.strategy != "fsdp":
+    if best.strategy != FSDP:
         return ""
-    ddp = next((r for r in rows if r.strategy == "ddp" and r.devices == best.devices), None)
+    ddp = next((r for r in rows if r.strategy == DDP and r.devices == best.devices), None)
     if ddp is None:
         return ""
     if not ddp.fits:
@@ -192,11 +183,11 @@ def _why_fsdp(best: Row, rows: Sequence[Row]) -> str:
 
 def _slower_than_one(rows: Sequence[Row]) -> str:
     """A sentence naming the device counts where DataParallel is predicted slower than one device."""
-    single = next((r for r in rows if r.strategy == "single"), None)
+    single = next((r for r in rows if r.strategy == SINGLE), None)
     slower = [
         r.devices
         for r in rows
-        if single is not None and r.strategy == "dp" and r.step.throughput < single.step.throughput
+        if single is not None and r.strategy == DP and r.step.throughput < single.step.throughput
     ]
     if not slower:
         return ""
@@ -225,32 +216,92 @@ def to_json(rows: Sequence[Row], rec: Recommendation, inputs: dict[str, Any]) ->
     }
 
 
+def _label(strategy: str) -> str:
+    return STRATEGIES[strategy].label
+
+
 def plot_throughput(rows: Sequence[Row], path: str | Path, title: str) -> Path:
     """Write a PNG of predicted throughput against device count, one line per strategy."""
-    from multigpu.report.figures import pyplot, save_figure
-
-    single = next(r for r in rows if r.strategy == "single")
-    fig, ax = pyplot().subplots(figsize=(6.4, 4.0), dpi=120)
+    single = next(r for r in rows if r.strategy == SINGLE)
     counts = sorted({r.devices for r in rows})
-    ax.plot(counts, [single.step.throughput * n for n in counts], ":", color="grey", label="linear scaling")
-    for strategy in MULTI_DEVICE:
+    lines = [Line(counts, [single.step.throughput * n for n in counts], "linear scaling", _LINEAR)]
+    for strategy in (s.name for s in STRATEGIES.values() if s.multi_device):
         pts = [(1, single.step.throughput)] + [(r.devices, r.step.throughput) for r in rows if r.strategy == strategy]
         if len(pts) > 1:
-            dashed = strategy == "fsdp"  # often on top of ddp: dashed and hollow, so both show
-            ax.plot(
-                *zip(*pts),
-                linestyle="--" if dashed else "-",
-                marker="D" if dashed else "o",
-                markerfacecolor="none" if dashed else None,
-                label=f"{strategy} ({LABELS[strategy]})",
-            )
-        for r in rows:
-            if r.strategy == strategy and not r.fits:
-                ax.plot(r.devices, r.step.throughput, "x", color="red", markersize=10)
-    ax.set_xlabel("devices")
-    ax.set_ylabel("predicted samples / s")
-    ax.set_xticks(counts)
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return save_figure(fig, path)
+            dashed = strategy == FSDP  # often on top of ddp: dashed and hollow, so both show
+            style = {"linestyle": "--", "marker": "D", "markerfacecolor": "none"} if dashed else _SOLID
+            x, y = zip(*pts)
+            lines.append(Line(x, y, f"{strategy} ({_label(strategy)})", style))
+        lines += [
+            Line([r.devices], [r.step.throughput], None, _NO_FIT) for r in rows if r.strategy == strategy and not r.fits
+        ]
+    return line_figure(lines, path, xlabel="devices", ylabel="predicted samples / s", title=title, xticks=counts)
+
+
+_LINEAR = {"linestyle": ":", "color": "grey"}
+_SOLID = {"linestyle": "-", "marker": "o"}
+_NO_FIT = {"linestyle": "none", "marker": "x", "color": "red", "markersize": 10}
+
+
+def _chunks(chunks: tuple[int, ...]) -> str:
+    if len(set(chunks)) == 1:
+        return str(chunks[0])
+    others = chunks[1:]
+    rest = str(others[0]) if len(set(others)) == 1 else f"{min(others)}-{max(others)}"
+    return f"{chunks[0]}|{rest}"
+
+
+def _memory(memory: list[float], size: int) -> str:
+    digits = 1 if max(memory) / size >= 10 else 2
+    if len(memory) == 1 or len({round(m / size, digits) for m in memory}) == 1:
+        return f"{memory[0] / size:.{digits}f}"
+    return f"{memory[0] / size:.{digits}f}|{max(memory[1:]) / size:.{digits}f}"
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.0f}" if ms >= 1000 else f"{ms:.1f}" if ms >= 1 else f"{ms:.3f}"
+
+
+def plan_rows(rows: Sequence[Row], plat: Platform) -> tuple[list[str], list[list[str]]]:
+    """The plan table's columns and rows: strategy, devices, samples per device, step ms, samples/s,
+    scaling, peak memory (in one unit for the column, of the device's memory when known), fits."""
+    unit, size = binary_unit(max(max(r.memory) for r in rows))
+    limit = f"/{plat.memory_bytes / size:.0f}" if plat.memory_bytes else ""
+    columns = ["strategy", "N", "batch/dev", "step ms", "samples/s", "scaling", f"peak {unit}{limit}", "fits"]
+    return columns, [
+        [
+            r.strategy,
+            str(r.devices),
+            _chunks(r.step.chunks),
+            _ms(r.step.total_s),
+            f"{r.step.throughput:,.0f}",
+            f"{r.efficiency:.0%}",
+            _memory(r.memory, size),
+            "yes" if r.fits else "NO",
+        ]
+        for r in rows
+    ]
+
+
+def breakdown(row: Row) -> str:
+    """Where one step's time goes, largest first (ms)."""
+    parts = sorted(((v, k) for k, v in row.step.parts.items() if v * 1e3 >= 0.05), reverse=True)
+    return f"  {row.strategy} x{row.devices} (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for v, k in parts)
+
+
+def print_plan(console: Console, w: Workload, plat: Platform, rows: Sequence[Row], rec: Recommendation) -> None:
+    """The table, what it was computed from, the recommendation and the breakdown of the top rows."""
+    console.print(f"Predicted step on {plat.name} (dp rows: primary|others)", soft_wrap=True)
+    console.print(compact_table(*plan_rows(rows, plat)))
+    console.print(
+        f"inputs: {w.name}, {human_count(w.params)} params, {w.compute_s_per_sample * 1e3:.3g} ms/sample compute, "
+        f"{format_bytes(w.activation_bytes_per_sample)} activations and {format_bytes(w.output_bytes_per_sample)} "
+        f"outputs per sample, {w.optimizer} {w.precision}",
+        soft_wrap=True,
+    )
+    console.print(rec.sentence, soft_wrap=True)
+    top = max(r.devices for r in rows)
+    for r in rows:
+        if r.devices == top and r.strategy in (DP, DDP, FSDP):
+            console.print(breakdown(r), soft_wrap=True)

@@ -1,4 +1,6 @@
-"""Measure this machine's host costs (:class:`~multigpu.planning.host.HostCosts`) in about a second.
+"""Measure this machine: its host costs, what CPU replicas share, and the collectives' bandwidth.
+
+The host costs (:class:`~multigpu.planning.hardware.HostCosts`) take about a second.
 
 Each constant is the fastest of ``repeats`` timings of a probe (other work on a shared machine
 only adds time) divided by the items it holds, counted as :mod:`multigpu.planning.counting` counts:
@@ -18,7 +20,12 @@ only adds time) divided by the items it holds, counted as :mod:`multigpu.plannin
   FSDP2's hooks and bookkeeping, in a one-process gloo group (no collective runs). Where a process
   group already exists the probe is skipped and the development machine's figure kept.
 
-Run it:  python -m multigpu.planning.calibrate
+:func:`measure_cpu_platform` measures what CPU replicas share: memory bandwidth (a copy), how
+much each replica slows when two run at once (plain PyTorch in two threads, no multigpu code),
+the host costs and the cost of handing work to a thread. :func:`allreduce_busbw` and
+:func:`gather_busbw` time ddp's and fsdp's collectives in a process group (every rank calls them).
+
+Run it (prints the host costs):  python -m multigpu.planning.calibrate
 
 Example:
     >>> measure_host_costs(items=200, repeats=2).op_s > 0
@@ -27,7 +34,10 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import importlib
+import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from unittest import mock
@@ -37,14 +47,9 @@ from torch import nn
 
 from multigpu.errors import ConfigError
 from multigpu.parallel.replicas import build_replicas
-from multigpu.planning.counting import OpCounter
-from multigpu.planning.host import DEFAULT_HOST, TIME_FIELDS, HostCosts
-from multigpu.profiling.bandwidth import time_per_op
-
-
-def fastest_s(fn: Callable[[], object], repeats: int) -> float:
-    """The fastest of ``repeats`` calls after one warm-up (the profiler's timer, one call per loop)."""
-    return time_per_op(fn, lambda: None, iters=1, repeats=repeats)
+from multigpu.planning.counting import LossFn, OpCounter, default_loss, device_seconds, fastest_s
+from multigpu.planning.hardware import DEFAULT_HOST, TIME_FIELDS, HostCosts, Platform, measured_link
+from multigpu.profiling.bandwidth import bus_factor
 
 
 def _op_loop(items: int) -> Callable[[], object]:
@@ -182,6 +187,182 @@ def measure_host_costs(
         )
     finally:
         torch.set_num_threads(previous)
+
+
+def memory_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 7) -> float:
+    """Bytes/s of a large CPU copy (read + write counted)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / fastest_s(lambda: dst.copy_(src), repeats)
+
+
+class ReplicaProbe:
+    """Times one replica alone and ``replicas`` at once, on long-lived threads.
+
+    Plain PyTorch on copies of ``model`` that share its weights (as CPU replicas do) and keep their
+    own gradients: what the cores and memory of this machine give to concurrent replicas, not what
+    any engine does with them. The threads live as long as the probe, like an engine's replica
+    threads (fresh threads would pay first-use costs, e.g. new allocator arenas, every time).
+
+    Example:
+        >>> with ReplicaProbe(nn.Linear(8, 8), torch.randn(4, 8)) as probe:
+        ...     solo, together = probe.times(repeats=1)
+    """
+
+    def __init__(self, model: nn.Module, chunk: torch.Tensor, *, replicas: int = 2, loss_fn: LossFn = default_loss):
+        self._copies = [_sharing_copy(model) for _ in range(replicas)]
+        self._chunk, self._loss_fn = chunk, loss_fn
+        self._pool = ThreadPoolExecutor(max_workers=replicas, thread_name_prefix="multigpu-probe")
+
+    def _one(self, i: int) -> None:
+        self._copies[i].zero_grad(set_to_none=True)
+        self._loss_fn(self._copies[i](self._chunk)).backward()
+
+    def times(self, *, repeats: int = 3) -> tuple[float, float]:
+        """(one replica alone, all at once): best forward + backward seconds of ``repeats``."""
+        together = fastest_s(lambda: list(self._pool.map(self._one, range(len(self._copies)))), repeats)
+        solo = fastest_s(lambda: self._pool.submit(self._one, 0).result(), repeats)
+        return solo, together
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> ReplicaProbe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _sharing_copy(model: nn.Module) -> nn.Module:
+    """A copy whose parameters share the original's storage (as CPU replicas do) with their own grads."""
+    clone = copy.deepcopy(model)
+    for mine, theirs in zip(clone.parameters(), model.parameters()):
+        mine.data = theirs.data
+    return clone
+
+
+def device_contention(solo_s: float, together_s: float, host_s: float = 0.0) -> float:
+    """How much slower a replica's device share runs while the others run (at least 1).
+
+    ``solo_s`` and ``together_s`` are one replica's step alone and with the others; ``host_s``, the
+    host's share of it (the model charges the GIL's queue to the host, not to the device).
+
+    Example:
+        >>> device_contention(1.0, 1.5), device_contention(1.0, 1.5, host_s=0.5)
+        (1.5, 2.0)
+    """
+    device = device_seconds(solo_s, host_s)
+    return max(1.0, (together_s - solo_s + device) / device)
+
+
+def replica_contention(
+    model: nn.Module,
+    chunk: torch.Tensor,
+    *,
+    replicas: int = 2,
+    loss_fn: LossFn = default_loss,
+    rounds: int = 5,
+    host_s: float = 0.0,
+) -> float:
+    """How much slower one replica's device share runs while ``replicas`` run in threads.
+
+    Solo and concurrent runs alternate over ``rounds``, so a change in machine load touches both;
+    the best times go to :func:`device_contention`.
+    """
+    with ReplicaProbe(model, chunk, replicas=replicas, loss_fn=loss_fn) as probe:
+        solo, together = zip(*(probe.times() for _ in range(rounds)))
+    return device_contention(min(solo), min(together), host_s)
+
+
+def thread_handoff_s(repeats: int = 50) -> float:
+    """Seconds to hand one task to a waiting pool thread and get its result back."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return fastest_s(lambda: pool.submit(threading.get_ident).result(), repeats)
+
+
+def measure_cpu_platform(
+    model: nn.Module,
+    chunk: torch.Tensor,
+    *,
+    replicas: int = 2,
+    busbw: float | None = None,
+    loss_fn: LossFn = default_loss,
+    rounds: int = 5,
+    host: HostCosts | None = None,
+    host_s: float = 0.0,
+) -> Platform:
+    """This CPU as a platform for ``replicas`` replicas of ``model`` (``chunk``: one replica's batch).
+
+    Args:
+        busbw: measured all-reduce bus bandwidth in bytes/s (``allreduce_busbw`` in a gloo group,
+            or ``multigpu bandwidth``); defaults to the memory bandwidth.
+        host: this machine's host costs (default: measured now, with the engine's replicate).
+        host_s: the host's share of one replica's step on ``chunk`` (counts x host costs).
+    """
+    mem_bw = memory_bandwidth()
+    return Platform(
+        name="cpu",
+        memory_bytes=None,
+        memory_bandwidth=mem_bw,
+        link=measured_link(busbw if busbw is not None else mem_bw / 2, name="gloo (measured)"),
+        peer_copies=False,
+        overlap=0.0,  # replicas fill the cores: a communication thread takes cycles from compute
+        cores=os.cpu_count() or 1,
+        contention=replica_contention(model, chunk, replicas=replicas, loss_fn=loss_fn, rounds=rounds, host_s=host_s),
+        thread_overhead_s=thread_handoff_s(),
+        host=host if host is not None else measure_host_costs(replicate="multigpu"),
+        synchronous=True,
+    )
+
+
+def allreduce_busbw(nbytes: int, *, repeats: int = 7) -> float:
+    """Bus bandwidth (bytes/s) of an all-reduce of ``nbytes`` float32 in the default process group.
+
+    Every rank must call it (it runs collectives). busbw = nbytes / t * 2(n-1)/n (nccl-tests).
+    """
+    import torch.distributed as dist
+
+    from multigpu.distributed.runtime import world_size
+
+    world = world_size()
+    tensor = torch.ones(max(1, nbytes // 4))
+    seconds = fastest_s(lambda: dist.all_reduce(tensor), repeats)
+    return tensor.numel() * 4 / seconds * bus_factor("all-reduce", world)
+
+
+def gather_busbw(group_bytes: Sequence[int], *, repeats: int = 7) -> float:
+    """Bus bandwidth (bytes/s) of fsdp's collectives over groups of ``group_bytes`` (float32) each.
+
+    Every rank must call it (it runs collectives). One step's worth, as FSDP2 issues them: an
+    all-gather of every group, another of every group but the first (the root's, kept gathered),
+    then a reduce-scatter of every group in reverse, each into buffers allocated for it (FSDP2
+    allocates them anew every step; on a CPU the first touch of fresh memory is part of the cost).
+    busbw = sum of S (n-1)/n over the time of the sequence (nccl-tests: busbw = algbw (n-1)/n for
+    both, S the whole array).
+    """
+    import torch.distributed as dist
+
+    # torch 2.13 renamed the two (the old names warn); torch 2.4 has only the old ones
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    world = dist.get_world_size()
+    if world < 2 or not group_bytes:
+        raise ConfigError(
+            f"world_size={world}, groups {list(group_bytes)}: fsdp's collectives need at least 2 processes "
+            "and one group; call it in every rank of a group of 2 or more"
+        )
+    shards = [max(1, nbytes // 4 // world) for nbytes in group_bytes]
+    gathers = shards + shards[1:]
+
+    def step() -> None:
+        for shard in gathers:
+            all_gather(torch.empty(shard * world), torch.ones(shard))
+        for shard in reversed(shards):
+            reduce_scatter(torch.empty(shard), torch.ones(shard * world))
+
+    moved = sum(shard * world * 4 for shard in [*gathers, *shards]) * bus_factor("all-gather", world)
+    return moved / fastest_s(step, repeats)
 
 
 def _main() -> None:

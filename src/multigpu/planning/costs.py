@@ -1,9 +1,19 @@
 """Per-step time of single device, DataParallel (``dp``), balanced DataParallel, DDP and FSDP: one equation each.
 
 Every term is a byte count over a bandwidth, a per-sample compute time times a batch, or a host
-count times a host cost (:mod:`multigpu.planning.host`); the equations, their assumptions and
-their sources are on one page: docs/planning.md. With ``F``/``K`` the device time of forward /
-backward, ``H_f``/``H_b`` the host's, and ``chain`` the sum on a CPU or the longer on a GPU:
+count (:class:`~multigpu.planning.workload.StepCounts`) times a host cost
+(:class:`~multigpu.planning.hardware.HostCosts`); the equations, their assumptions and their
+sources are on one page: docs/planning.md. The host's share of a step::
+
+    H_f = module_calls * t_call + forward_ops * t_op + forward_kernels * t_launch     (forward)
+    H_b = backward_ops * t_bop + backward_kernels * t_launch                         (backward)
+    R(N) = N * (modules * t_rmod + tensors * t_rten)                                 (replicate)
+    H_fsdp = groups * t_group                                                        (fsdp's hooks)
+
+``chain`` is the sum of host and device time on a CPU (an op runs on the thread that issues it),
+the longer on a GPU; DataParallel's N forwards take turns on one GIL (``N sigma H_f``, sigma >= 1
+measured), its backwards run in the autograd engine's threads. With ``F``/``K`` the device time
+of forward / backward:
 
     single  T = h2d(b) + chain(H_f, F) + chain(H_b, K) + opt
     dp      T = h2d(B) + scatter + R(N) + broadcast(W) + max(chain(H_f, F_max), N sigma H_f)
@@ -13,10 +23,10 @@ backward, ``H_f``/``H_b`` the host's, and ``chain`` the sum on a CPU or the long
                 + copies + opt / N
 
 Example:
-    >>> from multigpu.planning import hardware, models
-    >>> from multigpu.planning.platform import gpu_platform
-    >>> plat = gpu_platform(hardware.gpu("v100-32gb"), hardware.link("nvlink-v100"))
-    >>> w = models.workload("resnet50", hardware.gpu("v100-32gb"))
+    >>> from multigpu.planning.hardware import gpu, gpu_platform, link
+    >>> from multigpu.planning.workload import from_preset
+    >>> plat = gpu_platform(gpu("v100-32gb"), link("nvlink-v100"))
+    >>> w = from_preset("resnet50", gpu("v100-32gb"))
     >>> step = predict_step("ddp", w, plat, devices=8, per_device_batch=32)
     >>> step.total_s > predict_step("single", w, plat, devices=1, per_device_batch=32).total_s
     True
@@ -28,14 +38,54 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from multigpu.errors import ConfigError
-from multigpu.planning import host, memory
-from multigpu.planning.platform import Platform
-from multigpu.planning.workload import Workload
+from multigpu.planning import memory
+from multigpu.planning.hardware import HostCosts, Platform
+from multigpu.planning.workload import StepCounts, Workload
 from multigpu.profiling.bandwidth import bus_factor
+
+# The planner's strategy names, written here only (the Session's names, and dp-balanced: DataParallel
+# with chunk sizes that even out memory); their facts are in STRATEGIES, at the end of this module.
+SINGLE, DP, DP_BALANCED, DDP, FSDP = "single", "dp", "dp-balanced", "ddp", "fsdp"
 
 MIB = 2**20
 DDP_BUCKET_BYTES = 25 * MIB  # torch DDP default bucket_cap_mb
 DDP_FIRST_BUCKET_BYTES = 1 * MIB  # torch DDP's small first bucket
+
+
+def forward_host_s(counts: StepCounts, host: HostCosts) -> float:
+    """H_f: host seconds to issue one replica's forward and loss."""
+    return (
+        counts.module_calls * host.module_call_s
+        + counts.forward_ops * host.op_s
+        + counts.forward_kernels * host.launch_s
+    )
+
+
+def backward_host_s(counts: StepCounts, host: HostCosts) -> float:
+    """H_b: host seconds to issue one replica's backward."""
+    return counts.backward_ops * host.backward_op_s + counts.backward_kernels * host.launch_s
+
+
+def host_step_s(counts: StepCounts, host: HostCosts) -> float:
+    """H_f + H_b: host seconds of one replica's forward, loss and backward."""
+    return forward_host_s(counts, host) + backward_host_s(counts, host)
+
+
+def replicate_s(counts: StepCounts, host: HostCosts, replicas: int) -> float:
+    """R(N): Python work of DataParallel's replicate, every step, for ``replicas`` replicas."""
+    return replicas * (counts.modules * host.replicate_module_s + counts.tensors * host.replicate_tensor_s)
+
+
+def chain(host_s: float, device_s: float, *, synchronous: bool) -> float:
+    """One thread issuing ops that take ``device_s`` to run: the sum on a CPU, the longer on a GPU."""
+    return host_s + device_s if synchronous else max(host_s, device_s)
+
+
+def threaded_forward_s(counts: StepCounts, host: HostCosts, replicas: int, one_replica_s: float) -> float:
+    """Forward of ``replicas`` threads sharing one GIL: the slowest replica, or the GIL's queue of turns."""
+    if replicas <= 1:
+        return one_replica_s
+    return max(one_replica_s, replicas * host.gil_contention * forward_host_s(counts, host))
 
 
 @dataclass(frozen=True)
@@ -74,13 +124,13 @@ def _phases(w: Workload, plat: Platform, samples: int, replicas: int, hooks_s: f
     ``hooks_s``: host work of a wrapper (fsdp's), half in each phase.
     """
     device = samples * w.compute_s_per_sample * plat.compute_slowdown(replicas)
-    forward = host.chain(
-        host.forward_host_s(w.counts, plat.host) + hooks_s / 2,
+    forward = chain(
+        forward_host_s(w.counts, plat.host) + hooks_s / 2,
         device * (1 - w.backward_fraction),
         synchronous=plat.synchronous,
     )
-    backward = host.chain(
-        host.backward_host_s(w.counts, plat.host) + hooks_s / 2,
+    backward = chain(
+        backward_host_s(w.counts, plat.host) + hooks_s / 2,
         device * w.backward_fraction,
         synchronous=plat.synchronous,
     )
@@ -101,7 +151,7 @@ def single_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
         "backward": backward,
         "optimizer": _optimizer_s(w, plat),
     }
-    return StepTime("single", 1, (b,), sum(parts.values()), parts)
+    return StepTime(SINGLE, 1, (b,), sum(parts.values()), parts)
 
 
 def dataparallel_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
@@ -113,10 +163,10 @@ def dataparallel_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> Ste
     parts = {
         "inputs": _h2d_s(batch * w.input_bytes_per_sample, plat),
         "scatter": _copy_s(away * w.input_bytes_per_sample, plat),
-        "replicate": host.replicate_s(w.counts, plat.host, n),
+        "replicate": replicate_s(w.counts, plat.host, n),
         "broadcast": _copy_s(w.weight_bytes, plat),
         # the replicas' forwards take turns on the GIL; backward runs in the engine's C++ threads
-        "forward": host.threaded_forward_s(w.counts, plat.host, n, forward),
+        "forward": threaded_forward_s(w.counts, plat.host, n, forward),
         "backward": backward,
         "gather": _copy_s(gathered, plat),
         # NCCL/peer reduce moves the gradients once; the sums read two and write one per replica.
@@ -124,21 +174,26 @@ def dataparallel_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> Ste
         "optimizer": _optimizer_s(w, plat),
         "threads": 2 * n * plat.thread_overhead_s,
     }
-    return StepTime("dp", n, tuple(chunks), sum(parts.values()), parts)
+    return StepTime(DP, n, tuple(chunks), sum(parts.values()), parts)
 
 
 def balanced_dataparallel_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
     """DataParallel with chunk sizes that even out per-device memory (the primary takes fewer)."""
     sizes = memory.balanced_chunks(w, plat, len(chunks), sum(chunks))
     step = dataparallel_step(w, plat, sizes)
-    return StepTime("dp-balanced", step.devices, step.chunks, step.total_s, step.parts)
+    return StepTime(DP_BALANCED, step.devices, step.chunks, step.total_s, step.parts)
 
 
-def ring_allreduce_s(nbytes: float, devices: int, busbw: float) -> float:
-    """Seconds of a ring all-reduce of ``nbytes``: algbw = busbw / (2(n-1)/n) (nccl-tests)."""
+def collective_s(kind: str, nbytes: float, devices: int, busbw: float) -> float:
+    """Seconds of a ring ``all-reduce``, ``all-gather`` or ``reduce-scatter`` whose whole array is ``nbytes``.
+
+    nccl-tests: algbw = busbw / factor, with factor 2(n-1)/n for all-reduce and (n-1)/n for the
+    other two, S the size of the whole (gathered, or to-be-reduced) array; a link's bus bandwidth
+    is the same for every ring collective.
+    """
     if devices <= 1:
         return 0.0
-    return nbytes * bus_factor("all-reduce", devices) / busbw
+    return nbytes * bus_factor(kind, devices) / busbw
 
 
 def ddp_buckets(w: Workload) -> list[tuple[float, float]]:
@@ -170,7 +225,7 @@ def exposed_allreduce_s(w: Workload, plat: Platform, devices: int, backward_s: f
     busbw = plat.allreduce_busbw(devices)
     clock = total = 0.0
     for nbytes, ready in ddp_buckets(w):
-        seconds = ring_allreduce_s(nbytes, devices, busbw)
+        seconds = collective_s("all-reduce", nbytes, devices, busbw)
         clock = max(clock, ready * backward_s) + seconds
         total += seconds
     ideal = max(0.0, clock - backward_s)
@@ -191,18 +246,7 @@ def ddp_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
         "buckets": 2 * w.grad_bytes / plat.memory_bandwidth if n > 1 else 0.0,
         "optimizer": _optimizer_s(w, plat),
     }
-    return StepTime("ddp", n, tuple(chunks), sum(parts.values()), parts, allreduce_total_s=comm_total)
-
-
-def collective_s(kind: str, nbytes: float, devices: int, busbw: float) -> float:
-    """Seconds of a ring ``all-gather`` or ``reduce-scatter`` whose whole array is ``nbytes``.
-
-    nccl-tests: busbw = algbw x (n-1)/n for both, with S the size of the whole (gathered, or
-    to-be-reduced) array; a link's bus bandwidth is the same for every ring collective.
-    """
-    if devices <= 1:
-        return 0.0
-    return nbytes * bus_factor(kind, devices) / busbw
+    return StepTime(DDP, n, tuple(chunks), sum(parts.values()), parts, allreduce_total_s=comm_total)
 
 
 @dataclass(frozen=True)
@@ -301,16 +345,51 @@ def fsdp_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
         "copies": (2 * gather * gathered + (gather + reduce) * w.params) / plat.memory_bandwidth if n > 1 else 0.0,
         "optimizer": _optimizer_s(w, plat) / n,
     }
-    return StepTime("fsdp", n, tuple(chunks), sum(parts.values()), parts, allreduce_total_s=comm_total)
+    return StepTime(FSDP, n, tuple(chunks), sum(parts.values()), parts, allreduce_total_s=comm_total)
 
 
-STRATEGIES: dict[str, Callable[[Workload, Platform, Sequence[int]], StepTime]] = {
-    "single": single_step,
-    "dp": dataparallel_step,
-    "dp-balanced": balanced_dataparallel_step,
-    "ddp": ddp_step,
-    "fsdp": fsdp_step,
+@dataclass(frozen=True)
+class PlannedStrategy:
+    """What the planner knows of one strategy: its name, how it runs, its time and its memory."""
+
+    name: str
+    label: str  # in sentences and legends
+    multi_device: bool  # False: the one-device baseline (it runs the whole batch)
+    one_process: bool  # threads in one process: cannot span nodes
+    step: Callable[[Workload, Platform, Sequence[int]], StepTime]
+    memory: Callable[[Workload, Platform, Sequence[int]], list[float]]  # peak bytes per device
+
+
+STRATEGIES: dict[str, PlannedStrategy] = {
+    s.name: s
+    for s in (
+        PlannedStrategy(SINGLE, "single device", False, True, single_step, memory.single_memory),
+        PlannedStrategy(DP, "DataParallel", True, True, dataparallel_step, memory.dataparallel_memory),
+        PlannedStrategy(
+            DP_BALANCED, "balanced DataParallel", True, True, balanced_dataparallel_step, memory.dataparallel_memory
+        ),
+        PlannedStrategy(DDP, "DDP", True, False, ddp_step, memory.ddp_memory),
+        PlannedStrategy(FSDP, "FSDP", True, False, fsdp_step, memory.fsdp_memory),
+    )
 }
+
+
+def _strategy(name: str) -> PlannedStrategy:
+    if name not in STRATEGIES:
+        raise ConfigError(f"strategy={name!r} is not one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+def device_memory(strategy: str, w: Workload, plat: Platform, chunks: Sequence[int]) -> list[float]:
+    """Peak bytes on each device (index 0 is the primary for DataParallel); the equations: :mod:`memory`.
+
+    Args:
+        strategy: ``single``, ``dp``, ``dp-balanced``, ``ddp`` or ``fsdp``.
+        w: the workload.
+        plat: the platform (CUDA context per process, whether replicas copy weights).
+        chunks: samples per device.
+    """
+    return _strategy(strategy).memory(w, plat, chunks)
 
 
 def predict_step(
@@ -339,19 +418,18 @@ def predict_step(
     Raises:
         ConfigError: an unknown strategy, a device count or batch below 1, or DataParallel across nodes.
     """
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"strategy={strategy!r} is not one of {', '.join(STRATEGIES)}")
+    planned = _strategy(strategy)
     sizes = list(chunks) if chunks is not None else [per_device_batch or 0] * (devices or 0)
     if not sizes or min(sizes) < 1:
         raise ConfigError(
             f"devices={devices}, per_device_batch={per_device_batch}, chunks={chunks}: every device needs "
             ">= 1 sample; pass devices >= 1 and per_device_batch >= 1, or chunks like [4, 19, 19, 18]"
         )
-    if strategy.startswith("dp") and not plat.single_process(len(sizes)):
+    if planned.multi_device and planned.one_process and not plat.single_process(len(sizes)):
         raise ConfigError(
             f"{strategy} runs in one process, so it cannot span {len(sizes)} devices over nodes of "
-            f"{plat.devices_per_node}; use strategy='ddp'"
+            f"{plat.devices_per_node}; use strategy='{DDP}'"
         )
-    if strategy == "single":
+    if not planned.multi_device:
         sizes = [sum(sizes)]
-    return STRATEGIES[strategy](w, plat, sizes)
+    return planned.step(w, plat, sizes)

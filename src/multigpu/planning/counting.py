@@ -1,4 +1,4 @@
-"""Count one training step without running it: FLOPs, dispatched ops, module calls, saved bytes.
+"""One training step of a model: counted without running it, or timed on this CPU; and its workload.
 
 A model built on the meta device has shapes and no data, so its forward and backward cost
 nothing but the Python that drives them (as ``accelerate estimate-memory`` does): a ResNet-50
@@ -16,6 +16,10 @@ What is counted, per step (forward, the loss, backward):
 - nn.Module calls (Python's share of a forward), modules, parameters and buffers (replicate);
 - bytes saved for backward (``saved_tensors_hooks``; parameters and inputs are not activations),
   bytes of the first output and of the inputs.
+
+A GPU plan turns the counts into a workload with the GPU's peak (:func:`counted_workload`); a plan
+on this CPU times forward + backward of one batch and the optimizer step (fastest of repeats) and
+keeps as per-sample compute what the host's share (counts x host costs) leaves (:func:`measure_workload`).
 
 Example:
     >>> from torch import nn
@@ -38,10 +42,17 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
+from multigpu.devices import synchronizer
 from multigpu.errors import ConfigError
-from multigpu.planning.workload import StepCounts
+from multigpu.planning.costs import host_step_s
+from multigpu.planning.hardware import DEFAULT_HOST, GpuSpec, HostCosts
+from multigpu.planning.workload import FP32_UTILIZATION, StepCounts, Workload, compute_s_per_sample
+from multigpu.profiling.bandwidth import time_per_op
 
 LossFn = Callable[[Any], torch.Tensor]
+# Per-sample compute never drops below this share of the measured step: host costs measured on a
+# busy machine can exceed what the step itself took.
+_MIN_DEVICE_SHARE = 0.1
 aten = torch.ops.aten
 
 # Ops that allocate or describe memory without running a kernel.
@@ -242,3 +253,99 @@ def count_fsdp_groups(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[in
 def count_flops(model: nn.Module, inputs: torch.Tensor, *, loss_fn: LossFn = default_loss) -> float:
     """FLOPs of one forward + backward of ``inputs``, grouped convolutions counted correctly."""
     return count_step(model, inputs, loss_fn=loss_fn).flops
+
+
+def counted_workload(
+    counted: Counted, gpu: GpuSpec, *, name: str, utilization: float = FP32_UTILIZATION, optimizer: str = "adam"
+) -> Workload:
+    """The workload of a counted step (:func:`multigpu.planning.counting.count_step`) on ``gpu``."""
+    b = counted.batch
+    return Workload(
+        name=name,
+        params=counted.params,
+        compute_s_per_sample=compute_s_per_sample(
+            counted.flops / b, counted.conv_flops / counted.flops if counted.flops else 0.0, gpu, utilization
+        ),
+        input_bytes_per_sample=counted.input_bytes / b,
+        output_bytes_per_sample=counted.output_bytes / b,
+        activation_bytes_per_sample=counted.saved_bytes / b,
+        optimizer=optimizer,
+        counts=counted.counts,
+    )
+
+
+def fastest_s(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` calls after one warm-up (the profiler's timer, one call per loop)."""
+    return time_per_op(fn, lambda: None, iters=1, repeats=repeats)
+
+
+def measure_workload(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    *,
+    loss_fn: LossFn = default_loss,
+    optimizer: str = "sgd-momentum",
+    repeats: int = 7,
+    name: str = "model",
+    host: HostCosts = DEFAULT_HOST,
+) -> Workload:
+    """Measure ``model`` on the device its parameters are on, with a batch ``inputs``.
+
+    Args:
+        model: the model, on its device.
+        inputs: one batch (dim 0 is the batch); a small one is enough, compute scales linearly.
+        loss_fn: output -> scalar loss (default: mean square of the first output).
+        optimizer: ``sgd``, ``sgd-momentum``, ``adam`` or ``adamw``: the step that is timed.
+        repeats: timed repeats; the fastest is kept (other work on the machine only adds time).
+        name: the workload's name in reports.
+        host: the host costs whose share of the timed step is not per-sample compute.
+
+    Returns:
+        Per-sample compute seconds, activation/output/input bytes per sample, parameters, host
+        counts and the measured optimizer step.
+    """
+    counted = count_step(model, inputs, loss_fn=loss_fn)
+    batch = counted.batch
+    opt = _build_optimizer(optimizer, model)
+    sync = synchronizer([inputs.device])  # waits for any accelerator (cuda, xpu, mps); no-op on the CPU
+
+    def compute() -> None:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(inputs)).backward()
+        sync()  # a sync point: the time must include the device's work
+
+    step_s = fastest_s(compute, repeats)
+    optimizer_s = fastest_s(lambda: (opt.step(), sync()), repeats)
+    model.zero_grad(set_to_none=True)
+    return Workload(
+        name=name,
+        params=counted.params,
+        compute_s_per_sample=device_seconds(step_s, host_step_s(counted.counts, host)) / batch,
+        input_bytes_per_sample=counted.input_bytes / batch,
+        output_bytes_per_sample=counted.output_bytes / batch,
+        activation_bytes_per_sample=counted.saved_bytes / batch,
+        optimizer=optimizer,
+        optimizer_s=optimizer_s,
+        counts=counted.counts,
+    )
+
+
+def device_seconds(step_s: float, host_s: float) -> float:
+    """What a timed step leaves to the device once the host's share is out (at least a tenth of it).
+
+    Example:
+        >>> device_seconds(1.0, 0.25), device_seconds(1.0, 5.0)
+        (0.75, 0.1)
+    """
+    return max(step_s - host_s, _MIN_DEVICE_SHARE * step_s)
+
+
+def _build_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    params = list(model.parameters())
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    if name in ("adam", "adamw"):
+        return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(params, lr=1e-4)
+    raise ConfigError(f"optimizer={name!r} is not one of sgd, sgd-momentum, adam, adamw")

@@ -1,4 +1,4 @@
-"""GPU and link presets for the planner, each figure with its public source.
+"""What a step runs on: GPU and link presets (each figure with its public source), the host's costs, the platform.
 
 A :class:`GpuSpec` is what the time and memory models need from a device: memory, memory
 bandwidth (the optimizer step is bandwidth-bound), fp32 peak (and, on Ampere and later, the TF32
@@ -8,15 +8,21 @@ Names are forgiving: ``v100`` is the 16 GB V100, ``3090``, ``RTX 3090`` and ``rt
 A :class:`LinkSpec` is what they need from the wire between devices: the bandwidth of a one-way
 copy (DataParallel's broadcast, reduce, scatter and gather) and the all-reduce bus bandwidth
 (DDP), defined as nccl-tests does: ``busbw = algbw * 2(n-1)/n``.
-
 Where a link has no measured all-reduce figure of its own, the efficiency (measured busbw over
 the one-way peak) of the nearest measured link of its kind carries over; the source says so.
+
+:class:`HostCosts` are the seconds per item of the host driving the devices (Python, the
+dispatcher, kernel launches), measured by :mod:`multigpu.planning.calibrate`. A :class:`Platform`
+joins them: the devices, the link, the host and how replicas share; :func:`gpu_platform` builds
+one from presets, :func:`multigpu.planning.calibrate.measure_cpu_platform` measures this CPU.
 
 Example:
     >>> gpu("v100-32gb").memory_bytes / 2**30
     32.0
     >>> round(link("pcie3").allreduce_busbw / 1e9, 1)
     7.0
+    >>> gpu_platform(gpu("v100-32gb"), link("nvlink-v100")).compute_slowdown(8)
+    1.0
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ PCIE_COPY_EFFICIENCY = 55.4 / 63.0
 # efficiency (protocol overhead of the same order); an assumption, named in docs/planning.md.
 NETWORK_EFFICIENCY = PCIE_COPY_EFFICIENCY
 
-_SHARED = "/work/shared/published_cases.md (vendor figures)"
+_GIVEN = "the caller's figures"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +60,7 @@ class GpuSpec:
     tf32_flops: float | None = None  # dense TF32 tensor-core peak where it beats fp32 in practice (A100, H100)
     context_bytes: float = 1.3e9  # CUDA context and allocator slack per process (V100 measurement)
     host_link: str = "pcie3"  # the PCIe generation inputs cross from host memory
-    source: str = _SHARED
+    source: str = _GIVEN
 
     def __post_init__(self) -> None:
         for field in ("memory_bytes", "memory_bandwidth", "fp32_flops"):
@@ -69,7 +75,7 @@ class LinkSpec:
     name: str
     copy_bandwidth: float  # bytes/s of a one-way copy between two devices
     allreduce_busbw: float  # bytes/s, nccl-tests bus bandwidth of a large all-reduce
-    source: str = _SHARED
+    source: str = _GIVEN
 
     def __post_init__(self) -> None:
         if self.copy_bandwidth <= 0 or self.allreduce_busbw <= 0:
@@ -79,85 +85,40 @@ class LinkSpec:
             )
 
 
-def _gpu(
-    name: str,
-    mem_gb: float,
-    bw_gbs: float,
-    tflops: float,
-    source: str,
-    gib: bool = True,
-    host: str = "pcie3",
-    tf32: float | None = None,
-) -> GpuSpec:
-    return GpuSpec(
-        name=name,
-        host_link=host,
-        memory_bytes=mem_gb * (GIB if gib else GB),
-        memory_bandwidth=bw_gbs * GB,
-        fp32_flops=tflops * 1e12,
-        tf32_flops=tf32 * 1e12 if tf32 else None,
-        source=source,
-    )
-
-
 _VENDOR = "NVIDIA product datasheet"
-_TF32 = "TF32 dense (half the sparse figure)"
+# name, memory (bytes), memory bandwidth (GB/s), dense fp32 TFLOPS, dense TF32 tensor-core TFLOPS (half
+# the sparse figure; only where it beats fp32 in practice: A100, H100, H200), the PCIe generation
+# inputs cross, and the product as its datasheet names it.
+_GPU_ROWS = (
+    ("p100-16gb", 16 * GIB, 732, 9.3, None, "pcie3", "Tesla P100 PCIe 16 GB"),
+    ("gtx-1080-ti", 11 * GIB, 484, 11.3, None, "pcie3", "GeForce GTX 1080 Ti 11 GB GDDR5X"),
+    ("v100-16gb", 16 * GIB, 900, 15.7, None, "pcie3", "V100 SXM2 16 GB"),
+    ("v100-32gb", 32 * GIB, 900, 15.7, None, "pcie3", "V100 SXM2 32 GB"),
+    ("titan-rtx", 24 * GIB, 672, 16.3, None, "pcie3", "TITAN RTX 24 GB GDDR6"),
+    ("t4", 16 * GIB, 320, 8.1, None, "pcie3", "T4 16 GB GDDR6"),
+    ("rtx-2080-ti", 11 * GIB, 616, 13.4, None, "pcie3", "GeForce RTX 2080 Ti 11 GB GDDR6"),
+    ("a100-40gb", 40 * GIB, 1555, 19.5, 156, "pcie4", "A100 40 GB"),
+    ("a100-80gb", 80 * GIB, 2000, 19.5, 156, "pcie4", "A100 80 GB"),
+    ("a10", 24 * GIB, 600, 31.2, None, "pcie4", "A10 24 GB GDDR6"),
+    ("rtx-3090", 24 * GIB, 936, 35.6, None, "pcie4", "GeForce RTX 3090 24 GB GDDR6X"),
+    ("rtx-a6000", 48 * GIB, 768, 38.7, None, "pcie4", "RTX A6000 48 GB GDDR6"),
+    ("l4", 24 * GIB, 300, 30.3, None, "pcie4", "L4 24 GB GDDR6"),
+    ("rtx-4090", 24 * GIB, 1008, 82.6, None, "pcie4", "GeForce RTX 4090 24 GB GDDR6X"),
+    ("l40s", 48 * GIB, 864, 91.6, None, "pcie4", "L40S 48 GB GDDR6"),
+    ("h100-80gb", 80 * GIB, 3350, 67.0, 494.7, "pcie5", "H100 SXM 80 GB"),
+    ("h200-141gb", 141 * GB, 4800, 67.0, 494.7, "pcie5", "H200 SXM 141 GB"),
+)
 GPUS: dict[str, GpuSpec] = {
-    g.name: g
-    for g in (
-        _gpu("p100-16gb", 16, 732, 9.3, f"{_VENDOR}: Tesla P100 PCIe 16 GB, 732 GB/s, 9.3 TFLOPS fp32"),
-        _gpu("gtx-1080-ti", 11, 484, 11.3, f"{_VENDOR}: GeForce GTX 1080 Ti 11 GB GDDR5X, 484 GB/s, 11.3 TFLOPS fp32"),
-        _gpu("v100-16gb", 16, 900, 15.7, f"{_SHARED}; fp32 15.7 TFLOPS: {_VENDOR} (V100 SXM2)"),
-        _gpu("v100-32gb", 32, 900, 15.7, f"{_SHARED}; fp32 15.7 TFLOPS: {_VENDOR} (V100 SXM2)"),
-        _gpu("titan-rtx", 24, 672, 16.3, f"{_VENDOR}: TITAN RTX 24 GB GDDR6, 672 GB/s, 16.3 TFLOPS fp32"),
-        _gpu("t4", 16, 320, 8.1, f"{_VENDOR}: T4 16 GB GDDR6, 320 GB/s, 8.1 TFLOPS fp32"),
-        _gpu("rtx-2080-ti", 11, 616, 13.4, f"{_VENDOR}: GeForce RTX 2080 Ti 11 GB GDDR6, 616 GB/s, 13.4 TFLOPS fp32"),
-        _gpu(
-            "a100-40gb", 40, 1555, 19.5, f"{_SHARED}; fp32 19.5, {_TF32} 156 TFLOPS: {_VENDOR}", host="pcie4", tf32=156
-        ),
-        _gpu(
-            "a100-80gb", 80, 2000, 19.5, f"{_SHARED}; fp32 19.5, {_TF32} 156 TFLOPS: {_VENDOR}", host="pcie4", tf32=156
-        ),
-        _gpu("a10", 24, 600, 31.2, f"{_VENDOR}: A10 24 GB GDDR6, 600 GB/s, 31.2 TFLOPS fp32", host="pcie4"),
-        _gpu(
-            "rtx-3090",
-            24,
-            936,
-            35.6,
-            f"{_VENDOR}: GeForce RTX 3090 24 GB GDDR6X, 936 GB/s, 35.6 TFLOPS fp32",
-            host="pcie4",
-        ),
-        _gpu("rtx-a6000", 48, 768, 38.7, f"{_VENDOR}: RTX A6000 48 GB GDDR6, 768 GB/s, 38.7 TFLOPS fp32", host="pcie4"),
-        _gpu("l4", 24, 300, 30.3, f"{_VENDOR}: L4 24 GB GDDR6, 300 GB/s, 30.3 TFLOPS fp32", host="pcie4"),
-        _gpu(
-            "rtx-4090",
-            24,
-            1008,
-            82.6,
-            f"{_VENDOR}: GeForce RTX 4090 24 GB GDDR6X, 1008 GB/s, 82.6 TFLOPS fp32",
-            host="pcie4",
-        ),
-        _gpu("l40s", 48, 864, 91.6, f"{_VENDOR}: L40S 48 GB GDDR6, 864 GB/s, 91.6 TFLOPS fp32", host="pcie4"),
-        _gpu(
-            "h100-80gb",
-            80,
-            3350,
-            67.0,
-            f"{_SHARED}; fp32 67, {_TF32} 494.7 TFLOPS: {_VENDOR} (H100 SXM)",
-            host="pcie5",
-            tf32=494.7,
-        ),
-        _gpu(
-            "h200-141gb",
-            141,
-            4800,
-            67.0,
-            f"{_SHARED}; fp32 67, {_TF32} 494.7 TFLOPS: {_VENDOR} (H200 SXM)",
-            gib=False,
-            host="pcie5",
-            tf32=494.7,
-        ),
+    name: GpuSpec(
+        name=name,
+        memory_bytes=memory,
+        memory_bandwidth=bandwidth * GB,
+        fp32_flops=fp32 * 1e12,
+        tf32_flops=tf32 * 1e12 if tf32 else None,
+        host_link=host,
+        source=f"{_VENDOR}: {product}, {bandwidth} GB/s, {fp32} TFLOPS fp32" + (f", TF32 {tf32}" if tf32 else ""),
     )
+    for name, memory, bandwidth, fp32, tf32, host, product in _GPU_ROWS
 }
 # Short names people type; anything else matches a preset after dropping case, spaces, '-' and '_'.
 _ALIASES = {
@@ -181,22 +142,23 @@ _BY_KEY = {**{_key(n): n for n in GPUS}, **{_key(a): n for a, n in _ALIASES.item
 _BY_KEY.update({_key(n.removeprefix(p)): n for n in GPUS for p in ("gtx-", "rtx-") if n.startswith(p)})
 
 
-def _nvlink(name: str, one_way_gbs: float, measured_busbw: float | None, source: str) -> LinkSpec:
+def _nvlink(name: str, product: str, one_way_gbs: float, measured_busbw: float | None = None) -> LinkSpec:
     busbw = measured_busbw if measured_busbw is not None else one_way_gbs * NVLINK_ALLREDUCE_EFFICIENCY
+    how = f"busbw {measured_busbw} GB/s measured, 8 GPUs" if measured_busbw else "busbw at the A100 NVSwitch efficiency"
     return LinkSpec(
         name=name,
         copy_bandwidth=one_way_gbs * NVLINK_ALLREDUCE_EFFICIENCY * GB,
         allreduce_busbw=busbw * GB,
-        source=source,
+        source=f"{_VENDOR}: {product} NVLink {one_way_gbs} GB/s one way; {how} (nccl-tests)",
     )
 
 
-def _pcie(name: str, one_way_gbs: float, source: str = _SHARED) -> LinkSpec:
+def _pcie(name: str, one_way_gbs: float) -> LinkSpec:
     return LinkSpec(
         name=name,
         copy_bandwidth=one_way_gbs * PCIE_COPY_EFFICIENCY * GB,
         allreduce_busbw=one_way_gbs * PCIE_ALLREDUCE_EFFICIENCY * GB,
-        source=f"{source}; all-reduce at the 8x RTX 5090 PCIe efficiency 28/63",
+        source=f"PCI-SIG: PCIe x16 {one_way_gbs} GB/s per direction; all-reduce at the 8x RTX 5090 PCIe efficiency 28/63",
     )
 
 
@@ -220,14 +182,14 @@ LINKS: dict[str, LinkSpec] = {
             allreduce_busbw=3.9 * GB,
             source="NVIDIA/nccl issue 384: SHM transport, PCIe Gen3 x16, 2 GPUs",
         ),
-        _nvlink("nvlink-v100", 150, None, f"{_SHARED}; busbw at the A100 NVSwitch efficiency"),
-        _nvlink("nvlink-a100", 300, 234.89, f"{_SHARED}; busbw measured, 8 GPUs (nccl-tests)"),
-        _nvlink("nvlink-h100", 450, 368.0, f"{_SHARED}; busbw measured ring, 8 GPUs"),
+        _nvlink("nvlink-v100", "V100", 150),
+        _nvlink("nvlink-a100", "A100", 300, 234.89),  # NVSwitch
+        _nvlink("nvlink-h100", "H100", 450, 368.0),  # ring; ~480 with NVLS
         # TITAN RTX: one NVLink bridge, 2 links, 100 GB/s both ways = 50 GB/s one way.
-        _nvlink("nvlink-titan-rtx", 50, None, f"{_VENDOR}: TITAN RTX NVLink bridge 100 GB/s (2 links)"),
-        _network("ib-hdr", 200, f"{_SHARED}: InfiniBand HDR 200 Gb/s per port"),
-        _network("ib-ndr", 400, f"{_SHARED}: InfiniBand NDR 400 Gb/s per port"),
-        _network("roce-25g", 25, f"{_SHARED}: Horovod benchmark network, 25 Gbit/s RoCE"),
+        _nvlink("nvlink-titan-rtx", "TITAN RTX bridge", 50),
+        _network("ib-hdr", 200, "InfiniBand HDR: 200 Gb/s per port"),
+        _network("ib-ndr", 400, "InfiniBand NDR: 400 Gb/s per port"),
+        _network("roce-25g", 25, "Horovod docs/benchmarks.rst: its network, 25 Gbit/s RoCE"),
     )
 }
 
@@ -308,4 +270,177 @@ def measured_link(busbw: float, *, copy_bandwidth: float | None = None, name: st
         copy_bandwidth=copy_bandwidth if copy_bandwidth is not None else busbw,
         allreduce_busbw=busbw,
         source="measured by the user",
+    )
+
+
+# Host-side cost of one CUDA kernel launch (driver and runtime calls before the GPU sees it).
+# Public measurements: ~3 us per asynchronous empty-kernel launch (up to ~334,000 launches/s;
+# University of Virginia, "CUDA Kernel Overhead", cs.virginia.edu/~mwb7w/cuda_support/kernel_overhead.html)
+# and 4-6 us per submission on an RTX 5070 Ti with CUDA 13 (susun-blog.com, "pegainfer (3): From
+# Launch Overhead to CUDA Graph"). The midpoint of the recent figure:
+GPU_LAUNCH_S = 5e-6
+
+
+# The per-event times of HostCosts, in seconds (validated together, printed by the calibration).
+TIME_FIELDS = (
+    "op_s",
+    "module_call_s",
+    "backward_op_s",
+    "replicate_module_s",
+    "replicate_tensor_s",
+    "launch_s",
+    "fsdp_group_s",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostCosts:
+    """Seconds per item of host work (one thread, unless said otherwise)."""
+
+    op_s: float  # one aten op called from Python (argument parsing, dispatcher, a tiny kernel)
+    module_call_s: float  # one nn.Module call beyond its ops (hooks machinery, forward lookup)
+    backward_op_s: float  # one node of backward in the autograd engine (C++, no GIL)
+    gil_contention: float  # sigma: N threads issuing ops take sigma * N times as long as one thread
+    replicate_module_s: float  # replicate: one module copied for one replica
+    replicate_tensor_s: float  # replicate: one parameter or buffer handed to one replica
+    launch_s: float = 0.0  # one kernel launch on a GPU (0 on CPU: the op is the kernel)
+    # fsdp: FSDP2's Python per all-gather group and step (its forward and backward hooks, the
+    # copies' bookkeeping, the optimizer on DTensors), beyond the model's own ops.
+    fsdp_group_s: float = 0.0
+    source: str = "measured"
+
+    def __post_init__(self) -> None:
+        for name in TIME_FIELDS:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"HostCosts.{name}={getattr(self, name)} must be >= 0 seconds")
+        if self.gil_contention <= 0:
+            raise ConfigError(f"HostCosts.gil_contention={self.gil_contention} must be > 0 (1: threads serialise)")
+
+    def on_gpu(self, launch_s: float = GPU_LAUNCH_S) -> HostCosts:
+        """The same host driving a GPU: every kernel also pays a launch."""
+        return replace(self, launch_s=launch_s)
+
+
+# Measured on the development machine (AMD EPYC, 2 shared cores, torch 2.13 CPU build) with
+# `python -m multigpu.planning.calibrate` (median of 12 runs over a morning, each the fastest of 7-15
+# repeats; single runs ranged about 2x on this shared machine);
+# replicate is torch.nn.parallel.replicate's, what nn.DataParallel runs on GPUs. A GPU server's
+# host differs by tens of percent: calibrate there for precision.
+DEFAULT_HOST = HostCosts(
+    op_s=5.0e-6,
+    module_call_s=1.6e-6,
+    backward_op_s=7.0e-6,
+    gil_contention=1.1,
+    replicate_module_s=22e-6,
+    replicate_tensor_s=5.0e-6,
+    fsdp_group_s=740e-6,  # median of 12 probes (650-2170 us) of 16 groups, fastest of 15 each
+    source="measured on the development machine (python -m multigpu.planning.calibrate)",
+)
+
+
+# Share of the communication that *could* hide behind backward (bucketed all-reduce) that does.
+# 1 would be the ideal of the DDP design; published end-to-end runs hide less (comm kernels
+# compete with compute for SMs and memory bandwidth). 0.5 is the neutral midpoint; the
+# validation holds for every value in [0, 0.75] (tests/planning/test_cases.py sweeps it).
+DEFAULT_GPU_OVERLAP = 0.5
+# Per replica and per phase (forward, backward): handing work to a pool thread and collecting it.
+DEFAULT_THREAD_OVERHEAD_S = 1e-4
+# Host -> device copies from pageable memory are staged through a pinned buffer by the driver:
+# 4.5 GB/s pageable vs 5.9 GB/s pinned measured on PCIe x16 Gen2 (J. Habich, "PCI express pinned
+# host memory", 2009). A DataLoader without pin_memory=True hands the step pageable tensors.
+PAGEABLE_FRACTION = 4.5 / 5.9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Platform:
+    """One kind of device, the link between devices and, for clusters, the network between nodes."""
+
+    name: str
+    memory_bytes: float | None  # per device; None: no limit is checked
+    memory_bandwidth: float  # bytes/s, for optimizer steps and DDP bucket copies
+    link: LinkSpec  # between devices of one node
+    host_bandwidth: float | None = None  # bytes/s host -> device from pinned memory; None: inputs already there
+    pinned: bool = False  # inputs in pinned memory (DataLoader(pin_memory=True)); else pageable copies
+    peer_copies: bool = True  # False: replicas share memory (CPU) and DataParallel copies are free
+    overlap: float = DEFAULT_GPU_OVERLAP  # share of hideable all-reduce that hides behind backward
+    cores: int | None = None  # CPU: cores the replicas share; None: each device computes alone
+    contention: float = 1.0  # slowdown of each replica while ``cores`` replicas run at once (measured)
+    thread_overhead_s: float = DEFAULT_THREAD_OVERHEAD_S
+    host: HostCosts = DEFAULT_HOST  # Python, dispatcher and launch costs of the host driving the devices
+    synchronous: bool = False  # True on CPU: an op runs on the thread that issues it (host and compute add up)
+    context_bytes: float = 0.0  # per process (CUDA context)
+    devices_per_node: int | None = None  # None: one node holds every device
+    network: LinkSpec | None = None  # between nodes
+    # Bus bandwidth of all-gather and reduce-scatter (fsdp); None: the all-reduce's. nccl-tests
+    # defines busbw so that one link gives every ring collective the same; gloo's all-gather and
+    # reduce-scatter run slower than its all-reduce, so a CPU platform measures them.
+    gather_busbw: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ConfigError(f"overlap={self.overlap} must be within [0, 1] (share of all-reduce hidden)")
+        if self.contention < 1.0:
+            raise ConfigError(f"contention={self.contention} must be >= 1 (a slowdown factor)")
+        if self.memory_bandwidth <= 0:
+            raise ConfigError(f"memory_bandwidth={self.memory_bandwidth} must be > 0 bytes/s")
+        if self.gather_busbw is not None and self.gather_busbw <= 0:
+            raise ConfigError(f"gather_busbw={self.gather_busbw} must be > 0 bytes/s (or None: the all-reduce's)")
+        if self.devices_per_node is not None and self.network is None:
+            raise ConfigError("devices_per_node is set but no network links the nodes; pass network=link('ib-hdr')")
+
+    def input_bandwidth(self) -> float | None:
+        """Bytes/s of the host -> device copy of a batch (pageable copies are slower)."""
+        if self.host_bandwidth is None:
+            return None
+        return self.host_bandwidth * (1.0 if self.pinned else PAGEABLE_FRACTION)
+
+    def compute_slowdown(self, replicas: int) -> float:
+        """How much slower each replica computes while ``replicas`` run at once (1 on GPUs)."""
+        if self.cores is None or replicas <= 1:
+            return 1.0
+        return self.contention * max(1.0, replicas / self.cores)
+
+    def allreduce_busbw(self, devices: int) -> float:
+        """Bus bandwidth of a ring over ``devices``: the slowest hop (the network, across nodes)."""
+        if self.network is not None and self.devices_per_node is not None and devices > self.devices_per_node:
+            return min(self.link.allreduce_busbw, self.network.allreduce_busbw)
+        return self.link.allreduce_busbw
+
+    def gather_busbw_at(self, devices: int) -> float:
+        """Bus bandwidth of an all-gather or reduce-scatter over ``devices`` (fsdp's collectives)."""
+        ring = self.allreduce_busbw(devices)
+        return ring if self.gather_busbw is None else min(ring, self.gather_busbw)
+
+    def single_process(self, devices: int) -> bool:
+        """Whether ``devices`` fit in one process (DataParallel cannot span nodes)."""
+        return self.devices_per_node is None or devices <= self.devices_per_node
+
+
+def gpu_platform(
+    spec: GpuSpec,
+    device_link: LinkSpec,
+    *,
+    network: LinkSpec | None = None,
+    devices_per_node: int | None = None,
+    overlap: float = DEFAULT_GPU_OVERLAP,
+    pinned: bool = False,
+    host: HostCosts = DEFAULT_HOST,
+) -> Platform:
+    """A platform of ``spec`` GPUs joined by ``device_link`` (and ``network`` across nodes).
+
+    ``host``: the CPU side's costs (default: measured on the development machine); every kernel
+    also pays :data:`GPU_LAUNCH_S`.
+    """
+    return Platform(
+        name=f"{spec.name} / {device_link.name}" + (f" / {network.name}" if network else ""),
+        memory_bytes=spec.memory_bytes,
+        memory_bandwidth=spec.memory_bandwidth,
+        link=device_link,
+        host_bandwidth=link(spec.host_link).copy_bandwidth,
+        pinned=pinned,
+        host=host.on_gpu(),
+        overlap=overlap,
+        context_bytes=spec.context_bytes,
+        devices_per_node=devices_per_node,
+        network=network,
     )

@@ -1,5 +1,7 @@
 """Peak memory per device for each strategy, and the chunk sizes that even it out.
 
+One function per strategy; :func:`multigpu.planning.costs.device_memory` picks one by name.
+
     weights W = params * bytes/param (fp32 4, amp 6), gradients G = params * 4,
     optimizer state O = params * (sgd 0, momentum 4, adam 8)      (ZeRO paper; HF docs)
     single          W + G + O + B*(a + o) + ctx
@@ -14,7 +16,6 @@ parameter (4; 2 under amp), r of a reduced gradient (4), U_0 the root's group, L
 group (:func:`fsdp_memory` says what each term holds).
 
 Example:
-    >>> from multigpu.planning.workload import Workload
     >>> bytes_per_param(Workload(name="m", params=1, compute_s_per_sample=1.0, optimizer="adam"))
     16.0
 """
@@ -25,7 +26,7 @@ from collections.abc import Sequence
 
 from multigpu.parallel.balance import water_fill
 from multigpu.parallel.scatter_gather import even_chunk_sizes
-from multigpu.planning.platform import Platform
+from multigpu.planning.hardware import Platform
 from multigpu.planning.workload import (
     FSDP_GATHER_BYTES,
     OPTIMIZER_STATE,
@@ -103,26 +104,23 @@ def fsdp_memory(w: Workload, plat: Platform, chunks: Sequence[int]) -> list[floa
     return [sharded_state_bytes(w, n) + held + b * _per_sample(w) + plat.context_bytes for b in chunks]
 
 
-def device_memory(strategy: str, w: Workload, plat: Platform, chunks: Sequence[int]) -> list[float]:
-    """Peak bytes on each device (index 0 is the primary for DataParallel).
+def single_memory(w: Workload, plat: Platform, chunks: Sequence[int]) -> list[float]:
+    """Peak bytes of one device running the whole batch."""
+    return [_state(w) + sum(chunks) * _per_sample(w) + plat.context_bytes]
 
-    Args:
-        strategy: ``single``, ``dp``, ``dp-balanced``, ``ddp`` or ``fsdp``.
-        w: the workload.
-        plat: the platform (CUDA context per process, whether replicas copy weights).
-        chunks: samples per device.
-    """
+
+def dataparallel_memory(w: Workload, plat: Platform, chunks: Sequence[int]) -> list[float]:
+    """Peak bytes of each DataParallel device: the primary (index 0) holds the state and the gathered outputs."""
     ctx = plat.context_bytes
-    if strategy == "single":
-        return [_state(w) + sum(chunks) * _per_sample(w) + ctx]
-    if strategy == "ddp":
-        bucket = w.grad_bytes if len(chunks) > 1 else 0.0
-        return [_state(w) + bucket + b * _per_sample(w) + ctx for b in chunks]
-    if strategy == "fsdp":
-        return fsdp_memory(w, plat, chunks)
     primary = _state(w) + chunks[0] * _per_sample(w) + _gathered(w, sum(chunks)) + ctx
     others = [_replica_copies(w, plat) + b * _per_sample(w) + ctx for b in chunks[1:]]
     return [primary, *others]
+
+
+def ddp_memory(w: Workload, plat: Platform, chunks: Sequence[int]) -> list[float]:
+    """Peak bytes of each DDP process: the full state and one gradient-sized bucket buffer."""
+    bucket = w.grad_bytes if len(chunks) > 1 else 0.0
+    return [_state(w) + bucket + b * _per_sample(w) + plat.context_bytes for b in chunks]
 
 
 def balanced_chunks(w: Workload, plat: Platform, devices: int, batch: int) -> list[int]:
@@ -133,9 +131,7 @@ def balanced_chunks(w: Workload, plat: Platform, devices: int, batch: int) -> li
     water-filling (:func:`multigpu.parallel.balance.water_fill`), as ``chunk_sizes="auto"`` does.
 
     Example:
-        >>> from multigpu.planning.workload import Workload
-        >>> from multigpu.planning.hardware import gpu, link
-        >>> from multigpu.planning.platform import gpu_platform
+        >>> from multigpu.planning.hardware import gpu, gpu_platform, link
         >>> w = Workload(name="m", params=10**8, compute_s_per_sample=0.01, activation_bytes_per_sample=1e8)
         >>> balanced_chunks(w, gpu_platform(gpu("v100-32gb"), link("nvlink-v100")), 2, 64)
         [28, 36]

@@ -1,4 +1,5 @@
-"""PNG figures (matplotlib, Agg backend: no display needed) for profiles and bandwidth probes.
+"""PNG figures (matplotlib, Agg backend: no display needed) for profiles and bandwidth probes, and
+a line figure other reports fill with their series.
 
 matplotlib is imported on the first figure, not with this module: every ``multigpu`` command
 imports it, and pyplot alone would add about 0.3 s to ``multigpu launch``'s start.
@@ -7,9 +8,10 @@ imports it, and pyplot alone would add about 0.3 s to ``multigpu launch``'s star
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from multigpu.profiling.bandwidth import BandwidthPoint
 from multigpu.profiling.ddp import DDPProfile
@@ -99,6 +101,33 @@ def bandwidth_figure(points: Sequence[BandwidthPoint], path: str | Path, *, achi
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title("Bandwidth against message size")
     ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+@dataclass(frozen=True)
+class Line:
+    """One series of :func:`line_figure`: its points, its legend entry (None: none), matplotlib's style."""
+
+    x: Sequence[float]
+    y: Sequence[float]
+    label: str | None = None
+    style: Mapping[str, Any] = field(default_factory=dict)  # e.g. {"linestyle": "--", "marker": "D"}
+
+
+def line_figure(
+    lines: Sequence[Line], path: str | Path, *, xlabel: str, ylabel: str, title: str, xticks: Sequence[float] = ()
+) -> Path:
+    """Lines drawn in order on one grid, with a legend of the labelled ones; returns the written path."""
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.0), dpi=120)
+    for line in lines:
+        ax.plot(line.x, line.y, label=line.label, **line.style)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if xticks:
+        ax.set_xticks(list(xticks))
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)
 

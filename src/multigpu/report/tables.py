@@ -1,10 +1,12 @@
-"""Rich tables for step profiles, bandwidth probes and DDP profiles (numbers a person reads)."""
+"""Rich tables for step profiles, bandwidth probes and DDP profiles (numbers a person reads), and the
+generic pieces other reports fill with their rows: a compact table, counts and byte units."""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+from rich import box
 from rich.table import Table
 
 from multigpu.profiling.bandwidth import BandwidthPoint
@@ -19,6 +21,38 @@ def format_bytes(nbytes: float) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     return f"{nbytes:.1f} GiB"
+
+
+def human_count(n: float) -> str:
+    """``124_439_808`` -> ``'124.4 M'``; small counts keep their digits.
+
+    Example:
+        >>> human_count(5_234)
+        '5.2 k'
+    """
+    for suffix, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {suffix}"
+    return f"{n:.0f}"
+
+
+def binary_unit(nbytes: float) -> tuple[str, int]:
+    """The largest binary unit (name, bytes) that keeps a digit before the point: a column's unit."""
+    return next((name, size) for name, size in _UNITS if nbytes >= size or size == 1)
+
+
+_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def compact_table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> Table:
+    """A table that fits 80 columns, also when piped: a simple head, no edge padding, nothing wrapped;
+    the first column left-aligned (names), the others right-aligned (numbers)."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 def phase_table(profile: StepProfile) -> Table:

@@ -1,4 +1,5 @@
-"""The published end-to-end cases (/work/shared/published_cases.md), predicted from their setups.
+"""The published end-to-end cases (docs/planning.md, "Validation against published results"), predicted
+from their setups: validation data for tests/planning/test_cases.py and test_fsdp.py, not part of the package.
 
 Each case is built only from what its setup states (model, batch, GPU, link); the published
 answers sit in separate fields and are only compared, never used to predict. Where a setup is
@@ -14,11 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from multigpu.planning import hardware, models
+from multigpu.planning import hardware, workload
 from multigpu.planning.costs import predict_step
-from multigpu.planning.host import DEFAULT_HOST, HostCosts
+from multigpu.planning.hardware import DEFAULT_GPU_OVERLAP, DEFAULT_HOST, HostCosts, Platform, gpu_platform
 from multigpu.planning.memory import sharded_state_bytes
-from multigpu.planning.platform import DEFAULT_GPU_OVERLAP, Platform, gpu_platform
 from multigpu.planning.workload import Workload
 
 
@@ -56,7 +56,7 @@ def _calibrated(w: Workload, plat: Platform, batch: int, measured_step_s: float)
 def hf_gpt2_dp_vs_ddp(overlap: float = DEFAULT_GPU_OVERLAP) -> list[CaseRow]:
     """Case 1: 2x TITAN RTX, GPT-2 124M, batch 4 per device; DP and DDP with NVLink, DDP without."""
     gpu = hardware.gpu("titan-rtx")
-    w = models.workload("gpt2-124m", gpu)
+    w = workload.from_preset("gpt2-124m", gpu)
     nvlink = gpu_platform(gpu, hardware.link("nvlink-titan-rtx"), overlap=overlap)
     no_p2p = gpu_platform(gpu, hardware.link("pcie3-nop2p"), overlap=overlap)
     dp = predict_step("dp", w, nvlink, devices=2, per_device_batch=4).total_s
@@ -93,7 +93,7 @@ def pytorch_ddp_benchmark(overlap: float = DEFAULT_GPU_OVERLAP) -> list[CaseRow]
     )
     rows = []
     for name, (single_s, published) in _DDP_BENCH.items():
-        w = _calibrated(models.workload(name, gpu), plat, 32, single_s)
+        w = _calibrated(workload.from_preset(name, gpu), plat, 32, single_s)
         for n, pub in published.items():
             ddp = predict_step("ddp", w, plat, devices=n, per_device_batch=32)
             rows.append(
@@ -113,7 +113,7 @@ def vertex_resnet50_t4(overlap: float = DEFAULT_GPU_OVERLAP) -> list[CaseRow]:
     """Case 3: ResNet-50, 4x T4 on PCIe Gen3, 32 images per GPU; DP vs DDP epoch time."""
     gpu = hardware.gpu("t4")
     plat = gpu_platform(gpu, hardware.link("pcie3"), overlap=overlap)
-    w = models.workload("resnet50", gpu)
+    w = workload.from_preset("resnet50", gpu)
     single = predict_step("single", w, plat, devices=1, per_device_batch=32).total_s
     dp = predict_step("dp", w, plat, devices=4, per_device_batch=32).total_s
     ddp = predict_step("ddp", w, plat, devices=4, per_device_batch=32).total_s
@@ -137,7 +137,7 @@ def horovod_scaling(overlap: float = DEFAULT_GPU_OVERLAP) -> list[CaseRow]:
     )
     rows = []
     for name, published in (("inception-v3", 0.90), ("resnet101", 0.90), ("vgg16", 0.68)):
-        w = models.workload(name, gpu)
+        w = workload.from_preset(name, gpu)
         single = predict_step("single", w, plat, devices=1, per_device_batch=64).total_s
         ddp = predict_step("ddp", w, plat, devices=512, per_device_batch=64).total_s
         rows.append(
@@ -159,7 +159,7 @@ def dataparallel_regimes(host: HostCosts = DEFAULT_HOST) -> list[CaseRow]:
     gpu = hardware.gpu("a100-80gb")
     plat = gpu_platform(gpu, hardware.link("nvlink-a100"), host=host)
     rows = []
-    w = models.workload("resnet50", gpu)
+    w = workload.from_preset("resnet50", gpu)
     dp = predict_step("dp", w, plat, devices=8, per_device_batch=32).total_s
     ddp = predict_step("ddp", w, plat, devices=8, per_device_batch=32).total_s
     rows.append(
@@ -167,7 +167,7 @@ def dataparallel_regimes(host: HostCosts = DEFAULT_HOST) -> list[CaseRow]:
             "ResNet-50, 8x A100, 32/GPU", "DP / DDP step time (>= 2)", dp / ddp, 2.0, "ddp" if ddp < dp else "dp", "ddp"
         )
     )
-    small = models.workload("resnet50", gpu, input_shape=(3, 32, 32))
+    small = workload.from_preset("resnet50", gpu, input_shape=(3, 32, 32))
     single = predict_step("single", small, plat, devices=1, per_device_batch=256).throughput
     for n in (2, 4):
         tput = predict_step("dp", small, plat, devices=n, per_device_batch=256).throughput
