@@ -124,7 +124,7 @@ def test_builtin_types_answer_on_this_machine() -> None:
 def test_timing_waits_for_every_device_type_not_only_cuda(meta: MetaDevice) -> None:
     """The planner's measurement and the auto-balancer's probe timer synchronize whatever type they time."""
     from multigpu.parallel.balance import _ReplicaTimer
-    from multigpu.planning.measure import measure_workload
+    from multigpu.planning.counting import measure_workload
 
     measure_workload(nn.Linear(8, 4).to("meta"), torch.randn(4, 8, device="meta"), repeats=1)
     assert meta.synced and {d.type for d in meta.synced if d is not None} == {"meta"}
