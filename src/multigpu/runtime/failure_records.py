@@ -9,6 +9,9 @@ first failure itself, *before* its process group closes, into a folder the launc
 run (``MULTIGPU_FAILURE_DIR``): one JSON file per rank and attempt, written atomically. The
 launcher merges these records with the agent's report (:mod:`multigpu.launcher.root_cause`).
 
+The file's form is written once, here, for both sides: the worker's :func:`record` and the
+launcher's :func:`read` (the launcher imports the runtime; nothing here imports the launcher).
+
 Example::
 
     record(ValueError("broke"))     # in a worker; a no-op when not under multigpu launch
