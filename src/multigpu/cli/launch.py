@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 # torch and the launcher are imported when the command runs, so that building the parser stays
 # cheap; the strategy names are written here (tests/cli/test_startup.py checks they match
-# multigpu.launcher.launch.LAUNCH_STRATEGIES)
+# multigpu.launcher.launch.LAUNCH_STRATEGIES, which asks the strategies' registry); at run time
+# the launcher asks each strategy its facts (processes, --devices, launch environment)
 LAUNCH_STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
 
 HELP = "run a training script under single, dp or ddp (torchrun underneath for ddp)"
