@@ -60,12 +60,7 @@ def build_torchrun_args(config: LaunchConfig, script: str, script_args: Sequence
     Args:
         config: the launch's configuration (processes per node: :func:`resolve_nproc`).
         script: the training script each worker runs under :data:`ENTRY_MODULE`.
-        script_args: its arguments.
-
-    Example:
-        >>> args = build_torchrun_args(LaunchConfig(nproc_per_node=2, master_port=29555), "t.py", [])
-        >>> args[:4]
-        ['--nnodes', '1', '--nproc-per-node', '2']
+        script_args: its arguments (the module docstring shows an example).
     """
     nproc = resolve_nproc(config)
     addr = config.master_addr or LOOPBACK
