@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on first use
     from multigpu.checkpoint import Checkpointer, Resumed, clean_state_dict, find_latest, load, save, unwrap
     from multigpu.devices import ReplicaDevice, parse_devices
-    from multigpu.distributed import LaunchConfig, is_main_process, launch, reduce_value
     from multigpu.errors import (
         CheckpointError,
         CollectiveTimeoutError,
@@ -30,9 +29,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         PlacementError,
         ScatterError,
     )
+    from multigpu.launcher import LaunchConfig, launch
     from multigpu.parallel import DataParallel, data_parallel
     from multigpu.profiling.memory import DeviceMemory, track_memory
     from multigpu.profiling.step import ProfileConfig, profile_steps
+    from multigpu.runtime import is_main_process, reduce_value
     from multigpu.session import DDPOptions, FSDPOptions, Session, SessionConfig
 
 _ERRORS = (
@@ -54,11 +55,12 @@ _SOURCES: dict[str, str] = {
         ("Checkpointer", "Resumed", "clean_state_dict", "find_latest", "load", "save", "unwrap"), "multigpu.checkpoint"
     ),
     **dict.fromkeys(("ReplicaDevice", "parse_devices"), "multigpu.devices"),
-    **dict.fromkeys(("LaunchConfig", "is_main_process", "launch", "reduce_value"), "multigpu.distributed"),
+    **dict.fromkeys(("LaunchConfig", "launch"), "multigpu.launcher"),
     **dict.fromkeys(_ERRORS, "multigpu.errors"),
     **dict.fromkeys(("DataParallel", "data_parallel"), "multigpu.parallel"),
     **dict.fromkeys(("DeviceMemory", "track_memory"), "multigpu.profiling.memory"),
     **dict.fromkeys(("ProfileConfig", "profile_steps"), "multigpu.profiling.step"),
+    **dict.fromkeys(("is_main_process", "reduce_value"), "multigpu.runtime"),
     **dict.fromkeys(("DDPOptions", "FSDPOptions", "Session", "SessionConfig"), "multigpu.session"),
 }
 

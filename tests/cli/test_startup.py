@@ -80,7 +80,7 @@ def test_choices_written_in_the_cli_match_the_library() -> None:
     from multigpu.checkpoint.formats import FORMATS
     from multigpu.cli import ckpt, demo, launch
     from multigpu.demo.train import TrainConfig
-    from multigpu.distributed.launch import LAUNCH_STRATEGIES
+    from multigpu.launcher.launch import LAUNCH_STRATEGIES
 
     assert launch.LAUNCH_STRATEGIES == LAUNCH_STRATEGIES
     assert ckpt.FORMATS == FORMATS

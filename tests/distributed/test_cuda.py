@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from multigpu.distributed.launch import LaunchConfig, resolve_nproc
-from multigpu.distributed.runtime import check_world_matches_devices
 from multigpu.errors import DeviceError
+from multigpu.launcher.launch import LaunchConfig
+from multigpu.launcher.torchrun import resolve_nproc
+from multigpu.runtime.world import check_world_matches_devices
 from tests.launching import ROOT, multigpu_launch
 
 

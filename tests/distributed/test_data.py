@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import IterableDataset, TensorDataset
 
-from multigpu.distributed.data import ShardSpec, build_epoch_loader, even_batches, per_process_batch, shard_indices
 from multigpu.errors import ConfigError
+from multigpu.runtime.data import ShardSpec, build_epoch_loader, even_batches, per_process_batch, shard_indices
 
 
 def _batches(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from multigpu.distributed.failures import explain_collective_failures
 from multigpu.errors import CollectiveTimeoutError, PeerExitedError
+from multigpu.runtime.collective_failures import explain_collective_failures
 
 
 def test_a_timeout_names_the_settings_that_raise_it() -> None:

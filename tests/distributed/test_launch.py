@@ -16,17 +16,11 @@ import pytest
 
 from multigpu.cli import launch as launch_cli
 from multigpu.devices import accelerator_type, get_device_type
-from multigpu.distributed.affinity import core_share
-from multigpu.distributed.launch import (
-    LaunchConfig,
-    build_torchrun_args,
-    launch,
-    resolve_strategy,
-    waiting_message,
-    worker_env,
-)
-from multigpu.distributed.runtime import LaunchError
 from multigpu.errors import ConfigError, DeviceError
+from multigpu.launcher.affinity import core_share
+from multigpu.launcher.launch import LaunchConfig, launch, resolve_strategy, waiting_message, worker_env
+from multigpu.launcher.torchrun import build_torchrun_args
+from multigpu.runtime.world import LaunchError
 from tests.conftest import free_port
 from tests.launching import multigpu_launch
 
@@ -38,7 +32,7 @@ def test_single_node_binds_loopback_and_runs_the_script_through_the_recording_en
     assert args[args.index("--local-addr") + 1] == "127.0.0.1"
     assert args[args.index("--master-port") + 1] == str(port)
     assert args[args.index("--nproc-per-node") + 1] == "2"
-    assert args[-5:] == ["--module", "multigpu.distributed._entry", "train.py", "--lr", "0.1"]
+    assert args[-5:] == ["--module", "multigpu.launcher._entry", "train.py", "--lr", "0.1"]
 
 
 def test_without_a_port_the_loopback_store_picks_its_own() -> None:
@@ -119,7 +113,7 @@ def test_a_node_waiting_for_the_others_says_where_once(
     script = tmp_path / "t.py"
     script.write_text("")
     # the rendezvous itself (torchrun) is not started: this checks what the launcher says before it
-    monkeypatch.setattr(importlib.import_module("multigpu.distributed.launch"), "_run_torchrun", lambda *_: 0)
+    monkeypatch.setattr(importlib.import_module("multigpu.launcher.launch"), "run_torchrun", lambda *_: 0)
     config = LaunchConfig(
         strategy="ddp", nproc_per_node=2, nnodes="2", node_rank=1, master_addr="10.0.0.1", master_port=29500
     )

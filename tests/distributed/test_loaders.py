@@ -22,9 +22,9 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from multigpu.distributed.data import ShardSpec
-from multigpu.distributed.loaders import StridedIterable, check_sharded, shard_dataloader
 from multigpu.errors import ConfigError
+from multigpu.runtime.data import ShardSpec
+from multigpu.runtime.loaders import StridedIterable, check_sharded, shard_dataloader
 
 _EXAMPLES = int(os.environ.get("MULTIGPU_FUZZ_EXAMPLES", "30"))
 

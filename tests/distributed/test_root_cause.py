@@ -10,9 +10,9 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
-from multigpu.distributed import records
-from multigpu.distributed.root_cause import format_summary, from_torch, merge, root_cause
 from multigpu.errors import CollectiveTimeoutError, PeerExitedError
+from multigpu.launcher.root_cause import format_summary, from_torch, merge, root_cause
+from multigpu.runtime import failure_records as records
 
 
 def _error_file(

@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multigpu.distributed import collectives, runtime
-from multigpu.distributed.runtime import LaunchEnv, LaunchError
 from multigpu.errors import ConfigError, DeviceError
+from multigpu.runtime import collectives, world
+from multigpu.runtime.world import LaunchEnv, LaunchError
 from tests.conftest import free_port
 
 
 def test_read_launch_env_parses_torchrun_variables() -> None:
-    env = runtime.read_launch_env(
+    env = world.read_launch_env(
         {
             "RANK": "3",
             "WORLD_SIZE": "4",
@@ -29,34 +29,34 @@ def test_read_launch_env_parses_torchrun_variables() -> None:
         global_rank=3, local_rank=1, world_size=4, local_world_size=2, master_addr="10.0.0.1", master_port=1234
     )
     assert not env.is_main_process
-    assert runtime.read_launch_env({}) is None
+    assert world.read_launch_env({}) is None
 
 
 def test_inconsistent_launch_variables_are_an_error() -> None:
     with pytest.raises(LaunchError, match=r"RANK=2 must lie in \[0, WORLD_SIZE=2\)"):
-        runtime.read_launch_env({"RANK": "2", "WORLD_SIZE": "2"})
+        world.read_launch_env({"RANK": "2", "WORLD_SIZE": "2"})
     with pytest.raises(LaunchError, match="do not parse as integers"):
-        runtime.read_launch_env({"RANK": "zero", "WORLD_SIZE": "2"})
+        world.read_launch_env({"RANK": "zero", "WORLD_SIZE": "2"})
 
 
 def test_require_launch_env_outside_a_launch_says_how(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(LaunchError, match=r"training needs a launched process.*multigpu launch"):
-        runtime.require_launch_env("training")
+        world.require_launch_env("training")
 
 
 def test_backend_is_nccl_on_cuda_and_gloo_elsewhere() -> None:
-    assert runtime.choose_backend("cuda") == "nccl"
-    assert runtime.choose_backend("cpu") == "gloo"
+    assert world.choose_backend("cuda") == "nccl"
+    assert world.choose_backend("cpu") == "gloo"
 
 
 def test_more_processes_than_gpus_names_the_right_count() -> None:
-    runtime.check_world_matches_devices(4, "cpu", 1)  # CPU processes share the CPU: any count
-    runtime.check_world_matches_devices(2, "cuda", 2)
+    world.check_world_matches_devices(4, "cpu", 1)  # CPU processes share the CPU: any count
+    world.check_world_matches_devices(2, "cuda", 2)
     with pytest.raises(
         DeviceError, match=r"4 processes per node were launched but this node sees 2 cuda.*--nproc-per-node 2"
     ):
-        runtime.check_world_matches_devices(4, "cuda", 2)
+        world.check_world_matches_devices(4, "cuda", 2)
 
 
 @pytest.fixture
@@ -64,23 +64,23 @@ def one_rank_group() -> Iterator[None]:
     env = LaunchEnv(
         global_rank=0, local_rank=0, world_size=1, local_world_size=1, master_addr="127.0.0.1", master_port=free_port()
     )
-    runtime.setup_process_group(env, torch.device("cpu"), timeout_s=30)
+    world.setup_process_group(env, torch.device("cpu"), timeout_s=30)
     try:
         yield
     finally:
-        runtime.teardown_process_group()
+        world.teardown_process_group()
 
 
 def test_process_group_setup_collectives_and_teardown(one_rank_group: None) -> None:
     assert dist.is_initialized() and dist.get_backend() == "gloo"
-    assert runtime.is_main_process()
-    runtime.barrier()
+    assert world.is_main_process()
+    world.barrier()
     assert float(collectives.reduce_value(torch.tensor(3.0), "sum")) == 3.0
     got = collectives.gather_by_index(torch.tensor([[1.0], [2.0]]), torch.tensor([1, 0]), 2)
     torch.testing.assert_close(got, torch.tensor([[2.0], [1.0]]))
-    runtime.teardown_process_group()
+    world.teardown_process_group()
     assert not dist.is_initialized()
-    runtime.teardown_process_group()  # twice is fine
+    world.teardown_process_group()  # twice is fine
 
 
 def test_collectives_outside_a_group_return_the_local_answer() -> None:
@@ -106,21 +106,21 @@ def test_rank_world_size_and_main_process_have_one_answer_before_the_group(monke
     """A launched process is the rank its launcher gave it even before it joins the group."""
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert not runtime.in_process_group()
-    assert (runtime.global_rank(), runtime.world_size(), runtime.is_main_process()) == (1, 2, False)
+    assert not world.in_process_group()
+    assert (world.global_rank(), world.world_size(), world.is_main_process()) == (1, 2, False)
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
-    assert (runtime.global_rank(), runtime.world_size(), runtime.is_main_process()) == (0, 1, True)
+    assert (world.global_rank(), world.world_size(), world.is_main_process()) == (0, 1, True)
 
 
 def test_inside_a_group_the_group_answers_for_everyone(one_rank_group: None) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
-    from multigpu.distributed.failures import _where
     from multigpu.profiling.ddp import DDPProfiler
+    from multigpu.runtime.collective_failures import _where
 
-    assert runtime.in_process_group()
-    assert (runtime.global_rank(), runtime.world_size(), runtime.is_main_process()) == (0, 1, True)
+    assert world.in_process_group()
+    assert (world.global_rank(), world.world_size(), world.is_main_process()) == (0, 1, True)
     assert _where() == "rank 0 of world_size 1"  # the failure messages ask the runtime
     profiler = DDPProfiler(DistributedDataParallel(torch.nn.Linear(2, 2)))
     assert profiler.rank_profile().rank == 0 and profiler.gather().backend == "gloo"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from multigpu.errors import ConfigError
-from multigpu.session.precision import BF16, FP16, Precision, build_precision
+from multigpu.strategies.precision import BF16, FP16, Precision, build_precision
 
 
 def test_registry_builds_each_precision_by_name() -> None:

@@ -1,9 +1,12 @@
-"""The public names of multigpu.session and multigpu.distributed: changing them is a decision."""
+"""The public names of multigpu.session, multigpu.strategies, multigpu.runtime and multigpu.launcher:
+changing them is a decision."""
 
 from __future__ import annotations
 
-import multigpu.distributed
+import multigpu.launcher
+import multigpu.runtime
 import multigpu.session
+import multigpu.strategies
 
 
 def test_session_surface() -> None:
@@ -25,7 +28,8 @@ def test_session_surface() -> None:
 
 
 def test_distributed_surface() -> None:
-    assert sorted(multigpu.distributed.__all__) == [
+    """The worker's side (runtime) and the parent's (launcher): together, what multigpu.distributed held."""
+    assert sorted(multigpu.runtime.__all__ + multigpu.launcher.__all__) == [
         "EpochLoader",
         "LaunchConfig",
         "LaunchEnv",
@@ -43,3 +47,23 @@ def test_distributed_surface() -> None:
         "setup_process_group",
         "teardown_process_group",
     ]
+
+
+def test_strategies_surface() -> None:
+    assert sorted(multigpu.strategies.__all__) == [
+        "DDPOptions",
+        "FSDPOptions",
+        "PRECISIONS",
+        "Precision",
+        "STRATEGIES",
+        "Strategy",
+        "build_precision",
+        "build_strategy",
+        "get_strategy",
+        "multi_device_strategies",
+        "process_strategies",
+        "resolve_strategy_name",
+        "strategy_labels",
+    ]
+    assert multigpu.session.STRATEGIES is multigpu.strategies.STRATEGIES
+    assert sorted(multigpu.launcher.__all__) == ["LaunchConfig", "launch"]

@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 from multigpu.devices import get_device_type
-from multigpu.distributed import runtime
-from multigpu.distributed.runtime import LaunchEnv
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.parallel import DataParallel
+from multigpu.runtime import world
+from multigpu.runtime.world import LaunchEnv
 from multigpu.session import DDPOptions, FSDPOptions, Session, SessionConfig
-from multigpu.session.fsdp import select_blocks, warn_if_started_without_sharding_env
-from multigpu.session.sync_batchnorm import CPUSyncBatchNorm, _SyncBatchNorm, apply_sync_batchnorm
+from multigpu.strategies.fsdp import select_blocks, warn_if_started_without_sharding_env
+from multigpu.strategies.sync_batchnorm import CPUSyncBatchNorm, _SyncBatchNorm, apply_sync_batchnorm
 from tests.conftest import free_port
 from tests.session.strategy_oracle import Block, deep_model
 
@@ -136,11 +136,11 @@ def one_rank_group() -> Iterator[None]:
     env = LaunchEnv(
         global_rank=0, local_rank=0, world_size=1, local_world_size=1, master_addr="127.0.0.1", master_port=free_port()
     )
-    runtime.setup_process_group(env, torch.device("cpu"), timeout_s=30)
+    world.setup_process_group(env, torch.device("cpu"), timeout_s=30)
     try:
         yield
     finally:
-        runtime.teardown_process_group()
+        world.teardown_process_group()
 
 
 # The group is the same for every example (nothing in it changes between them).

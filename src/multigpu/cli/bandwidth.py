@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from multigpu.devices import accelerator_type, parse_devices
-    from multigpu.profiling.allreduce_probe import default_backend, probe_all_reduce
+    from multigpu.launcher.allreduce_probe import default_backend, probe_all_reduce
     from multigpu.profiling.bandwidth import message_sizes, parse_size, probe_local
     from multigpu.report.figures import bandwidth_figure
     from multigpu.report.folder import write_bandwidth_json

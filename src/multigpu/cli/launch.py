@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 from multigpu.errors import MultigpuError
 
 if TYPE_CHECKING:
-    from multigpu.distributed.launch import LaunchConfig
+    from multigpu.launcher.launch import LaunchConfig
 
 # torch and the launcher are imported when the command runs, so that building the parser stays
 # cheap; the strategy names are written here (tests/cli/test_startup.py checks they match
-# multigpu.distributed.launch.LAUNCH_STRATEGIES)
+# multigpu.launcher.launch.LAUNCH_STRATEGIES, which asks the strategies' registry); at run time
+# the launcher asks each strategy its facts (processes, --devices, launch environment)
 LAUNCH_STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
 
 HELP = "run a training script under single, dp or ddp (torchrun underneath for ddp)"
@@ -144,7 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """The :class:`LaunchConfig` the command line describes."""
-    from multigpu.distributed.launch import LaunchConfig
+    from multigpu.launcher.launch import LaunchConfig
 
     return LaunchConfig(
         strategy=args.strategy,
@@ -168,7 +169,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from multigpu.distributed.launch import launch
+    from multigpu.launcher.launch import launch
 
     try:
         return launch(config_from_args(args), args.script, args.script_args)

@@ -1,7 +1,7 @@
 """Run a Python file as ``__main__`` in this process, as ``python script.py args...`` would.
 
 Two commands run a user's script inside a process of theirs: ``multigpu profile`` (to hook the
-script's steps) and every ddp worker of ``multigpu launch`` (:mod:`multigpu.distributed._entry`,
+script's steps) and every ddp worker of ``multigpu launch`` (:mod:`multigpu.launcher._entry`,
 to record its exception for the launcher). Both go through :func:`run_as_main`, which sits here,
 below the CLI and the launcher alike.
 

@@ -1,4 +1,6 @@
-"""One rank of the all-reduce probe: started by :func:`multigpu.profiling.allreduce_probe.probe_all_reduce`.
+"""One rank of the all-reduce probe: started by :func:`multigpu.launcher.allreduce_probe.probe_all_reduce`.
+
+The worker's half of the probe (the launching half lives in the launcher, above profiling).
 
 Run through the launcher (``multigpu launch --strategy ddp``'s path), never by hand::
 
@@ -20,15 +22,15 @@ import torch
 import torch.distributed as dist
 
 from multigpu.devices import synchronizer
-from multigpu.distributed import runtime
 from multigpu.profiling.bandwidth import iters_for, time_per_op
+from multigpu.runtime import world
 
 
 def main(out: Path) -> None:
     spec = json.loads((out / "probe.json").read_text())
-    env = runtime.require_launch_env("the all-reduce probe")
-    device = torch.device("cpu") if spec["backend"] == "gloo" else runtime.process_device(env)
-    runtime.setup_process_group(env, device, timeout_s=runtime.collective_timeout_s())
+    env = world.require_launch_env("the all-reduce probe")
+    device = torch.device("cpu") if spec["backend"] == "gloo" else world.process_device(env)
+    world.setup_process_group(env, device, timeout_s=world.collective_timeout_s())
     try:
         sync = synchronizer([device])
         seconds = []
@@ -42,7 +44,7 @@ def main(out: Path) -> None:
             seconds.append(time_per_op(lambda: dist.all_reduce(tensor), sync, iters=iters, repeats=spec["repeats"]))  # noqa: B023 (called at once, inside this iteration)
         (out / f"rank{env.global_rank}.json").write_text(json.dumps(seconds))
     finally:
-        runtime.teardown_process_group()
+        world.teardown_process_group()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,27 @@
-"""One training-loop API for every strategy (single / dp / ddp / fsdp), precision and accumulation."""
+"""One training-loop API for every strategy (single / dp / ddp / fsdp), precision and accumulation.
+
+- :mod:`~multigpu.session.session`: :class:`Session`, the loop's one handle (model, data, step, log, evaluate);
+- :mod:`~multigpu.session.config`: :class:`SessionConfig`, what it is built from;
+- :mod:`~multigpu.session.evaluation`, :mod:`~multigpu.session.metrics`, :mod:`~multigpu.session.progress`:
+  what ``evaluate``, ``log`` and ``batches(progress=True)`` rest on.
+
+The strategies and precisions themselves live in :mod:`multigpu.strategies`; their public names
+are also this package's (a script imports its loop's vocabulary from one place).
+"""
 
 from multigpu.session.config import SessionConfig
-from multigpu.session.ddp_options import DDPOptions
-from multigpu.session.fsdp import FSDPOptions
-from multigpu.session.precision import PRECISIONS, Precision, build_precision
 from multigpu.session.session import Session
-from multigpu.session.strategies import STRATEGIES, Strategy, build_strategy, resolve_strategy_name
+from multigpu.strategies import (
+    PRECISIONS,
+    STRATEGIES,
+    DDPOptions,
+    FSDPOptions,
+    Precision,
+    Strategy,
+    build_precision,
+    build_strategy,
+    resolve_strategy_name,
+)
 
 __all__ = [
     "PRECISIONS",

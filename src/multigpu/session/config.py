@@ -19,10 +19,7 @@ from pathlib import Path
 
 from multigpu.devices import DeviceSpec
 from multigpu.errors import ConfigError
-from multigpu.session.ddp_options import DDPOptions
-from multigpu.session.fsdp import FSDPOptions
-from multigpu.session.precision import PRECISIONS
-from multigpu.session.strategies import STRATEGIES
+from multigpu.strategies import PRECISIONS, STRATEGIES, DDPOptions, FSDPOptions
 
 _MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes up to 64 bits; the loader adds the epoch
 
@@ -32,7 +29,7 @@ class SessionConfig:
     """How a :class:`~multigpu.session.Session` trains.
 
     Attributes:
-        strategy: ``single``, ``dp``, ``ddp``, ``fsdp`` or ``auto`` (see :mod:`multigpu.session.strategies`).
+        strategy: ``single``, ``dp``, ``ddp``, ``fsdp`` or ``auto`` (see :mod:`multigpu.strategies`).
         precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast and a gradient scaler).
         accumulate: micro-steps per optimizer step (gradient accumulation; 1 = none); an integer.
         devices: the devices of ``single`` / ``dp`` (``"cpu:2"``, ``"cuda:0,1"``); None: defaults.
@@ -43,11 +40,11 @@ class SessionConfig:
         run_dir: the folder :meth:`~multigpu.session.Session.log` writes ``metrics.csv`` (and
             TensorBoard events) into; None: ``runs/<strategy>`` under the working directory,
             created on the first ``log``.
-        ddp: DDP's knobs under ddp (:class:`multigpu.session.ddp_options.DDPOptions`).
-        fsdp: how fsdp shards the model (:class:`multigpu.session.fsdp.FSDPOptions`).
+        ddp: DDP's knobs under ddp (:class:`multigpu.strategies.ddp.DDPOptions`).
+        fsdp: how fsdp shards the model (:class:`multigpu.strategies.fsdp.FSDPOptions`).
         sync_batchnorm: BatchNorm statistics over the global batch under ddp/fsdp (a no-op,
             with a warning, in one process, whose BatchNorm already sees the whole batch).
-        compile: ``torch.compile`` the wrapped model (:mod:`multigpu.session.compile`).
+        compile: ``torch.compile`` the wrapped model (:meth:`multigpu.strategies.Strategy.apply_compile`).
     """
 
     strategy: str = "auto"
@@ -82,7 +79,7 @@ class SessionConfig:
             )
         if self.run_dir is not None and not isinstance(self.run_dir, (str, Path)):
             raise ConfigError(f"run_dir={self.run_dir!r} must be a folder path (str or Path), e.g. run_dir='runs/a'")
-        for name, kind in (("ddp", DDPOptions), ("fsdp", FSDPOptions)):
+        for name, kind in _options_fields():
             if not isinstance(getattr(self, name), kind):
                 raise ConfigError(
                     f"{name}={getattr(self, name)!r} must be a {kind.__name__}; use e.g. {name}={kind.__name__}()"
@@ -90,6 +87,11 @@ class SessionConfig:
         for name in ("sync_batchnorm", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+
+
+def _options_fields() -> list[tuple[str, type]]:
+    """Each strategy with options: its name (the field holding them) and the options' type."""
+    return [(cls.name, cls.options_type) for cls in STRATEGIES.values() if cls.options_type is not None]
 
 
 def _check_choice(name: str, value: object, choices: list[str], example: str) -> None:

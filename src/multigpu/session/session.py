@@ -35,17 +35,16 @@ from torch.utils.data import DataLoader, Dataset
 
 from multigpu.checkpoint.keys import unwrap
 from multigpu.core.structure import map_leaves
-from multigpu.distributed import collectives, data, loaders, records, runtime
-from multigpu.distributed.collectives import ReduceOp
-from multigpu.distributed.data import EpochLoader
-from multigpu.distributed.failures import explain_collective_failures
 from multigpu.errors import ConfigError
+from multigpu.runtime import collectives, data, failure_records, loaders, world
+from multigpu.runtime.collective_failures import explain_collective_failures
+from multigpu.runtime.collectives import ReduceOp
+from multigpu.runtime.data import EpochLoader
 from multigpu.session.config import SessionConfig
 from multigpu.session.evaluation import per_sample_result
 from multigpu.session.metrics import MetricsLog
-from multigpu.session.precision import Precision
 from multigpu.session.progress import with_progress
-from multigpu.session.strategies import Strategy, build_strategy
+from multigpu.strategies import Precision, Strategy, build_strategy
 
 T = TypeVar("T")
 
@@ -84,7 +83,7 @@ class Session:
             strategy = build_strategy(
                 self.config.strategy,
                 devices=self.config.devices,
-                timeout_s=self.config.timeout_s or runtime.collective_timeout_s(),
+                timeout_s=self.config.timeout_s or world.collective_timeout_s(),
                 ddp=self.config.ddp,
                 fsdp=self.config.fsdp,
             )
@@ -108,7 +107,7 @@ class Session:
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if exc is not None:
             # on record before closing the group wakes the other ranks with a consequence (see records)
-            records.record(exc)
+            failure_records.record(exc)
         self.close()
 
     def _started(self) -> tuple[Strategy, Precision]:
@@ -177,7 +176,7 @@ class Session:
     ) -> EpochLoader[Any]:
         """A loader of global batches of ``batch_size`` (each ddp process loads its share).
 
-        The epoch advances each time the loader is iterated; see :mod:`multigpu.distributed.data`
+        The epoch advances each time the loader is iterated; see :mod:`multigpu.runtime.data`
         for the shuffle and uneven-dataset policy.
         """
         strategy, _ = self._started()
@@ -198,7 +197,7 @@ class Session:
         loader's shuffle kept, its order drawn from the session's seed); an iterable dataset is
         strided between ranks. ``collate_fn``, workers, ``pin_memory``, ``drop_last`` and the other
         loader settings are kept; what cannot be kept (a custom sampler or batch sampler, a
-        DataLoader subclass) is refused. Rules: :mod:`multigpu.distributed.loaders`. Every
+        DataLoader subclass) is refused. Rules: :mod:`multigpu.runtime.loaders`. Every
         strategy rebuilds it, so one script gets the same global batches anywhere.
 
         Example:
@@ -358,7 +357,7 @@ class Session:
     def barrier(self) -> None:
         """Wait for every rank (no-op in one process). Every rank must call it."""
         with explain_collective_failures("barrier"):
-            runtime.barrier()
+            world.barrier()
 
     def evaluate(self, fn: Callable[[Any], torch.Tensor], dataset: Dataset, batch_size: int) -> torch.Tensor:
         """``fn`` on every sample, each evaluated once over all processes, in dataset order.
@@ -388,10 +387,6 @@ class Session:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The bare model inside the strategy's wrapper (its ``state_dict`` has clean keys)."""
         return unwrap(model)
-
-    def precision_context(self) -> AbstractContextManager[Any]:
-        """The precision's autocast region, for forward passes outside :meth:`micro_step`."""
-        return self._started()[1].autocast()
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""Fully sharded data parallelism (torch's FSDP2, ``fully_shard``) for the ``fsdp`` strategy.
+"""The ``fsdp`` strategy: fully sharded data parallelism (torch's FSDP2, ``fully_shard``).
 
 Each process still trains on its shard of the global batch, as under ddp, but holds only
 ``1/world_size`` of the parameters, gradients and optimizer state: a block's parameters are
@@ -22,28 +22,34 @@ default keeps that near a tenth of the model. The precision maps to FSDP2's
 ``MixedPrecisionPolicy`` instead of autocast: ``bf16``/``fp16`` keep float32 sharded parameters
 for the optimizer, all-gather and compute in 16 bits, reduce-scatter gradients in float32 (or in
 16 bits with ``FSDPOptions(reduce_fp32=False)``), and return float32 outputs from the root.
+
+torch's FSDP modules are imported when a model is sharded (they take seconds to import), so the
+launcher and the planner can ask this strategy its facts without paying for them.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from multigpu.devices import get_device_type
+from multigpu.devices import DeviceSpec, DeviceType, get_device_type
 from multigpu.errors import ConfigError
-from multigpu.session.precision import FP16, Precision, build_precision
+from multigpu.runtime.world import DEFAULT_TIMEOUT_S
+from multigpu.strategies.base import ProcessPerDeviceStrategy
+from multigpu.strategies.precision import FP16, Precision, build_precision
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 _PARAM_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -146,6 +152,9 @@ def apply_fsdp(model: nn.Module, device: torch.device, options: FSDPOptions, pre
     Returns:
         ``model`` itself, now an ``FSDPModule`` whose parameters are sharded DTensors.
     """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     param_dtype = _PARAM_DTYPES[precision]
     reduce_dtype = torch.float32 if param_dtype is not None and options.reduce_fp32 else None
@@ -172,7 +181,7 @@ def warn_if_started_without_sharding_env(device: torch.device, environ: Mapping[
     or by hand does not. On the CPU it is glibc's malloc returning freed buffers, read when the
     process starts: without it the blocks' gathered copies stay resident after they are freed.
     """
-    missing = get_device_type(device.type).sharded_process_env(environ)
+    missing = FSDPStrategy.launch_env(get_device_type(device.type), environ)
     if not missing or platform.libc_ver()[0] != "glibc":
         return
     settings = " ".join(f"{name}={value}" for name, value in missing.items())
@@ -188,6 +197,8 @@ def warn_if_started_without_sharding_env(device: torch.device, environ: Mapping[
 
 def fsdp_root(model: nn.Module) -> FSDPModule | None:
     """The FSDP module under a ``torch.compile`` wrapper, or None when ``model`` is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
     inner = getattr(model, "_orig_mod", model)
     return inner if isinstance(inner, FSDPModule) else None
 
@@ -237,6 +248,8 @@ class _ShardedFP16(FP16):
     """fp16 under fsdp: FSDP casts the parameters; the scaler agrees on overflow across ranks."""
 
     def __init__(self, device_type: str) -> None:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
         Precision.__init__(self, device_type)
         # ShardedGradScaler all-reduces "found inf": each rank sees only its gradient shard.
         self.scaler: Any = ShardedGradScaler(device=device_type)
@@ -259,3 +272,45 @@ def build_fsdp_precision(name: str, device_type: str) -> Precision:
     if name == "fp16":
         return _ShardedFP16(device_type)
     return build_precision(name, device_type)
+
+
+class FSDPStrategy(ProcessPerDeviceStrategy):
+    """One process per device, launched; parameters, gradients and optimizer state sharded by FSDP2."""
+
+    name: ClassVar[str] = "fsdp"
+    label: ClassVar[str] = "FSDP"
+    options_type: ClassVar[type | None] = FSDPOptions
+
+    @classmethod
+    def launch_env(cls, device_type: DeviceType, environ: Mapping[str, str]) -> dict[str, str]:
+        # what the device type asks for a process that shards its model (CPU: glibc's malloc
+        # returning freed buffers; see warn_if_started_without_sharding_env)
+        return device_type.sharded_process_env(environ)
+
+    def __init__(
+        self, *, devices: DeviceSpec = None, timeout_s: float = DEFAULT_TIMEOUT_S, options: FSDPOptions | None = None
+    ) -> None:
+        super().__init__(devices=devices, timeout_s=timeout_s)
+        self.options = options or FSDPOptions()
+        self._sharded: list[weakref.ref[nn.Module]] = []
+        self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._precision = "fp32"
+
+    def build_precision(self, name: str) -> Precision:
+        self._precision = name  # wrap_model's MixedPrecisionPolicy follows it
+        return build_fsdp_precision(name, self.device.type)
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        if not self._sharded and self.is_main_process:  # once, from rank 0
+            warn_if_started_without_sharding_env(self.device, os.environ)
+        sharded = apply_fsdp(model.to(self.device), self.device, self.options, self._precision)
+        self._sharded.append(weakref.ref(sharded))
+        return sharded
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
+        return gradient_sync_off(model)
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer not in self._checked:  # once per optimizer: its parameters do not change
+            check_optimizer(optimizer, self._sharded)
+            self._checked.add(optimizer)

@@ -1,12 +1,12 @@
 """The worker entry point ``multigpu launch`` runs each ddp process through: the user's script, recorded.
 
-``python -m multigpu.distributed._entry script.py [args]`` runs ``script.py`` as ``__main__``
+``python -m multigpu.launcher._entry script.py [args]`` runs ``script.py`` as ``__main__``
 (as ``python script.py [args]`` would: :func:`multigpu.core.script.run_as_main`)
 inside torch elastic's ``@record``, which writes an uncaught exception to the error file the
-agent reads, and records the failure for the launcher (:mod:`multigpu.distributed.records`; a
+agent reads, and records the failure for the launcher (:mod:`multigpu.runtime.failure_records`; a
 Session records it earlier, before its process group closes). The launcher's failure summary then
 shows the failing rank and its traceback without the user decorating anything. When the launcher asks for it, the process first binds to its share
-of the node's cores (:mod:`multigpu.distributed.affinity`), before the script starts any thread.
+of the node's cores (:mod:`multigpu.launcher.affinity`), before the script starts any thread.
 """
 
 from __future__ import annotations
@@ -16,26 +16,26 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from multigpu.core.script import run_as_main
-from multigpu.distributed import records, runtime
-from multigpu.distributed.affinity import bind_to_core_share
+from multigpu.launcher.affinity import bind_to_core_share
+from multigpu.runtime import failure_records, world
 
 
 @record
 def main() -> None:
     if len(sys.argv) < 2:
-        raise SystemExit("usage: python -m multigpu.distributed._entry script.py [args]")
+        raise SystemExit("usage: python -m multigpu.launcher._entry script.py [args]")
     script = sys.argv[1]
-    env = runtime.read_launch_env()
-    if env is not None and runtime.bind_cores_requested():
+    env = world.read_launch_env()
+    if env is not None and world.bind_cores_requested():
         bind_to_core_share(env.local_rank, env.local_world_size)
     try:
         run_as_main(script, sys.argv[2:])
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            records.record(exc)
+            failure_records.record(exc)
         raise
     except BaseException as exc:
-        records.record(exc)  # a no-op when the Session already recorded it before closing its group
+        failure_records.record(exc)  # a no-op when the Session already recorded it before closing its group
         raise
 
 

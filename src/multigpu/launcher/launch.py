@@ -5,20 +5,23 @@ options, builds torchrun's argument list and calls it in this process. It never 
 rendezvous or collectives. What it adds:
 
 - single-node runs bind the rendezvous store to the loopback address (127.0.0.1), on the given
-  port after checking it is free, or else on a port the store picks itself (c10d on port 0);
+  port after checking it is free, or else on a port the store picks itself
+  (:mod:`multigpu.launcher.torchrun`);
 - a per-process thread count (``OMP_NUM_THREADS``): the node's cores divided by its processes,
   unless the user set it;
-- under fsdp, what the workers' device type asks for a process that shards its model (on the CPU:
-  glibc's malloc returning freed buffers, :meth:`~multigpu.devices.cpu.CpuDevice.sharded_process_env`);
-- each worker runs under :mod:`multigpu.distributed._entry`, whose ``@record`` writes the
+- what the strategy asks its workers' environment to hold from their start
+  (:meth:`~multigpu.strategies.Strategy.launch_env`; fsdp on the CPU: glibc's malloc returning
+  freed buffers, :meth:`~multigpu.devices.cpu.CpuDevice.sharded_process_env`);
+- each worker runs under :mod:`multigpu.launcher._entry`, whose ``@record`` writes the
   exception to torch elastic's error file, and records its first failure itself in a folder the
-  launcher owns (:mod:`multigpu.distributed.records`); the launcher names the rank whose failure
-  caused the others and prints its traceback (:mod:`multigpu.distributed.root_cause`);
-- ``single`` and ``dp`` run the script in one ordinary process, with the same script.
+  launcher owns (:mod:`multigpu.runtime.failure_records`); the launcher names the rank whose failure
+  caused the others and prints its traceback (:mod:`multigpu.launcher.root_cause`);
+- a strategy that does not need processes (``single``, ``dp``) runs the script in one ordinary
+  process (:mod:`multigpu.launcher.supervise`).
 
 Example::
 
-    from multigpu.distributed.launch import LaunchConfig, launch
+    from multigpu.launcher.launch import LaunchConfig, launch
     launch(LaunchConfig(strategy="ddp", nproc_per_node=2), "train.py", ["--epochs", "1"])
 """
 
@@ -26,27 +29,19 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import sys
 import tempfile
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from multigpu.devices import accelerator_type, device_count, get_device_type, parse_devices
-from multigpu.distributed import records
-from multigpu.distributed.preflight import check_listen_address
-from multigpu.distributed.root_cause import format_summary, from_torch, merge
-from multigpu.distributed.runtime import check_world_matches_devices, configured_threads
-from multigpu.distributed.supervise import run_supervised
+from multigpu.devices import accelerator_type, get_device_type, parse_devices
 from multigpu.errors import ConfigError, LaunchError
+from multigpu.launcher.supervise import run_supervised
+from multigpu.launcher.torchrun import build_torchrun_args, resolve_nproc, run_torchrun
+from multigpu.runtime.world import configured_threads
+from multigpu.strategies import STRATEGIES, get_strategy
 
-LAUNCH_STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
-_ONE_PROCESS = ("single", "dp")  # every other strategy runs one process per device under torchrun
-LOOPBACK = "127.0.0.1"
-_ENTRY_MODULE = "multigpu.distributed._entry"
-_CPU_AUTO_PROCS = 2  # on CPU, processes share the same cores; 2 exercises the multi-process path
+LAUNCH_STRATEGIES = ("auto", *STRATEGIES)
 
 
 @dataclass(kw_only=True)
@@ -74,7 +69,7 @@ class LaunchConfig:
         devices: the ``dp`` strategy's devices (``"cpu:2"``, ``"cuda:0,1"``); None: its default.
         threads_per_process: ``OMP_NUM_THREADS`` per process; None: cores / processes.
         bind_cores: bind each ddp worker to its own slice of the cores
-            (:mod:`multigpu.distributed.affinity`); None: on when the node has no GPU.
+            (:mod:`multigpu.launcher.affinity`); None: on when the node has no GPU.
         collective_timeout_s: seconds a collective waits for a rank that stopped calling it before
             every rank fails with the likely cause (None: 600).
         grace_period_s: after SIGINT, SIGTERM or SIGHUP reaches the launcher (forwarded to every
@@ -118,18 +113,19 @@ class LaunchConfig:
             raise ConfigError(f"grace_period_s={self.grace_period_s} must be a finite number of seconds > 0")
         if self.threads_per_process is not None and self.threads_per_process < 1:
             raise ConfigError(f"threads_per_process={self.threads_per_process} must be >= 1")
-        one_process = self.strategy in _ONE_PROCESS
+        chosen = get_strategy(self.strategy) if self.strategy != "auto" else None
+        one_process = chosen is not None and not chosen.needs_processes
         if one_process and isinstance(self.nproc_per_node, int) and self.nproc_per_node > 1:
             raise ConfigError(
                 f"--strategy {self.strategy} runs one process, but --nproc-per-node {self.nproc_per_node} asks for "
                 f"{self.nproc_per_node}; use --strategy ddp for one process per device"
                 + (
                     f", or --devices cpu:{self.nproc_per_node} for {self.nproc_per_node} dp replicas"
-                    if self.strategy == "dp"
+                    if chosen is not None and chosen.launch_devices
                     else ""
                 )
             )
-        if self.devices is not None and self.strategy != "dp":
+        if self.devices is not None and not (chosen is not None and chosen.launch_devices):
             raise ConfigError(
                 f"--devices {self.devices} applies to --strategy dp (thread replicas); for ddp choose GPUs with "
                 "CUDA_VISIBLE_DEVICES and the count with --nproc-per-node"
@@ -144,77 +140,17 @@ class LaunchConfig:
     def multi_node(self) -> bool:
         return self.nnodes.split(":")[-1].strip() != "1"
 
-
-def resolve_nproc(config: LaunchConfig) -> int:
-    """Processes per node: the configured count, or for ``"auto"`` every GPU, else 2 on CPU.
-
-    Raises:
-        DeviceError: on CUDA, more processes than visible GPUs.
-    """
-    on_cuda = accelerator_type() == "cuda"
-    if config.nproc_per_node == "auto":
-        return device_count("cuda") if on_cuda else _CPU_AUTO_PROCS
-    nproc = int(config.nproc_per_node)
-    if on_cuda:
-        check_world_matches_devices(nproc, "cuda", device_count("cuda"))
-    return nproc
+    @property
+    def one_process(self) -> bool:
+        """Whether the chosen strategy runs in one ordinary process (``auto`` may not: it depends on the count)."""
+        return self.strategy != "auto" and not STRATEGIES[self.strategy].needs_processes
 
 
 def resolve_strategy(config: LaunchConfig, nproc: int) -> str:
     """``auto`` becomes ``ddp`` for several processes and ``single`` for one."""
     if config.strategy != "auto":
         return config.strategy
-    return "ddp" if nproc > 1 or config.multi_node else "single"
-
-
-def build_torchrun_args(config: LaunchConfig, script: str, script_args: Sequence[str]) -> list[str]:
-    """torchrun's argument list for a ``ddp`` run of ``script`` (ports resolved, checked).
-
-    Example:
-        >>> args = build_torchrun_args(LaunchConfig(nproc_per_node=2, master_port=29555), "t.py", [])
-        >>> args[:4]
-        ['--nnodes', '1', '--nproc-per-node', '2']
-    """
-    nproc = resolve_nproc(config)
-    addr = config.master_addr or LOOPBACK
-    port = config.master_port
-    backend = config.rdzv_backend
-    endpoint: str | None
-    if not config.multi_node:  # rank 0's store binds here: a foreign address or a taken port fails now,
-        check_listen_address(addr, port or 0)  # not after a minute of store retries
-    if not config.multi_node and port is None and config.rdzv_endpoint is None:
-        # No port given on one node: the c10d store binds port 0 itself, so no other process can
-        # take the port between choosing it and binding it (what torchrun --standalone does).
-        backend, endpoint = "c10d", f"{addr}:0"
-    else:
-        endpoint = config.rdzv_endpoint or (f"{addr}:{port or 29500}" if backend == "c10d" else None)
-    args = [
-        "--nnodes",
-        config.nnodes,
-        "--nproc-per-node",
-        str(nproc),
-        "--node-rank",
-        str(config.node_rank),
-        "--master-addr",
-        addr,
-        "--master-port",
-        str(port or 29500),
-        "--max-restarts",
-        str(config.max_restarts),
-        "--rdzv-backend",
-        backend,
-        "--rdzv-id",
-        config.rdzv_id,
-    ]
-    if endpoint:
-        args += ["--rdzv-endpoint", endpoint]
-    if config.rdzv_conf:
-        args += ["--rdzv-conf", config.rdzv_conf]
-    if not config.multi_node:
-        args += ["--local-addr", addr]
-    elif config.local_addr:
-        args += ["--local-addr", config.local_addr]
-    return [*args, "--module", _ENTRY_MODULE, script, *script_args]
+    return "ddp" if nproc > 1 or config.multi_node else "single"  # the policy of ``auto``, named
 
 
 def worker_env(config: LaunchConfig, strategy: str, nproc: int) -> dict[str, str]:
@@ -227,11 +163,12 @@ def worker_env(config: LaunchConfig, strategy: str, nproc: int) -> dict[str, str
         threads = max(1, (os.cpu_count() or 1) // nproc)
     env["OMP_NUM_THREADS"] = str(threads)
     bind = config.bind_cores if config.bind_cores is not None else accelerator_type() != "cuda"
-    if bind and strategy not in _ONE_PROCESS:
+    chosen = STRATEGIES[strategy]
+    if bind and chosen.needs_processes:
         env["MULTIGPU_BIND_CORES"] = "1"
-    if strategy == "fsdp":  # on the device each process takes (runtime.process_device): a GPU, else the CPU
-        device_type = get_device_type("cuda" if accelerator_type() == "cuda" else "cpu")
-        env.update(device_type.sharded_process_env({**os.environ, **env}))
+    # on the device each process takes (runtime.world.process_device): a GPU, else the CPU
+    device_type = get_device_type("cuda" if accelerator_type() == "cuda" else "cpu")
+    env.update(chosen.launch_env(device_type, {**os.environ, **env}))
     if config.collective_timeout_s is not None:
         env["MULTIGPU_COLLECTIVE_TIMEOUT"] = str(config.collective_timeout_s)
     if config.max_restarts > 0:
@@ -254,22 +191,19 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
     """
     if not os.path.isfile(script):
         raise LaunchError(f"script {script!r} does not exist; pass the path of a Python file, e.g. examples/train.py")
-    nproc = 1 if config.strategy in _ONE_PROCESS else resolve_nproc(config)
+    nproc = 1 if config.one_process else resolve_nproc(config)
     strategy = resolve_strategy(config, nproc)
     if config.devices is not None:
         parse_devices(config.devices)  # a DeviceError here, not after the script started
-    if strategy in _ONE_PROCESS:
+    if not STRATEGIES[strategy].needs_processes:
         env = {**os.environ, **worker_env(config, strategy, 1)}
         return run_supervised([sys.executable, script, *script_args], env, grace_s=config.grace_period_s)
     args = build_torchrun_args(config, script, script_args)
-    # torch elastic's agent forwards SIGINT/SIGTERM/SIGHUP to the workers and kills them after
-    # its shutdown timeout (whole seconds, read from this variable when the agent is configured)
-    agent = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(config.grace_period_s))}
     if config.multi_node:  # the rendezvous waits silently for the other nodes: say where and for whom
         print(f"multigpu launch: {waiting_message(config, nproc)}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="multigpu-failures-") as failure_dir:
-        env = {**worker_env(config, strategy, nproc), **agent, "MULTIGPU_FAILURE_DIR": failure_dir}
-        return _run_torchrun(args, env, script, config.max_restarts)
+        env = {**worker_env(config, strategy, nproc), "MULTIGPU_FAILURE_DIR": failure_dir}
+        return run_torchrun(config, args, env, script)
 
 
 def waiting_message(config: LaunchConfig, nproc: int) -> str:
@@ -290,71 +224,3 @@ def waiting_message(config: LaunchConfig, nproc: int) -> str:
         f"node {config.node_rank} of {nodes} ({nproc} processes here) waiting for the other nodes at "
         f"{config.master_addr}:{config.master_port or 29500} (static rendezvous)"
     )
-
-
-def _run_torchrun(args: list[str], env: dict[str, str], script: str, max_restarts: int) -> int:
-    # Imported here: torch.distributed.run pulls in the elastic agent, only needed for ddp.
-    from torch.distributed import DistError
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.run import parse_args, run
-
-    with _environment(env), _signal_handlers_restored():
-        try:
-            run(parse_args(args))
-        except (RendezvousError, DistError) as exc:  # before any worker ran: the nodes never met
-            cause = f"{type(exc).__name__}: {exc}" + (f" ({exc.__cause__})" if exc.__cause__ else "")
-            raise LaunchError(
-                f"the rendezvous failed, so no worker started: {cause.splitlines()[0]} -- check that every node "
-                "runs a launcher with the same --rdzv-endpoint or --master-addr/--master-port, that the address is "
-                "reachable from every node, and (c10d) that one node hosts it (--rdzv-conf is_host=1 where the "
-                "host name does not name that node)"
-            ) from exc
-        except (SignalException, KeyboardInterrupt) as exc:
-            # the agent has already ended the workers (SIGKILL after the grace period)
-            signum = exc.sigval if isinstance(exc, SignalException) else signal.SIGINT
-            print(f"multigpu launch: stopped by {signal.Signals(signum).name}; workers ended", file=sys.stderr)
-            return 128 + int(signum)
-        except ChildFailedError as exc:
-            # torch's own summary names the earliest error file by whole-second timestamp, often a
-            # rank that failed only because the cause's rank exited: name the cause instead
-            # and the agent reports only the ranks that had exited by then: add the workers' own records
-            # (of the last attempt: the agent gives up once its restarts are spent)
-            recorded = records.read(env["MULTIGPU_FAILURE_DIR"], attempt=max_restarts)
-            failures = merge(from_torch(exc.failures), recorded)
-            print(format_summary(script, failures), file=sys.stderr, flush=True)
-            return 1
-    return 0
-
-
-@contextmanager
-def _signal_handlers_restored() -> Iterator[None]:
-    """Put this process's signal handlers back after torchrun (its agent installs its own and leaves
-    them), so a library caller (the all-reduce probe, a test) keeps its Ctrl-C and SIGTERM behaviour."""
-    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # what torch elastic's agent handles
-    main = threading.current_thread() is threading.main_thread()  # (only the main thread installs handlers)
-    saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names if main and hasattr(signal, n))}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            if handler is not None:
-                signal.signal(sig, handler)
-
-
-@contextmanager
-def _environment(extra: dict[str, str]) -> Iterator[None]:
-    """Set ``extra`` in os.environ (torchrun hands its environment to the workers), then put the whole
-    environment back: torch's launcher also sets variables in its caller's process
-    (``TORCHELASTIC_SIGNALS_TO_HANDLE``, ``OMP_NUM_THREADS``), which a library caller must not inherit."""
-    saved = dict(os.environ)
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for key in set(os.environ) - set(saved):
-            del os.environ[key]
-        for key, value in saved.items():
-            if os.environ.get(key) != value:
-                os.environ[key] = value

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from multigpu.distributed.runtime import in_process_group, world_size
+from multigpu.runtime.world import in_process_group, world_size
 
 # Device types torch's nn.SyncBatchNorm runs on (its forward raises for the others).
 _TORCH_SYNC_DEVICES = ("cuda", "hpu", "xpu", torch._C._get_privateuse1_backend_name())

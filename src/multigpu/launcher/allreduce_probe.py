@@ -1,7 +1,8 @@
 """All-reduce bandwidth across processes: ``world_size`` local processes, one collective per size.
 
-The processes are started as ``multigpu launch --strategy ddp`` starts a script
-(:func:`multigpu.distributed.launch.launch`: torchrun, with its rendezvous store binding a port of
+The launching half of the probe (the launcher's package: profiling, below it, does not start
+processes). The processes are started as ``multigpu launch --strategy ddp`` starts a script
+(:func:`multigpu.launcher.launch.launch`: torchrun, with its rendezvous store binding a port of
 its own on 127.0.0.1, so no other process can take the port in between), each running
 :mod:`multigpu.profiling._allreduce_worker`. It can run from the ``multigpu bandwidth`` command or
 a test. Backend: nccl with one GPU per process when CUDA is visible, gloo on the CPU otherwise.
@@ -20,12 +21,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from multigpu.devices import accelerator_type, backend_device_type, get_device_type
-from multigpu.distributed.launch import LaunchConfig, launch
 from multigpu.errors import ConfigError, DeviceError
+from multigpu.launcher.launch import LaunchConfig, launch
+from multigpu.profiling import _allreduce_worker
 from multigpu.profiling.bandwidth import BandwidthPoint
 
 _MAX_ITERS = 20  # per timed loop, as nccl-tests' default -n 20: small messages cost ~0.1-1 ms each on gloo
-_WORKER = Path(__file__).with_name("_allreduce_worker.py")
+_WORKER = Path(_allreduce_worker.__file__)  # each rank runs it as its script
 
 
 def default_backend() -> str:

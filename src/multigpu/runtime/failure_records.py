@@ -7,7 +7,10 @@ first (both are tearing down; load decides the order), the agent never sees rank
 reports only rank 0's consequence, and rank 1 is stopped as it exits. So each worker records its
 first failure itself, *before* its process group closes, into a folder the launcher creates for the
 run (``MULTIGPU_FAILURE_DIR``): one JSON file per rank and attempt, written atomically. The
-launcher merges these records with the agent's report (:mod:`multigpu.distributed.root_cause`).
+launcher merges these records with the agent's report (:mod:`multigpu.launcher.root_cause`).
+
+The file's form is written once, here, for both sides: the worker's :func:`record` and the
+launcher's :func:`read` (the launcher imports the runtime; nothing here imports the launcher).
 
 Example::
 
@@ -25,7 +28,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from multigpu.distributed import runtime
+from multigpu.runtime import world
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,10 +55,10 @@ def record(exc: BaseException) -> None:
 
     Call it before the process group closes: every rank may call it; it adds no communication.
     """
-    folder, env = runtime.failure_dir(), runtime.read_launch_env()
+    folder, env = world.failure_dir(), world.read_launch_env()
     if folder is None or env is None:
         return
-    path = Path(folder) / f"attempt-{runtime.restart_count()}-rank-{env.global_rank}.json"
+    path = Path(folder) / f"attempt-{world.restart_count()}-rank-{env.global_rank}.json"
     if path.exists():  # an earlier failure of this attempt is the cause; later ones are its echo
         return
     data = {

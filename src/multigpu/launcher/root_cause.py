@@ -7,7 +7,7 @@ with the earliest error-file timestamp, in whole seconds, ties going to the lowe
 named rank 0's consequence in 9 of 24 runs. Worse, the agent reports only the workers that had
 exited when it noticed the first failure: if rank 0's consequence exits first, rank 1's error is
 not in its report at all. :func:`merge` adds each worker's own record of its first failure
-(:mod:`multigpu.distributed.records`, written before its process group closed), and
+(:mod:`multigpu.runtime.failure_records`, written before its process group closed), and
 :func:`root_cause` picks:
 
 1. among the failures that are not consequences of another rank's, the earliest by the worker's
@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from multigpu.distributed.records import Record
+from multigpu.runtime.failure_records import Record
 
 # Messages of a rank that failed because another one did (multigpu's explained errors, and the raw
 # backend errors of a collective whose peer went away or never came).

@@ -19,10 +19,10 @@ Policy (the same under every strategy, so one script gives the same global batch
   short last batch: the same step count as one device, but under DDP the last global batch holds
   up to ``W - 1`` repeats of the epoch's first samples.
 - **A user's own DataLoader** is rebuilt to this policy by
-  :func:`multigpu.distributed.loaders.shard_dataloader` (``session.setup_dataloader``); iterable
+  :func:`multigpu.runtime.loaders.shard_dataloader` (``session.setup_dataloader``); iterable
   datasets are strided between ranks there.
 - **Evaluation.** No shuffle, padded to a multiple of the world size; per-sample results are
-  gathered by dataset index so the padding collapses (:func:`multigpu.distributed.collectives.gather_by_index`):
+  gathered by dataset index so the padding collapses (:func:`multigpu.runtime.collectives.gather_by_index`):
   exactly ``len(dataset)`` results.
 - **Uneven inputs** (an iterable whose length differs per rank): :func:`even_batches` lets all
   ranks agree on the shortest, so no rank waits forever in an all-reduce that another never joins.
@@ -37,9 +37,9 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from multigpu.distributed.collectives import all_agree_min, reduce_value
-from multigpu.distributed.runtime import in_process_group
 from multigpu.errors import ConfigError
+from multigpu.runtime.collectives import all_agree_min, reduce_value
+from multigpu.runtime.world import in_process_group
 
 T = TypeVar("T")
 

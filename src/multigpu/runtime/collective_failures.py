@@ -16,8 +16,8 @@ import contextlib
 import re
 from collections.abc import Iterator
 
-from multigpu.distributed import runtime
 from multigpu.errors import CollectiveTimeoutError, MultigpuError, PeerExitedError
+from multigpu.runtime import world
 
 _TIMEOUT = re.compile(r"timed? ?out|timeout|deadline", re.IGNORECASE)
 _TIMEOUT_MS = re.compile(r"(\d+)\s*ms", re.IGNORECASE)
@@ -55,8 +55,8 @@ def explain_collective_failures(operation: str) -> Iterator[None]:
 
 
 def _where() -> str:
-    if runtime.in_process_group():
-        return f"rank {runtime.global_rank()} of world_size {runtime.world_size()}"
+    if world.in_process_group():
+        return f"rank {world.global_rank()} of world_size {world.world_size()}"
     return "this process"
 
 

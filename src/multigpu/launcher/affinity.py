@@ -8,7 +8,7 @@ threads off the others' cores. On the 2-core test machine, two gloo workers ran 
 6% faster bound than unbound (5 alternating repeats; see the README). CPU launchers that tune
 for throughput bind by default too.
 
-The launcher asks for it with ``MULTIGPU_BIND_CORES=1`` (see :func:`multigpu.distributed.runtime.bind_cores_requested`);
+The launcher asks for it with ``MULTIGPU_BIND_CORES=1`` (see :func:`multigpu.runtime.world.bind_cores_requested`);
 the worker entry point binds before the script starts any thread.
 """
 

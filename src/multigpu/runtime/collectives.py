@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from multigpu.devices import backend_device_type
-from multigpu.distributed.runtime import in_process_group, world_size
 from multigpu.errors import ConfigError
+from multigpu.runtime.world import in_process_group, world_size
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 

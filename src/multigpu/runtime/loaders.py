@@ -8,10 +8,10 @@ steps it should. :func:`shard_dataloader` rebuilds such a loader for this rank a
 - **Map-style dataset.** The loader's ``batch_size`` is the **global** batch; each rank loads
   ``batch_size // W``. Its ``RandomSampler`` (``shuffle=True``) or ``SequentialSampler`` becomes
   torch's ``DistributedSampler`` with the same shuffle, seeded by the session's seed plus the
-  epoch, exactly what :func:`multigpu.distributed.data.build_epoch_loader` builds: one shared
+  epoch, exactly what :func:`multigpu.runtime.data.build_epoch_loader` builds: one shared
   permutation per epoch, global batch ``k`` equal to one device's batch ``k``. The shuffle order
   therefore comes from the session's seed, not from the loader's ``generator`` (which is kept for
-  the workers' seeds). ``drop_last`` keeps its meaning (see :mod:`multigpu.distributed.data`).
+  the workers' seeds). ``drop_last`` keeps its meaning (see :mod:`multigpu.runtime.data`).
 - **Iterable dataset.** Rank ``r`` takes the stream's items ``r, r+W, r+2W, ...`` (striding), in
   batches of ``batch_size // W``: global batch ``k`` is again one device's batch ``k``. Each
   DataLoader worker strides its own copy of the stream, so a dataset that splits its stream
@@ -51,8 +51,8 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from multigpu.distributed.data import EpochLoader, ShardSpec, build_epoch_loader, per_process_batch
 from multigpu.errors import ConfigError
+from multigpu.runtime.data import EpochLoader, ShardSpec, build_epoch_loader, per_process_batch
 
 # DataLoader arguments that travel to the rebuilt loader unchanged (those this torch has).
 _KEPT = (
@@ -104,7 +104,7 @@ def shard_dataloader(loader: DataLoader, shard: ShardSpec, *, seed: int) -> Epoc
         seed: the shuffle seed, the same on every rank (the epoch is added each epoch).
 
     Returns:
-        An :class:`~multigpu.distributed.data.EpochLoader` (it advances the epoch each time it is
+        An :class:`~multigpu.runtime.data.EpochLoader` (it advances the epoch each time it is
         iterated; ``set_epoch`` replays one).
 
     Raises:

@@ -1,0 +1,17 @@
+"""The parent process of a launch: ``multigpu launch`` builds torchrun's arguments, supervises, explains failures.
+
+- :mod:`~multigpu.launcher.launch`: :class:`LaunchConfig` and :func:`launch` (one process, or torchrun).
+- :mod:`~multigpu.launcher.torchrun`: torchrun's argument list and the call into ``torch.distributed.run``.
+- :mod:`~multigpu.launcher.preflight`: checks before anything starts (the master address and port).
+- :mod:`~multigpu.launcher.supervise`: the one worker of a ``single``/``dp`` launch, never left behind.
+- :mod:`~multigpu.launcher.root_cause`: which rank's failure caused the others, and its traceback.
+- :mod:`~multigpu.launcher.affinity` and :mod:`~multigpu.launcher._entry`: what each ddp worker
+  runs first (its share of the cores, then the script under torch elastic's ``@record``).
+- :mod:`~multigpu.launcher.allreduce_probe`: the all-reduce bandwidth probe, launched as ddp is.
+
+Nothing below this package imports it: the workers' side is :mod:`multigpu.runtime`.
+"""
+
+from multigpu.launcher.launch import LaunchConfig, launch
+
+__all__ = ["LaunchConfig", "launch"]

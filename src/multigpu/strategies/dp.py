@@ -1,0 +1,56 @@
+"""The ``dp`` strategy: one process, one replica per device in threads (:class:`multigpu.DataParallel`).
+
+The loader yields the whole global batch and the engine splits it between the replicas. Default
+devices: every GPU, else two CPU replicas (``multigpu launch --strategy dp --devices`` chooses).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from multigpu.devices import DeviceSpec, ReplicaDevice, parse_devices
+from multigpu.parallel import DataParallel
+from multigpu.runtime import world
+from multigpu.runtime.world import DEFAULT_TIMEOUT_S
+from multigpu.strategies.base import OneProcessStrategy
+
+
+class DataParallelStrategy(OneProcessStrategy):
+    """One process, one replica per device in threads (default: every GPU, else two CPU replicas)."""
+
+    name: ClassVar[str] = "dp"
+    label: ClassVar[str] = "DataParallel"
+    launch_devices: ClassVar[bool] = True
+    variants: ClassVar[Mapping[str, str]] = {"dp-balanced": "balanced DataParallel"}  # chunk_sizes="auto"
+
+    def __init__(self, *, devices: DeviceSpec = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        super().__init__(devices=devices, timeout_s=timeout_s)
+        spec = devices if devices is not None else world.requested_devices()
+        replicas = parse_devices(spec)
+        if spec is None and len(replicas) == 1 and replicas[0].type == "cpu":
+            replicas = parse_devices("cpu:2")  # no GPU: two CPU replicas still exercise the engine
+        self.replicas: list[ReplicaDevice] = replicas
+
+    @property
+    def replicas_per_process(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def device(self) -> torch.device:
+        return self.replicas[0].device
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return DataParallel(model.to(self.device), devices=[r.label for r in self.replicas])
+
+    def apply_compile(self, model: nn.Module) -> nn.Module:
+        warnings.warn(
+            "compile=True has no effect under strategy 'dp': its replicas are copied from the model at "
+            "every step, which torch.compile would retrace; compile under 'single', 'ddp' or 'fsdp'",
+            stacklevel=3,
+        )
+        return model
