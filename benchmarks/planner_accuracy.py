@@ -5,7 +5,7 @@
 Models: an MLP, a CNN with BatchNorm, a small transformer with an Embedding, a grouped-conv net
 and an LSTM. Strategies: ``single`` (one process, one thread), ``dp`` (``multigpu.DataParallel``
 on ``"cpu:2"``) and ``ddp`` (torch DDP over gloo, two processes of one thread each); ``fsdp``
-(the Session's FSDP2 sharding, ``multigpu.session.fsdp.apply_fsdp`` with the default
+(the Session's FSDP2 sharding, ``multigpu.strategies.fsdp.apply_fsdp`` with the default
 ``FSDPOptions``, two gloo processes) for the models in ``--fsdp-models`` (default: the MLP).
 
 The machine is shared and its load changes by the second, so calibration and measurement come in
@@ -54,7 +54,7 @@ from multigpu.planning.costs import host_step_s
 from multigpu.planning.counting import count_fsdp_groups, fastest_s, measure_workload
 from multigpu.planning.hardware import HostCosts, Platform, measured_link
 from multigpu.planning.workload import FsdpLayout
-from multigpu.session.fsdp import FSDPOptions, apply_fsdp, select_blocks
+from multigpu.strategies.fsdp import FSDPOptions, apply_fsdp, select_blocks
 
 FIGURE = Path(__file__).parent / "figures" / "planner-accuracy-cpu2.png"
 STRATEGIES = ("single", "dp", "ddp", "fsdp")

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from multigpu.session.fsdp import FSDPOptions, apply_fsdp
+from multigpu.strategies.fsdp import FSDPOptions, apply_fsdp
 from tests.checkpoint import _training as tr
 
 

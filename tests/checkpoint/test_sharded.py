@@ -257,12 +257,12 @@ def test_a_step_folder_missing_its_index_is_skipped_for_the_previous_one(group: 
 def test_a_model_or_optimizer_that_does_not_fit_is_refused(group: None, tmp_path: Path) -> None:
     _saved(tmp_path)
     wider = sh.build_run(
-        multigpu.session.fsdp.apply_fsdp(
+        multigpu.strategies.fsdp.apply_fsdp(
             torch.nn.Sequential(
                 torch.nn.Linear(64, 40), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(40, 10)
             ),
             torch.device("cpu"),
-            multigpu.session.fsdp.FSDPOptions(),
+            multigpu.strategies.fsdp.FSDPOptions(),
             "fp32",
         )
     )

@@ -25,10 +25,10 @@ from multigpu.devices import (
     synchronizer,
     unregister_device_type,
 )
-from multigpu.distributed.runtime import choose_backend
 from multigpu.errors import ConfigError, DeviceError
 from multigpu.parallel.threads import ReplicaThreads, run_replicas
 from multigpu.profiling import clock
+from multigpu.runtime.world import choose_backend
 from tests.devices.fake_device import MetaDevice
 
 

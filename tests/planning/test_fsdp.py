@@ -15,7 +15,7 @@ from multigpu.planning.counting import count_fsdp_groups
 from multigpu.planning.hardware import DEFAULT_HOST, Platform, gpu_platform
 from multigpu.planning.memory import sharded_state_bytes
 from multigpu.planning.workload import FsdpLayout, Workload
-from multigpu.session.fsdp import FSDPOptions, select_blocks
+from multigpu.strategies.fsdp import FSDPOptions, select_blocks
 from tests.planning import _published_cases as cases
 from tests.planning import _reference_nets as nets
 

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from multigpu.distributed import runtime
 from multigpu.profiling.ddp import profile_ddp
+from multigpu.runtime import world as runtime
 
 STEPS, WARMUP, SLOW_RANK, DELAY_S = 4, 1, 1, 0.08
 

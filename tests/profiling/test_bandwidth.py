@@ -10,7 +10,7 @@ import torch
 
 from multigpu.devices import parse_devices
 from multigpu.errors import ConfigError
-from multigpu.profiling.allreduce_probe import probe_all_reduce
+from multigpu.launcher.allreduce_probe import probe_all_reduce
 from multigpu.profiling.bandwidth import (
     BandwidthPoint,
     KiB,

@@ -28,7 +28,7 @@ def test_session_surface() -> None:
 
 
 def test_distributed_surface() -> None:
-    """The worker's side (runtime) and the parent's (launcher): together, what multigpu.distributed held."""
+    """The worker's side (runtime) and the parent's (launcher): together, what multigpu.runtime held."""
     assert sorted(multigpu.runtime.__all__ + multigpu.launcher.__all__) == [
         "EpochLoader",
         "LaunchConfig",

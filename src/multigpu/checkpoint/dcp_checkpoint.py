@@ -69,9 +69,9 @@ from multigpu.checkpoint.validate import (
     check_training_state,
 )
 from multigpu.checkpoint.weights import describe_mismatch
-from multigpu.distributed.failures import explain_collective_failures
-from multigpu.distributed.runtime import global_rank, is_main_process, world_size
 from multigpu.errors import CheckpointError, MultigpuError
+from multigpu.runtime.collective_failures import explain_collective_failures
+from multigpu.runtime.world import global_rank, is_main_process, world_size
 
 T = TypeVar("T")
 

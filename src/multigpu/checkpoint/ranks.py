@@ -1,7 +1,7 @@
 """Rank discipline for checkpoints: the main process writes, every other rank waits for it.
 
 Which rank this is, whether a process group is up and which process is the main one are
-answered by :mod:`multigpu.distributed.runtime`, as everywhere else. Inside a process group of
+answered by :mod:`multigpu.runtime.world`, as everywhere else. Inside a process group of
 several ranks rank 0 writes and the others wait; outside one, nothing here communicates and the
 main process (every process not started by a launcher) writes alone.
 """
@@ -13,9 +13,9 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from multigpu.distributed.failures import explain_collective_failures
-from multigpu.distributed.runtime import in_process_group, is_main_process, world_size
 from multigpu.errors import CheckpointError
+from multigpu.runtime.collective_failures import explain_collective_failures
+from multigpu.runtime.world import in_process_group, is_main_process, world_size
 
 T = TypeVar("T")
 

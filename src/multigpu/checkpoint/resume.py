@@ -38,8 +38,8 @@ from multigpu.checkpoint.validate import (
     check_training_state,
 )
 from multigpu.checkpoint.weights import plan_load
-from multigpu.distributed.runtime import global_rank, world_size
 from multigpu.errors import CheckpointError
+from multigpu.runtime.world import global_rank, world_size
 
 _ATTEMPTS = 3
 

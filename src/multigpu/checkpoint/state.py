@@ -59,8 +59,8 @@ from multigpu.checkpoint.rng import capture_rng
 from multigpu.checkpoint.safetensors_header import read_header
 from multigpu.checkpoint.swap import atomic_folder
 from multigpu.checkpoint.validate import FORMAT_VERSION, walk_plain
-from multigpu.distributed.runtime import world_size
 from multigpu.errors import CheckpointError, ConfigError
+from multigpu.runtime.world import world_size
 
 __all__ = ["MODEL_FILE", "STATE_FILE", "Checkpointer", "Resumed", "Stateful", "find_latest"]
 

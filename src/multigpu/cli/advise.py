@@ -185,7 +185,7 @@ def _measured(args: argparse.Namespace, gpu: hardware.GpuSpec | None, batch: int
 def _fsdp_layout(model: Any) -> FsdpLayout:
     """The groups the fsdp strategy makes of ``model`` by default (the Session's own rule)."""
     from multigpu.planning.counting import count_fsdp_groups
-    from multigpu.session.fsdp import FSDPOptions, select_blocks
+    from multigpu.strategies.fsdp import FSDPOptions, select_blocks
 
     return FsdpLayout(groups=count_fsdp_groups(model, select_blocks(model, FSDPOptions())))
 

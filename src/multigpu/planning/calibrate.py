@@ -323,7 +323,7 @@ def allreduce_busbw(nbytes: int, *, repeats: int = 7) -> float:
     """
     import torch.distributed as dist
 
-    from multigpu.distributed.runtime import world_size
+    from multigpu.runtime.world import world_size
 
     world = world_size()
     tensor = torch.ones(max(1, nbytes // 4))

@@ -42,9 +42,11 @@ from multigpu.planning import memory
 from multigpu.planning.hardware import HostCosts, Platform
 from multigpu.planning.workload import StepCounts, Workload
 from multigpu.profiling.bandwidth import bus_factor
+from multigpu.strategies import multi_device_strategies, process_strategies, strategy_labels
 
-# The planner's strategy names, written here only (the Session's names, and dp-balanced: DataParallel
-# with chunk sizes that even out memory); their facts are in STRATEGIES, at the end of this module.
+# The strategies' names (dp-balanced: dp's variant, DataParallel with chunk sizes that even out memory).
+# Their labels and how they run are asked of multigpu.strategies in STRATEGIES, at the end of this module:
+# a name that is not a strategy's fails there, at import.
 SINGLE, DP, DP_BALANCED, DDP, FSDP = "single", "dp", "dp-balanced", "ddp", "fsdp"
 
 MIB = 2**20
@@ -360,16 +362,26 @@ class PlannedStrategy:
     memory: Callable[[Workload, Platform, Sequence[int]], list[float]]  # peak bytes per device
 
 
+def _planned(
+    name: str,
+    step: Callable[[Workload, Platform, Sequence[int]], StepTime],
+    device_peaks: Callable[[Workload, Platform, Sequence[int]], list[float]],
+) -> PlannedStrategy:
+    """A row of the table: the strategy's own facts (:mod:`multigpu.strategies`) and the model's equations."""
+    label = strategy_labels()[name]
+    return PlannedStrategy(
+        name, label, name in multi_device_strategies(), name not in process_strategies(), step, device_peaks
+    )
+
+
 STRATEGIES: dict[str, PlannedStrategy] = {
     s.name: s
     for s in (
-        PlannedStrategy(SINGLE, "single device", False, True, single_step, memory.single_memory),
-        PlannedStrategy(DP, "DataParallel", True, True, dataparallel_step, memory.dataparallel_memory),
-        PlannedStrategy(
-            DP_BALANCED, "balanced DataParallel", True, True, balanced_dataparallel_step, memory.dataparallel_memory
-        ),
-        PlannedStrategy(DDP, "DDP", True, False, ddp_step, memory.ddp_memory),
-        PlannedStrategy(FSDP, "FSDP", True, False, fsdp_step, memory.fsdp_memory),
+        _planned(SINGLE, single_step, memory.single_memory),
+        _planned(DP, dataparallel_step, memory.dataparallel_memory),
+        _planned(DP_BALANCED, balanced_dataparallel_step, memory.dataparallel_memory),
+        _planned(DDP, ddp_step, memory.ddp_memory),
+        _planned(FSDP, fsdp_step, memory.fsdp_memory),
     )
 }
 

@@ -224,7 +224,7 @@ def count_fsdp_groups(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[in
     """Trainable parameters per fsdp all-gather group: the root's own first, then ``blocks`` in forward order.
 
     ``blocks`` are the submodules ``fully_shard`` is applied to, children before parents (as
-    :func:`multigpu.session.fsdp.select_blocks` returns them): each claims the parameters no
+    :func:`multigpu.strategies.fsdp.select_blocks` returns them): each claims the parameters no
     earlier block claimed, and the root keeps the rest. Forward order is taken to be the order
     the modules were registered in.
 

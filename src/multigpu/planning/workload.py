@@ -265,7 +265,7 @@ def compute_s_per_sample(flops: float, conv_share: float, gpu: GpuSpec, utilizat
 _SEQ, _VOCAB, _D, _LAYERS = 1024, 50257, 768, 12
 _GPT2_EMBED = _VOCAB * _D  # tied with the LM head: its gradient completes at the embedding, last
 # fsdp groups under the default rule (FSDPOptions(): a group holds 1-10% of the parameters), as
-# multigpu.session.fsdp.select_blocks chooses them on the presets' module trees (tests check them
+# multigpu.strategies.fsdp.select_blocks chooses them on the presets' module trees (tests check them
 # on equivalent trees). GPT-2: every block; the tied embedding/LM head is shared, so it stays with
 # the root (with wpe and ln_f). ResNets: layer2, then each block of layer3, each conv/downsample of
 # layer4's first block... (anything above 10% is split into its children), and fc; the root keeps

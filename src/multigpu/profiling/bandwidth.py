@@ -3,7 +3,7 @@
 Numbers follow the nccl-tests definitions: ``algbw = bytes / time``; ``busbw = algbw * factor``
 with factor ``2(n-1)/n`` for all-reduce, ``(n-1)/n`` for all-gather and reduce-scatter, and 1 for
 broadcast, reduce and point-to-point copies. One GB is 1e9 bytes. The all-reduce across processes
-lives in :mod:`multigpu.profiling.allreduce_probe`.
+lives in :mod:`multigpu.launcher.allreduce_probe`.
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from multigpu.distributed import runtime
 from multigpu.errors import ConfigError
 from multigpu.profiling import clock
+from multigpu.runtime import world as runtime
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 

@@ -33,7 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
 import multigpu.checkpoint as ckpt
-from multigpu.distributed.failures import explain_collective_failures
+from multigpu.runtime.collective_failures import explain_collective_failures
 from tests.checkpoint import _training as tr
 
 
