@@ -1,12 +1,13 @@
 """The docs make claims a fresh clone must keep: links resolve, files and names exist, commands parse.
 
-Checked in README.md, docs/*.md and benchmarks/*.md:
+Checked in README.md, ARCHITECTURE.md, docs/*.md and benchmarks/*.md:
 
 - every relative link (and image) points to a file of the repository, and its ``#anchor`` to a
   heading of that file (GitHub's anchor rules);
 - every repository path written as code (``src/...``, ``examples/...``, ``benchmarks/...``,
   ``scripts/...``, ``tests/...``, ``docs/...``, ``requirements/...``), inline or in a code block,
-  exists; so does every entry of the README's layout under ``src/multigpu/``;
+  exists; so does every folder of the README's layout (the package's map is ARCHITECTURE.md, checked by
+  tests/test_layers.py);
 - every code span that is a dotted ``multigpu.`` name imports (module) or resolves (attribute);
 - every ``multigpu COMMAND --flag`` shown is a subcommand with that flag (the real parser), a value
   shown for a flag with choices is one of them; the flags shown after a repository script
@@ -42,7 +43,7 @@ from multigpu.cli.main import main as multigpu_main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-GUIDES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+GUIDES = [README, ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 DOCS = [*GUIDES, *sorted(set((ROOT / "benchmarks").glob("*.md")) - set(GUIDES))]
 
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
@@ -132,13 +133,14 @@ def test_repository_paths_in_code_exist() -> None:
 
 
 def test_every_entry_of_the_readme_layout_exists() -> None:
+    """The repository's folders as the README lists them (the package's own map: ARCHITECTURE.md, test_layers)."""
     layout = README.read_text().split("## Layout", 1)[1]
     block = _FENCE.search(layout)
     assert block is not None, "the README's Layout section has no code block"
-    entries = [m.group(1) for m in re.finditer(r"^  ([\w.]+/?)\s", block.group(1), re.M)]
-    assert len(entries) >= 10, entries
-    missing = [e for e in entries if not (ROOT / "src" / "multigpu" / e).exists()]
-    assert not missing, f"the README's layout lists {missing}, which src/multigpu/ does not have"
+    entries = [m.group(1) for m in re.finditer(r"^([\w./]+)\s", block.group(1), re.M)]
+    assert len(entries) >= 7, entries
+    missing = [e for e in entries if not (ROOT / e).exists()]
+    assert not missing, f"the README's layout lists {missing}, which the repository does not have"
 
 
 def _resolves(name: str) -> bool:

@@ -1,35 +1,32 @@
-"""ARCHITECTURE.md's layers, checked on the imports of every module (function-level imports too).
+"""ARCHITECTURE.md's layer table, checked on the imports of every module (function-level imports too).
 
-One table, lowest layer first. A module may import the packages of the layers below its own, never
-one above it, and never a sibling of its own layer: the engine (parallel) and the checkpoints do not
-know each other, nor do the CLI and the demo. A failure names the file that imports upwards.
+The table is read from ARCHITECTURE.md itself, so the map and the check cannot drift apart. A module
+may import the packages of the layers below its own, never one above it, and never a sibling on its
+own line: the engine (parallel) and the checkpoints do not know each other. A failure names the file.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import multigpu
 
 ROOT = Path(multigpu.__file__).parent
+MAP = ROOT.parents[1] / "ARCHITECTURE.md"
 
-LAYERS = [
-    ("errors",),
-    ("core", "_keys"),
-    ("devices",),
-    ("runtime",),
-    ("profiling",),
-    ("parallel", "checkpoint"),
-    ("strategies",),
-    ("report",),
-    ("planning",),
-    ("session",),
-    ("launcher",),
-    ("demo",),
-    ("cli",),
-    ("__main__",),  # python -m multigpu: the CLI
-]
+
+def _layers() -> list[tuple[str, ...]]:
+    """The packages of each layer, lowest first, from the first code block under ``## Layers``."""
+    section = MAP.read_text().split("## Layers", 1)[1]
+    block = re.search(r"```\n(.*?)```", section, re.S)
+    assert block is not None, "ARCHITECTURE.md's Layers section has no code block"
+    lines = [line.split("  ")[0] for line in block.group(1).splitlines() if line.strip()]
+    return [tuple(name.strip() for name in line.split(",")) for line in reversed(lines)]
+
+
+LAYERS = _layers()
 LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}
 
 
@@ -61,9 +58,18 @@ def _graph() -> dict[str, dict[str, list[str]]]:
     return graph
 
 
-def test_every_unit_has_a_layer() -> None:
+def test_every_unit_has_a_layer_and_every_layer_exists() -> None:
     units = {_unit(p) for p in ROOT.rglob("*.py")} - {"__init__"}
-    assert units - set(LAYER) == set(), "add the new package to LAYERS and to ARCHITECTURE.md"
+    assert units - set(LAYER) == set(), "add the new package to ARCHITECTURE.md's layer table"
+    assert set(LAYER) - units == set(), "ARCHITECTURE.md's layer table names packages src/multigpu/ does not have"
+
+
+def test_every_file_the_map_names_exists() -> None:
+    """``parallel/backward.py`` in ARCHITECTURE.md is a file of the package (or of the repository)."""
+    named = set(re.findall(r"`([\w/]+\.py)`", MAP.read_text()))
+    assert len(named) >= 20, named
+    missing = sorted(n for n in named if not (ROOT / n).exists() and not (MAP.parent / n).exists())
+    assert missing == [], f"ARCHITECTURE.md names files that do not exist: {missing}"
 
 
 def test_no_unit_imports_one_above_it_or_beside_it() -> None:
