@@ -52,7 +52,7 @@ from multigpu.checkpoint.dcp_files import (
 )
 from multigpu.checkpoint.discovery import STATE_FILE, recover_asides
 from multigpu.checkpoint.formats import load_torch_file
-from multigpu.checkpoint.keys import unwrap
+from multigpu.core.keys import unwrap
 from multigpu.checkpoint.lock import folder_lock
 from multigpu.checkpoint.naming import parse_aside, parse_step
 from multigpu.checkpoint.ranks import gather_on_main, is_distributed, run_on_main, shared_from_main

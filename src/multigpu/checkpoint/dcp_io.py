@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from multigpu.checkpoint.dcp_files import check_files, is_sharded_folder, read_manifest, read_metadata
 from multigpu.checkpoint.expansion import check_total
-from multigpu.checkpoint.keys import unwrap
+from multigpu.core.keys import unwrap
 from multigpu.distributed.failures import explain_collective_failures
 from multigpu.errors import CheckpointError, MultigpuError
 

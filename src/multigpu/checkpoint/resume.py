@@ -25,7 +25,7 @@ from torch import nn
 from multigpu.checkpoint.discovery import MODEL_FILE, STATE_FILE
 from multigpu.checkpoint.formats import load_torch_file, read_tensors
 from multigpu.checkpoint.integrity import CHECKSUM_KEY
-from multigpu.checkpoint.keys import unwrap
+from multigpu.core.keys import unwrap
 from multigpu.checkpoint.naming import parse_aside, parse_step
 from multigpu.checkpoint.rng import capture_rng, restore_rng
 from multigpu.checkpoint.validate import (

@@ -50,7 +50,7 @@ from multigpu.checkpoint.discovery import (
 )
 from multigpu.checkpoint.formats import write_tensors
 from multigpu.checkpoint.integrity import CHECKSUM_KEY
-from multigpu.checkpoint.keys import unwrap
+from multigpu.core.keys import unwrap
 from multigpu.checkpoint.lock import folder_lock
 from multigpu.checkpoint.naming import check_count, folder_name
 from multigpu.checkpoint.ranks import gather_on_main, run_on_main

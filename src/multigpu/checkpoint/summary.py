@@ -34,7 +34,7 @@ from multigpu.checkpoint.dcp_io import files_bytes, model_entries, read_sharded_
 from multigpu.checkpoint.discovery import MODEL_FILE, STATE_FILE, find_latest
 from multigpu.checkpoint.expansion import check_expansion
 from multigpu.checkpoint.formats import Format, detect_format, load_torch_file, read_structure, read_tensors
-from multigpu.checkpoint.keys import find_prefixes
+from multigpu.core.keys import find_prefixes
 from multigpu.checkpoint.naming import MAX_STEP, parse_aside, parse_step
 from multigpu.checkpoint.validate import check_counters
 from multigpu.errors import CheckpointError

@@ -128,7 +128,7 @@ def _convert(console: Console, args: argparse.Namespace) -> None:
     from rich.text import Text
 
     from multigpu.checkpoint.formats import write_tensors
-    from multigpu.checkpoint.keys import clean_state_dict, collision_message, find_collisions
+    from multigpu.core.keys import clean_state_dict, collision_message, find_collisions
     from multigpu.checkpoint.summary import read_weights, weights_file
     from multigpu.errors import CheckpointError
 
