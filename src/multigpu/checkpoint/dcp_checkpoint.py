@@ -37,28 +37,28 @@ from multigpu.checkpoint import dcp_io
 from multigpu.checkpoint.atomic import (
     atomic_write_file,
     explain_os_errors,
+    folder_lock,
     fsync_folder,
+    install_folder,
     remove_stale_temporaries,
     remove_tree,
     temporary_name,
 )
-from multigpu.checkpoint.dcp_files import (
+from multigpu.checkpoint.dcp_files import check_files, read_metadata
+from multigpu.checkpoint.folders import (
+    STATE_FILE,
     FileRecord,
-    check_files,
     own_files,
+    parse_aside,
+    parse_step,
     read_manifest,
-    read_metadata,
+    recover_asides,
     write_manifest,
 )
-from multigpu.checkpoint.discovery import STATE_FILE, recover_asides
 from multigpu.checkpoint.formats import load_torch_file
-from multigpu.core.keys import unwrap
-from multigpu.checkpoint.lock import folder_lock
-from multigpu.checkpoint.naming import parse_aside, parse_step
 from multigpu.checkpoint.ranks import gather_on_main, is_distributed, run_on_main, shared_from_main
 from multigpu.checkpoint.resume import restore_rank_rng
 from multigpu.checkpoint.rng import capture_rng, restore_rng
-from multigpu.checkpoint.swap import install_folder
 from multigpu.checkpoint.validate import (
     Refusal,
     TrainingState,
@@ -69,6 +69,7 @@ from multigpu.checkpoint.validate import (
     check_training_state,
 )
 from multigpu.checkpoint.weights import describe_mismatch
+from multigpu.core.keys import unwrap
 from multigpu.distributed.failures import explain_collective_failures
 from multigpu.distributed.runtime import global_rank, is_main_process, world_size
 from multigpu.errors import CheckpointError, MultigpuError

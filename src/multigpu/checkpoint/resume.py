@@ -22,11 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from multigpu.checkpoint.discovery import MODEL_FILE, STATE_FILE
+from multigpu.checkpoint.folders import MODEL_FILE, STATE_FILE, parse_aside, parse_step
 from multigpu.checkpoint.formats import load_torch_file, read_tensors
 from multigpu.checkpoint.integrity import CHECKSUM_KEY
-from multigpu.core.keys import unwrap
-from multigpu.checkpoint.naming import parse_aside, parse_step
 from multigpu.checkpoint.rng import capture_rng, restore_rng
 from multigpu.checkpoint.validate import (
     Refusal,
@@ -38,6 +36,7 @@ from multigpu.checkpoint.validate import (
     check_training_state,
 )
 from multigpu.checkpoint.weights import plan_load
+from multigpu.core.keys import unwrap
 from multigpu.distributed.runtime import global_rank, world_size
 from multigpu.errors import CheckpointError
 

@@ -36,29 +36,35 @@ from typing import Any, NoReturn, Protocol
 import torch
 from torch import nn
 
-from multigpu.checkpoint.atomic import atomic_write_file, explain_os_errors, remove_stale_temporaries, remove_tree
+from multigpu.checkpoint.atomic import (
+    atomic_folder,
+    atomic_write_file,
+    explain_os_errors,
+    folder_lock,
+    remove_stale_temporaries,
+    remove_tree,
+)
 from multigpu.checkpoint.dcp_checkpoint import resume_sharded, save_sharded
-from multigpu.checkpoint.dcp_files import is_sharded_folder
 from multigpu.checkpoint.dcp_io import is_sharded_model
-from multigpu.checkpoint.discovery import (
+from multigpu.checkpoint.folders import (
     MODEL_FILE,
     STATE_FILE,
+    check_count,
     complete_checkpoints,
     find_latest,
+    folder_name,
+    is_sharded_folder,
     recorded_step_of,
     recover_asides,
 )
 from multigpu.checkpoint.formats import write_tensors
 from multigpu.checkpoint.integrity import CHECKSUM_KEY
-from multigpu.core.keys import unwrap
-from multigpu.checkpoint.lock import folder_lock
-from multigpu.checkpoint.naming import check_count, folder_name
 from multigpu.checkpoint.ranks import gather_on_main, run_on_main
 from multigpu.checkpoint.resume import apply_all, check_all, read_checkpoint
 from multigpu.checkpoint.rng import capture_rng
 from multigpu.checkpoint.safetensors_header import read_header
-from multigpu.checkpoint.swap import atomic_folder
 from multigpu.checkpoint.validate import FORMAT_VERSION, walk_plain
+from multigpu.core.keys import unwrap
 from multigpu.distributed.runtime import world_size
 from multigpu.errors import CheckpointError, ConfigError
 

@@ -20,9 +20,9 @@ from torch import nn
 from multigpu.checkpoint.dcp_files import is_dcp_folder
 from multigpu.checkpoint.dcp_io import read_sharded_weights
 from multigpu.checkpoint.formats import Format, read_tensors, write_tensors
-from multigpu.core.keys import clean_state_dict, collision_message, match_keys, unwrap
 from multigpu.checkpoint.ranks import run_on_main
 from multigpu.checkpoint.sharded import full_state_dict, shard_like
+from multigpu.core.keys import clean_state_dict, collision_message, match_keys, unwrap
 from multigpu.errors import CheckpointError
 
 _SHOWN = 6  # keys listed per category in a mismatch message

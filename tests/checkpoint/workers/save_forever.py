@@ -26,7 +26,7 @@ from torch import nn
 import multigpu.checkpoint as ckpt
 
 try:
-    from multigpu.checkpoint import swap
+    from multigpu.checkpoint import atomic
 except ImportError:  # a version without it (to run these kill tests against older code)
     swap = None  # type: ignore[assignment]
 
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args()
     if swap is not None:
-        swap.use_exchange = not args.fallback
+        atomic.use_exchange = not args.fallback
     checkpointer = ckpt.Checkpointer(folder=args.folder, keep_last=2)
     n = 0 if args.mode == "concurrent" or args.fresh else current_value(args.mode, args.folder, args.width)
     for _ in iter(int, 1) if args.saves <= 0 else range(args.saves):  # forever, or N times
