@@ -140,12 +140,12 @@ def test_a_weights_file_replaced_while_read_is_read_whole(tmp_path: Path, monkey
 def test_a_torch_file_replaced_after_its_check_is_not_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # What is checked is what is loaded: a file swapped in after the check (here one asking for a
     # terabyte) is never given to torch.load.
-    from multigpu.checkpoint import formats
+    from multigpu.checkpoint import torch_file
     from tests.checkpoint import _craft
 
     path = tmp_path / "w.pt"
     torch.save(filled(1.0).state_dict(), path)
-    checked = formats.check_torch_file
+    checked = torch_file.check_torch_file
 
     def check_then_replace(*args: object, **kwargs: object) -> None:
         checked(*args, **kwargs)  # type: ignore[arg-type]
@@ -153,7 +153,7 @@ def test_a_torch_file_replaced_after_its_check_is_not_loaded(tmp_path: Path, mon
         bomb.write_bytes(_craft.doctored_torch({}, _craft.with_pickle(_craft.BYTEARRAY_BOMB)))
         os.replace(bomb, path)
 
-    monkeypatch.setattr(formats, "check_torch_file", check_then_replace)
+    monkeypatch.setattr(torch_file, "check_torch_file", check_then_replace)
     model = nn.Linear(3, 2)
     ckpt.load(model, path)
     assert bool((model.weight == 1.0).all())

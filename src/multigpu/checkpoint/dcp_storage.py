@@ -29,8 +29,8 @@ from multigpu.checkpoint import dcp_io
 from multigpu.checkpoint.atomic import explain_os_errors
 from multigpu.checkpoint.dcp_files import check_files, read_metadata
 from multigpu.checkpoint.folders import STATE_FILE, FileRecord, own_files, read_manifest, write_manifest
-from multigpu.checkpoint.formats import load_torch_file
 from multigpu.checkpoint.ranks import is_distributed
+from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import Refusal, TrainingState
 from multigpu.checkpoint.weights import describe_mismatch
 from multigpu.core.keys import unwrap

@@ -45,10 +45,11 @@ from multigpu.checkpoint.atomic import (
     temporary_name,
 )
 from multigpu.checkpoint.folders import MODEL_FILE, STATE_FILE, parse_aside, parse_step, recover_asides
-from multigpu.checkpoint.formats import load_torch_file, read_tensors, write_tensors
+from multigpu.checkpoint.formats import read_tensors, write_tensors
 from multigpu.checkpoint.integrity import CHECKSUM_KEY
 from multigpu.checkpoint.ranks import capture_rng, gather_on_main, restore_rng, run_on_main, shared_from_main
 from multigpu.checkpoint.safetensors_header import read_header
+from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import (
     Refusal,
     TrainingState,

@@ -23,7 +23,6 @@ import torch
 
 from multigpu.checkpoint.dcp_files import check_files, is_dcp_folder, read_metadata
 from multigpu.checkpoint.dcp_io import files_bytes, model_entries, read_sharded_weights
-from multigpu.checkpoint.expansion import check_expansion
 from multigpu.checkpoint.folders import (
     MAX_STEP,
     METADATA_FILE,
@@ -36,7 +35,8 @@ from multigpu.checkpoint.folders import (
     read_manifest,
     recorded_step,
 )
-from multigpu.checkpoint.formats import Format, detect_format, load_torch_file, read_structure, read_tensors
+from multigpu.checkpoint.formats import Format, check_expansion, detect_format, read_structure, read_tensors
+from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import check_counters
 from multigpu.core.keys import find_prefixes
 from multigpu.errors import CheckpointError

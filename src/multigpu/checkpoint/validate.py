@@ -22,9 +22,8 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from multigpu.checkpoint.expansion import materialized_bytes
 from multigpu.checkpoint.folders import MAX_STEP, MAX_WORLD_SIZE
-from multigpu.checkpoint.formats import check_plain_tensor
+from multigpu.checkpoint.formats import check_plain_tensor, materialized_bytes
 from multigpu.checkpoint.ranks import device_rng_keys
 from multigpu.errors import CheckpointError, MultigpuError
 
