@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
 from multigpu.checkpoint.atomic import ASIDE_MARKER, atomic_write_file, remove_tree
-from multigpu.checkpoint.safetensors_header import read_header
+from multigpu.checkpoint.safetensors_file import read_header
 from multigpu.errors import CheckpointError, ConfigError
 
 MODEL_FILE = "model.safetensors"

@@ -1,7 +1,7 @@
 """Read and write tensor files in safetensors or torch format, never executing code from a file.
 
 safetensors holds only tensors and a string-to-string header, so reading it cannot run code;
-its header is checked (:mod:`safetensors_header`) and its tensors read here, from the same open
+its header is checked (:mod:`safetensors_file`) and its tensors read here, from the same open
 file, so nothing else ever parses it.
 torch files are pickles; they are read with ``torch.load(weights_only=True)``, whose unpickler
 only rebuilds tensors and plain containers. A file that needs anything more (a custom class, a
@@ -38,17 +38,20 @@ import safetensors.torch
 import torch
 
 from multigpu.checkpoint.atomic import atomic_write_file, atomic_write_path
-from multigpu.checkpoint.integrity import (
+from multigpu.checkpoint.safetensors_file import (
     CHECKSUM_KEY,
+    DTYPES,
     THREADS,
+    Header,
+    TensorEntry,
     placeholder,
+    read_header_from,
     stamp,
     submit_crcs,
     tensor_crcs,
     verify_header,
     verify_tensors,
 )
-from multigpu.checkpoint.safetensors_header import DTYPES, Header, TensorEntry, read_header_from
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.errors import CheckpointError, ConfigError
 

@@ -46,9 +46,8 @@ from multigpu.checkpoint.atomic import (
 )
 from multigpu.checkpoint.folders import MODEL_FILE, STATE_FILE, parse_aside, parse_step, recover_asides
 from multigpu.checkpoint.formats import read_tensors, write_tensors
-from multigpu.checkpoint.integrity import CHECKSUM_KEY
 from multigpu.checkpoint.ranks import capture_rng, gather_on_main, restore_rng, run_on_main, shared_from_main
-from multigpu.checkpoint.safetensors_header import read_header
+from multigpu.checkpoint.safetensors_file import CHECKSUM_KEY, read_header
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import (
     Refusal,
@@ -306,7 +305,7 @@ class OneFile:
         return read_header(tmp / MODEL_FILE).metadata[CHECKSUM_KEY]
 
     def seal(self, tmp: Path, written: list[Any], step: int, world_size: int) -> str:
-        return str(written[0])  # state.pt names the weights it belongs with (see integrity.py)
+        return str(written[0])  # state.pt names the weights it belongs with (see safetensors_file.py)
 
     def read(self, locate: Callable[[], Path | None], *, allow_unsafe_pickle: bool) -> tuple[Path, Any] | None:
         for _ in range(_ATTEMPTS):
