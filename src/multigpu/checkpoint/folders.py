@@ -192,7 +192,7 @@ def recorded_step_of(folder: Path) -> int | None:
 def recover_asides(folder: Path) -> list[Path]:
     """Put back steps whose replacement was interrupted; drop asides whose step is complete again.
 
-    Call only while holding the folder's lock (see :mod:`lock`).
+    Call only while holding the folder's lock (:func:`~multigpu.checkpoint.atomic.folder_lock`).
 
     Returns:
         The step folders restored.

@@ -122,7 +122,10 @@ def save_step(
     state = {**state, "optimizer": storage.saved_optimizer()}
     collective = storage.collective
     with contextlib.ExitStack() as held:  # the main process holds the folder's lock until the end
-        prepare = lambda: str(_prepare(folder, target, lock_timeout_s, held))  # noqa: E731
+
+        def prepare() -> str:  # main process: the lock, the temporary folder (every rank writes into it)
+            return str(_prepare(folder, target, lock_timeout_s, held))
+
         tmp = Path(shared_from_main(prepare, f"preparing {target}") if collective else prepare())
         try:
             written = storage.write(tmp, target, state["step"])
@@ -136,7 +139,10 @@ def save_step(
                     install_folder(tmp, target)
                     prune(state["step"])
 
-            run_on_main(finish, f"saving checkpoint {target}") if collective else finish()
+            if collective:
+                run_on_main(finish, f"saving checkpoint {target}")
+            else:
+                finish()
         except BaseException:
             if is_main_process():
                 remove_tree(tmp)

@@ -299,7 +299,7 @@ def load_torch_file(
 ) -> Any:
     """``torch.load`` that never unpickles arbitrary objects unless explicitly told to.
 
-    The file is checked first (:func:`~multigpu.checkpoint.torch_zip.check_torch_file`) and read
+    The file is checked first (:func:`check_torch_file`) and read
     through a file object, so its name never changes how it is read.
 
     Args:
