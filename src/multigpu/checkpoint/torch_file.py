@@ -3,7 +3,7 @@
 ``torch.load(weights_only=True)`` never runs code from the file, but it still trusts the
 archive: a missing record is a raw ``RuntimeError``, and its allowed globals include
 ``bytearray``, so a 30-byte pickle can ask for terabytes. :func:`check_torch_file` looks first,
-with only :mod:`zipfile`, :mod:`pickletools` and an unpickler that builds no tensor:
+with only :mod:`zipfile` and an unpickler that builds no tensor:
 
 * the archive must be a zip starting at byte 0, every member stored uncompressed, inside the file,
   not overlapping another, under one root folder, with a plain relative name (no ``..``, no
@@ -28,11 +28,11 @@ import io
 import math
 import os
 import pickle
-import pickletools
 import pkgutil
 import struct
 import warnings
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, NoReturn
 
@@ -109,9 +109,6 @@ def check_torch_file(f: BinaryIO, path: str | os.PathLike[str], *, verify_record
             if f"{root}/version" not in names and f"{root}/.data/version" not in names:
                 _fail(path, f"the archive has no {root + '/version'!r} record")
             data = archive.read(pickle_name)  # zipfile checks its CRC-32
-            unsafe = pickle_globals(data, path) - ALLOWED_GLOBALS
-            if unsafe:
-                raise CheckpointError(unsafe_message(path, sorted(unsafe)))
             _check_storages(path, data, {i.filename: i.file_size for i in infos}, root)
             if verify_records:
                 verify_zip_records(path, archive)
@@ -121,32 +118,21 @@ def check_torch_file(f: BinaryIO, path: str | os.PathLike[str], *, verify_record
         _fail(path, f"it is not a readable zip archive ({type(exc).__name__}: {str(exc)[:200]})")
 
 
-def pickle_globals(data: bytes, path: str | os.PathLike[str]) -> set[str]:
-    """The ``module name`` globals a pickle refers to, read without unpickling it."""
-    found: set[str] = set()
-    try:
-        for opcode, arg, _ in pickletools.genops(io.BytesIO(data)):
-            if opcode.name == "GLOBAL":
-                found.add(str(arg))
-            elif opcode.name in ("STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4"):
-                found.add(f"<{opcode.name} opcode>")  # torch's weights-only unpickler refuses these anyway
-    except Exception as exc:
-        _fail(path, f"its data.pkl is not a valid pickle ({type(exc).__name__}: {str(exc)[:200]})")
-    return found
-
-
 def _check_storages(path: str | os.PathLike[str], data: bytes, sizes: dict[str, int], root: str) -> None:
-    # What the pickle declares (each storage's dtype and length, each tensor's place in its storage)
-    # against the zip directory's record sizes: torch.load checks these only when it reads the data.
+    # The pickle is read with only the globals plain tensors and containers need (any other one is
+    # refused before it is built), into stand-ins for its storages and tensors; then what it declares
+    # (each storage's dtype and length, each tensor's place in its storage) is held against the zip
+    # directory's record sizes: torch.load checks these only when it reads the data.
     declared = _Declared(data, path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TypedStorage classes warn that they are deprecated
             declared.load()
-    except CheckpointError:
-        raise
     except Exception as exc:  # a damaged pickle raises anything: EOFError, UnpicklingError, TypeError, ...
-        _fail(path, f"its data.pkl is not a valid pickle ({type(exc).__name__}: {str(exc)[:200]})")
+        if not declared.refused:
+            _fail(path, f"its data.pkl is not a valid pickle ({type(exc).__name__}: {str(exc)[:200]})")
+    if declared.refused:
+        raise CheckpointError(unsafe_message(path, sorted(set(declared.refused))))
     for key, (dtype, numel) in declared.storages.items():
         record = f"{root}/data/{key}"
         if record not in sizes:
@@ -172,6 +158,30 @@ def _check_storages(path: str | os.PathLike[str], data: bytes, sizes: dict[str, 
             )
 
 
+@dataclass(frozen=True)
+class _StorageType:
+    dtype: torch.dtype
+
+
+class _Refused:
+    """Stands for a global the pickle may not have: every use of it does nothing."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Refused:
+        return self
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, item: Any) -> None:
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+
 class _Declared(pickle.Unpickler):
     """Unpickles a checked ``data.pkl`` into stand-ins: the storages it declares, the views it takes; no tensor."""
 
@@ -180,20 +190,24 @@ class _Declared(pickle.Unpickler):
         self.path = path
         self.storages: dict[str, tuple[torch.dtype, int]] = {}  # key -> (dtype, number of elements)
         self.views: list[tuple[str, int, int, tuple[Any, ...], tuple[Any, ...]]] = []  # key, itemsize, offset, ...
+        self.refused: list[str] = []  # globals beyond plain tensors and containers, never looked up
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             _damaged(self.path, f"its pickle refers to {str(pid)[:80]}, not to a storage record")
         _, storage_type, key, _, numel = pid
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else getattr(storage_type, "dtype", None)
+        dtype = storage_type.dtype if isinstance(storage_type, _StorageType) else None
         if not isinstance(dtype, torch.dtype) or not isinstance(numel, int) or numel < 0:
             _damaged(self.path, f"its pickle declares a storage {str(pid)[:80]}")
         self.storages[str(key)] = (dtype, numel)
         return str(key)
 
     def find_class(self, module: str, name: str) -> Any:
-        if f"{module} {name}" not in ALLOWED_GLOBALS:  # check_torch_file refused these already
-            raise pickle.UnpicklingError(f"{module}.{name} is not allowed")
+        if f"{module} {name}" not in ALLOWED_GLOBALS:  # also reached by INST, OBJ and EXT opcodes
+            self.refused.append(f"{module} {name}")
+            return _Refused()  # read on, to name every global the file wants
+        if name.endswith("Storage"):  # a stand-in, not the class: a pickle may not call it (allocate)
+            return _StorageType(torch.uint8 if name == "UntypedStorage" else getattr(torch, name).dtype)
         if name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
             return self._view
         if name.startswith("_rebuild_parameter"):
