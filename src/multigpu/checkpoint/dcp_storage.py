@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -29,7 +28,7 @@ from multigpu.checkpoint import dcp_io
 from multigpu.checkpoint.atomic import explain_os_errors
 from multigpu.checkpoint.dcp_files import check_files, read_metadata
 from multigpu.checkpoint.folders import STATE_FILE, FileRecord, own_files, read_manifest, write_manifest
-from multigpu.checkpoint.ranks import is_distributed
+from multigpu.checkpoint.ranks import agreed
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import Refusal, TrainingState
 from multigpu.checkpoint.weights import describe_mismatch
@@ -128,7 +127,7 @@ class Sharded:
             self.optimizer.load_state_dict(self._fresh)  # as it was: no state
 
     def agreed(self, compute: Callable[[], T]) -> T:
-        return _agreed(compute, f"checking checkpoint {self.folder}")
+        return agreed(compute, f"checking checkpoint {self.folder}")
 
 
 def _raise_write_failure(target: Path, exc: BaseException) -> NoReturn:
@@ -141,29 +140,6 @@ def _raise_write_failure(target: Path, exc: BaseException) -> NoReturn:
         f"could not write the shards of checkpoint {str(target)!r} ({dcp_io.describe_failure(exc)}). "
         "The previous checkpoint is unchanged."
     ) from exc
-
-
-def _agreed(compute: Callable[[], T], what: str) -> T:
-    """``compute()`` on every rank; if it fails on any rank, every rank raises (the first failing rank's error)."""
-    failure: BaseException | None = None
-    result: Any = None
-    try:
-        result = compute()
-    except Exception as exc:
-        failure = exc
-    if not is_distributed():
-        if failure is not None:
-            raise failure
-        return result  # type: ignore[no-any-return]
-    problems: list[Any] = [None] * world_size()
-    with explain_collective_failures(what):
-        dist.all_gather_object(problems, None if failure is None else f"{type(failure).__name__}: {failure}")
-    if failure is not None:
-        raise failure
-    for rank, problem in enumerate(problems):
-        if problem is not None:
-            raise CheckpointError(f"rank {rank} refused the checkpoint, so every rank stops: {problem}")
-    return result  # type: ignore[no-any-return]
 
 
 def _check_shapes(folder: Path, metadata: Metadata, target: dict[str, Any], model: nn.Module) -> None:

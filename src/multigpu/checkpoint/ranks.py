@@ -2,8 +2,10 @@
 
 Which rank this is, whether a process group is up and which process is the main one are
 answered by :mod:`multigpu.distributed.runtime`, as everywhere else. Inside a process group of
-several ranks rank 0 writes and the others wait; outside one, nothing here communicates and the
-main process (every process not started by a launcher) writes alone.
+several ranks rank 0 writes and the others wait (:func:`run_on_main`), and a check every rank
+makes fails on every rank if it fails on one (:func:`agreed`), so no rank is left waiting; outside
+one, nothing here communicates and the main process (every process not started by a launcher)
+writes alone.
 
 Each rank has its own random state (dropout masks differ per rank): :func:`capture_rng` takes it
 as tensors, ints and tuples only, so a checkpoint holding it loads with
@@ -96,6 +98,32 @@ def gather_on_main(obj: Any, what: str) -> list[Any] | None:
     with explain_collective_failures(f"gathering {what} on rank 0"):
         dist.gather_object(obj, gathered, dst=0)
     return gathered
+
+
+def agreed(compute: Callable[[], T], what: str) -> T:
+    """``compute()`` on every rank; if it fails on any rank, every rank raises (the first failing rank's error).
+
+    Every rank must call this. Without a process group it is ``compute()``.
+    """
+    failure: BaseException | None = None
+    result: Any = None
+    try:
+        result = compute()
+    except Exception as exc:
+        failure = exc
+    if not is_distributed():
+        if failure is not None:
+            raise failure
+        return result  # type: ignore[no-any-return]
+    problems: list[Any] = [None] * world_size()
+    with explain_collective_failures(what):
+        dist.all_gather_object(problems, None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    for rank, problem in enumerate(problems):
+        if problem is not None:
+            raise CheckpointError(f"rank {rank} refused the checkpoint, so every rank stops: {problem}")
+    return result  # type: ignore[no-any-return]
 
 
 # --- every rank's random state ---
