@@ -252,7 +252,7 @@ class Checkpointer:
                 f"saved ({just_written}); they are kept, and resume() picks the latest of them. "
                 "Give each run its own folder.",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=8,  # the caller of Checkpointer.save (one file)
             )
         if self.keep_last is None:
             return
