@@ -1,4 +1,4 @@
-"""Atomic writes: a file or a folder appears under its final name complete, or not at all.
+"""Crash-safe writes: a file or a folder appears under its final name complete, or not at all; one writer per folder.
 
 The recipe (POSIX): write into a temporary name in the *same* folder (so the rename never crosses
 file systems), flush and ``fsync`` the data, ``os.replace`` it onto the final name (atomic), then

@@ -203,7 +203,7 @@ def write_tensors(
     """
     if format_for(path, format) == "torch":
         plain = OrderedDict((k, v.detach().cpu()) for k, v in tensors.items())
-        return atomic_write_file(path, lambda f: _torch_save(plain, f))
+        return atomic_write_file(path, lambda f: torch.save(plain, f))
     unique, aliases = _deduplicate(tensors)
     header = {str(k): str(v) for k, v in (metadata or {}).items()}
     header["format"] = "pt"
@@ -230,10 +230,6 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, header: dict
             raise
         code = int(found.group(1))
         raise OSError(code, os.strerror(code), str(path)) from exc
-
-
-def _torch_save(obj: Any, f: BinaryIO) -> None:
-    torch.save(obj, f)
 
 
 def checked_safetensors_header(path: str | os.PathLike[str], f: BinaryIO | None = None) -> Header:
