@@ -128,6 +128,9 @@ def _check_storages(path: str | os.PathLike[str], data: bytes, sizes: dict[str, 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TypedStorage classes warn that they are deprecated
             declared.load()
+    except CheckpointError:
+        if not declared.refused:
+            raise
     except Exception as exc:  # a damaged pickle raises anything: EOFError, UnpicklingError, TypeError, ...
         if not declared.refused:
             _fail(path, f"its data.pkl is not a valid pickle ({type(exc).__name__}: {str(exc)[:200]})")
