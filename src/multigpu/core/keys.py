@@ -163,7 +163,7 @@ def find_prefixes(keys: Iterable[str]) -> dict[str, int]:
     return counts
 
 
-# Wrappers, by class, so this module need not import them (they live in packages above it).
+# Wrappers, recognised by class name so that this module imports none of them (torch.compile, DDP).
 _WRAPPER_CLASSES = {
     ("torch.nn.parallel.data_parallel", "DataParallel"): "module",
     ("torch.nn.parallel.distributed", "DistributedDataParallel"): "module",
