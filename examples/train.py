@@ -21,7 +21,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from multigpu.checkpoint.sharded import full_state_dict
+from multigpu.checkpoint.weights import full_state_dict
 from multigpu.session import Session
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import pickle
 import struct
 import zipfile
 from collections.abc import Callable
@@ -147,4 +149,58 @@ MALFORMED_WEIGHTS: dict[str, Callable[[], bytes]] = {
         {"weight": torch.ones(2)}, lambda root, r: {**r, f"{root}/data.pkl": r[f"{root}/data.pkl"][:20]}
     ),
     "torch zip truncated": lambda: doctored_torch({"weight": torch.ones(2)}, lambda root, r: r)[:-30],
+}
+
+
+class _Storage:
+    """Stands for a storage record in a crafted pickle (see :func:`torch_with_storage`)."""
+
+    def __init__(self, key: str, numel: int) -> None:
+        self.key, self.numel = key, numel
+
+
+class _View:
+    """Pickles as torch.save pickles a tensor: ``_rebuild_tensor_v2(storage, offset, shape, stride, ...)``."""
+
+    def __init__(self, storage: _Storage, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.args = (storage, offset, shape, stride)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        from collections import OrderedDict
+
+        return (torch._utils._rebuild_tensor_v2, (*self.args, False, OrderedDict()))
+
+
+class _StoragePickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _Storage):
+            return ("storage", torch.FloatStorage, obj.key, "cpu", obj.numel)
+        return None
+
+
+def torch_with_storage(*, declared: int, record_bytes: int, shape: tuple[int, ...], offset: int = 0) -> bytes:
+    """A torch file whose pickle declares one float32 storage of ``declared`` elements, stored in a
+    record of ``record_bytes`` bytes, and views it as a contiguous ``weight`` of ``shape``.
+
+    The zip layer is valid (CRCs, names): only the pickle and the record sizes disagree.
+    """
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    buffer = io.BytesIO()
+    _StoragePickler(buffer, protocol=2).dump({"weight": _View(_Storage("0", declared), offset, shape, stride)})
+
+    def change(root: str, records: dict[str, bytes]) -> dict[str, bytes]:
+        kept = {k: v for k, v in records.items() if f"{root}/data/" not in k}
+        return {**kept, f"{root}/data.pkl": buffer.getvalue(), f"{root}/data/0": bytes(record_bytes)}
+
+    return doctored_torch({"weight": torch.ones(2)}, change)
+
+
+# Storage records that contradict what the pickle declares: torch.load refuses them only once it
+# reads the data; inspect (which reads none) must see them from the zip directory and the pickle.
+CONTRADICTED_STORAGES: dict[str, Callable[[], bytes]] = {
+    "storage of 2**40 elements in an 8-byte record": lambda: torch_with_storage(
+        declared=1 << 40, record_bytes=8, shape=(2,)
+    ),
+    "record shorter than its storage": lambda: torch_with_storage(declared=4, record_bytes=8, shape=(4,)),
+    "tensor larger than its storage": lambda: torch_with_storage(declared=2, record_bytes=8, shape=(4,)),
 }

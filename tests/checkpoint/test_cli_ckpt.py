@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import multigpu.checkpoint as ckpt
-from multigpu.checkpoint.formats import detect_format, load_torch_file, read_tensors
+from multigpu.checkpoint.formats import detect_format, read_tensors
+from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.cli.main import main
 from multigpu.errors import CheckpointError
 

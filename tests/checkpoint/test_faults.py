@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 import multigpu.checkpoint as ckpt
-from multigpu.checkpoint.atomic import is_temporary
-from multigpu.checkpoint.lock import LOCK_NAME
+from multigpu.checkpoint.atomic import LOCK_NAME, is_temporary
 from multigpu.errors import CheckpointError
 from tests.launching import start_python
 

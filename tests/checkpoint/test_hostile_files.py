@@ -205,3 +205,34 @@ def test_a_flipped_byte_in_the_checksum_name_does_not_disable_the_check(tmp_path
     path.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match=r"looks like a damaged 'multigpu\.checksum'"):
         ckpt.load(nn.Linear(8, 8), path)
+
+
+def test_a_crafted_storage_that_agrees_with_its_record_loads_and_inspects(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The crafting below is sound: the same file with consistent sizes is an ordinary torch file.
+    path = tmp_path / "w.pt"
+    path.write_bytes(_craft.torch_with_storage(declared=2, record_bytes=8, shape=(2,)))
+    model = nn.Linear(2, 1)
+    ckpt.load(model, path, strict=False)
+    assert main(["ckpt", "inspect", str(path)]) == 0
+    assert "weight" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case", sorted(_craft.CONTRADICTED_STORAGES))
+def test_storages_that_contradict_their_records_are_damaged_for_load_and_inspect(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    # inspect reads no tensor data, but the zip directory and the pickle already tell: it reports
+    # the file as damaged with exit 1, as load does.
+    path = tmp_path / "w.pt"
+    path.write_bytes(_craft.CONTRADICTED_STORAGES[case]())
+    model = nn.Linear(2, 1)
+    before = _snapshot(model)
+    with pytest.raises(CheckpointError, match=r"w\.pt' is a damaged torch file"):
+        ckpt.load(model, path, strict=False)
+    _assert_untouched(model, before)
+    assert main(["ckpt", "inspect", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1
+    assert "w.pt" in err and "damaged torch file" in err and "Traceback" not in err

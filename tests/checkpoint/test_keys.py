@@ -129,7 +129,7 @@ def test_strip_that_would_merge_keys_is_refused(tmp_path: Path) -> None:
 
 
 def test_match_keys_prefers_the_mapping_that_fits_the_model() -> None:
-    from multigpu.checkpoint.keys import match_keys
+    from multigpu.core.keys import match_keys
 
     assert match_keys(["module.a", "module.b"], ["a", "b"]) == {"module.a": "a", "module.b": "b"}
     assert match_keys(["a", "b"], ["module.a", "module.b"]) == {"a": "module.a", "b": "module.b"}

@@ -216,9 +216,9 @@ def test_a_resaved_step_is_findable_at_every_rename(
     # A kill can land between any two system calls of a save; the ones that change what a name
     # points at are renames. At each (before it runs), step 5 must be found, complete.
     try:
-        from multigpu.checkpoint import swap
+        from multigpu.checkpoint import atomic
 
-        monkeypatch.setattr(swap, "use_exchange", exchange)
+        monkeypatch.setattr(atomic, "use_exchange", exchange)
     except ImportError:
         pass  # older code, without the module: the test then shows what it did
     checkpointer = ckpt.Checkpointer(folder=tmp_path)

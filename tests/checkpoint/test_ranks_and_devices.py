@@ -15,7 +15,7 @@ from torch import nn
 
 import multigpu
 import multigpu.checkpoint as ckpt
-from multigpu.checkpoint.formats import load_torch_file
+from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.devices import register_device_type, unregister_device_type
 from multigpu.errors import CheckpointError
 from tests.devices.fake_device import MetaDevice

@@ -30,9 +30,9 @@ def _visible(folder: Path) -> list[str]:
 def test_resaving_a_step_replaces_it_and_leaves_nothing_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
 ) -> None:
-    from multigpu.checkpoint import swap
+    from multigpu.checkpoint import atomic
 
-    monkeypatch.setattr(swap, "use_exchange", exchange)
+    monkeypatch.setattr(atomic, "use_exchange", exchange)
     checkpointer = ckpt.Checkpointer(folder=tmp_path)
     checkpointer.save(step=3, model=filled(1.0))
     checkpointer.save(step=3, model=filled(2.0))
@@ -41,7 +41,7 @@ def test_resaving_a_step_replaces_it_and_leaves_nothing_behind(
 
 
 def test_exchange_swaps_two_folders_in_one_step(tmp_path: Path) -> None:
-    from multigpu.checkpoint.swap import exchange
+    from multigpu.checkpoint.atomic import exchange
 
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "x").write_text("a")
@@ -55,9 +55,9 @@ def test_exchange_swaps_two_folders_in_one_step(tmp_path: Path) -> None:
 def test_a_replacement_interrupted_between_its_renames_keeps_the_old_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from multigpu.checkpoint import swap
+    from multigpu.checkpoint import atomic
 
-    monkeypatch.setattr(swap, "use_exchange", False)
+    monkeypatch.setattr(atomic, "use_exchange", False)
     checkpointer = ckpt.Checkpointer(folder=tmp_path)
     checkpointer.save(step=3, model=filled(1.0))
     real_rename = os.rename
@@ -69,10 +69,10 @@ def test_a_replacement_interrupted_between_its_renames_keeps_the_old_step(
             raise KeyboardInterrupt("killed between the two renames")
         real_rename(src, dst)
 
-    monkeypatch.setattr(swap.os, "rename", rename_then_die)
+    monkeypatch.setattr(atomic.os, "rename", rename_then_die)
     with pytest.raises(KeyboardInterrupt):
         checkpointer.save(step=3, model=filled(2.0))
-    monkeypatch.setattr(swap.os, "rename", real_rename)
+    monkeypatch.setattr(atomic.os, "rename", real_rename)
 
     assert not (tmp_path / "step-00000003").exists()  # the name is empty at this instant...
     assert checkpointer.steps() == [3]  # ...and the old step is still found, under its aside name
@@ -83,7 +83,7 @@ def test_a_replacement_interrupted_between_its_renames_keeps_the_old_step(
 
 
 def test_a_held_folder_lock_names_its_holder(tmp_path: Path) -> None:
-    from multigpu.checkpoint.lock import folder_lock
+    from multigpu.checkpoint.atomic import folder_lock
 
     checkpointer = ckpt.Checkpointer(folder=tmp_path, lock_timeout_s=0.3)
     checkpointer.save(step=1, model=filled(1.0))
@@ -140,12 +140,12 @@ def test_a_weights_file_replaced_while_read_is_read_whole(tmp_path: Path, monkey
 def test_a_torch_file_replaced_after_its_check_is_not_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # What is checked is what is loaded: a file swapped in after the check (here one asking for a
     # terabyte) is never given to torch.load.
-    from multigpu.checkpoint import formats
+    from multigpu.checkpoint import torch_file
     from tests.checkpoint import _craft
 
     path = tmp_path / "w.pt"
     torch.save(filled(1.0).state_dict(), path)
-    checked = formats.check_torch_file
+    checked = torch_file.check_torch_file
 
     def check_then_replace(*args: object, **kwargs: object) -> None:
         checked(*args, **kwargs)  # type: ignore[arg-type]
@@ -153,7 +153,7 @@ def test_a_torch_file_replaced_after_its_check_is_not_loaded(tmp_path: Path, mon
         bomb.write_bytes(_craft.doctored_torch({}, _craft.with_pickle(_craft.BYTEARRAY_BOMB)))
         os.replace(bomb, path)
 
-    monkeypatch.setattr(formats, "check_torch_file", check_then_replace)
+    monkeypatch.setattr(torch_file, "check_torch_file", check_then_replace)
     model = nn.Linear(3, 2)
     ckpt.load(model, path)
     assert bool((model.weight == 1.0).all())

@@ -7,9 +7,8 @@ import torch
 from torch import nn
 
 import multigpu.checkpoint as ckpt
-from multigpu.checkpoint.atomic import temporary_name
-from multigpu.checkpoint.formats import load_torch_file
-from multigpu.checkpoint.lock import LOCK_NAME
+from multigpu.checkpoint.atomic import LOCK_NAME, temporary_name
+from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.errors import CheckpointError, ConfigError
 from tests.checkpoint import _training as tr
 

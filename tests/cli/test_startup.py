@@ -76,8 +76,7 @@ def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]
 
 def test_choices_written_in_the_cli_match_the_library() -> None:
     """The parser spells out a few of the library's constants so that it need not import it."""
-    from multigpu.checkpoint.expansion import DEFAULT_MAX_EXPANSION
-    from multigpu.checkpoint.formats import FORMATS
+    from multigpu.checkpoint.formats import DEFAULT_MAX_EXPANSION, FORMATS
     from multigpu.cli import ckpt, demo, launch
     from multigpu.demo.train import TrainConfig
     from multigpu.launcher.launch import LAUNCH_STRATEGIES

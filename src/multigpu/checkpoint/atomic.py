@@ -1,4 +1,4 @@
-"""Atomic writes: a file or a folder appears under its final name complete, or not at all.
+"""Crash-safe writes: a file or a folder appears under its final name complete, or not at all; one writer per folder.
 
 The recipe (POSIX): write into a temporary name in the *same* folder (so the rename never crosses
 file systems), flush and ``fsync`` the data, ``os.replace`` it onto the final name (atomic), then
@@ -10,23 +10,52 @@ checkpoints picks them up (``remove_stale_temporaries`` deletes them).
 Errors while writing (full disk, file-size limit, read-only or unwritable folder) become a
 :class:`~multigpu.errors.CheckpointError` naming the path and the fix; the temporary entry is
 removed and the previous file is untouched.
+
+One writer at a time per checkpoint folder (:func:`folder_lock`): two runs pointed at one folder,
+or a restarted job whose old copy still runs, would otherwise race on the same names. The lock is
+``filelock``'s (an exclusive ``flock`` on ``<folder>/.multigpu.lock``, released with the holder's
+file descriptors, so a SIGKILL never leaves the folder locked); the holder writes its host, pid and
+start time into the file so that a waiter that gives up can name it. ``flock`` is per host on most
+network file systems: do not share one folder between machines.
+
+A complete folder is put under its final name by :func:`atomic_folder`. A new step is one
+``rename``. Replacing an existing step (a re-save of the same step) cannot be one ``rename``: a
+folder cannot be renamed onto a non-empty folder. Instead:
+
+* where the kernel and file system support it (Linux >= 3.15; ext4, xfs, btrfs, tmpfs, ...),
+  ``renameat2(RENAME_EXCHANGE)`` swaps the two folders in one atomic step; the old one then
+  sits under the temporary name and is deleted;
+* elsewhere the old folder is first renamed to a hidden *aside* name that discovery reads as
+  the same step (:mod:`folders`), then the new one is renamed in. A kill between the two renames
+  leaves the old checkpoint findable under the aside name, and the next save puts it back
+  (:func:`~multigpu.checkpoint.folders.recover_asides`).
+
+Either way, at every instant a complete copy of the step (old or new) is found.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
+import platform
 import shutil
 import socket
+import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+import filelock
+
 from multigpu.errors import CheckpointError
 
 TEMP_MARKER = ".tmp-"
+LOCK_NAME = ".multigpu.lock"
+ASIDE_MARKER = ".prev-"
 
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _PERMISSION_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
@@ -221,3 +250,155 @@ def _explain(exc: OSError, final: Path) -> str:
             "Create it first (mkdir -p) or pick an existing folder."
         )
     return f"could not write checkpoint {str(final)!r}: {exc}. The previous checkpoint is unchanged."
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path, *, timeout_s: float) -> Iterator[None]:
+    """Hold the folder's lock for the duration of the block (see the module docstring).
+
+    Raises:
+        CheckpointError: another process held it for ``timeout_s`` seconds; the message names it.
+
+    Example:
+        >>> import tempfile
+        >>> with folder_lock(Path(tempfile.mkdtemp()), timeout_s=1):
+        ...     pass
+    """
+    path = folder / LOCK_NAME
+    lock = filelock.FileLock(path, timeout=timeout_s, preserve_lock_file=True, on_acquired=_write_holder)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        raise CheckpointError(
+            f"another process is saving into {str(folder)!r} and held its lock for "
+            f"{timeout_s:g} s ({_holder(path)}). Two runs are writing one folder: give each "
+            "run its own folder, or raise Checkpointer(lock_timeout_s=...) if saves are slow."
+        ) from None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.truncate(path, 0)  # still held: nobody reads a holder that has gone
+        lock.release()
+
+
+def _write_holder(fd: int) -> None:
+    holder = f"host={socket.gethostname()} pid={os.getpid()} since={time.strftime('%Y-%m-%dT%H:%M:%S')}\n"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, holder.encode(), 0)
+
+
+def _holder(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            text = f.read(200).decode(errors="replace").strip()
+    except OSError:
+        text = ""
+    return text or "holder unknown"
+
+
+# --- putting a complete folder in place ---
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_SYSCALL_NUMBERS = {"x86_64": 316, "aarch64": 276}  # renameat2, for a libc without the wrapper
+_UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EPERM}
+
+use_exchange = sys.platform.startswith("linux")  # tests turn it off to exercise the fallback
+
+
+@contextlib.contextmanager
+def atomic_folder(final: str | os.PathLike[str]) -> Iterator[Path]:
+    """Build a folder under a temporary name; on success it takes the name ``final`` (see above).
+
+    Files written inside the yielded folder should be synced (see
+    :func:`~multigpu.checkpoint.atomic.fsync_file`); the folder itself is synced here.
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> with atomic_folder(root / "step-1") as tmp:
+        ...     _ = (tmp / "a.txt").write_text("a")
+        >>> sorted(p.name for p in root.iterdir())
+        ['step-1']
+    """
+    final = Path(final)
+    tmp = temporary_name(final)
+    with explain_os_errors(final):
+        try:
+            tmp.mkdir()
+            yield tmp
+            fsync_folder(tmp)
+            install_folder(tmp, final)
+        except BaseException:
+            remove_tree(tmp)
+            raise
+
+
+def install_folder(tmp: Path, final: Path) -> None:
+    """Give the complete folder ``tmp`` the name ``final``, replacing a previous ``final`` atomically."""
+    try:
+        os.rename(tmp, final)  # atomic; fails if final is a non-empty folder
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    else:
+        fsync_folder(final.parent)
+        return
+    if use_exchange and exchange(tmp, final):
+        fsync_folder(final.parent)
+        remove_tree(tmp)  # now the old step
+        return
+    aside = aside_name(final)
+    os.rename(final, aside)
+    fsync_folder(final.parent)  # the aside is durable before the name is reused
+    os.rename(tmp, final)
+    fsync_folder(final.parent)
+    remove_tree(aside)
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically; ``False`` where this system cannot.
+
+    Raises:
+        OSError: the exchange is supported but failed (e.g. a path vanished).
+    """
+    call = _renameat2()
+    if call is None:
+        return False
+    result = call(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _UNSUPPORTED:
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+def _renameat2():  # type: ignore[no-untyped-def]
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    wrapper = getattr(libc, "renameat2", None)
+    if wrapper is not None:
+        wrapper.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        wrapper.restype = ctypes.c_int
+        return wrapper
+    number = _SYSCALL_NUMBERS.get(platform.machine())
+    if number is None:
+        return None
+    syscall = libc.syscall
+    syscall.restype = ctypes.c_long
+
+    def call(olddir: int, old: bytes, newdir: int, new: bytes, flags: int) -> int:
+        return int(syscall(ctypes.c_long(number), olddir, old, newdir, new, ctypes.c_uint(flags)))
+
+    return call
+
+
+def aside_name(final: Path) -> Path:
+    """A hidden sibling of the step folder ``final`` that holds it while it is being replaced."""
+    host = socket.gethostname().replace(".", "_")
+    return final.with_name(f".{final.name}{ASIDE_MARKER}{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}")

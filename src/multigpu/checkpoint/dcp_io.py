@@ -41,9 +41,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from multigpu.checkpoint.dcp_files import check_files, is_sharded_folder, read_manifest, read_metadata
-from multigpu.checkpoint.expansion import check_total
-from multigpu.checkpoint.keys import unwrap
+from multigpu.checkpoint.dcp_files import check_files, read_metadata
+from multigpu.checkpoint.folders import is_sharded_folder, read_manifest
+from multigpu.checkpoint.formats import check_total
+from multigpu.core.keys import unwrap
 from multigpu.errors import CheckpointError, MultigpuError
 from multigpu.runtime.collective_failures import explain_collective_failures
 

@@ -1,23 +1,28 @@
 """Read and write tensor files in safetensors or torch format, never executing code from a file.
 
 safetensors holds only tensors and a string-to-string header, so reading it cannot run code;
-its header is checked (:mod:`safetensors_header`) and its tensors read here, from the same open
+its header is checked (:mod:`safetensors_file`) and its tensors read here, from the same open
 file, so nothing else ever parses it.
 torch files are pickles; they are read with ``torch.load(weights_only=True)``, whose unpickler
 only rebuilds tensors and plain containers. A file that needs anything more (a custom class, a
 function) is refused with :class:`~multigpu.errors.CheckpointError` naming the globals it wants
 and the explicit opt-in, ``allow_unsafe_pickle=True``, for files the user trusts. Even then a
-file whose classes cannot be imported here is a CheckpointError naming them and the fix.
+file whose classes cannot be imported here is a CheckpointError naming them and the fix
+(:mod:`torch_file`).
+
+A tensor in a torch file is a view of a storage: shape ``[10**12]`` with stride 0 over a 4-byte
+storage is a few bytes on disk and 4 TB once copied (safetensors writes every tensor contiguous).
+Loading into a model is bounded by the model itself (shapes must match), but converting a file is
+not; :func:`check_expansion` refuses a file that would grow by more than a stated factor.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import mmap
 import os
-import pickle
-import pkgutil
 import re
 import reprlib
 import sys
@@ -33,18 +38,21 @@ import safetensors.torch
 import torch
 
 from multigpu.checkpoint.atomic import atomic_write_file, atomic_write_path
-from multigpu.checkpoint.integrity import (
+from multigpu.checkpoint.safetensors_file import (
     CHECKSUM_KEY,
+    DTYPES,
     THREADS,
+    Header,
+    TensorEntry,
     placeholder,
+    read_header_from,
     stamp,
     submit_crcs,
     tensor_crcs,
     verify_header,
     verify_tensors,
 )
-from multigpu.checkpoint.safetensors_header import DTYPES, Header, TensorEntry, read_header_from
-from multigpu.checkpoint.torch_zip import check_torch_file, unsafe_message
+from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.errors import CheckpointError, ConfigError
 
 Format = Literal["safetensors", "torch"]
@@ -57,6 +65,8 @@ _ALIASES_KEY = "multigpu.aliases"
 # Keys under which training scripts commonly nest the model's state dict in a torch file.
 _NESTED_MODEL_KEYS = ("state_dict", "model_state_dict", "model", "module")
 _MAX_NESTING = 4
+DEFAULT_MAX_EXPANSION = 4.0  # contiguous bytes per byte on disk, for `ckpt convert`
+_SLACK = 1 << 20  # small files (headers, empty tensors) may expand by up to 1 MiB regardless
 
 
 def format_for(path: str | os.PathLike[str], format: Format | None = None) -> Format:
@@ -97,45 +107,6 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
         f"{str(path)!r} is neither a safetensors nor a torch file (first bytes {head!r}); "
         "check the path, or whether the file was truncated."
     )
-
-
-def load_torch_file(
-    path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False, map_location: Any = "cpu"
-) -> Any:
-    """``torch.load`` that never unpickles arbitrary objects unless explicitly told to.
-
-    The file is checked first (:func:`~multigpu.checkpoint.torch_zip.check_torch_file`) and read
-    through a file object, so its name never changes how it is read.
-
-    Args:
-        path: a file written by ``torch.save``.
-        allow_unsafe_pickle: load files that need arbitrary unpickling. Only for files you
-            trust: unpickling can run any code the file's author chose.
-        map_location: passed to ``torch.load``; ``"meta"`` reads the structure without the data.
-
-    Raises:
-        CheckpointError: the file is damaged, needs arbitrary unpickling and ``allow_unsafe_pickle``
-            is off, or it is on and the file needs a class that cannot be imported here.
-    """
-    try:
-        with open(path, "rb") as f:
-            if not allow_unsafe_pickle:
-                check_torch_file(f, path, verify_records=map_location != "meta")
-                f.seek(0)
-            return torch.load(f, map_location=map_location, weights_only=not allow_unsafe_pickle)
-    except pickle.UnpicklingError as exc:
-        if allow_unsafe_pickle:
-            raise CheckpointError(f"{str(path)!r} is not a readable torch file: {exc}") from exc
-        raise CheckpointError(_unsafe_message(path)) from exc
-    except (CheckpointError, OSError):
-        raise
-    except (ImportError, AttributeError) as exc:  # unpickling's find_class: no such module, or no such name
-        missing = [name for name in _pickled_globals(path) if not _importable(name)] if allow_unsafe_pickle else []
-        if missing:
-            raise CheckpointError(_missing_class_message(path, missing, exc)) from exc
-        raise CheckpointError(_damaged_message(path, exc)) from exc
-    except Exception as exc:  # torch reports damaged records as RuntimeError, AssertionError, ...
-        raise CheckpointError(_damaged_message(path, exc)) from exc
 
 
 def read_tensors(
@@ -232,7 +203,7 @@ def write_tensors(
     """
     if format_for(path, format) == "torch":
         plain = OrderedDict((k, v.detach().cpu()) for k, v in tensors.items())
-        return atomic_write_file(path, lambda f: _torch_save(plain, f))
+        return atomic_write_file(path, lambda f: torch.save(plain, f))
     unique, aliases = _deduplicate(tensors)
     header = {str(k): str(v) for k, v in (metadata or {}).items()}
     header["format"] = "pt"
@@ -259,10 +230,6 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, header: dict
             raise
         code = int(found.group(1))
         raise OSError(code, os.strerror(code), str(path)) from exc
-
-
-def _torch_save(obj: Any, f: BinaryIO) -> None:
-    torch.save(obj, f)
 
 
 def checked_safetensors_header(path: str | os.PathLike[str], f: BinaryIO | None = None) -> Header:
@@ -371,39 +338,60 @@ def _storage_ptr(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage().data_ptr())
 
 
-def _pickled_globals(path: str | os.PathLike[str]) -> list[str]:
-    """The ``module.name`` globals a torch file's pickle needs beyond tensors and containers (read, not run)."""
-    try:
-        return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
-    except Exception:  # not a zip-format torch file, or a torch without this helper
-        return []
+# --- bounds on expansion ---
 
 
-def _importable(qualified: str) -> bool:
-    """Whether ``a.b.C`` resolves here: the longest importable module prefix, then attributes (as unpickling does)."""
-    try:
-        pkgutil.resolve_name(qualified)
-    except Exception:  # no such module or attribute, or a module that fails to import
-        return False
-    return True
+def materialized_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor`` once contiguous (no allocation)."""
+    return tensor.numel() * tensor.element_size()
 
 
-def _damaged_message(path: str | os.PathLike[str], exc: BaseException) -> str:
-    return (
-        f"{str(path)!r} is a damaged torch file: {type(exc).__name__}: {str(exc)[:300]}. "
-        "Use another checkpoint, or re-save this one from its source."
-    )
+def check_expansion(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *, max_expansion: float) -> None:
+    """Refuse ``tensors`` (read from ``path``) if, made contiguous, they exceed ``max_expansion`` x the file.
+
+    Views of one storage with the same layout (tied weights) count once.
+
+    Raises:
+        CheckpointError: naming the largest tensor, the sizes, and how to allow it.
+
+    Example:
+        >>> import tempfile; from pathlib import Path
+        >>> p = Path(tempfile.mkdtemp()) / "w.pt"; torch.save({"w": torch.zeros(4)}, p)
+        >>> check_expansion({"w": torch.zeros(4)}, p, max_expansion=4.0)
+    """
+    if math.isinf(max_expansion):
+        return
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    total, largest, largest_key = 0, 0, ""
+    for key, tensor in tensors.items():
+        ident = (
+            tensor.untyped_storage().data_ptr(),
+            int(tensor.storage_offset()),
+            tuple(tensor.shape),
+            tensor.stride(),
+        )
+        if ident in seen and tensor.numel():
+            continue
+        seen.add(ident)
+        size = materialized_bytes(tensor)
+        total += size
+        if size > largest:
+            largest, largest_key = size, key
+    check_total(path, os.path.getsize(path), total, (largest_key, largest), max_expansion=max_expansion)
 
 
-def _missing_class_message(path: str | os.PathLike[str], missing: list[str], exc: BaseException) -> str:
-    shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-    return (
-        f"cannot load {str(path)!r}: its pickle needs {shown}, which cannot be imported here ({exc}). "
-        "Run where the code that defined it is importable: from your project's folder, or with that "
-        "folder on PYTHONPATH (e.g. PYTHONPATH=/path/to/project). Better, once it loads, re-save the "
-        "weights as plain tensors (multigpu ckpt convert), which need no code to read."
-    )
+def check_total(
+    path: str | os.PathLike[str], on_disk: int, total: int, largest: tuple[str, int], *, max_expansion: float
+) -> None:
+    """Refuse tensors of ``total`` bytes read from ``on_disk`` bytes at ``path`` beyond ``max_expansion``.
 
-
-def _unsafe_message(path: str | os.PathLike[str]) -> str:
-    return unsafe_message(path, _pickled_globals(path) or ["unknown objects"])
+    Raises:
+        CheckpointError: naming the largest tensor (``(key, bytes)``), the sizes, and how to allow it.
+    """
+    if total > max_expansion * on_disk + _SLACK:
+        raise CheckpointError(
+            f"{str(path)!r} holds {on_disk} bytes but its tensors take {total} bytes once contiguous "
+            f"({total / max(on_disk, 1):.3g}x, above the limit of {max_expansion:g}x; largest: {largest[0]!r}, "
+            f"{largest[1]} bytes, a strided or expanded view). If you expect this, raise the limit "
+            "(CLI: --max-expansion FACTOR, or inf)."
+        )

@@ -1,18 +1,31 @@
-"""Rank discipline for checkpoints: the main process writes, every other rank waits for it.
+"""What each rank does in a checkpoint: the main process writes, every rank keeps its own random state.
 
 Which rank this is, whether a process group is up and which process is the main one are
 answered by :mod:`multigpu.runtime.world`, as everywhere else. Inside a process group of
-several ranks rank 0 writes and the others wait; outside one, nothing here communicates and the
-main process (every process not started by a launcher) writes alone.
+several ranks rank 0 writes and the others wait (:func:`run_on_main`), and a check every rank
+makes fails on every rank if it fails on one (:func:`agreed`), so no rank is left waiting; outside
+one, nothing here communicates and the main process (every process not started by a launcher)
+writes alone.
+
+Each rank has its own random state (dropout masks differ per rank): :func:`capture_rng` takes it
+as tensors, ints and tuples only, so a checkpoint holding it loads with
+``torch.load(weights_only=True)``; a save gathers every rank's on the main process and resume gives
+each rank its own back. The accelerators' generators are read and set by their device objects
+(:func:`multigpu.devices.capture_device_rng`), one entry per type name (``"cuda"``: a state per
+CUDA device), so a checkpoint written before there were device objects restores unchanged.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import numpy as np
+import torch
 import torch.distributed as dist
 
+from multigpu.devices import capture_device_rng, device_type_names, restore_device_rng
 from multigpu.errors import CheckpointError
 from multigpu.runtime.collective_failures import explain_collective_failures
 from multigpu.runtime.world import in_process_group, is_main_process, world_size
@@ -85,3 +98,85 @@ def gather_on_main(obj: Any, what: str) -> list[Any] | None:
     with explain_collective_failures(f"gathering {what} on rank 0"):
         dist.gather_object(obj, gathered, dst=0)
     return gathered
+
+
+def agreed(compute: Callable[[], T], what: str) -> T:
+    """``compute()`` on every rank; if it fails on any rank, every rank raises (the first failing rank's error).
+
+    Every rank must call this. Without a process group it is ``compute()``.
+    """
+    failure: BaseException | None = None
+    result: Any = None
+    try:
+        result = compute()
+    except Exception as exc:
+        failure = exc
+    if not is_distributed():
+        if failure is not None:
+            raise failure
+        return result  # type: ignore[no-any-return]
+    problems: list[Any] = [None] * world_size()
+    with explain_collective_failures(what):
+        dist.all_gather_object(problems, None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    for rank, problem in enumerate(problems):
+        if problem is not None:
+            raise CheckpointError(f"rank {rank} refused the checkpoint, so every rank stops: {problem}")
+    return result  # type: ignore[no-any-return]
+
+
+# --- every rank's random state ---
+
+
+def capture_rng() -> dict[str, Any]:
+    """The random state of this process.
+
+    Example:
+        >>> state = capture_rng(); a = torch.rand(1); restore_rng(state); bool(torch.rand(1) == a)
+        True
+    """
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    state.update(capture_device_rng())  # {"cuda": [state of cuda:0, ...]} where CUDA is available
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put this process's random generators back to ``state`` (from :func:`capture_rng`).
+
+    An accelerator's states are restored only where as many devices of its type are visible as
+    when they were saved (a run resumed on other hardware keeps its fresh generators).
+    """
+    random.setstate(_as_python_state(state["python"]))
+    saved = state["numpy"]
+    keys = saved["keys"].numpy().astype(np.uint32)
+    np.random.set_state((saved["kind"], keys, saved["pos"], saved["has_gauss"], saved["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    restore_device_rng({name: state[name] for name in device_rng_keys() if name in state})
+
+
+def device_rng_keys() -> tuple[str, ...]:
+    """The entries of a random state that may hold accelerators' generators: the registered types but the CPU.
+
+    Example:
+        >>> "cuda" in device_rng_keys(), "cpu" in device_rng_keys()
+        (True, False)
+    """
+    return tuple(name for name in device_type_names() if name != "cpu")
+
+
+def _as_python_state(saved: Any) -> tuple[Any, ...]:
+    # random.setstate wants tuples; a round trip through some serializers turns them into lists.
+    version, internal, gauss = saved
+    return (int(version), tuple(int(x) for x in internal), gauss)

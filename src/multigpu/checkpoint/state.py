@@ -13,12 +13,13 @@ into the bare model at any world size with :func:`multigpu.load`) and ``state.pt
 LR scheduler, gradient scaler, step, epoch, data position, and every rank's random state; plain
 tensors and containers only, so it loads weights-only). The folder appears in one atomic
 rename, so a crash mid-save leaves the previous step as the latest; re-saving a step swaps the
-folders atomically (:mod:`swap`). One process saves into a folder at a time (:mod:`lock`).
-Resume checks the whole state before it changes anything (:mod:`resume`, :mod:`validate`).
+folders atomically, and one process saves into a folder at a time (:mod:`atomic`). Saving and
+resuming follow one protocol (:mod:`protocol`): resume checks the whole state before it changes
+anything (:mod:`validate`).
 
 A model sharded by fsdp is saved without gathering it: each rank writes its slices of the weights
 and optimizer state with torch.distributed.checkpoint into the same ``step-N`` scheme, next to
-``state.pt`` and a ``manifest.json`` that marks the format (:mod:`dcp_files`, :mod:`dcp_checkpoint`).
+``state.pt`` and a ``manifest.json`` that marks the format (:mod:`dcp_storage`, :mod:`dcp_files`).
 Resume reads either format; a sharded one at any world size, into a sharded model or not.
 """
 
@@ -33,31 +34,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
-import torch
 from torch import nn
 
-from multigpu.checkpoint.atomic import atomic_write_file, explain_os_errors, remove_stale_temporaries, remove_tree
-from multigpu.checkpoint.dcp_checkpoint import resume_sharded, save_sharded
-from multigpu.checkpoint.dcp_files import is_sharded_folder
+from multigpu.checkpoint.atomic import remove_tree
 from multigpu.checkpoint.dcp_io import is_sharded_model
-from multigpu.checkpoint.discovery import (
+from multigpu.checkpoint.dcp_storage import Sharded
+from multigpu.checkpoint.folders import (
     MODEL_FILE,
     STATE_FILE,
+    check_count,
     complete_checkpoints,
     find_latest,
+    folder_name,
+    is_sharded_folder,
     recorded_step_of,
-    recover_asides,
 )
-from multigpu.checkpoint.formats import write_tensors
-from multigpu.checkpoint.integrity import CHECKSUM_KEY
-from multigpu.checkpoint.keys import unwrap
-from multigpu.checkpoint.lock import folder_lock
-from multigpu.checkpoint.naming import check_count, folder_name
-from multigpu.checkpoint.ranks import gather_on_main, run_on_main
-from multigpu.checkpoint.resume import apply_all, check_all, read_checkpoint
-from multigpu.checkpoint.rng import capture_rng
-from multigpu.checkpoint.safetensors_header import read_header
-from multigpu.checkpoint.swap import atomic_folder
+from multigpu.checkpoint.protocol import OneFile, Storage, resume_step, save_step
+from multigpu.checkpoint.ranks import capture_rng, gather_on_main, run_on_main
 from multigpu.checkpoint.validate import FORMAT_VERSION, walk_plain
 from multigpu.errors import CheckpointError, ConfigError
 from multigpu.runtime.world import world_size
@@ -145,7 +138,7 @@ class Checkpointer:
         Every rank must call it: the random states of all ranks are gathered, rank 0 writes,
         the others return when the checkpoint is complete. Under fsdp (a model whose parameters
         are DTensors) every rank also writes its own shards, and rank 0 puts the folder in place
-        once all have (see :mod:`dcp_checkpoint`).
+        once all have (see :mod:`dcp_storage`).
         """
         check_count(step, "step")
         check_count(epoch, "epoch")
@@ -171,23 +164,23 @@ class Checkpointer:
                 **counters,
             }
 
-        if is_sharded_model(model):  # fsdp: every rank writes its own shards (dcp_checkpoint)
-            save_sharded(
+        sharded = is_sharded_model(model)  # fsdp: every rank writes its own shards (dcp_storage)
+        storage: Storage = Sharded(model, optimizer) if sharded else OneFile(model, optimizer)
+
+        def write() -> None:
+            save_step(
                 self.folder,
                 target,
-                model=model,
-                optimizer=optimizer,
-                state=entries(),
+                storage,
+                entries(),
                 lock_timeout_s=self.lock_timeout_s,
                 prune=lambda just_written: self._prune(just_written=just_written),
             )
-            return target
 
-        def write() -> Path:  # runs on the main process only
-            state = {**entries(), "optimizer": None if optimizer is None else optimizer.state_dict()}
-            return self._write(target, unwrap(model).state_dict(), state)
-
-        run_on_main(write, f"saving checkpoint {target}")
+        if sharded:
+            write()
+        else:  # the main process writes, the others wait for it
+            run_on_main(write, f"saving checkpoint {target}")
         return target
 
     def resume(
@@ -222,22 +215,19 @@ class Checkpointer:
         locate = (lambda: Path(path)) if path is not None else self.latest
         parts = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
         first = locate()
+        storage: Storage
         if first is not None and is_sharded_folder(first):
-            found = first
-            checked = resume_sharded(found, model=model, parts=parts, allow_unsafe_pickle=allow_unsafe_pickle)
+            storage, locate = Sharded(model, optimizer, folder=first), lambda: first
+        elif first is not None and is_sharded_model(model):
+            raise CheckpointError(_UNSHARDED_INTO_SHARDED.format(folder=str(first)))
         else:
-            if first is not None and is_sharded_model(model):
-                raise CheckpointError(_UNSHARDED_INTO_SHARDED.format(folder=str(first)))
-            read = read_checkpoint(locate, allow_unsafe_pickle=allow_unsafe_pickle)
-            if read is None:
-                return None
-            found, state, tensors, metadata = read
-            checked, weights = check_all(
-                found, state, tensors, metadata, model, parts, allow_objects=allow_unsafe_pickle
-            )
-            apply_all(found, checked, weights, model, parts)
+            storage = OneFile(model, optimizer)
+        found = resume_step(storage, locate, parts, allow_unsafe_pickle=allow_unsafe_pickle)
+        if found is None:
+            return None
+        folder, checked = found
         return Resumed(
-            path=found,
+            path=folder,
             step=checked.step,
             epoch=checked.epoch,
             data_position=checked.data_position,
@@ -253,25 +243,6 @@ class Checkpointer:
         """The steps of the complete checkpoints in the folder, oldest first."""
         return [found.step for found in complete_checkpoints(self.folder)]
 
-    def _write(self, target: Path, tensors: Mapping[str, torch.Tensor], state: dict[str, Any]) -> Path:
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot create the checkpoint folder {str(self.folder)!r}: {exc.strerror}. "
-                "Pick a folder this process may write to."
-            ) from exc
-        with explain_os_errors(target), folder_lock(self.folder, timeout_s=self.lock_timeout_s):
-            recover_asides(self.folder)
-            remove_stale_temporaries(self.folder)
-            with atomic_folder(target) as tmp:
-                write_tensors(tensors, tmp / MODEL_FILE, metadata={"step": str(state["step"])})
-                # The state names the weights it belongs with (see integrity.py).
-                state["model_checksum"] = read_header(tmp / MODEL_FILE).metadata[CHECKSUM_KEY]
-                atomic_write_file(tmp / STATE_FILE, lambda f: torch.save(state, f))
-            self._prune(just_written=state["step"])
-        return target
-
     def _prune(self, *, just_written: int) -> None:
         complete = complete_checkpoints(self.folder)
         later = [found.step for found in complete if found.step > just_written]
@@ -281,7 +252,7 @@ class Checkpointer:
                 f"saved ({just_written}); they are kept, and resume() picks the latest of them. "
                 "Give each run its own folder.",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=8,  # the caller of Checkpointer.save (one file)
             )
         if self.keep_last is None:
             return

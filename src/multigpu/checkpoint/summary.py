@@ -21,22 +21,24 @@ from typing import Any, Literal
 
 import torch
 
-from multigpu.checkpoint.dcp_files import (
+from multigpu.checkpoint.dcp_files import check_files, is_dcp_folder, read_metadata
+from multigpu.checkpoint.dcp_io import files_bytes, model_entries, read_sharded_weights
+from multigpu.checkpoint.folders import (
+    MAX_STEP,
     METADATA_FILE,
-    check_files,
-    is_dcp_folder,
+    MODEL_FILE,
+    STATE_FILE,
+    find_latest,
     is_sharded_folder,
+    parse_aside,
+    parse_step,
     read_manifest,
-    read_metadata,
     recorded_step,
 )
-from multigpu.checkpoint.dcp_io import files_bytes, model_entries, read_sharded_weights
-from multigpu.checkpoint.discovery import MODEL_FILE, STATE_FILE, find_latest
-from multigpu.checkpoint.expansion import check_expansion
-from multigpu.checkpoint.formats import Format, detect_format, load_torch_file, read_structure, read_tensors
-from multigpu.checkpoint.keys import find_prefixes
-from multigpu.checkpoint.naming import MAX_STEP, parse_aside, parse_step
+from multigpu.checkpoint.formats import Format, check_expansion, detect_format, read_structure, read_tensors
+from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import check_counters
+from multigpu.core.keys import find_prefixes
 from multigpu.errors import CheckpointError
 
 _SHORT = reprlib.Repr()

@@ -22,15 +22,13 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from multigpu.checkpoint.expansion import materialized_bytes
-from multigpu.checkpoint.formats import check_plain_tensor
-from multigpu.checkpoint.naming import MAX_STEP
-from multigpu.checkpoint.rng import device_rng_keys
+from multigpu.checkpoint.folders import MAX_STEP, MAX_WORLD_SIZE
+from multigpu.checkpoint.formats import check_plain_tensor, materialized_bytes
+from multigpu.checkpoint.ranks import device_rng_keys
 from multigpu.errors import CheckpointError, MultigpuError
 
 FORMAT_VERSION = 1
 MAX_DEPTH = 32
-MAX_WORLD_SIZE = 1 << 24
 _ENTRIES = ("format_version", "step", "epoch", "world_size", "rng", "optimizer", "scheduler", "scaler")
 _NUMBER = (int, float)
 _LEAVES = (int, float, str, bool, type(None), complex)
@@ -194,7 +192,7 @@ def _walk(
 
 
 def check_rng(r: Refusal, state: Any, where: str) -> None:
-    """Require a random state that :func:`~multigpu.checkpoint.rng.restore_rng` accepts.
+    """Require a random state that :func:`~multigpu.checkpoint.ranks.restore_rng` accepts.
 
     Each part is set on a private generator (python, numpy, torch), never on the global ones.
     """

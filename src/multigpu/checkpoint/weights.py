@@ -5,6 +5,12 @@
 
 safetensors is the default format; a ``.pt``/``.pth``/``.bin`` suffix (or ``format="torch"``)
 writes torch's format. Loading never runs code from the file (see :mod:`formats`).
+
+Under fsdp (FSDP2) a module's ``state_dict()`` holds DTensors: each rank owns a slice of every
+parameter. A weights file holds whole tensors, so saving gathers them first, with
+torch.distributed.checkpoint's state-dict helpers (:func:`full_state_dict`; the keys stay the
+module's own: ``fully_shard`` adds no prefix). Loading goes the other way: each rank cuts its own
+slices out of the whole tensors it read, without communicating (:func:`shard_like`).
 """
 
 from __future__ import annotations
@@ -13,16 +19,17 @@ import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from multigpu.checkpoint.dcp_files import is_dcp_folder
 from multigpu.checkpoint.dcp_io import read_sharded_weights
 from multigpu.checkpoint.formats import Format, read_tensors, write_tensors
-from multigpu.checkpoint.keys import clean_state_dict, collision_message, match_keys, unwrap
 from multigpu.checkpoint.ranks import run_on_main
-from multigpu.checkpoint.sharded import full_state_dict, shard_like
+from multigpu.core.keys import clean_state_dict, collision_message, match_keys, unwrap
 from multigpu.errors import CheckpointError
 
 _SHOWN = 6  # keys listed per category in a mismatch message
@@ -235,4 +242,65 @@ def _strip_extra(
     collisions = {name: keys for name, keys in origins.items() if len(keys) > 1}
     if collisions:
         raise CheckpointError(collision_message(source, collisions))
+    return out
+
+
+# --- models sharded by fsdp: whole tensors gathered to save, each rank's slices cut out to load ---
+
+
+def is_sharded(state: Mapping[str, object]) -> bool:
+    """Whether any entry of ``state`` is a DTensor (a slice of a tensor spread over the ranks)."""
+    return any(isinstance(value, DTensor) for value in state.values())
+
+
+def full_state_dict(model: nn.Module) -> Mapping[str, torch.Tensor]:
+    """``model.state_dict()`` with sharded entries gathered into whole CPU tensors.
+
+    Args:
+        model: the bare model (unwrapped).
+
+    Returns:
+        For a sharded model: the full state dict on rank 0 and an empty one on the other ranks.
+        Otherwise ``model.state_dict()`` on every rank.
+
+    For a sharded model every rank must call it (it all-gathers each tensor); otherwise it does
+    not communicate.
+
+    Example:
+        >>> list(full_state_dict(nn.Linear(2, 1)))
+        ['weight', 'bias']
+    """
+    state = model.state_dict()
+    if not is_sharded(state):
+        return state
+    # Imported here: torch.distributed.checkpoint is only needed for sharded models.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # One tensor at a time is gathered and moved to the CPU, and kept on rank 0 only: the full
+    # model never sits on any device, nor on the other ranks.
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(Mapping[str, torch.Tensor], full)
+
+
+def shard_like(expected: Mapping[str, object], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (whole, e.g. read from a file) cut into this rank's slices wherever ``expected`` is sharded.
+
+    Args:
+        expected: the target model's ``state_dict()`` (DTensors where it is sharded).
+        tensors: whole tensors under the same keys (shapes already checked).
+
+    Returns:
+        ``tensors`` with each entry whose ``expected`` counterpart is a DTensor turned into a DTensor
+        of the same mesh and placements, holding this rank's slice; ready for ``load_state_dict``.
+
+    Does not communicate: every rank holds the whole tensors and keeps its own slice.
+    """
+    out = dict(tensors)
+    for key, value in tensors.items():
+        target = expected.get(key)
+        if isinstance(target, DTensor):
+            # src_data_rank=None: each rank slices its local copy instead of receiving rank 0's.
+            out[key] = distribute_tensor(
+                value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None
+            )
     return out

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 # torch and the library are imported inside the command functions, so that building the parser
 # stays cheap; the values the parser needs are written here (tests/cli/test_startup.py checks they
-# match multigpu.checkpoint.formats.FORMATS and multigpu.checkpoint.expansion.DEFAULT_MAX_EXPANSION)
+# match multigpu.checkpoint.formats.FORMATS and multigpu.checkpoint.formats.DEFAULT_MAX_EXPANSION)
 FORMATS = ("safetensors", "torch")
 DEFAULT_MAX_EXPANSION = 4.0
 
@@ -128,8 +128,8 @@ def _convert(console: Console, args: argparse.Namespace) -> None:
     from rich.text import Text
 
     from multigpu.checkpoint.formats import write_tensors
-    from multigpu.checkpoint.keys import clean_state_dict, collision_message, find_collisions
     from multigpu.checkpoint.summary import read_weights, weights_file
+    from multigpu.core.keys import clean_state_dict, collision_message, find_collisions
     from multigpu.errors import CheckpointError
 
     source = weights_file(args.input)

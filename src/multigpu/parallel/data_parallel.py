@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from multigpu.core.keys import add_module_prefix, drop_module_prefix
 from multigpu.core.listeners import Listener, ListenerHandle, Listeners
 from multigpu.core.structure import iter_tensors, map_leaves
 from multigpu.devices import DeviceSpec, ReplicaDevice, get_device_type, parse_devices, parse_output_device
@@ -29,7 +30,6 @@ from multigpu.parallel.balance import AutoBalancer, BalancePlan, imbalance_warni
 from multigpu.parallel.chunks import build_policy
 from multigpu.parallel.replicas import build_replicas
 from multigpu.parallel.scatter_gather import ScalarRule, batch_size, gather, scatter
-from multigpu.parallel.state_keys import add_module_prefix, drop_module_prefix
 from multigpu.parallel.threads import ReplicaThreads, run_replicas
 
 _SCALAR_RULES = ("mean", "sum", "stack")

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from multigpu.checkpoint.keys import unwrap
+from multigpu.core.keys import unwrap
 from multigpu.core.structure import map_leaves
 from multigpu.errors import ConfigError
 from multigpu.runtime import collectives, data, failure_records, loaders, world

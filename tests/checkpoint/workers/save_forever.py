@@ -26,9 +26,9 @@ from torch import nn
 import multigpu.checkpoint as ckpt
 
 try:
-    from multigpu.checkpoint import swap
+    from multigpu.checkpoint import atomic
 except ImportError:  # a version without it (to run these kill tests against older code)
-    swap = None  # type: ignore[assignment]
+    atomic = None  # type: ignore[assignment]
 
 WIDTH = 1024  # 4 MiB of weights: a save takes long enough for kills to land inside it
 
@@ -64,8 +64,8 @@ def main() -> None:
     # re-saving the same step in a tight loop may find it changing at every read (resume refuses then)
     parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args()
-    if swap is not None:
-        swap.use_exchange = not args.fallback
+    if atomic is not None:
+        atomic.use_exchange = not args.fallback
     checkpointer = ckpt.Checkpointer(folder=args.folder, keep_last=2)
     n = 0 if args.mode == "concurrent" or args.fresh else current_value(args.mode, args.folder, args.width)
     for _ in iter(int, 1) if args.saves <= 0 else range(args.saves):  # forever, or N times

@@ -1,0 +1,352 @@
+"""The step-N folders of a Checkpointer: their names, which are complete, and a sharded one's manifest.
+
+Names. A checkpoint folder is ``step-`` followed by the step as written by ``f"{step:08d}"``: eight
+digits with leading zeros, more digits without one, ASCII only, the step at most
+:data:`MAX_STEP`. Nothing else is a checkpoint: ``step-99999999999999999999``, ``step-5``,
+``step-0000000٥`` or ``step-00000005.bak`` are someone else's folders, never read, never pruned.
+While a step is being replaced, its previous folder may sit under a hidden *aside* name,
+``.step-00000005.prev-<host>-<pid>-<random>`` (:func:`~multigpu.checkpoint.atomic.install_folder`).
+
+Discovery. A checkpoint is complete when its folder has a strict step name, is a real folder (not a
+symlink), and holds its files as regular files: ``model.safetensors`` and ``state.pt``, or, for a
+sharded checkpoint (fsdp), ``manifest.json``, DCP's ``.metadata`` and ``state.pt``. Every file is
+written before the folder gets its name, so present means whole. A step whose folder is missing
+but whose previous copy sits under an aside name (a replacement was interrupted) is found there,
+if that copy's own files record the same step.
+
+The manifest. A sharded step folder (:mod:`dcp_files`) holds ``manifest.json``:
+``{"format": "dcp", "step": 42, "world_size": 2, "files": {name: {"bytes", "crc32"}}}``. It marks
+the format (discovery, pruning and ``ckpt inspect`` read it without unpickling anything) and
+records every DCP file's size and CRC-32; ``state.pt`` records the manifest's digest, so state and
+shards of different saves are never resumed together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, NoReturn
+
+from multigpu.checkpoint.atomic import ASIDE_MARKER, atomic_write_file, remove_tree
+from multigpu.checkpoint.safetensors_file import read_header
+from multigpu.errors import CheckpointError, ConfigError
+
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "state.pt"
+MANIFEST_FILE = "manifest.json"
+METADATA_FILE = ".metadata"  # DCP's name for its index
+MAX_WORLD_SIZE = 1 << 24
+FORMAT = "dcp"
+MANIFEST_VERSION = 1
+_MAX_MANIFEST_BYTES = 16 << 20
+_CHUNK = 4 << 20
+_SHARD_NAME = re.compile(r"__([0-9]{1,8})_[0-9]{1,8}\.distcp", re.ASCII)
+DATA_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}", re.ASCII)  # a plain name inside the folder
+FIX = (
+    "Resume from another step (Checkpointer.resume(path=...)), or move this folder away so that the "
+    "previous step is the latest."
+)
+
+MAX_STEP = 2**63 - 1  # int64, what loggers and torch store steps as
+PREFIX = "step-"
+_STEP = re.compile(r"step-([0-9]{8,19})", re.ASCII)
+_ASIDE = re.compile(r"\.(step-[0-9]{8,19})\.prev-.+", re.ASCII)
+
+
+def folder_name(step: int) -> str:
+    """The folder name of ``step``.
+
+    Example:
+        >>> folder_name(42), folder_name(123456789)
+        ('step-00000042', 'step-123456789')
+    """
+    return f"{PREFIX}{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step a folder name stands for, or ``None`` if it is not exactly a name we write.
+
+    Example:
+        >>> parse_step("step-00000042"), parse_step("step-42"), parse_step("step-99999999999999999999")
+        (42, None, None)
+    """
+    match = _STEP.fullmatch(name)
+    if match is None:
+        return None
+    step = int(match.group(1))
+    return step if step <= MAX_STEP and folder_name(step) == name else None
+
+
+def parse_aside(name: str) -> int | None:
+    """The step of an aside folder name, or ``None``."""
+    match = _ASIDE.fullmatch(name)
+    return parse_step(match.group(1)) if match else None
+
+
+def check_count(value: object, name: str, *, maximum: int = MAX_STEP) -> int:
+    """``value`` if it is an int in ``[0, maximum]`` (a step, an epoch); else :class:`ConfigError`."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} must be an int (got {type(value).__name__}).")
+    if not 0 <= value <= maximum:
+        raise ConfigError(f"{name}={value} must be between 0 and {maximum}.")
+    return value
+
+
+# --- discovery ---
+
+
+@dataclass(frozen=True, order=True)
+class Found:
+    step: int
+    path: Path
+
+
+def complete_checkpoints(folder: Path, *, warn: bool = True) -> list[Found]:
+    """The complete checkpoints in ``folder``, oldest step first.
+
+    Entries named like checkpoints that are not (``step-99999999999999999999``, ``step-5``,
+    a symlink, a file, a folder missing a file) are skipped with one warning listing them.
+    """
+    found: dict[int, Found] = {}
+    asides: dict[int, Path] = {}
+    ignored: list[str] = []
+    for entry in _entries(folder):
+        name = entry.name
+        step = parse_step(name)
+        if step is not None and is_complete(entry):
+            found[step] = Found(step, entry)
+        elif step is not None or name.startswith(PREFIX):
+            ignored.append(name)
+        else:
+            aside_step = parse_aside(name)
+            if aside_step is not None and _is_aside_of(entry, aside_step):
+                asides[aside_step] = entry
+    for step, path in asides.items():
+        found.setdefault(step, Found(step, path))
+    if ignored and warn:
+        shown = ", ".join(sorted(ignored)[:5]) + (f" (+{len(ignored) - 5} more)" if len(ignored) > 5 else "")
+        warnings.warn(
+            f"ignoring {len(ignored)} entries of {str(folder)!r} that are not complete checkpoints: {shown}. "
+            f"Checkpoint folders are named {PREFIX}NNNNNNNN and hold {MODEL_FILE} (or, sharded, {MANIFEST_FILE} "
+            f"and {METADATA_FILE}) and {STATE_FILE}.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return sorted(found.values())
+
+
+def find_latest(folder: str | os.PathLike[str]) -> Path | None:
+    """The complete ``step-N`` checkpoint folder with the highest N in ``folder``, or ``None``.
+
+    Temporary folders of interrupted saves are never returned.
+
+    Example:
+        >>> find_latest("/nonexistent") is None
+        True
+    """
+    complete = complete_checkpoints(Path(folder))
+    return complete[-1].path if complete else None
+
+
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` is a real folder holding a checkpoint's files as regular files (either format)."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+    except OSError:
+        return False
+    return _regular_files(path, (MODEL_FILE, STATE_FILE)) or _regular_files(
+        path, (MANIFEST_FILE, METADATA_FILE, STATE_FILE)
+    )
+
+
+def _regular_files(folder: Path, names: tuple[str, ...]) -> bool:
+    try:
+        return all(stat.S_ISREG(os.lstat(folder / name).st_mode) for name in names)
+    except OSError:
+        return False
+
+
+def recorded_step_of(folder: Path) -> int | None:
+    """The step a checkpoint's own files record (weights header or manifest), or ``None``.
+
+    A Checkpointer writes it into every checkpoint; a folder without it was not written by one.
+    """
+    if is_sharded_folder(folder):
+        return recorded_step(folder)
+    try:
+        text = read_header(folder / MODEL_FILE).metadata.get("step")
+    except (CheckpointError, OSError):
+        return None
+    if text is None or not (text.isascii() and text.isdigit()) or str(int(text)) != text:
+        return None
+    return int(text)
+
+
+def recover_asides(folder: Path) -> list[Path]:
+    """Put back steps whose replacement was interrupted; drop asides whose step is complete again.
+
+    Call only while holding the folder's lock (:func:`~multigpu.checkpoint.atomic.folder_lock`).
+
+    Returns:
+        The step folders restored.
+    """
+    restored = []
+    for entry in _entries(folder):
+        step = parse_aside(entry.name)
+        if step is None:
+            continue
+        final = entry.with_name(entry.name[1:].split(ASIDE_MARKER, 1)[0])
+        if is_complete(final):
+            remove_tree(entry)  # the replacement finished; this is the old copy
+        elif not os.path.lexists(final) and _is_aside_of(entry, step):
+            os.rename(entry, final)
+            restored.append(final)
+        # else: something else sits under the step's name; leave both alone
+    return restored
+
+
+def _is_aside_of(path: Path, step: int) -> bool:
+    # Hidden entries are ours only if complete and their weights record the step (a cheap header read).
+    return is_complete(path) and recorded_step_of(path) == step
+
+
+def _entries(folder: Path) -> list[Path]:
+    try:
+        return list(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+# --- manifest.json ---
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileRecord:
+    """What the manifest records of one DCP file."""
+
+    nbytes: int
+    crc32: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """A checked ``manifest.json``."""
+
+    step: int
+    world_size: int
+    files: dict[str, FileRecord]
+
+    @property
+    def digest(self) -> str:
+        """The checksum ``state.pt`` records as its ``model_checksum``."""
+        return files_digest(self.files)
+
+
+def is_sharded_folder(folder: Path) -> bool:
+    """Whether ``folder`` holds a manifest, i.e. is (meant to be) a sharded checkpoint."""
+    return (folder / MANIFEST_FILE).is_file()
+
+
+def files_digest(files: dict[str, FileRecord]) -> str:
+    """One CRC-32 over every file's name, size and CRC-32."""
+    table = json.dumps({name: [r.nbytes, r.crc32] for name, r in sorted(files.items())}, separators=(",", ":"))
+    return f"dcp:crc32:{zlib.crc32(table.encode()):08x}"
+
+
+def file_crc32(path: Path) -> FileRecord:
+    """Size and CRC-32 of the file at ``path``, read in 4 MiB pieces."""
+    crc, nbytes = 0, 0
+    with open(path, "rb") as f:
+        while piece := f.read(_CHUNK):
+            crc = zlib.crc32(piece, crc)
+            nbytes += len(piece)
+    return FileRecord(nbytes=nbytes, crc32=crc)
+
+
+def own_files(folder: Path, rank: int) -> dict[str, FileRecord]:
+    """The DCP files rank ``rank`` wrote into ``folder`` (``__<rank>_*.distcp``; rank 0 also ``.metadata``)."""
+    names = [p.name for p in folder.iterdir() if (m := _SHARD_NAME.fullmatch(p.name)) and int(m.group(1)) == rank]
+    if rank == 0 and (folder / METADATA_FILE).is_file():
+        names.append(METADATA_FILE)
+    return {name: file_crc32(folder / name) for name in sorted(names)}
+
+
+def write_manifest(folder: Path, *, step: int, world_size: int, files: dict[str, FileRecord]) -> str:
+    """Write ``manifest.json`` atomically into ``folder``; returns its digest."""
+    body = {
+        "format": FORMAT,
+        "version": MANIFEST_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "files": {name: {"bytes": r.nbytes, "crc32": f"{r.crc32:08x}"} for name, r in sorted(files.items())},
+    }
+    text = json.dumps(body, indent=1).encode()
+
+    def write(f: BinaryIO) -> None:
+        f.write(text)
+
+    atomic_write_file(folder / MANIFEST_FILE, write)
+    return files_digest(files)
+
+
+def read_manifest(folder: Path) -> Manifest:
+    """The checked manifest of the sharded checkpoint ``folder``.
+
+    Raises:
+        CheckpointError: it is missing, too large, not JSON, or a field is wrong.
+    """
+    path = folder / MANIFEST_FILE
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {str(path)!r}: {exc.strerror or exc}. {FIX}") from exc
+    if len(raw) > _MAX_MANIFEST_BYTES:
+        bad(path, "its size", f"more than {_MAX_MANIFEST_BYTES} bytes", "a small JSON file")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{str(path)!r} is not valid JSON ({exc}); the checkpoint is damaged. {FIX}") from exc
+    if not isinstance(body, dict):
+        bad(path, "the manifest", body, "a JSON object")
+    if body.get("format") != FORMAT or body.get("version") != MANIFEST_VERSION:
+        bad(path, "'format'/'version'", (body.get("format"), body.get("version")), f"({FORMAT!r}, {MANIFEST_VERSION})")
+    step, world = body.get("step"), body.get("world_size")
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        bad(path, "'step'", step, f"an int from 0 to {MAX_STEP}")
+    if type(world) is not int or not 1 <= world <= MAX_WORLD_SIZE:
+        bad(path, "'world_size'", world, f"an int from 1 to {MAX_WORLD_SIZE}")
+    entries = body.get("files")
+    if not isinstance(entries, dict) or METADATA_FILE not in entries:
+        bad(path, "'files'", entries, f"an object naming every DCP file, {METADATA_FILE!r} included")
+    files = {}
+    for name, entry in entries.items():
+        if name != METADATA_FILE and not DATA_NAME.fullmatch(name):
+            bad(path, "a file name", name, "a plain name inside the folder")
+        nbytes = entry.get("bytes") if isinstance(entry, dict) else None
+        crc = entry.get("crc32") if isinstance(entry, dict) else None
+        if type(nbytes) is not int or nbytes < 0 or not (isinstance(crc, str) and re.fullmatch(r"[0-9a-f]{8}", crc)):
+            bad(path, f"the entry of {name!r}", entry, '{"bytes": <int>, "crc32": "<8 hex digits>"}')
+        files[name] = FileRecord(nbytes=nbytes, crc32=int(crc, 16))
+    return Manifest(step=step, world_size=world, files=files)
+
+
+def recorded_step(folder: Path) -> int | None:
+    """The step the manifest of ``folder`` records, or ``None`` if it has no readable manifest."""
+    try:
+        return read_manifest(folder).step
+    except (CheckpointError, OSError):
+        return None
+
+
+def bad(path: Path, entry: str, found: Any, expected: str) -> NoReturn:
+    shown = repr(found)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise CheckpointError(f"{str(path)!r}: {entry} is {shown}; expected {expected}. The checkpoint is damaged. {FIX}")
