@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 import multigpu
+from multigpu.core.structure import flatten
 from multigpu.devices import parse_devices
 from multigpu.errors import ConfigError, GatherError, ScatterError
 from multigpu.parallel.chunks import build_policy, proportional_sizes
-from multigpu.core.structure import flatten
 from multigpu.parallel.scatter_gather import even_chunk_sizes, merge_outputs, split_inputs
 from tests.models import assert_same_grads, twin
 
