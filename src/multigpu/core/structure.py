@@ -41,6 +41,7 @@ _LOCK = threading.Lock()
 _IS_LEAF: dict[type, bool] = {deque: True}  # deques stay leaves, as they always were here
 _DATACLASSES: set[type] = set()  # registered here: their children are named fields (paths ``.name``)
 _MAPPINGS: set[type] = {dict, OrderedDict}  # context: the keys (paths ``['key']``)
+_DEFAULTDICTS: set[type] = {defaultdict}  # context: the default factory and the keys
 
 
 class Flat:
@@ -128,9 +129,10 @@ def structure_difference(objs: Sequence[Any], path: str = "") -> str | None:
                 f"replica outputs differ at {where}: {type(first).__name__} vs {type(other).__name__}; "
                 "every replica must return the same structure"
             )
-    flat = [pytree.tree_flatten(o, is_leaf=lambda x, o=o: x is not o)[1] for o in objs]  # one level
+    levels = [_one_level(o) for o in objs]
+    flat = [spec for _, spec in levels]
     for other in flat[1:]:
-        if other.context != flat[0].context and flat[0].type in _MAPPINGS | {defaultdict}:
+        if other.context != flat[0].context and flat[0].type in _MAPPINGS | _DEFAULTDICTS:
             keys = [_keys(s) for s in (flat[0], other)]
             return (
                 f"replica outputs differ at {where}: keys {keys[0]} vs {keys[1]}; "
@@ -141,12 +143,16 @@ def structure_difference(objs: Sequence[Any], path: str = "") -> str | None:
                 f"replica outputs differ at {where}: length {flat[0].num_children} vs {other.num_children}; "
                 "every replica must return the same structure"
             )
-    children = [pytree.tree_flatten(o, is_leaf=lambda x, o=o: x is not o)[0] for o in objs]
     for i, key in enumerate(_child_keys(flat[0])):
-        found = structure_difference([c[i] for c in children], path + key)
+        found = structure_difference([children[i] for children, _ in levels], path + key)
         if found is not None:
             return found
     return None
+
+
+def _one_level(obj: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """``obj``'s children (not flattened further) and its spec."""
+    return pytree.tree_flatten(obj, is_leaf=lambda x: x is not obj)
 
 
 def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
@@ -156,11 +162,11 @@ def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
 
 
 def _keys(spec: pytree.TreeSpec) -> list[Any]:
-    return list(spec.context[1] if spec.type is defaultdict else spec.context)
+    return list(spec.context[1] if spec.type in _DEFAULTDICTS else spec.context)
 
 
 def _child_keys(spec: pytree.TreeSpec) -> list[str]:
-    if spec.type in _MAPPINGS or spec.type is defaultdict:
+    if spec.type in _MAPPINGS or spec.type in _DEFAULTDICTS:
         return [f"[{key!r}]" for key in _keys(spec)]
     if spec.type in _DATACLASSES:
         return [f".{name}" for name in spec.context]
@@ -182,6 +188,7 @@ def _is_leaf(obj: Any) -> bool:
 
 def _register(cls: type) -> bool:
     """Register ``cls`` with pytree when it is a container pytree does not know; whether it is a leaf."""
+    make: Any = cls  # rebuilt by calling the class, whatever its constructor's declared type
     if issubclass(cls, torch.Tensor):
         return True
     if cls in pytree.SUPPORTED_NODES or (issubclass(cls, tuple) and hasattr(cls, "_fields")):  # namedtuples: pytree's
@@ -191,16 +198,24 @@ def _register(cls: type) -> bool:
         pytree.register_pytree_node(
             cls,
             lambda obj: ([getattr(obj, n) for n in names], names),
-            lambda values, context: cls(**dict(zip(context, values))),
+            lambda values, context: make(**dict(zip(context, values))),
             flatten_with_keys_fn=lambda obj: ([(pytree.GetAttrKey(n), getattr(obj, n)) for n in names], names),
         )
         _DATACLASSES.add(cls)
+        return False
+    if issubclass(cls, defaultdict):  # a subclass: rebuilt with its default factory, as pytree's own
+        pytree.register_pytree_node(
+            cls,
+            lambda obj: (list(obj.values()), [obj.default_factory, list(obj.keys())]),
+            lambda values, context: make(context[0], list(zip(context[1], values))),
+        )
+        _DEFAULTDICTS.add(cls)
         return False
     if issubclass(cls, Mapping):
         pytree.register_pytree_node(
             cls,
             lambda obj: (list(obj.values()), list(obj.keys())),
-            lambda values, keys: cls(list(zip(keys, values))),
+            lambda values, keys: make(list(zip(keys, values))),
             flatten_with_keys_fn=lambda obj: ([(pytree.MappingKey(k), v) for k, v in obj.items()], list(obj.keys())),
         )
         _MAPPINGS.add(cls)
@@ -209,7 +224,7 @@ def _register(cls: type) -> bool:
         pytree.register_pytree_node(
             cls,
             lambda obj: (list(obj), None),
-            lambda values, _: cls(values),
+            lambda values, _: make(values),
             flatten_with_keys_fn=lambda obj: ([(pytree.SequenceKey(i), v) for i, v in enumerate(obj)], None),
         )
         return False

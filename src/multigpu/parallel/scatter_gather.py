@@ -1,12 +1,16 @@
-"""Scatter inputs into per-replica chunks and gather replica outputs back, on any device.
+"""The engine's scatter and gather, on flattened structures and any device.
 
-Scatter splits every tensor on ``dim`` with the same chunk sizes; tensors without that dim
-(scalars) and non-tensors are shared by every replica. A negative ``dim`` counts from each
-tensor's last dimension, as in nn.DataParallel. Sparse COO inputs are split too; other sparse
-layouts are refused with the conversion that works. Gather concatenates tensors on ``dim``
-on the output device, combines 0-dim outputs (a per-replica loss) by the scalar rule, and keeps
-container types. Both are plain differentiable tensor ops: the gradient of a gathered output
-flows back to the replica that produced it.
+:func:`split_inputs` splits every tensor leaf on ``dim`` with the same chunk sizes; tensors
+without that dim (scalars) and non-tensors are shared by every replica. A negative ``dim`` counts
+from each tensor's last dimension, as in nn.DataParallel. Sparse COO inputs are split too; other
+sparse layouts are refused with the conversion that works. :func:`merge_outputs` concatenates
+tensors on ``dim`` on the output device, combines 0-dim outputs (a per-replica loss) by the scalar
+rule, and keeps container types. Both are plain differentiable tensor ops: the gradient of a
+gathered output flows back to the replica that produced it.
+
+Both take the flat form (:class:`multigpu.core.structure.Flat`) that DataParallel makes once per
+step, so neither walks a structure. torch's functional ``scatter`` and ``gather`` (the public
+names, with torch's signatures) are in :mod:`multigpu.parallel.functional` and build on these.
 """
 
 from __future__ import annotations
@@ -76,7 +80,9 @@ def even_chunk_sizes(batch: int, replicas: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(replicas)]
 
 
-def split_inputs(inputs: Flat, chunk_sizes: Sequence[int], devices: Sequence[ReplicaDevice], dim: int) -> list[list[Any]]:
+def split_inputs(
+    inputs: Flat, chunk_sizes: Sequence[int], devices: Sequence[ReplicaDevice], dim: int
+) -> list[list[Any]]:
     """Split the leaves of ``inputs`` into one row of leaves per replica (only replicas with a non-zero chunk).
 
     Args:
