@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache, partial
 from itertools import chain
 from typing import Any
@@ -269,7 +269,7 @@ class DataParallel(nn.Module):
             rule = self.scalar_outputs
         else:
             rule = self.scalar_outputs
-        moved = self._nbytes([leaf for out in outputs for leaf in out.leaves])
+        moved = self._nbytes(leaf for out in outputs for leaf in out.leaves)
         with self._listeners.phase("gather", self._primary_label, nbytes=moved):
             return merge_outputs(outputs, sizes, self.output_device, self.dim, rule)
 
@@ -320,7 +320,7 @@ class DataParallel(nn.Module):
             self._param_bytes_cache = sum(p.numel() * p.element_size() for p in self.module.parameters())
         return replicas * self._param_bytes_cache
 
-    def _nbytes(self, leaves: list[Any]) -> int:
+    def _nbytes(self, leaves: Iterable[Any]) -> int:
         """Bytes of every tensor in ``leaves`` (0 when not profiling)."""
         if not self._listeners.active:
             return 0
