@@ -12,8 +12,8 @@ from torch import nn
 import multigpu
 from multigpu.core.listeners import PHASES
 from multigpu.errors import ConfigError
+from multigpu.profiling.records import StepProfile
 from multigpu.profiling.step import ProfileConfig, StepProfiler, profile_steps
-from multigpu.profiling.step_profile import StepProfile
 
 
 def _net() -> nn.Module:

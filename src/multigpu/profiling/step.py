@@ -32,7 +32,7 @@ from multigpu.devices import accelerator_type, get_device_type
 from multigpu.errors import ConfigError
 from multigpu.profiling import clock
 from multigpu.profiling.attach import attached
-from multigpu.profiling.step_profile import PhaseStat, StepProfile, StepRecord
+from multigpu.profiling.records import PhaseStat, StepProfile, StepRecord
 
 _now = time.perf_counter
 
