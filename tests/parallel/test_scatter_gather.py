@@ -156,3 +156,33 @@ def test_other_sparse_layouts_are_refused_with_the_conversion() -> None:
     x = torch.randn(4, 6).to_sparse_csr()
     with pytest.raises(ScatterError, match=r"input\[0\]\[0\] is a torch.sparse_csr tensor.*x.to_sparse_coo\(\)"):
         multigpu.DataParallel(SparseMatmul(), devices="cpu:2")(x)
+
+
+class CountedWalks(dict):
+    """A dict subclass (as a tokenizer's BatchEncoding) that counts how often a walk reads its values."""
+
+    walks = 0
+
+    def values(self):  # type: ignore[override]
+        CountedWalks.walks += 1
+        return super().values()
+
+
+class DictModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, batch: dict) -> CountedWalks:
+        return CountedWalks(y=self.lin(batch["x"]), s=self.lin(batch["x"]).sum())
+
+
+@pytest.mark.parametrize("parallel_backward", [True, False])
+def test_a_step_walks_its_inputs_once_and_each_replica_output_once(parallel_backward: bool) -> None:
+    model = multigpu.DataParallel(DictModel(), devices="cpu:3", parallel_backward=parallel_backward)
+    batch = CountedWalks(x=torch.randn(6, 4))
+    CountedWalks.walks = 0
+    out = model(batch)
+    assert CountedWalks.walks == 1 + 3  # the inputs once, each replica's output once (torch: the same)
+    assert type(out) is CountedWalks and out["y"].shape == (6, 2)
+    out["y"].sum().backward()

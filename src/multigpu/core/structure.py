@@ -115,20 +115,14 @@ def structure_difference(objs: Sequence[Any], path: str = "") -> str | None:
     """
     first = objs[0]
     where = path or "the top level"
-    if _is_leaf(first):
-        other = next((o for o in objs[1:] if not _is_leaf(o)), None)
-        if other is None:
-            return None
-        return (
-            f"replica outputs differ at {where}: {type(first).__name__} vs {type(other).__name__}; "
-            "every replica must return the same structure"
-        )
     for other in objs[1:]:
-        if type(other) is not type(first):
+        if type(other) is not type(first) and not (_is_leaf(first) and _is_leaf(other)):
             return (
                 f"replica outputs differ at {where}: {type(first).__name__} vs {type(other).__name__}; "
                 "every replica must return the same structure"
             )
+    if _is_leaf(first):
+        return None
     levels = [_one_level(o) for o in objs]
     flat = [spec for _, spec in levels]
     for other in flat[1:]:
