@@ -1,6 +1,6 @@
 """Input copies are ordered before the work that reads them, and their host memory outlives them.
 
-How the engine does it (multigpu.core.comm, multigpu.parallel.threads): scatter copies each chunk with
+How the engine does it (multigpu.core.comm, multigpu.parallel.threads): split_to_devices copies each chunk with
 ``Tensor.to(device, non_blocking=True)`` on the caller's current stream of that device (it has no side
 streams of its own, unlike torch's ``Scatter``), and each replica computes on that same stream: replica 0
 on the calling thread, the others on worker threads that enter the caller's stream of their device, as

@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 import multigpu
+from multigpu.core.structure import flatten
 from multigpu.devices import parse_devices
 from multigpu.errors import ConfigError, GatherError, ScatterError
 from multigpu.parallel.chunks import build_policy, proportional_sizes
-from multigpu.parallel.scatter_gather import even_chunk_sizes, gather, scatter
+from multigpu.parallel.scatter_gather import even_chunk_sizes, merge_outputs, split_inputs
 from tests.models import assert_same_grads, twin
 
 Out = namedtuple("Out", ["x", "n"])
@@ -21,6 +22,17 @@ Out = namedtuple("Out", ["x", "n"])
 class Result:
     x: torch.Tensor
     note: str
+
+
+def split(inputs: object, sizes: list[int], devices: list, dim: int) -> list:
+    """The engine's split of ``inputs``, one structure per active replica."""
+    flat = flatten(inputs)
+    return [flat.rebuild(row) for row in split_inputs(flat, sizes, devices, dim)]
+
+
+def merge(outputs: list, sizes: list[int], target: torch.device, dim: int) -> object:
+    """The engine's gather of per-replica ``outputs``."""
+    return merge_outputs([flatten(out) for out in outputs], sizes, target, dim)
 
 
 def test_even_sizes_give_the_remainder_to_the_first_devices() -> None:
@@ -45,7 +57,7 @@ def test_fixed_sizes_must_sum_to_the_batch() -> None:
 def test_scatter_shares_scalars_and_non_tensors_and_skips_empty_chunks() -> None:
     devices = parse_devices("cpu:3")
     x, s = torch.arange(4.0).reshape(2, 2), torch.tensor(3.0)
-    parts = scatter(({"x": x, "s": s, "name": "n"},), [1, 1, 0], devices, 0)
+    parts = split(({"x": x, "s": s, "name": "n"},), [1, 1, 0], devices, 0)
     assert len(parts) == 2
     torch.testing.assert_close(parts[1][0]["x"], x[1:])
     assert parts[1][0]["s"] is not None and float(parts[1][0]["s"]) == 3.0
@@ -54,21 +66,21 @@ def test_scatter_shares_scalars_and_non_tensors_and_skips_empty_chunks() -> None
 
 def test_gather_keeps_namedtuples_dataclasses_and_weights_scalar_means() -> None:
     outs = [Out(torch.ones(1, 2), torch.tensor(1.0)), Out(torch.zeros(3, 2), torch.tensor(5.0))]
-    got = gather(outs, [1, 3], torch.device("cpu"), 0)
+    got = merge(outs, [1, 3], torch.device("cpu"), 0)
     assert type(got) is Out
     assert got.x.shape == (4, 2)
     torch.testing.assert_close(got.n, torch.tensor(4.0, dtype=torch.float32))
-    res = gather([Result(torch.ones(1), "a"), Result(torch.ones(2), "a")], [1, 2], torch.device("cpu"), 0)
+    res = merge([Result(torch.ones(1), "a"), Result(torch.ones(2), "a")], [1, 2], torch.device("cpu"), 0)
     assert type(res) is Result and res.note == "a" and res.x.shape == (3,)
-    differ = gather([Result(torch.ones(1), "a"), Result(torch.ones(1), "b")], [1, 1], torch.device("cpu"), 0)
+    differ = merge([Result(torch.ones(1), "a"), Result(torch.ones(1), "b")], [1, 1], torch.device("cpu"), 0)
     assert differ.note == ["a", "b"]
 
 
 def test_gather_names_mismatched_structures() -> None:
     with pytest.raises(GatherError, match=r"replica outputs differ at \['k'\]: keys"):
-        gather([{"k": {"a": torch.ones(1)}}, {"k": {"b": torch.ones(1)}}], [1, 1], torch.device("cpu"), 0)
+        merge([{"k": {"a": torch.ones(1)}}, {"k": {"b": torch.ones(1)}}], [1, 1], torch.device("cpu"), 0)
     with pytest.raises(GatherError, match=r"output\[0\] has shape \(2,\), too few dims to gather on dim 1"):
-        gather([(torch.ones(2),), (torch.ones(2),)], [1, 1], torch.device("cpu"), 1)
+        merge([(torch.ones(2),), (torch.ones(2),)], [1, 1], torch.device("cpu"), 1)
 
 
 @pytest.mark.parametrize(
@@ -144,3 +156,33 @@ def test_other_sparse_layouts_are_refused_with_the_conversion() -> None:
     x = torch.randn(4, 6).to_sparse_csr()
     with pytest.raises(ScatterError, match=r"input\[0\]\[0\] is a torch.sparse_csr tensor.*x.to_sparse_coo\(\)"):
         multigpu.DataParallel(SparseMatmul(), devices="cpu:2")(x)
+
+
+class CountedWalks(dict):
+    """A dict subclass (as a tokenizer's BatchEncoding) that counts how often a walk reads its values."""
+
+    walks = 0
+
+    def values(self):  # type: ignore[override]
+        CountedWalks.walks += 1
+        return super().values()
+
+
+class DictModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, batch: dict) -> CountedWalks:
+        return CountedWalks(y=self.lin(batch["x"]), s=self.lin(batch["x"]).sum())
+
+
+@pytest.mark.parametrize("parallel_backward", [True, False])
+def test_a_step_walks_its_inputs_once_and_each_replica_output_once(parallel_backward: bool) -> None:
+    model = multigpu.DataParallel(DictModel(), devices="cpu:3", parallel_backward=parallel_backward)
+    batch = CountedWalks(x=torch.randn(6, 4))
+    CountedWalks.walks = 0
+    out = model(batch)
+    assert CountedWalks.walks == 1 + 3  # the inputs once, each replica's output once (torch: the same)
+    assert type(out) is CountedWalks and out["y"].shape == (6, 2)
+    out["y"].sum().backward()

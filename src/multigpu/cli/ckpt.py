@@ -23,6 +23,7 @@ import argparse
 import contextlib
 from typing import TYPE_CHECKING
 
+from multigpu.core.units import format_bytes
 from multigpu.errors import MultigpuError
 
 if TYPE_CHECKING:
@@ -162,8 +163,8 @@ def _print_summary(console: Console, summary: Summary, max_keys: int) -> None:
     facts.add_column(overflow="fold")  # long paths wrap instead of being cut
     facts.add_row("file", Text(_printable(str(summary.path))))
     facts.add_row("format", _FORMAT_NAMES.get(summary.format, summary.format))
-    facts.add_row("size on disk", _bytes(summary.size_on_disk))
-    facts.add_row("tensors", f"{len(summary.tensors)} ({_bytes(summary.tensor_bytes)})")
+    facts.add_row("size on disk", format_bytes(summary.size_on_disk))
+    facts.add_row("tensors", f"{len(summary.tensors)} ({format_bytes(summary.tensor_bytes)})")
     facts.add_row("saved step", "-" if summary.step is None else str(summary.step))
     prefixes = ", ".join(f"{p} ({n} keys)" for p, n in summary.prefixes.items())
     facts.add_row("wrapper prefixes", Text(prefixes or "none"))
@@ -176,7 +177,7 @@ def _print_summary(console: Console, summary: Summary, max_keys: int) -> None:
     for column, justify in (("key", "left"), ("shape", "left"), ("dtype", "left"), ("size", "right")):
         table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for t in shown:
-        table.add_row(Text(_printable(t.key)), str(list(t.shape)), t.dtype, _bytes(t.nbytes))
+        table.add_row(Text(_printable(t.key)), str(list(t.shape)), t.dtype, format_bytes(t.nbytes))
     if len(shown) < len(summary.tensors):
         table.caption = f"{len(summary.tensors) - len(shown)} more; --max-keys 0 lists all"
     console.print(table)
@@ -188,12 +189,3 @@ _FORMAT_NAMES = {"dcp": "dcp (torch.distributed.checkpoint, sharded)"}
 def _printable(text: str) -> str:
     # Text from a file is shown, never interpreted: no rich markup, no terminal control characters.
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-def _bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"

@@ -1,4 +1,4 @@
-"""Move tensors between replica devices: scatter, broadcast, reduce-add.
+"""Move tensors between replica devices: split, copy, broadcast detached leaves, reduce-add.
 
 One implementation for every device type, with plain ``Tensor.to``. Copies to the device a
 tensor is already on are free: they return the tensor itself (or a view of it), which is what
@@ -33,7 +33,7 @@ class Coalesced(Protocol):
     ) -> list[torch.Tensor] | None: ...
 
 
-def scatter(
+def split_to_devices(
     tensor: torch.Tensor, sizes: Sequence[int], devices: Sequence[torch.device], dim: int
 ) -> list[torch.Tensor]:
     """Split ``tensor`` on ``dim`` into ``sizes`` and place chunk i on ``devices[i]`` (differentiable)."""
@@ -45,7 +45,7 @@ def scatter(
     return [chunk.to(device, non_blocking=True) for chunk, device in zip(chunks, devices)]
 
 
-def broadcast(tensor: torch.Tensor, devices: Sequence[torch.device]) -> list[torch.Tensor]:
+def copy_to_devices(tensor: torch.Tensor, devices: Sequence[torch.device]) -> list[torch.Tensor]:
     """The same tensor on every device in ``devices`` (differentiable)."""
     return [tensor.to(device, non_blocking=True) for device in devices]
 

@@ -69,9 +69,8 @@ class DeviceType:
     @property
     def module(self) -> Any:
         """torch's module for this type (``torch.xpu``), or None when this torch has none."""
-        get = getattr(torch, "get_device_module", None)  # torch >= 2.3; the same lookup by hand before
         try:
-            return get(self.name) if get is not None else getattr(torch, self.name, None)
+            return torch.get_device_module(self.name)
         except RuntimeError:
             return None
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from multigpu.core.units import format_bytes
 from multigpu.devices.base import DeviceCapacity, DeviceType, Mark
 
 
@@ -96,7 +97,7 @@ class CudaDevice(DeviceType):
 
     def describe(self, index: int) -> str:
         props = torch.cuda.get_device_properties(index)
-        return f"{props.name}, {props.total_memory / 2**30:.1f} GiB, capability {props.major}.{props.minor}"
+        return f"{props.name}, {format_bytes(props.total_memory)}, capability {props.major}.{props.minor}"
 
     def versions(self) -> dict[str, str]:
         import torch.distributed as dist

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache, partial
 from itertools import chain
 from typing import Any
@@ -22,14 +22,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from multigpu.core.keys import add_module_prefix, drop_module_prefix
 from multigpu.core.listeners import Listener, ListenerHandle, Listeners
-from multigpu.core.structure import iter_tensors, map_leaves
+from multigpu.core.structure import Flat, flatten, iter_tensors
 from multigpu.devices import DeviceSpec, ReplicaDevice, get_device_type, parse_devices, parse_output_device
 from multigpu.errors import ConfigError, PlacementError
 from multigpu.parallel import backward
 from multigpu.parallel.balance import AutoBalancer, BalancePlan, imbalance_warning
 from multigpu.parallel.chunks import build_policy
 from multigpu.parallel.replicas import build_replicas
-from multigpu.parallel.scatter_gather import ScalarRule, batch_size, gather, scatter
+from multigpu.parallel.scatter_gather import ScalarRule, batch_size, merge_outputs, split_inputs
 from multigpu.parallel.threads import ReplicaThreads, run_replicas
 
 _SCALAR_RULES = ("mean", "sum", "stack")
@@ -132,16 +132,18 @@ class DataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         target = self._pop_target(kwargs)
         owns_loss = target is not None
+        # The one walk of the inputs: every later stage (batch size, split, moves) loops over these leaves.
+        flat = flatten((inputs, kwargs, target))
         if len(self.replica_devices) == 1 and not owns_loss and self.gather_outputs:
             # nn.DataParallel's one-device path: the inputs moved to the device, the module called as it is
-            inputs, kwargs = _on_device((inputs, kwargs), self.src_device_obj)
+            if any(t.device != self.src_device_obj for t in flat.tensors()):
+                inputs, kwargs, _ = flat.rebuild([_to(leaf, self.src_device_obj) for leaf in flat.leaves])
             return self.module(*inputs, **kwargs)
         self._check_placement()
-        batch = batch_size((inputs, kwargs, target), self.dim)
+        batch = batch_size(flat, self.dim)
         if batch is None:  # nothing to split: the primary replica runs alone, like nn.DataParallel
-            sizes = [1] + [0] * (len(self.replica_devices) - 1)
-            return self._combine([self._run_one(self.module, inputs, kwargs, target)], sizes[:1], owns_loss)
-        return self._step(inputs, kwargs, target, self._chunk_sizes(batch, inputs, kwargs, target))
+            return self._combine([flatten(self._run_one(self.module, inputs, kwargs, target))], [1], owns_loss)
+        return self._step(flat, self._chunk_sizes(batch, flat))
 
     def close(self) -> None:
         """Release what this model holds outside itself: its replica threads and, with
@@ -189,36 +191,37 @@ class DataParallel(nn.Module):
         """The auto-balance plans made so far, by batch size (empty unless ``chunk_sizes="auto"``)."""
         return dict(self.balancer.plans) if self.balancer else {}
 
-    def _step(self, inputs: Any, kwargs: dict[str, Any], target: Any, sizes: list[int]) -> Any:
+    def _step(self, flat: Flat, sizes: list[int]) -> Any:
+        """One step on the flattened ``(inputs, kwargs, target)``: split, replicate, run, gather."""
         active = [dev for dev, size in zip(self.replica_devices, sizes) if size > 0]
-        with self._listeners.phase("scatter", self._primary_label, nbytes=self._nbytes((inputs, kwargs, target))):
-            chunks = scatter((inputs, kwargs, target), sizes, self.replica_devices, self.dim)
+        with self._listeners.phase("scatter", self._primary_label, nbytes=self._nbytes(flat.leaves)):
+            rows = split_inputs(flat, sizes, self.replica_devices, self.dim)
         if active == self.replica_devices[:1]:  # one chunk, on the primary: no replica needed
             with self._listeners.phase("forward", active[0].label):
-                outputs = [self._run_one(self.module, *chunks[0])]
-        elif self.parallel_backward and self._needs_grad(inputs, kwargs):
-            outputs = self._forward_parallel_backward(chunks, active)
+                outputs = [flatten(self._run_one(self.module, *flat.rebuild(rows[0])))]
+        elif self.parallel_backward and self._needs_grad(flat):
+            outputs = self._forward_parallel_backward(flat, rows, active)
         else:
             with self._listeners.phase("replicate", self._primary_label, nbytes=self._param_bytes(len(active))):
                 replicas = build_replicas(self.module, [d.device for d in active], detach=False)
-            outputs = self._run_replicas(replicas.modules, chunks, active)
-        return self._combine(outputs, [s for s in sizes if s > 0], target is not None)
+            outputs = self._run_replicas(replicas.modules, [flat.rebuild(row) for row in rows], active)
+        return self._combine(outputs, [s for s in sizes if s > 0], _target_of(flat) is not None)
 
-    def _forward_parallel_backward(self, chunks: list[Any], active: list[ReplicaDevice]) -> list[Any]:
+    def _forward_parallel_backward(self, flat: Flat, rows: list[list[Any]], active: list[ReplicaDevice]) -> list[Flat]:
         with self._listeners.phase("replicate", self._primary_label, nbytes=self._param_bytes(len(active))):
             replicas = build_replicas(self.module, [d.device for d in active], detach=True)
         trainable = [j for j, p in enumerate(replicas.params) if p.requires_grad]
         sources: list[torch.Tensor] = []
-        leaf_chunks: list[Any] = []
+        chunks: list[Any] = []
         input_leaves: list[list[torch.Tensor]] = []
-        for chunk in chunks:
+        for row in rows:
             leaves: list[torch.Tensor] = []
-            leaf_chunks.append(map_leaves(lambda leaf, _: _as_leaf(leaf, sources, leaves), chunk))  # noqa: B023 (called at once, inside this iteration)
+            chunks.append(flat.rebuild([_as_leaf(leaf, sources, leaves) for leaf in row]))
             input_leaves.append(leaves)
-        outputs = self._run_replicas(replicas.modules, leaf_chunks, active)
+        outputs = self._run_replicas(replicas.modules, chunks, active)
         graphs = [
             backward.ReplicaGraph(
-                outputs=[t for t in iter_tensors(out) if t.requires_grad],
+                outputs=[t for t in out.tensors() if t.requires_grad],
                 param_leaves=[replicas.leaves[i][j] for j in trainable],
                 input_leaves=input_leaves[i],
             )
@@ -230,16 +233,17 @@ class DataParallel(nn.Module):
         plan = backward.BackwardPlan(graphs, active, self.src_device_obj, params, self._threads, self._listeners)
         connected = iter(backward.connect(plan, sources))
         return [
-            map_leaves(lambda t, _: next(connected) if isinstance(t, torch.Tensor) and t.requires_grad else t, out)
+            out.replace(lambda t: next(connected) if isinstance(t, torch.Tensor) and t.requires_grad else t)
             for out in outputs
         ]
 
-    def _run_replicas(self, modules: list[nn.Module], chunks: list[Any], devices: list[ReplicaDevice]) -> list[Any]:
-        """Every replica's forward (and loss), in parallel, each inside the listeners' phase and scope."""
+    def _run_replicas(self, modules: list[nn.Module], chunks: list[Any], devices: list[ReplicaDevice]) -> list[Flat]:
+        """Every replica's forward (and loss), in parallel, each inside the listeners' phase and scope;
+        each result flattened once, on its replica's thread."""
 
-        def run(i: int) -> Any:
+        def run(i: int) -> Flat:
             with self._listeners.phase("forward", devices[i].label):
-                return self._run_one(modules[i], *chunks[i])
+                return flatten(self._run_one(modules[i], *chunks[i]))
 
         return run_replicas(run, devices, self._threads, listeners=self._listeners)
 
@@ -250,32 +254,38 @@ class DataParallel(nn.Module):
             return output
         return (self.loss_fn(output, target), output)
 
-    def _combine(self, outputs: list[Any], sizes: list[int], owns_loss: bool) -> Any:
-        """Gather what travels to the primary; keep the rest on the replicas."""
+    def _combine(self, outputs: list[Flat], sizes: list[int], owns_loss: bool) -> Any:
+        """Gather what travels to the primary; keep the rest on the replicas.
+
+        ``outputs``: each replica's result, flattened: its output, or ``(loss, output)`` when the
+        model owns the loss."""
         if owns_loss:
-            self.replica_outputs = [_detached(out) for _, out in outputs]
-            outputs = [loss for loss, _ in outputs]
+            self.replica_outputs = [out.child(1).replace(_detach).rebuild() for out in outputs]
+            outputs = [out.child(0) for out in outputs]
             rule = self.loss_reduction
         elif not self.gather_outputs:
-            self.replica_outputs = [_detached(out) for out in outputs]
-            outputs = [map_leaves(_scalar_or_none, out) for out in outputs]
+            self.replica_outputs = [out.replace(_detach).rebuild() for out in outputs]
+            outputs = [out.replace(_scalar_or_none) for out in outputs]
             rule = self.scalar_outputs
         else:
             rule = self.scalar_outputs
-        with self._listeners.phase("gather", self._primary_label, nbytes=self._nbytes(outputs)):
-            return gather(outputs, sizes, self.output_device, self.dim, rule)
+        moved = self._nbytes(leaf for out in outputs for leaf in out.leaves)
+        with self._listeners.phase("gather", self._primary_label, nbytes=moved):
+            return merge_outputs(outputs, sizes, self.output_device, self.dim, rule)
 
-    def _chunk_sizes(self, batch: int, inputs: Any, kwargs: dict[str, Any], target: Any) -> list[int]:
+    def _chunk_sizes(self, batch: int, flat: Flat) -> list[int]:
         if self.balancer is not None:
-            probe = partial(self._probe_step, inputs, kwargs, target)
+            probe = partial(self._probe_step, flat)
             planned = self.balancer.sizes(batch, probe, self, self._listeners)
             if planned is not None:
                 return planned
         return self.chunk_policy.sizes(batch)
 
-    def _probe_step(self, inputs: Any, kwargs: dict[str, Any], target: Any, sizes: list[int]) -> None:
+    def _probe_step(self, flat: Flat, sizes: list[int]) -> None:
         """Forward and backward of the real batch for the auto-balance probe (see balance.py)."""
-        result = self._step(_detached(inputs), _detached(kwargs), target, sizes)
+        inputs = len(flat.leaves) - len(flat.child(2).leaves)  # the target's leaves are last
+        detached = [_detach(leaf) for leaf in flat.leaves[:inputs]] + flat.leaves[inputs:]
+        result = self._step(Flat(detached, flat.spec), sizes)
         scalars = [t for t in iter_tensors(result) if t.dim() == 0 and t.requires_grad]
         if scalars:
             loss = torch.stack([s.float() for s in scalars]).sum()
@@ -310,18 +320,19 @@ class DataParallel(nn.Module):
             self._param_bytes_cache = sum(p.numel() * p.element_size() for p in self.module.parameters())
         return replicas * self._param_bytes_cache
 
-    def _nbytes(self, obj: Any) -> int:
-        """Bytes of every tensor in ``obj`` (0 when not profiling: counting costs a walk)."""
+    def _nbytes(self, leaves: Iterable[Any]) -> int:
+        """Bytes of every tensor in ``leaves`` (0 when not profiling)."""
         if not self._listeners.active:
             return 0
-        return sum(t.numel() * t.element_size() for t in iter_tensors(obj))
+        return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
-    def _needs_grad(self, inputs: Any, kwargs: Any) -> bool:
+    def _needs_grad(self, flat: Flat) -> bool:
         if not torch.is_grad_enabled():
             return False
         if any(t.requires_grad for t in chain(self.module.parameters(), self.module.buffers())):
             return True
-        return any(t.requires_grad for t in iter_tensors((inputs, kwargs)))
+        inputs = len(flat.leaves) - len(flat.child(2).leaves)  # the target does not count
+        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat.leaves[:inputs])
 
     def _check_placement(self) -> None:
         for name, tensor in chain(self.module.named_parameters(), self.module.named_buffers()):
@@ -359,11 +370,16 @@ def _loss_reduction(loss_fn: Any, given: ScalarRule | None) -> ScalarRule:
     return reduction  # type: ignore[no-any-return]
 
 
-def _detached(out: Any) -> Any:
-    return map_leaves(lambda t, _: t.detach() if isinstance(t, torch.Tensor) else t, out)
+def _target_of(flat: Flat) -> Any:
+    """The target of a flattened ``(inputs, kwargs, target)`` (None when there is none)."""
+    return flat.child(2).rebuild()
 
 
-def _scalar_or_none(leaf: Any, _: str) -> Any:
+def _detach(leaf: Any) -> Any:
+    return leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
+
+
+def _scalar_or_none(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
         return None
     return leaf
@@ -405,8 +421,5 @@ def _release(threads: ReplicaThreads, balancer: AutoBalancer | None) -> None:
         balancer.close()
 
 
-def _on_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor on ``device``; ``obj`` itself (not rebuilt) when all already are."""
-    if all(t.device == device for t in iter_tensors(obj)):
-        return obj
-    return map_leaves(lambda t, _: t.to(device) if isinstance(t, torch.Tensor) else t, obj)
+def _to(leaf: Any, device: torch.device) -> Any:
+    return leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf

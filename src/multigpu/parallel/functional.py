@@ -28,13 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from multigpu.core.structure import flatten
 from multigpu.devices import ReplicaDevice, parse_devices, parse_output_device
 from multigpu.errors import ConfigError
 from multigpu.parallel.data_parallel import DataParallel
 from multigpu.parallel.replicas import build_replicas
-from multigpu.parallel.scatter_gather import batch_size
-from multigpu.parallel.scatter_gather import gather as _gather
-from multigpu.parallel.scatter_gather import scatter as _scatter
+from multigpu.parallel.scatter_gather import batch_size, merge_outputs, split_inputs
 from multigpu.parallel.threads import ReplicaThreads, run_replicas
 
 Devices = str | Sequence[int | str | torch.device]
@@ -57,12 +56,13 @@ def scatter(inputs: Any, target_gpus: Devices, dim: int = 0) -> list[Any]:
         [2, 2, 1]
     """
     devices = parse_devices(target_gpus)
-    batch = batch_size(inputs, dim)
+    flat = flatten(inputs)
+    batch = batch_size(flat, dim)
     if batch is None:
         return [inputs for _ in devices]
     step = -(-batch // len(devices))  # torch.chunk: equal chunks of ceil(batch / n), the last smaller
     sizes = [min(step, batch - start) for start in range(0, batch, step)]
-    return _scatter(inputs, sizes, devices[: len(sizes)], dim)
+    return [flat.rebuild(row) for row in split_inputs(flat, sizes, devices[: len(sizes)], dim)]
 
 
 def gather(outputs: Sequence[Any], target_device: int | str | torch.device, dim: int = 0) -> Any:
@@ -81,7 +81,7 @@ def gather(outputs: Sequence[Any], target_device: int | str | torch.device, dim:
         torch.Size([3, 3])
     """
     device = parse_output_device(target_device, torch.device("cpu"))
-    return _gather(outputs, [1] * len(outputs), device, dim, "stack")
+    return merge_outputs([flatten(out) for out in outputs], [1] * len(outputs), device, dim, "stack")
 
 
 def replicate(network: nn.Module, devices: Devices, detach: bool = False) -> list[nn.Module]:

@@ -1,12 +1,16 @@
-"""Scatter inputs into per-replica chunks and gather replica outputs back, on any device.
+"""The engine's scatter and gather, on flattened structures and any device.
 
-Scatter splits every tensor on ``dim`` with the same chunk sizes; tensors without that dim
-(scalars) and non-tensors are shared by every replica. A negative ``dim`` counts from each
-tensor's last dimension, as in nn.DataParallel. Sparse COO inputs are split too; other sparse
-layouts are refused with the conversion that works. Gather concatenates tensors on ``dim``
-on the output device, combines 0-dim outputs (a per-replica loss) by the scalar rule, and keeps
-container types. Both are plain differentiable tensor ops: the gradient of a gathered output
-flows back to the replica that produced it.
+:func:`split_inputs` splits every tensor leaf on ``dim`` with the same chunk sizes; tensors
+without that dim (scalars) and non-tensors are shared by every replica. A negative ``dim`` counts
+from each tensor's last dimension, as in nn.DataParallel. Sparse COO inputs are split too; other
+sparse layouts are refused with the conversion that works. :func:`merge_outputs` concatenates
+tensors on ``dim`` on the output device, combines 0-dim outputs (a per-replica loss) by the scalar
+rule, and keeps container types. Both are plain differentiable tensor ops: the gradient of a
+gathered output flows back to the replica that produced it.
+
+Both take the flat form (:class:`multigpu.core.structure.Flat`) that DataParallel makes once per
+step, so neither walks a structure. torch's functional ``scatter`` and ``gather`` (the public
+names, with torch's signatures) are in :mod:`multigpu.parallel.functional` and build on these.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any, Literal
 import torch
 
 from multigpu.core import comm
-from multigpu.core.structure import iter_tensors, map_leaves, zip_leaves
+from multigpu.core.structure import Flat, structure_difference
 from multigpu.devices import ReplicaDevice
 from multigpu.errors import GatherError, ScatterError
 
@@ -29,39 +33,35 @@ def has_dim(tensor: torch.Tensor, dim: int) -> bool:
     return tensor.dim() > dim if dim >= 0 else tensor.dim() >= -dim
 
 
-def batch_size(inputs: Any, dim: int) -> int | None:
+def batch_size(inputs: Flat, dim: int) -> int | None:
     """The size of ``dim`` shared by every scatterable tensor in ``inputs`` (None: nothing to split).
 
     Raises:
         ScatterError: two tensors disagree on the size of ``dim``, or the batch is empty.
     """
-    found: tuple[int, str] | None = None
-
-    def check(leaf: Any, path: str) -> None:
-        nonlocal found
+    found: tuple[int, int] | None = None  # (size, leaf index)
+    for index, leaf in enumerate(inputs.leaves):
         if not isinstance(leaf, torch.Tensor) or not has_dim(leaf, dim):
-            return
+            continue
         if leaf.layout not in (torch.strided, torch.sparse_coo):
             raise ScatterError(
-                f"input{path} is a {leaf.layout} tensor, which cannot be split into chunks along dim {dim}; "
-                "pass it as a dense tensor (x.to_dense()) or a sparse COO tensor (x.to_sparse_coo())"
+                f"input{inputs.path(index)} is a {leaf.layout} tensor, which cannot be split into chunks along "
+                f"dim {dim}; pass it as a dense tensor (x.to_dense()) or a sparse COO tensor (x.to_sparse_coo())"
             )
         size = leaf.size(dim)
         if found is None:
-            found = (size, path)
+            found = (size, index)
         elif size != found[0]:
             raise ScatterError(
-                f"inputs disagree on the batch size along dim {dim}: input{found[1]} has {found[0]}, "
-                f"input{path} has {size} (shape {tuple(leaf.shape)}); pass tensors of the same batch "
+                f"inputs disagree on the batch size along dim {dim}: input{inputs.path(found[1])} has {found[0]}, "
+                f"input{inputs.path(index)} has {size} (shape {tuple(leaf.shape)}); pass tensors of the same batch "
                 "size, or give the shared tensor fewer dims than `dim` so every replica gets all of it"
             )
-
-    map_leaves(check, inputs)
     if found is None:
         return None
     if found[0] == 0:
         raise ScatterError(
-            f"input{found[1]} has an empty batch (size 0 along dim {dim}); skip empty batches "
+            f"input{inputs.path(found[1])} has an empty batch (size 0 along dim {dim}); skip empty batches "
             "before calling the model, e.g. DataLoader(..., drop_last=True)"
         )
     return found[0]
@@ -80,44 +80,51 @@ def even_chunk_sizes(batch: int, replicas: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(replicas)]
 
 
-def scatter(inputs: Any, chunk_sizes: Sequence[int], devices: Sequence[ReplicaDevice], dim: int) -> list[Any]:
-    """Split ``inputs`` into one structure per replica (only replicas with a non-zero chunk).
+def split_inputs(
+    inputs: Flat, chunk_sizes: Sequence[int], devices: Sequence[ReplicaDevice], dim: int
+) -> list[list[Any]]:
+    """Split the leaves of ``inputs`` into one row of leaves per replica (only replicas with a non-zero chunk).
 
     Args:
-        inputs: any nesting of tuples, lists, dicts, namedtuples and dataclasses.
+        inputs: the flattened inputs (:func:`multigpu.core.structure.flatten`).
         chunk_sizes: one size per device in ``devices``; zeros are skipped.
         devices: the replica devices, aligned with ``chunk_sizes``.
         dim: the batch dimension.
 
     Returns:
-        A list with one structure per active replica, its tensors on that replica's device.
+        ``rows[i]``: active replica i's leaves, aligned with ``inputs.leaves``, its tensors on that
+        replica's device (``inputs.rebuild(rows[i])`` is its structure). A tensor met twice is split once.
     """
     active = [(size, dev) for size, dev in zip(chunk_sizes, devices) if size > 0]
     sizes = [size for size, _ in active]
     targets = [dev.device for _, dev in active]
     pieces: dict[int, list[torch.Tensor]] = {}
-    for tensor in iter_tensors(inputs):
-        if id(tensor) in pieces:
+    rows: list[list[Any]] = [[] for _ in active]
+    for leaf in inputs.leaves:
+        if not isinstance(leaf, torch.Tensor):
+            for row in rows:
+                row.append(leaf)
             continue
-        if has_dim(tensor, dim):
-            pieces[id(tensor)] = comm.scatter(tensor, sizes, targets, dim)
-        else:
-            pieces[id(tensor)] = comm.broadcast(tensor, targets)
+        split = pieces.get(id(leaf))
+        if split is None:
+            if has_dim(leaf, dim):
+                split = comm.split_to_devices(leaf, sizes, targets, dim)
+            else:
+                split = comm.copy_to_devices(leaf, targets)
+            pieces[id(leaf)] = split
+        for row, piece in zip(rows, split):
+            row.append(piece)
+    return rows
 
-    def take(i: int) -> Any:
-        return map_leaves(lambda leaf, _: pieces[id(leaf)][i] if isinstance(leaf, torch.Tensor) else leaf, inputs)
 
-    return [take(i) for i in range(len(active))]
-
-
-def gather(
-    outputs: Sequence[Any],
+def merge_outputs(
+    outputs: Sequence[Flat],
     chunk_sizes: Sequence[int],
     target: torch.device,
     dim: int,
     scalar_rule: ScalarRule = "mean",
 ) -> Any:
-    """Combine the replica outputs into one structure on ``target``.
+    """Combine the flattened replica outputs into one structure on ``target``.
 
     Tensors are concatenated on ``dim``. 0-dim tensors (a loss each replica computed on its
     chunk) follow ``scalar_rule``: ``"mean"`` weights each by its chunk size, which equals a
@@ -129,29 +136,49 @@ def gather(
         GatherError: the replicas' outputs differ in structure, in type, or in shape other than
             along ``dim`` (naming the replicas and shapes).
     """
+    first = outputs[0]
     if len(outputs) == 1 and scalar_rule != "stack":
-        return map_leaves(lambda leaf, _: _move(leaf, target), outputs[0])
-
-    def combine(leaves: list[Any], path: str) -> Any:
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        if not tensors:
-            return leaves[0] if all(_same(leaves[0], leaf) for leaf in leaves) else list(leaves)
-        if len(tensors) != len(leaves):
-            raise GatherError(f"output{path} is a tensor on some replicas and not on others; return the same types")
-        _check_shapes(tensors, path, dim)
-        moved = [t.to(target) for t in tensors]
-        if moved[0].dim() == 0:
-            return _combine_scalars(moved, chunk_sizes, scalar_rule)
-        return torch.cat(moved, dim)
-
-    return zip_leaves(combine, outputs)
+        return first.rebuild([_move(leaf, target) for leaf in first.leaves])
+    for other in outputs[1:]:
+        if other.spec != first.spec:
+            found = structure_difference([out.rebuild() for out in outputs])
+            raise GatherError(found or f"replica outputs differ in structure: {first.spec} vs {other.spec}")
+    combined = [
+        _combine([out.leaves[j] for out in outputs], first, j, chunk_sizes, target, dim, scalar_rule)
+        for j in range(len(first.leaves))
+    ]
+    return first.rebuild(combined)
 
 
-def _check_shapes(tensors: list[torch.Tensor], path: str, dim: int) -> None:
+def _combine(
+    leaves: list[Any],
+    first: Flat,
+    index: int,
+    chunk_sizes: Sequence[int],
+    target: torch.device,
+    dim: int,
+    rule: ScalarRule,
+) -> Any:
+    """One leaf position across replicas: tensors concatenated (or scalars combined), others kept."""
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if not tensors:
+        return leaves[0] if all(_same(leaves[0], leaf) for leaf in leaves) else list(leaves)
+    if len(tensors) != len(leaves):
+        raise GatherError(
+            f"output{first.path(index)} is a tensor on some replicas and not on others; return the same types"
+        )
+    _check_shapes(tensors, first, index, dim)
+    moved = [t.to(target) for t in tensors]
+    if moved[0].dim() == 0:
+        return _combine_scalars(moved, chunk_sizes, rule)
+    return torch.cat(moved, dim)
+
+
+def _check_shapes(tensors: list[torch.Tensor], first: Flat, index: int, dim: int) -> None:
     """Tensors that can be concatenated on ``dim`` (or 0-dim scalars), or a GatherError naming them."""
     shapes = [tuple(t.shape) for t in tensors]
-    listed = ", ".join(f"replica {i}: {shape}" for i, shape in enumerate(shapes))
     if len({len(shape) for shape in shapes}) > 1:
+        path, listed = _where(first, index, shapes)
         raise GatherError(
             f"output{path} has a different number of dims on different replicas ({listed}); "
             "every replica must return tensors of the same rank"
@@ -159,16 +186,22 @@ def _check_shapes(tensors: list[torch.Tensor], path: str, dim: int) -> None:
     if not shapes[0]:
         return
     if not has_dim(tensors[0], dim):
+        path = first.path(index)
         raise GatherError(
             f"output{path} has shape {shapes[0]}, too few dims to gather on dim {dim}; "
             "return a batch-shaped tensor or a 0-dim scalar"
         )
     axis = dim % len(shapes[0])
     if len({shape[:axis] + shape[axis + 1 :] for shape in shapes}) > 1:
+        path, listed = _where(first, index, shapes)
         raise GatherError(
             f"output{path} differs in shape across replicas in more than the batch dim {dim} ({listed}); "
             "replicas must return tensors that differ only in their batch dimension"
         )
+
+
+def _where(first: Flat, index: int, shapes: list[tuple[int, ...]]) -> tuple[str, str]:
+    return first.path(index), ", ".join(f"replica {i}: {shape}" for i, shape in enumerate(shapes))
 
 
 def _combine_scalars(values: list[torch.Tensor], chunk_sizes: Sequence[int], rule: ScalarRule) -> torch.Tensor:

@@ -138,7 +138,7 @@ class ThreadState:
         autocast = tuple(
             (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
             for kind in dict.fromkeys(device_types)
-            if _has_autocast(kind)
+            if torch.amp.is_autocast_available(kind)  # a registered type may be one autocast does not know
         )
         return ThreadState(torch.is_grad_enabled(), autocast)
 
@@ -150,12 +150,6 @@ class ThreadState:
                 if enabled:
                     stack.enter_context(torch.autocast(kind, dtype=dtype))
             yield
-
-
-def _has_autocast(device_type: str) -> bool:
-    """Whether torch's autocast knows ``device_type`` (a registered type may be one it does not)."""
-    available = getattr(torch.amp, "is_autocast_available", None)  # torch >= 2.4; before, every type we ran had it
-    return True if available is None else bool(available(device_type))
 
 
 def run_replicas(

@@ -25,13 +25,14 @@ from typing import Any
 
 from rich.console import Console
 
+from multigpu.core.units import binary_unit, format_bytes
 from multigpu.errors import ConfigError
 from multigpu.parallel.scatter_gather import even_chunk_sizes
 from multigpu.planning.costs import DDP, DP, FSDP, SINGLE, STRATEGIES, StepTime, device_memory, predict_step
 from multigpu.planning.hardware import Platform
 from multigpu.planning.workload import Workload
 from multigpu.report.figures import Line, line_figure
-from multigpu.report.tables import binary_unit, compact_table, format_bytes, human_count
+from multigpu.report.tables import compact_table, human_count
 
 # Within this share of the best throughput, fewer devices win, and then ddp over fsdp: the planner
 # cannot tell them apart, and the simpler set-up is the better bet.

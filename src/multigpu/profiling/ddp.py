@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from multigpu.core.units import format_ms
 from multigpu.errors import ConfigError
 from multigpu.profiling import clock
 from multigpu.runtime import world as runtime
@@ -68,8 +69,8 @@ class Straggler:
     def describe(self) -> str:
         verdict = "straggler" if self.is_straggler else "no straggler"
         return (
-            f"{verdict}: rank {self.rank} is busy {self.busy_s * 1e3:.2f} ms per step, "
-            f"{self.ratio:.2f}x the median rank ({self.median_busy_s * 1e3:.2f} ms)"
+            f"{verdict}: rank {self.rank} is busy {format_ms(self.busy_s)} per step, "
+            f"{self.ratio:.2f}x the median rank ({format_ms(self.median_busy_s)})"
         )
 
 

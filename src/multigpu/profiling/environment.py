@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import multigpu
+from multigpu.core.units import format_bytes
 from multigpu.devices import device_type_names, get_device_type
 
 # Variables that change how multi-device training behaves (prefixes end with "_").
@@ -94,7 +95,7 @@ def _devices() -> dict[str, str]:
     cpu_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     rows = {
         "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical cores, "
-        f"{cpu_memory / 2**30:.1f} GiB, torch threads {torch.get_num_threads()}"
+        f"{format_bytes(cpu_memory)}, torch threads {torch.get_num_threads()}"
     }
     for name in _accelerators():
         kind = get_device_type(name)

@@ -13,10 +13,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from multigpu.core.units import format_bytes
 from multigpu.profiling.bandwidth import BandwidthPoint
 from multigpu.profiling.ddp import DDPProfile
 from multigpu.profiling.records import OTHER, PhaseStat, StepProfile
-from multigpu.report.tables import format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -5,22 +5,17 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Sequence
+from functools import partial
 
 from rich import box
 from rich.table import Table
 
+from multigpu.core.units import format_bytes, format_ms
 from multigpu.profiling.bandwidth import BandwidthPoint
 from multigpu.profiling.ddp import DDPProfile
 from multigpu.profiling.records import COMM_PHASES, OTHER, StepProfile
 
-
-def format_bytes(nbytes: float) -> str:
-    """``1536`` -> ``'1.5 KiB'`` (binary units, as message sizes are given)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f} GiB"
+_ms = partial(format_ms, unit="")  # in columns headed "ms"
 
 
 def human_count(n: float) -> str:
@@ -34,14 +29,6 @@ def human_count(n: float) -> str:
         if n >= size:
             return f"{n / size:.1f} {suffix}"
     return f"{n:.0f}"
-
-
-def binary_unit(nbytes: float) -> tuple[str, int]:
-    """The largest binary unit (name, bytes) that keeps a digit before the point: a column's unit."""
-    return next((name, size) for name, size in _UNITS if nbytes >= size or size == 1)
-
-
-_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
 def compact_table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> Table:
@@ -114,10 +101,6 @@ def bandwidth_table(points: Sequence[BandwidthPoint]) -> Table:
     for p in sorted(points, key=lambda p: (order[p.probe], p.nbytes)):
         table.add_row(p.probe, format_bytes(p.nbytes), f"{p.seconds * 1e6:.1f}", f"{p.algbw:.2f}", f"{p.busbw:.2f}")
     return table
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f}"
 
 
 def ddp_table(profile: DDPProfile) -> Table:
