@@ -69,7 +69,8 @@ def run_ddp(config: TrainConfig, *, nproc_per_node: int | str = "auto", timeout_
         if done.returncode != 0 or not out.exists():
             raise LaunchError(f"the demo's DDP run failed (exit code {done.returncode}):\n{done.stderr[-4000:]}")
         saved = torch.load(out)
-    result = RunResult(f"DDP, {saved['world_size']} processes")
+    world_size = saved["world_size"]
+    result = RunResult(f"DDP, {world_size} process{'' if world_size == 1 else 'es'}")  # one on a 1-GPU machine
     result.losses, result.accuracy = saved["losses"], saved["accuracy"]
     result.samples_per_s, result.state = saved["samples_per_s"], saved["state"]
     result.first_state = saved["first_state"]
