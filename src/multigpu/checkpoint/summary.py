@@ -21,8 +21,14 @@ from typing import Any, Literal
 
 import torch
 
-from multigpu.checkpoint.dcp_files import check_files, is_dcp_folder, read_metadata
-from multigpu.checkpoint.dcp_io import files_bytes, model_entries, read_sharded_weights
+from multigpu.checkpoint.dcp_files import (
+    check_files,
+    files_bytes,
+    is_dcp_folder,
+    model_entries,
+    read_metadata,
+    read_sharded_weights,
+)
 from multigpu.checkpoint.folders import (
     MAX_STEP,
     METADATA_FILE,

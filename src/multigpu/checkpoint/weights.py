@@ -25,8 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from multigpu.checkpoint.dcp_files import is_dcp_folder
-from multigpu.checkpoint.dcp_io import read_sharded_weights
+from multigpu.checkpoint.dcp_files import is_dcp_folder, read_sharded_weights
 from multigpu.checkpoint.formats import Format, read_tensors, write_tensors
 from multigpu.checkpoint.ranks import run_on_main
 from multigpu.core.keys import clean_state_dict, collision_message, match_keys, unwrap
