@@ -25,7 +25,7 @@ import torch
 from multigpu.checkpoint.folders import MAX_STEP, MAX_WORLD_SIZE
 from multigpu.checkpoint.formats import check_plain_tensor, materialized_bytes
 from multigpu.checkpoint.ranks import device_rng_keys
-from multigpu.errors import CheckpointError, MultigpuError
+from multigpu.errors import CheckpointError
 
 FORMAT_VERSION = 1
 MAX_DEPTH = 32
@@ -369,10 +369,3 @@ def _check_buffer(r: Refusal, value: Any, param: torch.Tensor, key: str, where: 
             f"a view of {materialized_bytes(value)} bytes over {value.untyped_storage().nbytes()}",
             "a plain buffer",
         )
-
-
-def as_error(exc: Exception, folder: Path, stage: str, note: str) -> MultigpuError:
-    """A CheckpointError for an unexpected failure while applying ``stage`` from ``folder``."""
-    return CheckpointError(
-        f"{str(folder)!r}: applying the {stage} state failed ({type(exc).__name__}: {str(exc)[:300]}); {note}"
-    )
