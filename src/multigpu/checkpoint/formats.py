@@ -1,19 +1,9 @@
 """Read and write tensor files in safetensors or torch format, never executing code from a file.
 
-safetensors holds only tensors and a string-to-string header, so reading it cannot run code;
-its header is checked (:mod:`safetensors_file`) and its tensors read here, from the same open
-file, so nothing else ever parses it.
-torch files are pickles; they are read with ``torch.load(weights_only=True)``, whose unpickler
-only rebuilds tensors and plain containers. A file that needs anything more (a custom class, a
-function) is refused with :class:`~multigpu.errors.CheckpointError` naming the globals it wants
-and the explicit opt-in, ``allow_unsafe_pickle=True``, for files the user trusts. Even then a
-file whose classes cannot be imported here is a CheckpointError naming them and the fix
-(:mod:`torch_file`).
-
-A tensor in a torch file is a view of a storage: shape ``[10**12]`` with stride 0 over a 4-byte
-storage is a few bytes on disk and 4 TB once copied (safetensors writes every tensor contiguous).
-Loading into a model is bounded by the model itself (shapes must match), but converting a file is
-not; :func:`check_expansion` refuses a file that would grow by more than a stated factor.
+A safetensors file is read from the one open file whose header was checked
+(:mod:`safetensors_file`); a torch file through :mod:`torch_file`. A tensor in a torch file is a
+view of a storage, so a few bytes on disk can be terabytes once copied: :func:`check_expansion`
+bounds what converting a file may allocate (loading into a model is bounded by the model's shapes).
 """
 
 from __future__ import annotations
