@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 import reprlib
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,7 +26,6 @@ from multigpu.checkpoint.dcp_files import (
     is_dcp_folder,
     model_entries,
     read_metadata,
-    read_sharded_weights,
 )
 from multigpu.checkpoint.folders import (
     MAX_STEP,
@@ -39,9 +37,8 @@ from multigpu.checkpoint.folders import (
     parse_aside,
     parse_step,
     read_manifest,
-    recorded_step,
 )
-from multigpu.checkpoint.formats import Format, check_expansion, detect_format, read_structure, read_tensors
+from multigpu.checkpoint.formats import Format, detect_format, read_structure
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import check_counters
 from multigpu.core.keys import find_prefixes
@@ -100,22 +97,6 @@ def weights_file(path: str | os.PathLike[str]) -> Path:
             "folder. Give a weights file, a step folder, or the folder a Checkpointer saved into."
         )
     return latest if is_sharded_folder(latest) else latest / MODEL_FILE
-
-
-def read_weights(
-    source: Path, *, allow_unsafe_pickle: bool = False, max_expansion: float = math.inf
-) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
-    """The whole tensors and metadata of ``source`` (from :func:`weights_file`): a file, or a DCP folder.
-
-    A DCP folder is checked first (:func:`~multigpu.checkpoint.dcp_files.check_files`) and refused
-    when its tensors would take more than ``max_expansion`` times its files' bytes.
-    """
-    if not source.is_dir():
-        tensors, metadata = read_tensors(source, allow_unsafe_pickle=allow_unsafe_pickle)
-        check_expansion(tensors, source, max_expansion=max_expansion)
-        return tensors, metadata
-    step = recorded_step(source)  # as a Checkpointer's model.safetensors records it
-    return read_sharded_weights(source, max_expansion=max_expansion), {} if step is None else {"step": str(step)}
 
 
 def summarize(path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False) -> Summary:
