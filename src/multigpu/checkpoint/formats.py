@@ -312,7 +312,7 @@ def _deduplicate(
     storages: set[int] = set()
     for key, tensor in tensors.items():
         tensor = tensor.detach().cpu()
-        ident = (_storage_ptr(tensor), int(tensor.storage_offset()), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        ident = _view_of(tensor)
         if tensor.numel() and ident in seen:
             aliases[key] = seen[ident]
             continue
@@ -328,12 +328,12 @@ def _storage_ptr(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage().data_ptr())
 
 
+def _view_of(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]:
+    # Tensors equal in all of these are the same bytes (tied weights): written once, counted once.
+    return (_storage_ptr(tensor), int(tensor.storage_offset()), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+
+
 # --- bounds on expansion ---
-
-
-def materialized_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of ``tensor`` once contiguous (no allocation)."""
-    return tensor.numel() * tensor.element_size()
 
 
 def check_expansion(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *, max_expansion: float) -> None:
@@ -351,19 +351,14 @@ def check_expansion(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike
     """
     if math.isinf(max_expansion):
         return
-    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    seen: set[tuple[Any, ...]] = set()
     total, largest, largest_key = 0, 0, ""
     for key, tensor in tensors.items():
-        ident = (
-            tensor.untyped_storage().data_ptr(),
-            int(tensor.storage_offset()),
-            tuple(tensor.shape),
-            tensor.stride(),
-        )
+        ident = _view_of(tensor)[:4]  # any dtype: the same bytes
         if ident in seen and tensor.numel():
             continue
         seen.add(ident)
-        size = materialized_bytes(tensor)
+        size = tensor.nbytes  # once contiguous; no allocation
         total += size
         if size > largest:
             largest, largest_key = size, key
