@@ -228,6 +228,17 @@ def check_files(
 # --- reading the tensors -----------------------------------------------------------------------
 
 
+def checked_index(folder: Path, *, crc: bool = True) -> tuple[dcp_metadata.Metadata, Manifest | None]:
+    """DCP's index of ``folder`` and its manifest (``None``: a DCP folder written elsewhere), the files checked.
+
+    ``crc=False`` checks the files' sizes only (reads no data), as :func:`check_files` does.
+    """
+    index = read_metadata(folder)
+    manifest = read_manifest(folder) if is_sharded_folder(folder) else None
+    check_files(folder, index, manifest, crc=crc)
+    return index, manifest
+
+
 def read_sharded_weights(folder: Path, *, max_expansion: float = math.inf) -> OrderedDict[str, torch.Tensor]:
     """The model's whole tensors from the DCP checkpoint ``folder``, checked first, read by this process alone.
 
@@ -235,8 +246,7 @@ def read_sharded_weights(folder: Path, *, max_expansion: float = math.inf) -> Or
         CheckpointError: the folder is damaged (:func:`check_files`), or its
             tensors would take more than ``max_expansion`` times its files' bytes.
     """
-    index = read_metadata(folder)
-    check_files(folder, index, read_manifest(folder) if is_sharded_folder(folder) else None)
+    index, _ = checked_index(folder)
     sizes = {key: math.prod(e.size) * e.properties.dtype.itemsize for key, (_, e) in model_entries(index).items()}
     largest = max(sizes.items(), key=lambda item: item[1], default=("", 0))
     check_total(folder, files_bytes(folder), sum(sizes.values()), largest, max_expansion=max_expansion)

@@ -21,11 +21,10 @@ from typing import Any, Literal
 import torch
 
 from multigpu.checkpoint.dcp_files import (
-    check_files,
+    checked_index,
     files_bytes,
     is_dcp_folder,
     model_entries,
-    read_metadata,
 )
 from multigpu.checkpoint.folders import (
     MAX_STEP,
@@ -36,7 +35,6 @@ from multigpu.checkpoint.folders import (
     is_sharded_folder,
     parse_aside,
     parse_step,
-    read_manifest,
 )
 from multigpu.checkpoint.formats import Format, detect_format, read_structure
 from multigpu.checkpoint.torch_file import load_torch_file
@@ -131,9 +129,7 @@ def summarize(path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False
 
 
 def _summarize_sharded(folder: Path, allow_unsafe_pickle: bool) -> Summary:
-    index = read_metadata(folder)
-    manifest = read_manifest(folder) if is_sharded_folder(folder) else None
-    check_files(folder, index, manifest, crc=False)  # sizes only: inspect reads no data
+    index, manifest = checked_index(folder, crc=False)  # sizes only: inspect reads no data
     structure = [(key, tuple(e.size), e.properties.dtype) for key, (_, e) in model_entries(index).items()]
     state = _training_state(folder, allow_unsafe_pickle) if (folder / STATE_FILE).is_file() else {}
     if state:  # the optimizer's state lies in the shards, unless it had not stepped yet (then in state.pt)
