@@ -1,36 +1,13 @@
 """Crash-safe writes: a file or a folder appears under its final name complete, or not at all; one writer per folder.
 
-The recipe (POSIX): write into a temporary name in the *same* folder (so the rename never crosses
-file systems), flush and ``fsync`` the data, ``os.replace`` it onto the final name (atomic), then
-``fsync`` the folder so the rename itself survives a power cut. A process killed at any point
-leaves either the previous file or the new one under the final name; at worst a temporary entry
-remains, and temporary names start with ``.`` and contain ``.tmp-`` so nothing that looks for
-checkpoints picks them up (``remove_stale_temporaries`` deletes them).
-
-Errors while writing (full disk, file-size limit, read-only or unwritable folder) become a
-:class:`~multigpu.errors.CheckpointError` naming the path and the fix; the temporary entry is
-removed and the previous file is untouched.
-
-One writer at a time per checkpoint folder (:func:`folder_lock`): two runs pointed at one folder,
-or a restarted job whose old copy still runs, would otherwise race on the same names. The lock is
-``filelock``'s (an exclusive ``flock`` on ``<folder>/.multigpu.lock``, released with the holder's
-file descriptors, so a SIGKILL never leaves the folder locked); the holder writes its host, pid and
-start time into the file so that a waiter that gives up can name it. ``flock`` is per host on most
-network file systems: do not share one folder between machines.
-
-A complete folder is put under its final name by :func:`atomic_folder`. A new step is one
-``rename``. Replacing an existing step (a re-save of the same step) cannot be one ``rename``: a
-folder cannot be renamed onto a non-empty folder. Instead:
-
-* where the kernel and file system support it (Linux >= 3.15; ext4, xfs, btrfs, tmpfs, ...),
-  ``renameat2(RENAME_EXCHANGE)`` swaps the two folders in one atomic step; the old one then
-  sits under the temporary name and is deleted;
-* elsewhere the old folder is first renamed to a hidden *aside* name that discovery reads as
-  the same step (:mod:`folders`), then the new one is renamed in. A kill between the two renames
-  leaves the old checkpoint findable under the aside name, and the next save puts it back
-  (:func:`~multigpu.checkpoint.folders.recover_asides`).
-
-Either way, at every instant a complete copy of the step (old or new) is found.
+Files go through a hidden temporary sibling (``.<name>.tmp-<host>-<pid>-<random>``: nothing that
+looks for checkpoints picks it up), flushed and ``fsync``ed, then ``os.replace``d onto the final
+name, then the folder is ``fsync``ed. A complete step folder is put in place by
+:func:`install_folder`: one ``rename``, or, to replace a step, ``renameat2(RENAME_EXCHANGE)`` where
+the file system has it and a hidden *aside* copy of the old folder elsewhere (discovery reads it as
+the same step, :mod:`folders`). The folder lock is ``filelock``'s ``flock``, so a SIGKILL never
+leaves a folder locked. OS errors become a :class:`~multigpu.errors.CheckpointError` naming the
+path and the fix. The whole story, and which test kills which step, is in docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -62,12 +39,19 @@ _PERMISSION_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 def temporary_name(final: Path) -> Path:
-    """A unique hidden sibling of ``final`` that checkpoint discovery ignores.
+    """A unique hidden sibling of ``final`` that checkpoint discovery ignores (host and pid in its name)."""
+    return _sibling(final, TEMP_MARKER)
 
-    The name holds the host and process id so a later run can tell whose leftover it is.
-    """
+
+def aside_name(final: Path) -> Path:
+    """A hidden sibling of the step folder ``final`` that holds it while it is being replaced."""
+    return _sibling(final, ASIDE_MARKER)
+
+
+def _sibling(final: Path, marker: str) -> Path:
+    # The host and pid tell a later run whose leftover it is (remove_stale_temporaries).
     host = socket.gethostname().replace(".", "_")
-    return final.with_name(f".{final.name}{TEMP_MARKER}{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return final.with_name(f".{final.name}{marker}{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def is_temporary(path: Path) -> bool:
@@ -75,17 +59,8 @@ def is_temporary(path: Path) -> bool:
     return path.name.startswith(".") and TEMP_MARKER in path.name
 
 
-def fsync_folder(folder: Path) -> None:
-    """Make the entries of ``folder`` (renames, new files) durable."""
-    _fsync_path(folder)
-
-
-def fsync_file(path: Path) -> None:
-    """Flush the data of a file that something else (e.g. a Rust writer) has written and closed."""
-    _fsync_path(path)
-
-
-def _fsync_path(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Make a file's data, or a folder's entries (renames, new files), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -129,12 +104,12 @@ def atomic_write_path(final: str | os.PathLike[str], write: Callable[[Path], Non
         tmp = temporary_name(final)
         try:
             write(tmp)
-            fsync_file(tmp)
+            fsync(tmp)
             os.replace(tmp, final)
         except BaseException:
             _remove_quietly(tmp)
             raise
-        fsync_folder(final.parent)
+        fsync(final.parent)
     return final
 
 
@@ -306,34 +281,6 @@ _UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, err
 use_exchange = sys.platform.startswith("linux")  # tests turn it off to exercise the fallback
 
 
-@contextlib.contextmanager
-def atomic_folder(final: str | os.PathLike[str]) -> Iterator[Path]:
-    """Build a folder under a temporary name; on success it takes the name ``final`` (see above).
-
-    Files written inside the yielded folder should be synced (see
-    :func:`~multigpu.checkpoint.atomic.fsync_file`); the folder itself is synced here.
-
-    Example:
-        >>> import tempfile
-        >>> root = Path(tempfile.mkdtemp())
-        >>> with atomic_folder(root / "step-1") as tmp:
-        ...     _ = (tmp / "a.txt").write_text("a")
-        >>> sorted(p.name for p in root.iterdir())
-        ['step-1']
-    """
-    final = Path(final)
-    tmp = temporary_name(final)
-    with explain_os_errors(final):
-        try:
-            tmp.mkdir()
-            yield tmp
-            fsync_folder(tmp)
-            install_folder(tmp, final)
-        except BaseException:
-            remove_tree(tmp)
-            raise
-
-
 def install_folder(tmp: Path, final: Path) -> None:
     """Give the complete folder ``tmp`` the name ``final``, replacing a previous ``final`` atomically."""
     try:
@@ -342,17 +289,17 @@ def install_folder(tmp: Path, final: Path) -> None:
         if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
     else:
-        fsync_folder(final.parent)
+        fsync(final.parent)
         return
     if use_exchange and exchange(tmp, final):
-        fsync_folder(final.parent)
+        fsync(final.parent)
         remove_tree(tmp)  # now the old step
         return
     aside = aside_name(final)
     os.rename(final, aside)
-    fsync_folder(final.parent)  # the aside is durable before the name is reused
+    fsync(final.parent)  # the aside is durable before the name is reused
     os.rename(tmp, final)
-    fsync_folder(final.parent)
+    fsync(final.parent)
     remove_tree(aside)
 
 
@@ -396,9 +343,3 @@ def _renameat2():  # type: ignore[no-untyped-def]
         return int(syscall(ctypes.c_long(number), olddir, old, newdir, new, ctypes.c_uint(flags)))
 
     return call
-
-
-def aside_name(final: Path) -> Path:
-    """A hidden sibling of the step folder ``final`` that holds it while it is being replaced."""
-    host = socket.gethostname().replace(".", "_")
-    return final.with_name(f".{final.name}{ASIDE_MARKER}{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}")

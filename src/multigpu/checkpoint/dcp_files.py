@@ -1,32 +1,35 @@
-"""DCP's index of a sharded checkpoint folder, and the checks made before anything reads the folder.
+"""A DCP (torch.distributed.checkpoint) folder read without running code: its index, its files, its tensors.
 
-A :class:`~multigpu.checkpoint.state.Checkpointer` saving a model sharded by fsdp writes its step
-folder with ``torch.distributed.checkpoint`` (DCP), so no process ever holds the whole model:
-
-    step-00000042/
-      .metadata        DCP's index: each tensor's global shape and dtype, where each slice lies (rank 0)
-      __0_0.distcp     rank 0's slices of the weights and optimizer state; __1_0.distcp rank 1's, ...
-      state.pt         step, epoch, every rank's random state, scheduler, scaler, data position (as unsharded)
-      manifest.json    the marker, with every DCP file's size and CRC-32 (:mod:`folders`)
-
-The folder is itself a DCP checkpoint (``torch.distributed.checkpoint.load`` reads it). Before DCP
-reads a folder, multigpu checks it: ``.metadata`` (a pickle) unpickled with only the classes DCP's
-index is made of, so it runs no code, then its fields; every file present with its recorded size;
-every slice inside its file; every file's CRC-32. A failed check is a
+Before DCP reads a folder, multigpu checks it: ``.metadata`` (a pickle) unpickled with only the
+classes DCP's index is made of, then its fields; every file present with its recorded size;
+every slice inside its file; every file's CRC-32 (``manifest.json``, :mod:`folders`). DCP then
+reads with the checked index, and non-tensor values load with ``weights_only=True``. The layout of
+a sharded step folder is in docs/checkpoints.md. A failed check is a
 :class:`~multigpu.errors.CheckpointError` naming the file and the fix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import math
 import os
 import pickle
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
 
 from multigpu.checkpoint.folders import (
     DATA_NAME,
@@ -36,10 +39,16 @@ from multigpu.checkpoint.folders import (
     bad,
     file_crc32,
     is_sharded_folder,
+    read_manifest,
 )
+from multigpu.checkpoint.formats import check_total
 from multigpu.errors import CheckpointError
 
 MAX_METADATA_BYTES = 256 << 20  # an index of millions of tensors stays far below
+MODEL = "model"  # the part of a Checkpointer's DCP state that holds the model (beside "optimizer")
+_NO_GROUP = "torch.distributed is disabled, unavailable or uninitialized"
+# What DCP raises: its CheckpointException (every rank's failures, gathered) derives from BaseException.
+DCP_FAILURES = (Exception, CheckpointException)
 
 
 def is_dcp_folder(path: Path) -> bool:
@@ -214,3 +223,133 @@ def check_files(
                 f"{str(folder / name)!r} does not match the CRC-32 its manifest records: its bytes were changed "
                 f"after the save (a damaged disk or copy). {FIX}"
             )
+
+
+# --- reading the tensors -----------------------------------------------------------------------
+
+
+def checked_index(folder: Path, *, crc: bool = True) -> tuple[dcp_metadata.Metadata, Manifest | None]:
+    """DCP's index of ``folder`` and its manifest (``None``: a DCP folder written elsewhere), the files checked.
+
+    ``crc=False`` checks the files' sizes only (reads no data), as :func:`check_files` does.
+    """
+    index = read_metadata(folder)
+    manifest = read_manifest(folder) if is_sharded_folder(folder) else None
+    check_files(folder, index, manifest, crc=crc)
+    return index, manifest
+
+
+def read_sharded_weights(folder: Path, *, max_expansion: float = math.inf) -> OrderedDict[str, torch.Tensor]:
+    """The model's whole tensors from the DCP checkpoint ``folder``, checked first, read by this process alone.
+
+    Raises:
+        CheckpointError: the folder is damaged (:func:`check_files`), or its
+            tensors would take more than ``max_expansion`` times its files' bytes.
+    """
+    index, _ = checked_index(folder)
+    sizes = {key: math.prod(e.size) * e.properties.dtype.itemsize for key, (_, e) in model_entries(index).items()}
+    largest = max(sizes.items(), key=lambda item: item[1], default=("", 0))
+    check_total(folder, files_bytes(folder), sum(sizes.values()), largest, max_expansion=max_expansion)
+    return read_model_tensors(folder, index)
+
+
+def files_bytes(folder: Path) -> int:
+    """The bytes of the regular files directly in ``folder``."""
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and not p.is_symlink())
+
+
+def read_model_tensors(folder: Path, metadata: Metadata) -> OrderedDict[str, torch.Tensor]:
+    """The model's whole tensors from the DCP checkpoint in ``folder``, read by this process alone.
+
+    The keys are the model's own (DCP's ``model.`` prefix removed); a checkpoint written by another
+    tool without a ``model`` part gives all its tensors. Needs memory for the whole model.
+    """
+    entries = model_entries(metadata)
+    # Keyed as in the index: DCP matches a flat key with dots to the same key in the file.
+    plain = {fqn: torch.empty(tuple(e.size), dtype=e.properties.dtype) for fqn, e in entries.values()}
+    try:
+        dcp_load(folder, plain, metadata, no_dist=True)
+    except CheckpointError:
+        raise
+    except DCP_FAILURES as exc:
+        raise CheckpointError(
+            f"reading the tensors of {str(folder)!r} failed ({describe_failure(exc)}); the folder is damaged."
+        ) from exc
+    return OrderedDict((key, plain[fqn]) for key, (fqn, _) in entries.items())
+
+
+def dcp_load(
+    folder: Path, target: dict[str, Any], metadata: Metadata, *, no_dist: bool, allow_unsafe_pickle: bool = False
+) -> None:
+    """``dcp.load`` into ``target`` with the index as :func:`read_metadata` checked it; values weights-only.
+
+    Check the folder first (:func:`check_files`). With a process group (``no_dist=False``) every
+    rank must call it: DCP plans the reads together.
+    """
+    planner = DefaultLoadPlanner() if allow_unsafe_pickle else _PlainValuesPlanner()
+    with _quiet():
+        dcp.load(target, storage_reader=_CheckedReader(folder, metadata), planner=planner, no_dist=no_dist)
+
+
+def model_entries(metadata: Metadata) -> dict[str, tuple[str, TensorStorageMetadata]]:
+    """The model's tensors in a DCP index: ``{model key: (key in the index, its entry)}``."""
+    tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    prefix = f"{MODEL}."
+    if any(k.startswith(prefix) for k in tensors):
+        return {k[len(prefix) :]: (k, v) for k, v in tensors.items() if k.startswith(prefix)}
+    return {k: (k, v) for k, v in tensors.items()}
+
+
+class _CheckedReader(dcp.FileSystemReader):
+    """DCP's file reader, given the index already read safely: DCP's own reader would ``pickle.load`` it."""
+
+    def __init__(self, folder: Path, metadata: Metadata) -> None:
+        super().__init__(folder)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata.storage_meta is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
+        return self._metadata
+
+
+class _PlainValuesPlanner(DefaultLoadPlanner):
+    """DCP's planner, except that non-tensor values load with ``weights_only=True`` (numbers, strings, tuples)."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except Exception as exc:  # UnpicklingError for a forbidden global; anything for damaged bytes
+            raise CheckpointError(
+                f"the value {fqn!r} of the sharded checkpoint is not plain data ({type(exc).__name__}: "
+                f"{str(exc)[:200]}); checkpoints multigpu writes hold only tensors, numbers and strings."
+            ) from exc
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+def failure_causes(exc: BaseException) -> list[tuple[int | None, BaseException]]:
+    """The exceptions behind a DCP failure, with the rank each happened on (``None``: this process)."""
+    if isinstance(exc, CheckpointException):
+        return [(rank, wrapped[0]) for rank, wrapped in sorted(exc.failures.items())]
+    return [(None, exc)]
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line per cause of a DCP failure, instead of DCP's tracebacks of every rank."""
+    return "; ".join(
+        ("" if rank is None else f"rank {rank}: ") + f"{type(cause).__name__}: {str(cause)[:300]}"
+        for rank, cause in failure_causes(exc)[:4]
+    )
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    # DCP warns whenever it runs without a process group; reading alone is what is meant here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_GROUP)
+        yield

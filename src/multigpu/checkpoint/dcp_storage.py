@@ -1,32 +1,46 @@
 """The sharded storage of a step folder (fsdp): every rank writes and reads its own slices with DCP.
 
-Save (every rank, protocol.save_step): rank 0 takes the folder's lock
-and creates the temporary folder; every rank writes its slices of the weights and optimizer state
-there with DCP (:func:`~multigpu.checkpoint.dcp_io.write_shards`, files flushed and ``fsync``ed;
-DCP's last step gathers every rank's result on rank 0, which writes the index: a barrier); every
-rank sends rank 0 the sizes and CRC-32s of its files, and rank 0 writes ``manifest.json``
-(:mod:`folders`), ``state.pt``, and renames the folder into place.
-
-Resume (every rank under a process group, :func:`~multigpu.checkpoint.protocol.resume_step`):
-everything (state, manifest, index, file sizes and CRC-32s, the saved tensors' names and shapes
-against the model's and optimizer's) is checked on every rank, then the ranks agree, so a damaged
-checkpoint fails every rank with the same error instead of leaving some waiting; DCP then reads
-each rank's slices into fresh tensors, and only then is anything changed.
+What DCP saves is ``{"model": ..., "optimizer": ...}`` from torch's ``get_state_dict`` (the bare
+model's keys; under fsdp this rank's slices, DTensors; the optimizer flattened to one entry per
+value). Save: every rank writes its files into the temporary folder, rank 0 writes the index,
+``manifest.json`` (each file's size and CRC-32, :mod:`folders`) and ``state.pt``. Resume: every
+check (state, manifest, index, files, names and shapes against the live objects) runs on every
+rank and the ranks agree before DCP reads anything, so a damaged checkpoint fails every rank
+with the same error; then each rank's slices are read into fresh tensors, and only then applied.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
-from multigpu.checkpoint import dcp_io
 from multigpu.checkpoint.atomic import explain_os_errors
-from multigpu.checkpoint.dcp_files import check_files, read_metadata
+from multigpu.checkpoint.dcp_files import (
+    DCP_FAILURES,
+    MODEL,
+    _quiet,
+    check_files,
+    dcp_load,
+    describe_failure,
+    failure_causes,
+    read_metadata,
+)
 from multigpu.checkpoint.folders import STATE_FILE, FileRecord, own_files, read_manifest, write_manifest
 from multigpu.checkpoint.ranks import agreed
 from multigpu.checkpoint.torch_file import load_torch_file
@@ -38,6 +52,103 @@ from multigpu.runtime.collective_failures import explain_collective_failures
 from multigpu.runtime.world import global_rank, world_size
 
 T = TypeVar("T")
+OPTIMIZER = "optimizer"
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+# --- DCP's state of a model and optimizer --------------------------------------------------------
+
+
+def is_sharded_model(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` (wrapped or not) is a DTensor, i.e. sharded by fsdp."""
+    return any(isinstance(p, DTensor) for p in unwrap(model).parameters())
+
+
+def live_state(model: nn.Module, optimizer: Any | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """What DCP saves of ``model`` and ``optimizer``, and the optimizer's plain state when it has none yet.
+
+    Returns:
+        ``({"model": ..., "optimizer": ...}, None)``; or, for an optimizer that has not stepped yet,
+        ``({"model": ...}, optimizer.state_dict())``: its param groups only, which go into ``state.pt``.
+        torch's ``get_state_dict`` would first initialize an empty optimizer state with a step of
+        learning rate 0 (Adam's step counter becomes 1), and the resumed run would then differ.
+
+    Does not communicate.
+    """
+    bare = unwrap(model)
+    if optimizer is None:
+        return {MODEL: get_model_state_dict(bare, options=_OPTIONS)}, None
+    if not optimizer.state:
+        return {MODEL: get_model_state_dict(bare, options=_OPTIONS)}, optimizer.state_dict()
+    weights, optimizer_state = get_state_dict(bare, optimizer, options=_OPTIONS)
+    return {MODEL: weights, OPTIMIZER: optimizer_state}, None
+
+
+def load_target(model: nn.Module, optimizer: Any | None) -> dict[str, Any]:
+    """Empty tensors shaped like ``model``'s (and ``optimizer``'s) state, sliced like them, for DCP to fill.
+
+    Loading fills these, not the model: nothing changes until :func:`apply_state`. An optimizer
+    that has not stepped yet gets its state initialized first (torch's ``get_state_dict`` steps it
+    with learning rate 0), so that it has buffers to load into.
+    """
+    bare = unwrap(model)
+    state: dict[str, Mapping[str, Any]] = {}
+    if optimizer is None:
+        state[MODEL] = get_model_state_dict(bare, options=_OPTIONS)
+    else:
+        state[MODEL], state[OPTIMIZER] = get_state_dict(bare, optimizer, options=_OPTIONS)
+    return {part: {k: _empty_like(v) for k, v in values.items()} for part, values in state.items()}
+
+
+def _empty_like(value: Any) -> Any:
+    return torch.empty_like(value) if isinstance(value, torch.Tensor) else value
+
+
+def apply_state(model: nn.Module, optimizer: Any | None, loaded: dict[str, Any]) -> None:
+    """Copy what DCP loaded into ``model`` and ``optimizer`` (torch's ``set_state_dict``)."""
+    bare = unwrap(model)
+    if OPTIMIZER in loaded and optimizer is not None:
+        set_state_dict(
+            bare, optimizer, model_state_dict=loaded[MODEL], optim_state_dict=loaded[OPTIMIZER], options=_OPTIONS
+        )
+    else:
+        set_model_state_dict(bare, loaded[MODEL], options=_OPTIONS)
+
+
+def write_shards(folder: Path, state: dict[str, Any]) -> None:
+    """Save ``state`` into ``folder`` with DCP: each rank its slices, rank 0 the index.
+
+    Every rank of the process group must call it. Every file is flushed and ``fsync``ed.
+    """
+    with _quiet():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), no_dist=not _grouped())
+
+
+def read_shards(folder: Path, target: dict[str, Any], metadata: Metadata, *, allow_unsafe_pickle: bool = False) -> None:
+    """Fill ``target`` (from :func:`load_target`) from the checked DCP folder ``folder`` (:func:`dcp_load`).
+
+    Under a process group every rank must call it; without one it reads alone.
+
+    Raises:
+        CheckpointError: DCP failed to read (the message names the folder and DCP's reason).
+    """
+    try:
+        with explain_collective_failures(f"reading checkpoint {folder}"):
+            dcp_load(folder, target, metadata, no_dist=not _grouped(), allow_unsafe_pickle=allow_unsafe_pickle)
+    except MultigpuError:
+        raise  # a damaged value (CheckpointError), a collective that timed out, a peer that exited
+    except DCP_FAILURES as exc:  # DCP wraps every rank's failure in a CheckpointException
+        raise CheckpointError(
+            f"reading the sharded checkpoint {str(folder)!r} failed ({describe_failure(exc)}). "
+            "Resume from another step (Checkpointer.resume(path=...)) if it is damaged."
+        ) from exc
+
+
+def _grouped() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+# --- the storage ---------------------------------------------------------------------------------
 
 
 class Sharded:
@@ -61,16 +172,16 @@ class Sharded:
 
     def saved_optimizer(self) -> dict[str, Any] | None:
         # What DCP writes is taken here, once, on every rank (it does not communicate).
-        self._shards, plain = dcp_io.live_state(self.model, self.optimizer)
+        self._shards, plain = live_state(self.model, self.optimizer)
         return plain
 
     def write(self, tmp: Path, target: Path, step: int) -> dict[str, FileRecord] | str:
         try:
             with explain_collective_failures(f"writing the shards of checkpoint {target}"):
-                dcp_io.write_shards(tmp, self._shards)
+                write_shards(tmp, self._shards)
         except MultigpuError:
             raise  # already explained (a collective timed out, a peer exited, ...)
-        except dcp_io.DCP_FAILURES as exc:  # DCP gathers every rank's failure into one exception
+        except DCP_FAILURES as exc:  # DCP gathers every rank's failure into one exception
             _raise_write_failure(target, exc)
         # A failure is sent to rank 0 as text rather than raised here, where rank 0 would wait for it.
         try:
@@ -109,18 +220,18 @@ class Sharded:
             r.fail("its model checksum", checked.model_checksum, f"{manifest.digest}, the shards' in manifest.json")
         self._metadata = read_metadata(folder)
         check_files(folder, self._metadata, manifest, rank=global_rank(), world_size=world_size())
-        in_shards = any(k.startswith(f"{dcp_io.OPTIMIZER}.") for k in self._metadata.state_dict_metadata)
-        self._target = dcp_io.load_target(self.model, self.optimizer if in_shards else None)
+        in_shards = any(k.startswith(f"{OPTIMIZER}.") for k in self._metadata.state_dict_metadata)
+        self._target = load_target(self.model, self.optimizer if in_shards else None)
         _check_shapes(folder, self._metadata, self._target, self.model)
         return in_shards
 
     def load(self, folder: Path, *, allow_unsafe_pickle: bool) -> None:
         if self._metadata is None:
             raise CheckpointError(f"{str(folder)!r} was not checked before it was read (a bug in multigpu).")
-        dcp_io.read_shards(folder, self._target, self._metadata, allow_unsafe_pickle=allow_unsafe_pickle)
+        read_shards(folder, self._target, self._metadata, allow_unsafe_pickle=allow_unsafe_pickle)
 
     def apply(self) -> None:
-        dcp_io.apply_state(self.model, self.optimizer if dcp_io.OPTIMIZER in self._target else None, self._target)
+        apply_state(self.model, self.optimizer if OPTIMIZER in self._target else None, self._target)
 
     def discard(self) -> None:
         if self.optimizer is not None and self._fresh is not None:
@@ -131,13 +242,13 @@ class Sharded:
 
 
 def _raise_write_failure(target: Path, exc: BaseException) -> NoReturn:
-    causes = dcp_io.failure_causes(exc)
+    causes = failure_causes(exc)
     os_error = next((cause for _, cause in causes if isinstance(cause, OSError)), None)
     if os_error is not None:
         with explain_os_errors(target):  # a full disk, a size limit, an unwritable folder: explained
             raise os_error from exc
     raise CheckpointError(
-        f"could not write the shards of checkpoint {str(target)!r} ({dcp_io.describe_failure(exc)}). "
+        f"could not write the shards of checkpoint {str(target)!r} ({describe_failure(exc)}). "
         "The previous checkpoint is unchanged."
     ) from exc
 
@@ -145,8 +256,8 @@ def _raise_write_failure(target: Path, exc: BaseException) -> NoReturn:
 def _check_shapes(folder: Path, metadata: Metadata, target: dict[str, Any], model: nn.Module) -> None:
     """The saved entries are exactly those ``target`` asks for, tensors with the same (whole) shapes."""
     saved = metadata.state_dict_metadata
-    expected = dcp_io.flat_keys(target)
-    prefix = f"{dcp_io.MODEL}."
+    expected = flatten_state_dict(target)[0]  # DCP's keys: {"model": {"w": t}} -> "model.w"
+    prefix = f"{MODEL}."
     model_saved = {
         k[len(prefix) :]: torch.empty(tuple(v.size), device="meta")
         for k, v in saved.items()
@@ -160,9 +271,9 @@ def _check_shapes(folder: Path, metadata: Metadata, target: dict[str, Any], mode
         raise CheckpointError(
             f"the sharded checkpoint {str(folder)!r} does not match {type(unwrap(model)).__name__}: {problem}"
         )
-    if dcp_io.OPTIMIZER not in target:
+    if OPTIMIZER not in target:
         return
-    prefix = f"{dcp_io.OPTIMIZER}."
+    prefix = f"{OPTIMIZER}."
     live = {k for k in expected if k.startswith(prefix)}
     stored = {k for k in saved if k.startswith(prefix)}
     # Saved param-group options the live optimizer lacks (e.g. a scheduler's initial_lr) are not

@@ -1,24 +1,12 @@
 """The step-N folders of a Checkpointer: their names, which are complete, and a sharded one's manifest.
 
-Names. A checkpoint folder is ``step-`` followed by the step as written by ``f"{step:08d}"``: eight
-digits with leading zeros, more digits without one, ASCII only, the step at most
-:data:`MAX_STEP`. Nothing else is a checkpoint: ``step-99999999999999999999``, ``step-5``,
-``step-0000000٥`` or ``step-00000005.bak`` are someone else's folders, never read, never pruned.
-While a step is being replaced, its previous folder may sit under a hidden *aside* name,
-``.step-00000005.prev-<host>-<pid>-<random>`` (:func:`~multigpu.checkpoint.atomic.install_folder`).
-
-Discovery. A checkpoint is complete when its folder has a strict step name, is a real folder (not a
-symlink), and holds its files as regular files: ``model.safetensors`` and ``state.pt``, or, for a
-sharded checkpoint (fsdp), ``manifest.json``, DCP's ``.metadata`` and ``state.pt``. Every file is
-written before the folder gets its name, so present means whole. A step whose folder is missing
-but whose previous copy sits under an aside name (a replacement was interrupted) is found there,
-if that copy's own files record the same step.
-
-The manifest. A sharded step folder (:mod:`dcp_files`) holds ``manifest.json``:
-``{"format": "dcp", "step": 42, "world_size": 2, "files": {name: {"bytes", "crc32"}}}``. It marks
-the format (discovery, pruning and ``ckpt inspect`` read it without unpickling anything) and
-records every DCP file's size and CRC-32; ``state.pt`` records the manifest's digest, so state and
-shards of different saves are never resumed together.
+A checkpoint folder is named exactly ``f"step-{step:08d}"`` (ASCII digits, the step at most
+:data:`MAX_STEP`); anything else is someone else's folder, never read, never pruned. It is complete
+when it is a real folder holding its files as regular files: ``model.safetensors`` and ``state.pt``,
+or, sharded, ``manifest.json``, DCP's ``.metadata`` and ``state.pt``. A step whose replacement was
+interrupted is found under its hidden aside name (:func:`~multigpu.checkpoint.atomic.install_folder`).
+``manifest.json`` marks a sharded folder and records every DCP file's size and CRC-32; ``state.pt``
+records its digest. Layout and rules: docs/checkpoints.md.
 """
 
 from __future__ import annotations

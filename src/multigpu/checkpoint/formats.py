@@ -1,19 +1,9 @@
 """Read and write tensor files in safetensors or torch format, never executing code from a file.
 
-safetensors holds only tensors and a string-to-string header, so reading it cannot run code;
-its header is checked (:mod:`safetensors_file`) and its tensors read here, from the same open
-file, so nothing else ever parses it.
-torch files are pickles; they are read with ``torch.load(weights_only=True)``, whose unpickler
-only rebuilds tensors and plain containers. A file that needs anything more (a custom class, a
-function) is refused with :class:`~multigpu.errors.CheckpointError` naming the globals it wants
-and the explicit opt-in, ``allow_unsafe_pickle=True``, for files the user trusts. Even then a
-file whose classes cannot be imported here is a CheckpointError naming them and the fix
-(:mod:`torch_file`).
-
-A tensor in a torch file is a view of a storage: shape ``[10**12]`` with stride 0 over a 4-byte
-storage is a few bytes on disk and 4 TB once copied (safetensors writes every tensor contiguous).
-Loading into a model is bounded by the model itself (shapes must match), but converting a file is
-not; :func:`check_expansion` refuses a file that would grow by more than a stated factor.
+A safetensors file is read from the one open file whose header was checked
+(:mod:`safetensors_file`); a torch file through :mod:`torch_file`. A tensor in a torch file is a
+view of a storage, so a few bytes on disk can be terabytes once copied: :func:`check_expansion`
+bounds what converting a file may allocate (loading into a model is bounded by the model's shapes).
 """
 
 from __future__ import annotations
@@ -322,7 +312,7 @@ def _deduplicate(
     storages: set[int] = set()
     for key, tensor in tensors.items():
         tensor = tensor.detach().cpu()
-        ident = (_storage_ptr(tensor), int(tensor.storage_offset()), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        ident = _view_of(tensor)
         if tensor.numel() and ident in seen:
             aliases[key] = seen[ident]
             continue
@@ -338,12 +328,12 @@ def _storage_ptr(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage().data_ptr())
 
 
+def _view_of(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]:
+    # Tensors equal in all of these are the same bytes (tied weights): written once, counted once.
+    return (_storage_ptr(tensor), int(tensor.storage_offset()), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+
+
 # --- bounds on expansion ---
-
-
-def materialized_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of ``tensor`` once contiguous (no allocation)."""
-    return tensor.numel() * tensor.element_size()
 
 
 def check_expansion(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *, max_expansion: float) -> None:
@@ -361,19 +351,14 @@ def check_expansion(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike
     """
     if math.isinf(max_expansion):
         return
-    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    seen: set[tuple[Any, ...]] = set()
     total, largest, largest_key = 0, 0, ""
     for key, tensor in tensors.items():
-        ident = (
-            tensor.untyped_storage().data_ptr(),
-            int(tensor.storage_offset()),
-            tuple(tensor.shape),
-            tensor.stride(),
-        )
+        ident = _view_of(tensor)[:4]  # any dtype: the same bytes
         if ident in seen and tensor.numel():
             continue
         seen.add(ident)
-        size = materialized_bytes(tensor)
+        size = tensor.nbytes  # once contiguous; no allocation
         total += size
         if size > largest:
             largest, largest_key = size, key

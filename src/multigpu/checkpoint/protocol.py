@@ -38,7 +38,7 @@ from multigpu.checkpoint.atomic import (
     atomic_write_file,
     explain_os_errors,
     folder_lock,
-    fsync_folder,
+    fsync,
     install_folder,
     remove_stale_temporaries,
     remove_tree,
@@ -135,7 +135,7 @@ def save_step(
                 with explain_os_errors(target):
                     state["model_checksum"] = storage.seal(tmp, every or [], state["step"], state["world_size"])
                     atomic_write_file(tmp / STATE_FILE, lambda f: torch.save(state, f))
-                    fsync_folder(tmp)
+                    fsync(tmp)
                     install_folder(tmp, target)
                     prune(state["step"])
 

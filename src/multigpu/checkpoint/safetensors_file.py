@@ -1,29 +1,18 @@
 """A safetensors file's header, checked before anything else reads the file, and the checksum multigpu writes in it.
 
-The header. A safetensors file is an 8-byte little-endian header length, a JSON header, then one
-data section in which every tensor owns the byte range ``data_offsets`` (relative to the section).
-The safetensors library refuses most malformed files itself, with a ``SafetensorError`` whose text
-names neither the file nor the fix, and accepts some (duplicate keys; a data section that is also a
-zip archive). multigpu reads the data from the same open file it checked (:mod:`formats`), so it
-checks the header first: every damaged file is a :class:`~multigpu.errors.CheckpointError` naming
-the file and what is wrong, and nothing is read beyond the header. The rules are the format's: the
-header is at most 100 MB and fits in the file; it is a JSON object without duplicate keys;
-``__metadata__`` maps strings to strings; every other entry has exactly ``dtype`` (one we know),
-``shape`` (non-negative ints) and ``data_offsets`` (``[begin, end]``, ``end - begin`` = the
-tensor's byte size); the ranges, sorted, tile the data section exactly.
+The header. The safetensors library refuses most malformed files with a ``SafetensorError`` that
+names neither the file nor the fix, and accepts some (duplicate keys; a data section that is also
+a zip archive), so the header is checked here first, by the format's rules (see
+docs/checkpoints.md, "Safe loading"); nothing is read beyond it.
 
-The checksum. A flipped bit in a tensor's bytes leaves a perfectly well-formed file; only a
-checksum tells. Files multigpu writes carry ``"multigpu.checksum": "crc32:HHHHHHHH:TTTTTTTT"`` in
+The checksum. Files multigpu writes carry ``"multigpu.checksum": "crc32:HHHHHHHH:TTTTTTTT"`` in
 their header metadata. ``H`` covers what the header says (every tensor's name, dtype and shape, and
 the other metadata), so it is checked from the header alone (``ckpt inspect``); ``T`` covers every
 tensor's bytes (a CRC-32 of the CRC-32s of every tensor's 4 MiB pieces). Byte offsets are not
 covered: a damaged offset breaks the header's tiling or moves other bytes under a tensor, which
 ``T`` catches. The CRC-32s come from the tensors in memory, computed in threads while the file is
-written or read (zlib releases the GIL), so they cost no extra pass over the file; ``T`` is written
-as zeros and patched in place once known (:func:`stamp`). A Checkpointer's ``state.pt`` records
-this checksum, so weights and training state of different saves are never resumed together.
-Files from elsewhere carry no checksum and are read as they are. (torch files carry a CRC-32 per
-zip record, checked by :mod:`torch_file`.)
+written or read (zlib releases the GIL); ``T`` is written as zeros and patched in place once known
+(:func:`stamp`). Files from elsewhere carry no checksum and are read as they are.
 """
 
 from __future__ import annotations

@@ -37,8 +37,7 @@ from typing import Any, NoReturn, Protocol
 from torch import nn
 
 from multigpu.checkpoint.atomic import remove_tree
-from multigpu.checkpoint.dcp_io import is_sharded_model
-from multigpu.checkpoint.dcp_storage import Sharded
+from multigpu.checkpoint.dcp_storage import Sharded, is_sharded_model
 from multigpu.checkpoint.folders import (
     MODEL_FILE,
     STATE_FILE,

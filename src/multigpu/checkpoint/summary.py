@@ -14,15 +14,18 @@ from __future__ import annotations
 import math
 import os
 import reprlib
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from multigpu.checkpoint.dcp_files import check_files, is_dcp_folder, read_metadata
-from multigpu.checkpoint.dcp_io import files_bytes, model_entries, read_sharded_weights
+from multigpu.checkpoint.dcp_files import (
+    checked_index,
+    files_bytes,
+    is_dcp_folder,
+    model_entries,
+)
 from multigpu.checkpoint.folders import (
     MAX_STEP,
     METADATA_FILE,
@@ -32,10 +35,8 @@ from multigpu.checkpoint.folders import (
     is_sharded_folder,
     parse_aside,
     parse_step,
-    read_manifest,
-    recorded_step,
 )
-from multigpu.checkpoint.formats import Format, check_expansion, detect_format, read_structure, read_tensors
+from multigpu.checkpoint.formats import Format, detect_format, read_structure
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import check_counters
 from multigpu.core.keys import find_prefixes
@@ -96,22 +97,6 @@ def weights_file(path: str | os.PathLike[str]) -> Path:
     return latest if is_sharded_folder(latest) else latest / MODEL_FILE
 
 
-def read_weights(
-    source: Path, *, allow_unsafe_pickle: bool = False, max_expansion: float = math.inf
-) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
-    """The whole tensors and metadata of ``source`` (from :func:`weights_file`): a file, or a DCP folder.
-
-    A DCP folder is checked first (:func:`~multigpu.checkpoint.dcp_files.check_files`) and refused
-    when its tensors would take more than ``max_expansion`` times its files' bytes.
-    """
-    if not source.is_dir():
-        tensors, metadata = read_tensors(source, allow_unsafe_pickle=allow_unsafe_pickle)
-        check_expansion(tensors, source, max_expansion=max_expansion)
-        return tensors, metadata
-    step = recorded_step(source)  # as a Checkpointer's model.safetensors records it
-    return read_sharded_weights(source, max_expansion=max_expansion), {} if step is None else {"step": str(step)}
-
-
 def summarize(path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False) -> Summary:
     """Describe the checkpoint at ``path``.
 
@@ -144,9 +129,7 @@ def summarize(path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False
 
 
 def _summarize_sharded(folder: Path, allow_unsafe_pickle: bool) -> Summary:
-    index = read_metadata(folder)
-    manifest = read_manifest(folder) if is_sharded_folder(folder) else None
-    check_files(folder, index, manifest, crc=False)  # sizes only: inspect reads no data
+    index, manifest = checked_index(folder, crc=False)  # sizes only: inspect reads no data
     structure = [(key, tuple(e.size), e.properties.dtype) for key, (_, e) in model_entries(index).items()]
     state = _training_state(folder, allow_unsafe_pickle) if (folder / STATE_FILE).is_file() else {}
     if state:  # the optimizer's state lies in the shards, unless it had not stepped yet (then in state.pt)

@@ -1,25 +1,14 @@
 """Read torch files (``torch.save``'s zip of pickle and storage records) without ever running code from them.
 
-``torch.load(weights_only=True)`` never runs code from the file, but it still trusts the
-archive: a missing record is a raw ``RuntimeError``, and its allowed globals include
-``bytearray``, so a 30-byte pickle can ask for terabytes. :func:`check_torch_file` looks first,
-with only :mod:`zipfile` and an unpickler that builds no tensor:
-
-* the archive must be a zip starting at byte 0, every member stored uncompressed, inside the file,
-  not overlapping another, under one root folder, with a plain relative name (no ``..``, no
-  absolute path, no backslash) that appears once; ``data.pkl`` and ``version`` must be there;
-* the pickle may name only the globals that plain tensors and containers need (a stricter list
-  than torch's own, which admits ``bytearray`` and sparse tensors);
-* every storage the pickle declares has its record, of the size the storage claims, and every
-  tensor lies inside its storage: what the zip directory and the pickle tell, no data read;
-* with ``verify_records``, every record is read through :mod:`zipfile`, which checks its CRC-32.
-
-Then :func:`load_torch_file` hands the same open file to ``torch.load``. A file that needs anything
-more than tensors and containers is refused with a :class:`~multigpu.errors.CheckpointError` naming
-the globals it wants (as torch's ``get_unsafe_globals_in_checkpoint`` lists them) and the explicit
-opt-in, ``allow_unsafe_pickle=True``, for files the user trusts. Even then a file whose classes
-cannot be imported here is a CheckpointError naming them and the fix. Legacy (pre-1.6, non-zip)
-torch files cannot be checked and are loaded only when trusted.
+``torch.load(weights_only=True)`` runs no code from the file, but it trusts the archive: a missing
+record is a raw ``RuntimeError``, and its allowed globals include ``bytearray``, so a 30-byte pickle
+can ask for terabytes. :func:`check_torch_file` looks first, with only :mod:`zipfile` and an
+unpickler that builds no tensor (the zip's layout and names, the pickle's globals against a stricter
+list than torch's, every storage record present and of its declared size, every view inside its
+storage, and, unless only the structure is read, every record's CRC-32); then
+:func:`load_torch_file` hands the same open file to ``torch.load``. The rules are listed in
+docs/checkpoints.md ("Safe loading"). Legacy (pre-1.6, non-zip) files cannot be checked and load
+only when trusted (``allow_unsafe_pickle=True``).
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from multigpu.checkpoint.folders import MAX_STEP, MAX_WORLD_SIZE
-from multigpu.checkpoint.formats import check_plain_tensor, materialized_bytes
+from multigpu.checkpoint.formats import check_plain_tensor
 from multigpu.checkpoint.ranks import device_rng_keys
-from multigpu.errors import CheckpointError, MultigpuError
+from multigpu.errors import CheckpointError
 
 FORMAT_VERSION = 1
 MAX_DEPTH = 32
@@ -363,16 +363,9 @@ def _check_buffer(r: Refusal, value: Any, param: torch.Tensor, key: str, where: 
         r.fail(where, f"a tensor of shape {tuple(value.shape)}", f"its parameter's shape {tuple(param.shape)}")
     # Loading casts buffers to the parameter's dtype: a copy, which must not exceed what is there.
     limit = max(value.untyped_storage().nbytes(), param.numel() * param.element_size(), 64)
-    if materialized_bytes(value) > limit:
+    if value.nbytes > limit:  # bytes once contiguous
         r.fail(
             where,
-            f"a view of {materialized_bytes(value)} bytes over {value.untyped_storage().nbytes()}",
+            f"a view of {value.nbytes} bytes over {value.untyped_storage().nbytes()}",
             "a plain buffer",
         )
-
-
-def as_error(exc: Exception, folder: Path, stage: str, note: str) -> MultigpuError:
-    """A CheckpointError for an unexpected failure while applying ``stage`` from ``folder``."""
-    return CheckpointError(
-        f"{str(folder)!r}: applying the {stage} state failed ({type(exc).__name__}: {str(exc)[:300]}); {note}"
-    )

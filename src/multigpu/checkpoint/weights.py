@@ -15,6 +15,7 @@ slices out of the whole tensors it read, without communicating (:func:`shard_lik
 
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -25,9 +26,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from multigpu.checkpoint.dcp_files import is_dcp_folder
-from multigpu.checkpoint.dcp_io import read_sharded_weights
-from multigpu.checkpoint.formats import Format, read_tensors, write_tensors
+from multigpu.checkpoint.dcp_files import is_dcp_folder, read_sharded_weights
+from multigpu.checkpoint.folders import recorded_step
+from multigpu.checkpoint.formats import Format, check_expansion, read_tensors, write_tensors
 from multigpu.checkpoint.ranks import run_on_main
 from multigpu.core.keys import clean_state_dict, collision_message, match_keys, unwrap
 from multigpu.errors import CheckpointError
@@ -115,12 +116,29 @@ def load(
         >>> load(nn.DataParallel(nn.Linear(2, 1)), p).__class__.__name__
         'DataParallel'
     """
-    if is_dcp_folder(Path(path)):  # a sharded checkpoint folder (fsdp, torch.distributed.checkpoint)
-        tensors = read_sharded_weights(Path(path))
-    else:
-        tensors, _ = read_tensors(path, allow_unsafe_pickle=allow_unsafe_pickle)
+    tensors, _ = read_weights(path, allow_unsafe_pickle=allow_unsafe_pickle)
     load_tensors(model, tensors, strict=strict, strip=strip, source=str(path))
     return model
+
+
+def read_weights(
+    path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False, max_expansion: float = math.inf
+) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
+    """The whole tensors and metadata of a weights file or a DCP checkpoint folder, checked first.
+
+    A DCP folder (a Checkpointer's under fsdp) is read by this process alone; its metadata is the
+    step its manifest records.
+
+    Raises:
+        CheckpointError: the file or folder is damaged, or its tensors, made contiguous, would take
+            more than ``max_expansion`` times its bytes on disk.
+    """
+    if not is_dcp_folder(Path(path)):
+        tensors, metadata = read_tensors(path, allow_unsafe_pickle=allow_unsafe_pickle)
+        check_expansion(tensors, path, max_expansion=max_expansion)
+        return tensors, metadata
+    step = recorded_step(Path(path))
+    return read_sharded_weights(Path(path), max_expansion=max_expansion), {} if step is None else {"step": str(step)}
 
 
 def load_tensors(

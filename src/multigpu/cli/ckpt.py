@@ -129,7 +129,8 @@ def _convert(console: Console, args: argparse.Namespace) -> None:
     from rich.text import Text
 
     from multigpu.checkpoint.formats import write_tensors
-    from multigpu.checkpoint.summary import read_weights, weights_file
+    from multigpu.checkpoint.summary import weights_file
+    from multigpu.checkpoint.weights import read_weights
     from multigpu.core.keys import clean_state_dict, collision_message, find_collisions
     from multigpu.errors import CheckpointError
 
