@@ -22,7 +22,7 @@ def _layers() -> list[tuple[str, ...]]:
     section = MAP.read_text().split("## Layers", 1)[1]
     block = re.search(r"```\n(.*?)```", section, re.S)
     assert block is not None, "ARCHITECTURE.md's Layers section has no code block"
-    lines = [line.split("  ")[0] for line in block.group(1).splitlines() if line.strip()]
+    lines = [line.split("  ")[0] for line in block.group(1).splitlines() if line[:1].strip()]  # not continuations
     return [tuple(name.strip() for name in line.split(",")) for line in reversed(lines)]
 
 
