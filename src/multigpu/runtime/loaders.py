@@ -166,8 +166,15 @@ def check_sharded(batches: object, shard: ShardSpec) -> None:
 
 
 def _sampler(loader: DataLoader) -> Sampler[Any] | Any:
-    """The sampler that orders the samples: the batch sampler's own when it has one."""
-    return getattr(loader.batch_sampler, "sampler", loader.sampler)
+    """The sampler that orders the samples: the batch sampler's own when it has one.
+
+    A custom batch sampler without a ``.sampler`` orders the samples itself: ``loader.sampler`` is
+    then the ``SequentialSampler`` torch fills in, which the user never chose, so it is not asked.
+    """
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and not isinstance(batch_sampler, BatchSampler):
+        return getattr(batch_sampler, "sampler", batch_sampler)
+    return getattr(batch_sampler, "sampler", loader.sampler)
 
 
 def _kept_arguments(loader: DataLoader) -> dict[str, Any]:
