@@ -53,21 +53,8 @@ from torch.utils.data import (
 
 from multigpu.errors import ConfigError
 from multigpu.runtime.data import EpochLoader, ShardSpec, build_epoch_loader, per_process_batch
+from multigpu.runtime.resumable import loader_settings
 
-# DataLoader arguments that travel to the rebuilt loader unchanged (those this torch has).
-_KEPT = (
-    "num_workers",
-    "collate_fn",
-    "pin_memory",
-    "pin_memory_device",
-    "timeout",
-    "worker_init_fn",
-    "multiprocessing_context",
-    "generator",
-    "prefetch_factor",
-    "persistent_workers",
-    "in_order",
-)
 # torch's samplers that never shard: a loader over one of them loads every sample on every rank.
 _UNSHARDED = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
 _FIX = "pass it through loader = session.setup_dataloader(loader) (its batch_size becomes the global batch)"
@@ -121,12 +108,13 @@ def shard_dataloader(loader: DataLoader, shard: ShardSpec, *, seed: int) -> Epoc
             f"{type(loader).__name__} is a DataLoader subclass: rebuilding it as a DataLoader would drop its own "
             "behaviour; build a plain DataLoader, or shard it yourself with a DistributedSampler"
         )
-    kept = _kept_arguments(loader)
+    kept = loader_settings(loader)
     batch_size, drop_last = _batching(loader)
     if isinstance(loader.dataset, IterableDataset):
         per_process = per_process_batch(batch_size, shard)
         dataset = StridedIterable(loader.dataset, shard) if shard.world_size > 1 else loader.dataset
-        return EpochLoader(DataLoader(dataset, batch_size=per_process, drop_last=drop_last, **kept), None)
+        rebuilt = DataLoader(dataset, batch_size=per_process, drop_last=drop_last, **kept)
+        return EpochLoader(rebuilt, None, seed=seed, rank=shard.rank)
     return build_epoch_loader(
         loader.dataset,
         global_batch=batch_size,
@@ -175,13 +163,6 @@ def _sampler(loader: DataLoader) -> Sampler[Any] | Any:
     if batch_sampler is not None and not isinstance(batch_sampler, BatchSampler):
         return getattr(batch_sampler, "sampler", batch_sampler)
     return getattr(batch_sampler, "sampler", loader.sampler)
-
-
-def _kept_arguments(loader: DataLoader) -> dict[str, Any]:
-    kept = {name: getattr(loader, name) for name in _KEPT if hasattr(loader, name)}
-    if kept.get("num_workers", 0) == 0:
-        kept.pop("prefetch_factor", None)  # torch refuses it without workers (older torch stored 2)
-    return kept
 
 
 def _batching(loader: DataLoader) -> tuple[int, bool]:

@@ -233,6 +233,8 @@ class Session:
             while upcoming is not _END:
                 batch, upcoming = upcoming, next(ahead, _END)
                 self._last_batch = upcoming is _END
+                if isinstance(batches, EpochLoader):  # its state counts the batches the loop has received
+                    batches.lookahead = 0 if upcoming is _END else 1
                 yield _to_device(batch, device)
         finally:
             self._last_batch = outer
