@@ -163,7 +163,9 @@ class EpochLoader(Generic[T]):
     def skip_first_batches(self, count: int) -> EpochLoader[T]:
         """Make the next iteration skip its first ``count`` batches (nothing loaded for them); returns self."""
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ConfigError(f"skip_first_batches got count={count!r}; pass the number of batches to skip, an int >= 0")
+            raise ConfigError(
+                f"skip_first_batches got count={count!r}; pass the number of batches to skip, an int >= 0"
+            )
         self._skip = count
         return self
 
