@@ -25,7 +25,10 @@ Policy (the same under every strategy, so one script gives the same global batch
   gathered by dataset index so the padding collapses (:func:`multigpu.runtime.collectives.gather_by_index`):
   exactly ``len(dataset)`` results.
 - **Uneven inputs** (an iterable whose length differs per rank): :func:`even_batches` lets all
-  ranks agree on the shortest, so no rank waits forever in an all-reduce that another never joins.
+  ranks agree on the shortest, so no rank waits forever in an all-reduce that another never joins
+  (``session.join`` lets every rank take all of its batches instead).
+- **Resuming** mid-epoch: :class:`EpochLoader` is stateful and owns the seed its iterator draws
+  (:mod:`multigpu.runtime.resumable`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,10 @@ steps it should. :func:`shard_dataloader` rebuilds such a loader for this rank a
   ``generator``, ``prefetch_factor``, ``persistent_workers``, ``in_order`` and ``drop_last``.
 - **Refused** with a :class:`~multigpu.errors.ConfigError` that says what to do instead, because
   it cannot be kept: a DataLoader subclass (its own behaviour would be lost), a custom sampler or
-  batch sampler (its order is not the shared per-epoch permutation), a ``RandomSampler`` with
+  batch sampler (its order is not the shared per-epoch permutation; and it is not sharded for you as
+  Accelerate's ``BatchSamplerShard`` does, because its own code draws the order, often from torch's
+  global generator, which differs per rank after ``setup_model``: the ranks' shards would overlap
+  and miss samples; shard it yourself and iterate it with ``session.batches``), a ``RandomSampler`` with
   replacement or its own ``num_samples``, ``batch_size=None`` (the dataset yields whole batches),
   and a loader that is already sharded by a ``DistributedSampler``.
 
