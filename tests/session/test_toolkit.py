@@ -27,9 +27,10 @@ from multigpu.runtime.loaders import shard_dataloader
 from multigpu.runtime.resumable import skip_first_batches
 from multigpu.session import Session, SessionConfig
 from multigpu.session.coordination import MetricsPosition
-from tests.launching import launch_workers
+from tests.launching import launch_workers, multigpu_launch
 
 WORKER = Path(__file__).parent / "toolkit_worker.py"
+CUDA_WORKER = Path(__file__).parent / "toolkit_cuda_worker.py"
 _EXAMPLES = int(os.environ.get("MULTIGPU_FUZZ_EXAMPLES", "30"))
 CHECKS = [
     "rank_streams",
@@ -214,3 +215,11 @@ def worker_output(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
 @pytest.mark.parametrize("check", CHECKS)
 def test_toolkit_on_gloo_ranks(worker_output: str, check: str) -> None:
     assert f"ok {check}" in worker_output.splitlines(), worker_output[-2000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.multiprocess
+def test_toolkit_on_nccl(tmp_path: Path) -> None:
+    done = multigpu_launch("--strategy", "ddp", str(CUDA_WORKER), str(tmp_path), timeout_s=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {"ok cuda_collectives", "ok cuda_resume"} <= set(done.stdout.splitlines()), done.stdout[-2000:]
