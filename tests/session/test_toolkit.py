@@ -125,6 +125,9 @@ def test_loader_state_counts_what_session_batches_handed_out(tmp_path: Path) -> 
         assert loader.state_dict() == {"epoch": 1, "batch": 0}
         skipped = session.skip_first_batches(loader, 3)
         assert [b[0].tolist() for b in session.batches(skipped)] == [[9, 10, 11]]
+        padded = session.build_loader(TensorDataset(torch.arange(10)), batch_size=4, shuffle=False, drop_last=False)
+        session.skip_first_batches(padded, 2)  # a resumed epoch: the metrics count the skipped samples
+        assert [session.gather_for_metrics(b[0]).tolist() for b in session.batches(padded)] == [[8, 9]]
         assert len(list(loader)) == 4  # only the next iteration skipped
 
 

@@ -172,6 +172,11 @@ class EpochLoader(Generic[T]):
         self._skip = count
         return self
 
+    @property
+    def pending_skip(self) -> int:
+        """The batches the next iteration skips (from :meth:`load_state_dict` or :meth:`skip_first_batches`)."""
+        return self._skip
+
     def __iter__(self) -> Iterator[T]:
         if self.sampler is not None:
             self.sampler.set_epoch(self.epoch)

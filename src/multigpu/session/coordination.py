@@ -83,7 +83,9 @@ class MetricsPosition:
     def __init__(self, loader: object) -> None:
         self.strided = isinstance(loader, EpochLoader)
         self.total = _epoch_samples(loader) if isinstance(loader, EpochLoader) else None
-        self.seen = 0
+        self.seen = 0  # samples of the epoch before this iteration's first batch (a resumed epoch skips some)
+        if isinstance(loader, EpochLoader) and loader.sampler is not None:
+            self.seen = loader.pending_skip * (loader.loader.batch_size or 1) * loader.sampler.num_replicas
 
     def gather(self, obj: Any) -> Any:
         """``obj``'s tensors from every rank, in one-device order, less the repeats past the epoch's end."""
