@@ -267,7 +267,9 @@ def main() -> None:
             check_join,
             check_resume,
         ):
+            began = time.perf_counter()
             check(session)
+            session.print(f"seconds {check.__name__} {time.perf_counter() - began:.2f}")
     sys.stdout.flush()
 
 
