@@ -37,6 +37,7 @@ CHECKS = [
     "collectives",
     "split_between_processes",
     "gather_for_metrics",
+    "own_batch_sampler",
     "evaluate_padding",
     "process_order",
     "trigger",

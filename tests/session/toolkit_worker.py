@@ -136,6 +136,22 @@ def check_gather_for_metrics(session: Session) -> None:
     passed(session, "gather_for_metrics")
 
 
+def check_own_batch_sampler(session: Session) -> None:
+    """Break 3: a user's own sharded batch sampler passes session.batches; every sample comes once."""
+    world, rank = session.world_size, session.global_rank
+    batches = [list(range(i, min(i + 2, 11))) for i in range(0, 11, 2)]
+    own = DataLoader(TensorDataset(torch.arange(11)), batch_sampler=batches[rank::world])  # this rank's batches
+    seen = [int(i) for (ids,) in session.batches(own) for i in ids]
+    everyone = sorted(i for ids in session.gather_object(seen) for i in ids)
+    steps = min(len(batches[r::world]) for r in range(world))  # the ranks stop together at the shortest
+    agree(
+        everyone == sorted(i for r in range(world) for b in batches[r::world][:steps] for i in b),
+        "own batch sampler",
+        session,
+    )
+    passed(session, "own_batch_sampler")
+
+
 def check_evaluate_padding(session: Session) -> None:
     calls = []
     n = 2 * session.world_size + 1  # does not divide: the last ranks evaluate a repeat
@@ -220,9 +236,9 @@ def train_with_dropout(folder: Path, *, stop_at: int | None) -> dict[str, torch.
     with Session(strategy="ddp", seed=0) as session:  # a fresh session: each rank's own dropout stream
         model = session.setup_model(nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        gen = torch.Generator().manual_seed(3)
-        data = TensorDataset(torch.randn(24, 5, generator=gen), torch.randint(0, 3, (24,), generator=gen))
-        loader = session.build_loader(data, batch_size=4)  # 6 steps per epoch
+        gen, n = torch.Generator().manual_seed(3), 12 * session.world_size
+        data = TensorDataset(torch.randn(n, 5, generator=gen), torch.randint(0, 3, (n,), generator=gen))
+        loader = session.build_loader(data, batch_size=2 * session.world_size)  # 6 steps per epoch
         checkpointer = Checkpointer(folder=folder)
         resumed = checkpointer.resume(model=model, optimizer=optimizer, loader=loader)
         step = resumed.step if resumed else 0
@@ -261,6 +277,7 @@ def main() -> None:
             check_collectives,
             check_split,
             check_gather_for_metrics,
+            check_own_batch_sampler,
             check_evaluate_padding,
             check_process_order,
             check_trigger,
