@@ -193,6 +193,10 @@ def test_checkpointer_loader_state_errors(tmp_path: Path) -> None:
     checkpointer = Checkpointer(folder=tmp_path)
     with pytest.raises(ConfigError, match=r"data_position has the key 'loader', which loader= fills"):
         checkpointer.save(step=1, model=model, data_position={"loader": 1}, loader=loader)
+    with pytest.raises(
+        ConfigError, match=r"loader= got a DataLoader without state_dict\(\); .*session.setup_dataloader"
+    ):
+        checkpointer.save(step=1, model=model, loader=DataLoader(TensorDataset(torch.arange(4))))  # type: ignore[arg-type]
     checkpointer.save(step=1, model=model)
     with pytest.raises(CheckpointError, match=r"holds no loader state \(it was saved without loader=\)"):
         checkpointer.resume(model=model, loader=loader)

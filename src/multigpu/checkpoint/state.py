@@ -148,6 +148,11 @@ class Checkpointer:
         check_count(epoch, "epoch")
         counters = {"data_position": dict(data_position or {}), "extra": dict(extra or {})}
         if loader is not None:
+            if not callable(getattr(loader, "state_dict", None)):
+                raise ConfigError(
+                    f"loader= got a {type(loader).__name__} without state_dict(); pass a session loader "
+                    "(session.setup_dataloader(loader) or session.build_loader(...)), or save data_position yourself"
+                )
             if _LOADER_KEY in counters["data_position"]:
                 raise ConfigError(
                     f"data_position has the key {_LOADER_KEY!r}, which loader= fills; rename your key or drop loader="
