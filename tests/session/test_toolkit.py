@@ -231,3 +231,17 @@ def test_toolkit_on_nccl(tmp_path: Path) -> None:
     done = multigpu_launch("--strategy", "ddp", str(CUDA_WORKER), str(tmp_path), timeout_s=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert {"ok cuda_collectives", "ok cuda_resume"} <= set(done.stdout.splitlines()), done.stdout[-2000:]
+
+
+def test_a_users_generator_is_saved_at_the_start_of_the_epoch_in_flight() -> None:
+    generator = torch.Generator().manual_seed(5)
+    own = DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True, generator=generator)
+    loader = shard_dataloader(own, ShardSpec(), seed=0)
+    at_start = generator.get_state()
+    batches = iter(loader)
+    next(batches)  # the iterator drew its seed from the user's generator
+    assert not torch.equal(generator.get_state(), at_start)
+    state = loader.state_dict()
+    assert state["batch"] == 1 and torch.equal(state["generator"], at_start)
+    loader.load_state_dict(state)
+    assert torch.equal(generator.get_state(), at_start)  # the resumed epoch draws the same seed again
