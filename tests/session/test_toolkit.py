@@ -23,7 +23,7 @@ from multigpu import Checkpointer
 from multigpu.errors import CheckpointError, ConfigError
 from multigpu.runtime.data import ShardSpec, build_epoch_loader
 from multigpu.runtime.exchange import interleave, pad_across_processes, split_between_processes
-from multigpu.runtime.loaders import shard_dataloader
+from multigpu.runtime.loaders import check_sharded, shard_dataloader
 from multigpu.runtime.resumable import skip_first_batches
 from multigpu.session import Session, SessionConfig
 from multigpu.session.coordination import MetricsPosition
@@ -143,6 +143,8 @@ def test_skip_first_batches_of_plain_loaders_against_islice() -> None:
 
     stream = DataLoader(Stream(), batch_size=2)
     assert [b.tolist() for b in skip_first_batches(stream, 2)] == [[4, 5], [6]]
+    with pytest.raises(ConfigError, match=r"SequentialSampler, which is not sharded"):  # skipping hides nothing
+        check_sharded(skip_first_batches(loader, 1), ShardSpec(world_size=2, rank=0))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"count=-1; pass the number of batches to skip"):
         skip_first_batches(loader, -1)
     with pytest.raises(ConfigError, match=r"takes a DataLoader .*got list; .*itertools.islice"):

@@ -73,6 +73,11 @@ class SkipBatches:
         self.batch_sampler = batch_sampler
         self.skip = skip
 
+    @property
+    def sampler(self) -> Any:
+        """The sampler under the skipped batch sampler (so ``check_sharded`` judges the order, not this wrapper)."""
+        return getattr(self.batch_sampler, "sampler", None)
+
     def __iter__(self) -> Iterator[list[int]]:
         return itertools.islice(iter(self.batch_sampler), self.skip, None)
 
