@@ -201,3 +201,29 @@ def test_strided_iterable_takes_every_world_size_th_item() -> None:
         [1, 4],
         [2, 5],
     ]
+
+
+class EveryOtherBatch:
+    """A user's own batch sampler that shards: rank ``rank`` of 2 takes batches of its parity (no ``.sampler``)."""
+
+    def __init__(self, n: int, rank: int) -> None:
+        self.batches = [list(range(i, min(i + 2, n))) for i in range(0, n, 2)][rank::2]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def test_a_users_own_sharded_batch_sampler_is_trusted_by_session_batches() -> None:
+    # torch fills loader.sampler with a SequentialSampler the user never chose: it must not count
+    dataset = TensorDataset(torch.arange(8))
+    loader = DataLoader(dataset, batch_sampler=EveryOtherBatch(8, rank=1))
+    assert type(loader.sampler) is SequentialSampler
+    check_sharded(loader, ShardSpec(world_size=2, rank=1))
+    assert [_ids(b) for b in loader] == [[2, 3], [6, 7]]
+    # torch's own BatchSampler over an unsharded sampler is still refused
+    plain = DataLoader(dataset, batch_sampler=BatchSampler(SequentialSampler(dataset), 2, False))
+    with pytest.raises(ConfigError, match=r"SequentialSampler, which is not sharded"):
+        check_sharded(plain, ShardSpec(world_size=2, rank=1))

@@ -67,3 +67,25 @@ def test_strategies_surface() -> None:
     ]
     assert multigpu.session.STRATEGIES is multigpu.strategies.STRATEGIES
     assert sorted(multigpu.launcher.__all__) == ["LaunchConfig", "launch"]
+
+
+def test_session_toolkit_methods() -> None:
+    """The loop toolkit's names (Accelerate's, where one exists: docs/distributed.md has the table)."""
+    from multigpu.session.toolkit import Toolkit
+
+    assert sorted(name for name in vars(Toolkit) if not name.startswith("_")) == [
+        "broadcast",
+        "broadcast_object",
+        "check_trigger",
+        "gather",
+        "gather_for_metrics",
+        "gather_object",
+        "is_local_main_process",
+        "join",
+        "local_main_process_first",
+        "main_process_first",
+        "pad_across_processes",
+        "set_trigger",
+        "skip_first_batches",
+        "split_between_processes",
+    ]

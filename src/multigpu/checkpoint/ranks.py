@@ -7,7 +7,8 @@ makes fails on every rank if it fails on one (:func:`agreed`), so no rank is lef
 one, nothing here communicates and the main process (every process not started by a launcher)
 writes alone.
 
-Each rank has its own random state (dropout masks differ per rank): :func:`capture_rng` takes it
+Each rank has its own random state (under a Session they differ per rank after ``setup_model``, so
+dropout masks do; with ``seed_per_rank=False`` they start equal): :func:`capture_rng` takes it
 as tensors, ints and tuples only, so a checkpoint holding it loads with
 ``torch.load(weights_only=True)``; a save gathers every rank's on the main process and resume gives
 each rank its own back. The accelerators' generators are read and set by their device objects

@@ -114,6 +114,7 @@ class Checkpointer:
         epoch: int = 0,
         data_position: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
+        loader: Stateful | None = None,
     ) -> Path:
         """Write the full training state as ``step-<step>/``, atomically, then prune old steps.
 
@@ -124,6 +125,9 @@ class Checkpointer:
             epoch: the current epoch.
             data_position: where the data loader stands (ints/strings), e.g. ``{"batch": 17}``.
             extra: anything else made of tensors, numbers, strings, lists and dicts.
+            loader: a session's loader (``session.build_loader`` / ``setup_dataloader``): its
+                ``state_dict()`` (epoch, batches taken, generator) is saved as ``data_position["loader"]``,
+                so ``resume(loader=...)`` continues mid-epoch without bookkeeping of your own.
 
         Returns:
             The checkpoint folder.
@@ -142,6 +146,17 @@ class Checkpointer:
         check_count(step, "step")
         check_count(epoch, "epoch")
         counters = {"data_position": dict(data_position or {}), "extra": dict(extra or {})}
+        if loader is not None:
+            if not callable(getattr(loader, "state_dict", None)):
+                raise ConfigError(
+                    f"loader= got a {type(loader).__name__} without state_dict(); pass a session loader "
+                    "(session.setup_dataloader(loader) or session.build_loader(...)), or save data_position yourself"
+                )
+            if _LOADER_KEY in counters["data_position"]:
+                raise ConfigError(
+                    f"data_position has the key {_LOADER_KEY!r}, which loader= fills; rename your key or drop loader="
+                )
+            counters["data_position"][_LOADER_KEY] = loader.state_dict()
         for name, value in counters.items():
             for key in value:
                 if not isinstance(key, str):
@@ -191,6 +206,7 @@ class Checkpointer:
         scaler: Stateful | None = None,
         path: str | os.PathLike[str] | None = None,
         allow_unsafe_pickle: bool = False,
+        loader: Stateful | None = None,
     ) -> Resumed | None:
         """Load the latest checkpoint (or ``path``) into the given objects and this rank's RNG.
 
@@ -198,7 +214,8 @@ class Checkpointer:
         counters) is checked against the given objects before any of them changes.
 
         Returns:
-            What was resumed, or ``None`` when the folder holds no checkpoint yet.
+            What was resumed, or ``None`` when the folder holds no checkpoint yet. ``loader`` (saved
+            with ``save(loader=...)``) is put back last: its next iteration continues the saved epoch.
 
         Raises:
             CheckpointError: the checkpoint is damaged or does not fit the given objects; the
@@ -225,6 +242,13 @@ class Checkpointer:
         if found is None:
             return None
         folder, checked = found
+        if loader is not None:
+            if _LOADER_KEY not in checked.data_position:
+                raise CheckpointError(
+                    f"{str(folder)!r} holds no loader state (it was saved without loader=); its model and "
+                    "optimizer were loaded: position the loader yourself (loader.set_epoch, skip_first_batches)"
+                )
+            loader.load_state_dict(checked.data_position[_LOADER_KEY])
         return Resumed(
             path=folder,
             step=checked.step,
@@ -259,6 +283,8 @@ class Checkpointer:
         for found in older[: max(0, len(older) + 1 - self.keep_last)]:
             remove_tree(found.path)
 
+
+_LOADER_KEY = "loader"  # data_position's entry for save(loader=...)
 
 _UNSHARDED_INTO_SHARDED = (
     "{folder!r} is an unsharded checkpoint (model.safetensors, saved without fsdp) and the model is sharded "

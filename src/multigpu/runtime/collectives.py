@@ -101,6 +101,30 @@ def gather_by_index(values: torch.Tensor, indices: torch.Tensor, total: int) -> 
     return out
 
 
+def gather_rows(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` in rank order, on the CPU; the first dimension may differ per rank.
+
+    Every rank must call it, with tensors of one dtype and equal trailing dimensions.
+
+    Example:
+        >>> [t.tolist() for t in gather_rows(torch.tensor([1, 2]))]   # one process
+        [[1, 2]]
+    """
+    return _all_gather_rows(tensor.detach())
+
+
+def broadcast_tensor(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Rank ``src``'s ``tensor`` on every rank (a copy, on ``tensor``'s device). Every rank must call it,
+    with a tensor of the same shape and dtype."""
+    if not in_process_group():
+        return tensor.detach().clone()
+    if not 0 <= src < world_size():
+        raise ConfigError(f"src={src} is not a rank of this world of {world_size()}; use 0 <= src < world size")
+    work = tensor.detach().to(_collective_device()).contiguous().clone()
+    dist.broadcast(work, src=src)  # note: a sync point across ranks
+    return work.to(tensor.device)
+
+
 def _all_gather_rows(tensor: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (row counts may differ), on the CPU, in rank order."""
     if not in_process_group():

@@ -25,12 +25,15 @@ Policy (the same under every strategy, so one script gives the same global batch
   gathered by dataset index so the padding collapses (:func:`multigpu.runtime.collectives.gather_by_index`):
   exactly ``len(dataset)`` results.
 - **Uneven inputs** (an iterable whose length differs per rank): :func:`even_batches` lets all
-  ranks agree on the shortest, so no rank waits forever in an all-reduce that another never joins.
+  ranks agree on the shortest, so no rank waits forever in an all-reduce that another never joins
+  (``session.join`` lets every rank take all of its batches instead).
+- **Resuming** mid-epoch: :class:`EpochLoader` is stateful and owns the seed its iterator draws
+  (:mod:`multigpu.runtime.resumable`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -39,6 +42,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from multigpu.errors import ConfigError
 from multigpu.runtime.collectives import all_agree_min, reduce_value
+from multigpu.runtime.resumable import epoch_seed, skip_first_batches
 from multigpu.runtime.world import in_process_group
 
 T = TypeVar("T")
@@ -122,10 +126,19 @@ def build_eval_sampler(dataset: Sized, shard: ShardSpec) -> DistributedSampler:
 class EpochLoader(Generic[T]):
     """A DataLoader over this rank's shard that sets the sampler's epoch every time it is iterated.
 
+    It is stateful: :meth:`state_dict` says which epoch is in flight and how many of its batches
+    the loop has taken, and :meth:`load_state_dict` makes the next iteration continue there,
+    skipping the taken batches without loading them (:mod:`multigpu.runtime.resumable`). It owns
+    the seed its iterator draws: a generator of its own per epoch and rank (or the loader's own
+    ``generator``, whose state it saves), so iterating never draws from torch's global generator
+    and a resumed run's dropout masks follow the uninterrupted run's.
+
     Args:
         loader: the DataLoader, built on ``sampler``.
         sampler: its ``DistributedSampler`` (from :func:`build_train_sampler`): the object whose
             ``set_epoch`` is called; None for a loader without one (an iterable dataset).
+        seed: the seed its own per-epoch generators derive from (with ``rank`` and the epoch).
+        rank: this process's rank (the workers of each rank get seeds of their own).
 
     Example:
         >>> data = torch.utils.data.TensorDataset(torch.arange(8.0))
@@ -134,23 +147,83 @@ class EpochLoader(Generic[T]):
         ([2, 2], 2)
     """
 
-    def __init__(self, loader: DataLoader, sampler: DistributedSampler | None) -> None:
+    def __init__(self, loader: DataLoader, sampler: DistributedSampler | None, *, seed: int = 0, rank: int = 0) -> None:
         self.loader = loader
         self.sampler = sampler
         self.epoch = 0  # the epoch the next iteration will use
+        self.lookahead = 0  # batches taken from the iterator that the loop has not received (session.batches)
+        self._seed, self._rank = seed, rank
+        self._users_generator = loader.generator  # kept and saved; None: one of our own per epoch
+        self._generator_state = None if loader.generator is None else loader.generator.get_state()
+        self._skip = 0  # batches the next iteration skips (load_state_dict, skip_first_batches)
+        self._in_flight: int | None = None  # the epoch being iterated
+        self._taken = 0  # batches of that epoch taken (skipped ones included)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration use ``epoch``'s permutation (e.g. after resuming)."""
         self.epoch = epoch
 
+    def skip_first_batches(self, count: int) -> EpochLoader[T]:
+        """Make the next iteration skip its first ``count`` batches (nothing loaded for them); returns self."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ConfigError(
+                f"skip_first_batches got count={count!r}; pass the number of batches to skip, an int >= 0"
+            )
+        self._skip = count
+        return self
+
+    @property
+    def pending_skip(self) -> int:
+        """The batches the next iteration skips (from :meth:`load_state_dict` or :meth:`skip_first_batches`)."""
+        return self._skip
+
     def __iter__(self) -> Iterator[T]:
         if self.sampler is not None:
             self.sampler.set_epoch(self.epoch)
+        generator = self._users_generator
+        if generator is None:
+            generator = torch.Generator().manual_seed(epoch_seed(self._seed, self._rank, self.epoch))
+        else:
+            self._generator_state = generator.get_state()  # what resuming this epoch restores
+        skip, self._skip = self._skip, 0
+        self._in_flight, self._taken, self.lookahead = self.epoch, skip, 0
         self.epoch += 1
-        return iter(self.loader)
+        self.loader.generator = generator  # the iterator's seed comes from it, not from torch's global generator
+        return self._count(iter(skip_first_batches(self.loader, skip) if skip else self.loader))
+
+    def _count(self, batches: Iterator[T]) -> Iterator[T]:
+        for batch in batches:
+            self._taken += 1
+            yield batch
+        self._in_flight = None
 
     def __len__(self) -> int:
-        return len(self.loader)
+        return max(0, len(self.loader) - self._skip)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loop stands: ``{"epoch", "batch"}`` (plus the loader's own generator's state, if it has one).
+
+        ``batch`` counts the batches the loop has received of the epoch in flight (0 between epochs).
+        """
+        taken, length = self._taken - self.lookahead, known_len(self.loader)
+        in_flight = self._in_flight is not None and (length is None or taken < length)
+        epoch, batch = (self._in_flight, taken) if in_flight else (self.epoch, self._skip)
+        state: dict[str, Any] = {"epoch": epoch, "batch": batch}
+        if self._users_generator is not None:
+            state["generator"] = self._generator_state if in_flight else self._users_generator.get_state()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue where :meth:`state_dict` stood: the next iteration is that epoch, from that batch."""
+        epoch, batch = state.get("epoch"), state.get("batch")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, batch)):
+            raise ConfigError(
+                f"a loader state needs ints 'epoch' and 'batch' >= 0, got {dict(state)!r}; pass what "
+                "loader.state_dict() returned"
+            )
+        self.epoch, self._skip, self._in_flight = epoch, batch, None  # type: ignore[assignment]
+        if self._users_generator is not None and state.get("generator") is not None:
+            self._users_generator.set_state(state["generator"])
 
 
 def build_epoch_loader(
@@ -199,7 +272,7 @@ def build_epoch_loader(
         dataset, shard, global_batch=global_batch, shuffle=shuffle, seed=seed, drop_last=drop_last
     )
     loader = DataLoader(dataset, batch_size=batch, sampler=sampler, drop_last=drop_last, **loader_kwargs)
-    return EpochLoader(loader, sampler)
+    return EpochLoader(loader, sampler, seed=seed, rank=shard.rank)
 
 
 def even_batches(batches: Iterable[T]) -> Iterator[T]:

@@ -23,7 +23,10 @@ steps it should. :func:`shard_dataloader` rebuilds such a loader for this rank a
   ``generator``, ``prefetch_factor``, ``persistent_workers``, ``in_order`` and ``drop_last``.
 - **Refused** with a :class:`~multigpu.errors.ConfigError` that says what to do instead, because
   it cannot be kept: a DataLoader subclass (its own behaviour would be lost), a custom sampler or
-  batch sampler (its order is not the shared per-epoch permutation), a ``RandomSampler`` with
+  batch sampler (its order is not the shared per-epoch permutation; and it is not sharded for you as
+  Accelerate's ``BatchSamplerShard`` does, because its own code draws the order, often from torch's
+  global generator, which differs per rank after ``setup_model``: the ranks' shards would overlap
+  and miss samples; shard it yourself and iterate it with ``session.batches``), a ``RandomSampler`` with
   replacement or its own ``num_samples``, ``batch_size=None`` (the dataset yields whole batches),
   and a loader that is already sharded by a ``DistributedSampler``.
 
@@ -53,21 +56,8 @@ from torch.utils.data import (
 
 from multigpu.errors import ConfigError
 from multigpu.runtime.data import EpochLoader, ShardSpec, build_epoch_loader, per_process_batch
+from multigpu.runtime.resumable import loader_settings
 
-# DataLoader arguments that travel to the rebuilt loader unchanged (those this torch has).
-_KEPT = (
-    "num_workers",
-    "collate_fn",
-    "pin_memory",
-    "pin_memory_device",
-    "timeout",
-    "worker_init_fn",
-    "multiprocessing_context",
-    "generator",
-    "prefetch_factor",
-    "persistent_workers",
-    "in_order",
-)
 # torch's samplers that never shard: a loader over one of them loads every sample on every rank.
 _UNSHARDED = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
 _FIX = "pass it through loader = session.setup_dataloader(loader) (its batch_size becomes the global batch)"
@@ -121,12 +111,13 @@ def shard_dataloader(loader: DataLoader, shard: ShardSpec, *, seed: int) -> Epoc
             f"{type(loader).__name__} is a DataLoader subclass: rebuilding it as a DataLoader would drop its own "
             "behaviour; build a plain DataLoader, or shard it yourself with a DistributedSampler"
         )
-    kept = _kept_arguments(loader)
+    kept = loader_settings(loader)
     batch_size, drop_last = _batching(loader)
     if isinstance(loader.dataset, IterableDataset):
         per_process = per_process_batch(batch_size, shard)
         dataset = StridedIterable(loader.dataset, shard) if shard.world_size > 1 else loader.dataset
-        return EpochLoader(DataLoader(dataset, batch_size=per_process, drop_last=drop_last, **kept), None)
+        rebuilt = DataLoader(dataset, batch_size=per_process, drop_last=drop_last, **kept)
+        return EpochLoader(rebuilt, None, seed=seed, rank=shard.rank)
     return build_epoch_loader(
         loader.dataset,
         global_batch=batch_size,
@@ -166,15 +157,15 @@ def check_sharded(batches: object, shard: ShardSpec) -> None:
 
 
 def _sampler(loader: DataLoader) -> Sampler[Any] | Any:
-    """The sampler that orders the samples: the batch sampler's own when it has one."""
-    return getattr(loader.batch_sampler, "sampler", loader.sampler)
+    """The sampler that orders the samples: the batch sampler's own when it has one.
 
-
-def _kept_arguments(loader: DataLoader) -> dict[str, Any]:
-    kept = {name: getattr(loader, name) for name in _KEPT if hasattr(loader, name)}
-    if kept.get("num_workers", 0) == 0:
-        kept.pop("prefetch_factor", None)  # torch refuses it without workers (older torch stored 2)
-    return kept
+    A custom batch sampler without a ``.sampler`` orders the samples itself: ``loader.sampler`` is
+    then the ``SequentialSampler`` torch fills in, which the user never chose, so it is not asked.
+    """
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and not isinstance(batch_sampler, BatchSampler):
+        return getattr(batch_sampler, "sampler", batch_sampler)
+    return getattr(batch_sampler, "sampler", loader.sampler)
 
 
 def _batching(loader: DataLoader) -> tuple[int, bool]:

@@ -2,6 +2,8 @@
 
 - :mod:`~multigpu.session.session`: :class:`Session`, the loop's one handle (model, data, step, log, evaluate);
 - :mod:`~multigpu.session.config`: :class:`SessionConfig`, what it is built from;
+- :mod:`~multigpu.session.toolkit`, :mod:`~multigpu.session.coordination`: the loop toolkit (gather,
+  broadcast, gather_for_metrics, split_between_processes, main_process_first, triggers, join);
 - :mod:`~multigpu.session.evaluation`, :mod:`~multigpu.session.metrics`, :mod:`~multigpu.session.progress`:
   what ``evaluate``, ``log`` and ``batches(progress=True)`` rest on.
 

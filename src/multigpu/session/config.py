@@ -45,6 +45,11 @@ class SessionConfig:
         sync_batchnorm: BatchNorm statistics over the global batch under ddp/fsdp (a no-op,
             with a warning, in one process, whose BatchNorm already sees the whole batch).
         compile: ``torch.compile`` the wrapped model (:meth:`multigpu.strategies.Strategy.apply_compile`).
+        seed_per_rank: with several processes, once ``setup_model`` has built the model (the same
+            initial weights everywhere), reseed each rank's torch generator with a seed of its own,
+            so ranks draw independent dropout masks as one device does over the global batch
+            (Accelerate's ``set_seed(device_specific=True)``). False: every rank draws the same
+            stream (the same mask for sample ``j`` of every rank).
     """
 
     strategy: str = "auto"
@@ -58,6 +63,7 @@ class SessionConfig:
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
     sync_batchnorm: bool = False
     compile: bool = False
+    seed_per_rank: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, ["auto", *STRATEGIES], "strategy='ddp'")
@@ -84,7 +90,7 @@ class SessionConfig:
                 raise ConfigError(
                     f"{name}={getattr(self, name)!r} must be a {kind.__name__}; use e.g. {name}={kind.__name__}()"
                 )
-        for name in ("sync_batchnorm", "compile"):
+        for name in ("sync_batchnorm", "compile", "seed_per_rank"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
 

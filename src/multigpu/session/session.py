@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import torch
 from torch import nn
@@ -36,20 +36,22 @@ from torch.utils.data import DataLoader, Dataset
 from multigpu.core.keys import unwrap
 from multigpu.core.structure import map_leaves
 from multigpu.errors import ConfigError
-from multigpu.runtime import collectives, data, failure_records, loaders, world
+from multigpu.runtime import collectives, data, exchange, failure_records, loaders, world
 from multigpu.runtime.collective_failures import explain_collective_failures
 from multigpu.runtime.collectives import ReduceOp
 from multigpu.runtime.data import EpochLoader
 from multigpu.session.config import SessionConfig
+from multigpu.session.coordination import MetricsPosition, seed_rank_streams
 from multigpu.session.evaluation import per_sample_result
 from multigpu.session.metrics import MetricsLog
 from multigpu.session.progress import with_progress
+from multigpu.session.toolkit import Toolkit
 from multigpu.strategies import Precision, Strategy, build_strategy
 
 T = TypeVar("T")
 
 
-class Session:
+class Session(Toolkit):
     """The training loop's one handle on strategy, precision, accumulation and collectives.
 
     Use it as a context manager (or call :meth:`start` and :meth:`close`): under ddp, starting
@@ -74,6 +76,7 @@ class Session:
         self._micro = 0  # micro-steps since the last optimizer step
         self._last_batch = False  # the batch in flight is the last of session.batches(...)
         self._metrics: MetricsLog | None = None  # created by the first log()
+        self._rank_streams = False  # each rank's torch generator reseeded (seed_per_rank)
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -169,6 +172,10 @@ class Session:
         if self.config.sync_batchnorm:
             model = strategy.apply_sync_batchnorm(model)
         wrapped = strategy.wrap_model(model)
+        if self.config.seed_per_rank and strategy.shard.world_size > 1 and not self._rank_streams:
+            # the model is built (identical on every rank); from here each rank draws its own masks
+            seed_rank_streams(self.config.seed, strategy.shard.rank)
+            self._rank_streams = True
         return strategy.apply_compile(wrapped) if self.config.compile else wrapped
 
     def build_loader(
@@ -209,7 +216,9 @@ class Session:
         """
         return loaders.shard_dataloader(loader, self._started()[0].shard, seed=self.config.seed)
 
-    def batches(self, batches: Iterable[T], *, progress: bool = False, description: str = "batches") -> Iterator[T]:
+    def batches(
+        self, batches: Iterable[T], *, progress: bool = False, description: str = "batches", even_batches: bool = True
+    ) -> Iterator[T]:
         """Each batch moved to the device; under ddp all ranks stop at the shortest rank's end.
 
         The last batch closes the accumulation window even when it is short: the epoch's last
@@ -218,14 +227,23 @@ class Session:
         the step count with the other ranks). ``progress=True`` draws a progress bar (rich) on
         the main process, labelled ``description``.
 
+        ``even_batches=False`` (inside :meth:`join`) lets each rank take all of its own batches.
+
         Raises:
             ConfigError: under ddp, a DataLoader over a map-style dataset that is not sharded
-                (every rank would train on every sample): pass it through :meth:`setup_dataloader`.
+                (every rank would train on every sample): pass it through :meth:`setup_dataloader`;
+                ``even_batches=False`` outside ``with session.join(model):`` with several processes.
         """
         loaders.check_sharded(batches, self._started()[0].shard)
+        if not even_batches and not self._joined and self.world_size > 1:
+            raise ConfigError(
+                "session.batches(..., even_batches=False) lets ranks take different numbers of batches; "
+                "iterate it inside 'with session.join(model):' so finished ranks shadow the others' all-reduces"
+            )
         device = self.device
         outer = self._last_batch  # an evaluate() inside a training loop must not reset the loop's flag
-        ahead: Iterator[T] = iter(data.even_batches(batches))
+        outer_position, self._position = self._position, MetricsPosition(batches)
+        ahead: Iterator[T] = iter(data.even_batches(batches) if even_batches else batches)
         if progress and self.is_main_process:
             ahead = with_progress(ahead, total=data.known_len(batches), description=description)
         upcoming = next(ahead, _END)
@@ -233,9 +251,11 @@ class Session:
             while upcoming is not _END:
                 batch, upcoming = upcoming, next(ahead, _END)
                 self._last_batch = upcoming is _END
+                if isinstance(batches, EpochLoader):  # its state counts the batches the loop has received
+                    batches.lookahead = 0 if upcoming is _END else 1
                 yield _to_device(batch, device)
         finally:
-            self._last_batch = outer
+            self._last_batch, self._position = outer, outer_position
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -320,10 +340,23 @@ class Session:
 
     # -- collectives and output ------------------------------------------------------------------
 
-    def reduce(self, value: float | torch.Tensor, op: ReduceOp = "mean") -> float:
-        """A scalar metric reduced over every process (mean by default). Every rank must call it."""
+    @overload
+    def reduce(self, value: float, op: ReduceOp = "mean") -> float: ...
+
+    @overload
+    def reduce(self, value: Any, op: ReduceOp = "mean") -> Any: ...
+
+    def reduce(self, value: Any, op: ReduceOp = "mean") -> Any:
+        """``value`` reduced over every process (mean by default). Every rank must call it.
+
+        A number or a 0-dim tensor comes back as a float; a larger tensor as a tensor of its shape,
+        reduced elementwise; a nested structure (lists, tuples, dicts) with each leaf so reduced
+        (:func:`multigpu.runtime.exchange.reduce`).
+        """
         with explain_collective_failures(f"reduce ({op}) of a metric"):
-            return float(collectives.reduce_value(value, op).item())
+            if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+                return float(collectives.reduce_value(value, op).item())
+            return exchange.reduce(value, op)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""
@@ -360,7 +393,12 @@ class Session:
             world.barrier()
 
     def evaluate(self, fn: Callable[[Any], torch.Tensor], dataset: Dataset, batch_size: int) -> torch.Tensor:
-        """``fn`` on every sample, each evaluated once over all processes, in dataset order.
+        """``fn`` on every sample, each result kept once over all processes, in dataset order.
+
+        When the dataset does not divide by the world size, the last ranks evaluate up to
+        ``world_size - 1`` of the first samples a second time (every rank runs the same number of
+        forwards, which fsdp's collectives need); those duplicate results are dropped, so ``fn``
+        sees those samples twice but the result holds each once.
 
         Args:
             fn: maps a batch (on the device) to per-sample results ``[batch, ...]``.
@@ -375,7 +413,8 @@ class Session:
         strategy, precision = self._started()
         indices = data.shard_indices(dataset, strategy.shard)  # type: ignore[arg-type]
         per_process = max(1, batch_size // strategy.shard.world_size)
-        loader = DataLoader(dataset, batch_size=per_process, sampler=indices.tolist())
+        # its own generator: iterating must not draw from the training's global random stream
+        loader = DataLoader(dataset, batch_size=per_process, sampler=indices.tolist(), generator=torch.Generator())
         results: list[torch.Tensor] = []
         with torch.no_grad(), precision.autocast():
             for batch in self.batches(loader):

@@ -1,0 +1,161 @@
+"""Rules the loop toolkit shares: who goes first, a flag any rank raises, metrics without
+the sharding's repeats, uneven inputs, and each rank's own random stream.
+
+:class:`~multigpu.session.toolkit.Toolkit` (the Session's helper methods) delegates to these; each rule is
+written once:
+
+- :func:`main_first` runs a block on the (local) main process before the others (a download, a cache
+  built once per node); every rank passes one barrier.
+- :class:`Trigger`: any rank sets it, every rank sees it at the same :meth:`Trigger.check` (early
+  stopping decided by one rank's condition).
+- :class:`MetricsPosition`: where an evaluation loop over a session loader stands, so
+  ``gather_for_metrics`` puts the ranks' rows in the one-device order and drops the rows the
+  sharding repeated to fill the last global batch.
+- :func:`join_uneven` is torch's ``Join`` over the DDP model: a rank out of batches shadows the
+  others' gradient all-reduces while they go on.
+- :func:`rank_seed` reseeds each rank's torch generator after the model is built (identical
+  initial weights, independent dropout masks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel
+
+from multigpu.core.structure import map_leaves
+from multigpu.errors import ConfigError
+from multigpu.runtime import world
+from multigpu.runtime.collectives import reduce_value
+from multigpu.runtime.data import EpochLoader
+from multigpu.runtime.exchange import gather_per_rank, interleave
+
+
+@contextmanager
+def main_first(is_first: bool) -> Iterator[None]:
+    """The block runs on the processes with ``is_first`` before the others start it. Every rank must enter it.
+
+    The others wait at a barrier until the first ones have finished the block (and reached the
+    same barrier); an exception inside the block on a first process leaves the others waiting
+    until the collective timeout, which then names the cause.
+    """
+    if not is_first:
+        world.barrier()  # note: a sync point; the first processes reach it after the block
+    yield
+    if is_first:
+        world.barrier()
+
+
+class Trigger:
+    """A flag any rank may raise; :meth:`check` tells every rank whether any did, and lowers it."""
+
+    def __init__(self) -> None:
+        self._raised = False
+
+    def set(self) -> None:
+        """Raise the flag on this rank (communicates nothing)."""
+        self._raised = True
+
+    def check(self) -> bool:
+        """Whether any rank raised the flag since the last check (then lowered everywhere). Every rank must call it."""
+        # note: a sync point, one all-reduce of a number
+        raised = bool(reduce_value(1 if self._raised else 0, "max").item())
+        if raised:
+            self._raised = False
+        return raised
+
+
+class MetricsPosition:
+    """How many samples of the current session loader's epoch have been gathered, to cut the sharding's repeats.
+
+    Args:
+        loader: the iterable ``session.batches`` walks: an :class:`EpochLoader` from ``build_loader`` /
+            ``setup_dataloader`` is recognised (its positions are strided between ranks); anything
+            else is gathered in rank order with nothing dropped.
+    """
+
+    def __init__(self, loader: object) -> None:
+        self.strided = isinstance(loader, EpochLoader)
+        self.total = _epoch_samples(loader) if isinstance(loader, EpochLoader) else None
+        self.seen = 0  # samples of the epoch before this iteration's first batch (a resumed epoch skips some)
+        if isinstance(loader, EpochLoader) and loader.sampler is not None:
+            self.seen = loader.pending_skip * (loader.loader.batch_size or 1) * loader.sampler.num_replicas
+
+    def gather(self, obj: Any) -> Any:
+        """``obj``'s tensors from every rank, in one-device order, less the repeats past the epoch's end."""
+        rows = [0]
+
+        def gather_leaf(leaf: Any, _: str) -> Any:
+            if not torch.is_tensor(leaf):
+                return leaf
+            pieces = gather_per_rank(leaf)
+            rows.append(sum(len(p) for p in pieces))
+            return self.arrange(pieces)
+
+        gathered = map_leaves(gather_leaf, obj)
+        keep = self.keep(max(rows))
+        return map_leaves(lambda leaf, _: leaf[:keep] if torch.is_tensor(leaf) else leaf, gathered)
+
+    def arrange(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank's rows of one batch in the one-device order (strided positions), or in rank order."""
+        return interleave(pieces) if self.strided else torch.cat(pieces)
+
+    def keep(self, rows: int) -> int:
+        """How many of a gathered batch's ``rows`` are real samples (the rest repeat the epoch's first); counts them seen."""
+        keep = rows if self.total is None else max(0, min(rows, self.total - self.seen))
+        self.seen += rows
+        return keep
+
+
+def _epoch_samples(loader: EpochLoader[Any]) -> int | None:
+    """The real samples one epoch of ``loader`` holds over all ranks (repeats excluded); None when unknown."""
+    sampler = loader.sampler
+    if sampler is None:
+        return None  # an iterable dataset: ranks stop at the shortest, nothing repeated
+    count = len(sampler.dataset)  # type: ignore[arg-type]
+    if loader.loader.drop_last:
+        batch = loader.loader.batch_size or 1
+        return (count // (batch * sampler.num_replicas)) * batch * sampler.num_replicas
+    return count
+
+
+def join_uneven(model: nn.Module, *, divide_by_initial_world_size: bool = True) -> Any:
+    """torch's ``Join`` over ``model``'s DDP wrapper; a no-op context in one process.
+
+    Raises:
+        ConfigError: several processes train but ``model`` is not DDP-wrapped (e.g. fsdp, which
+            cannot shadow its collectives).
+    """
+    if not world.in_process_group() or world.world_size() == 1:
+        return nullcontext()
+    ddp = model
+    while not isinstance(ddp, DistributedDataParallel) and isinstance(getattr(ddp, "_orig_mod", None), nn.Module):
+        ddp = cast(nn.Module, ddp._orig_mod)  # torch.compile's wrapper
+    if not isinstance(ddp, DistributedDataParallel):
+        raise ConfigError(
+            f"session.join needs the model returned by session.setup_model under ddp, got a {type(model).__name__}: "
+            "only DDP can shadow the collectives of ranks that ran out of batches (fsdp cannot; use even batches)"
+        )
+    return Join([ddp], divide_by_initial_world_size=divide_by_initial_world_size)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s torch generator once the model is built (independent per rank).
+
+    Example:
+        >>> rank_seed(0, 0) != rank_seed(0, 1)
+        True
+    """
+    digest = hashlib.blake2b(f"multigpu-rank:{seed}:{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
+
+
+def seed_rank_streams(seed: int, rank: int) -> None:
+    """Reseed torch's generators (CPU and every accelerator) with :func:`rank_seed`."""
+    torch.manual_seed(rank_seed(seed, rank))
