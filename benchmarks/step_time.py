@@ -12,7 +12,9 @@ MSE loss, backward, SGD) on the same global batch. Ratios, each measured side by
 - ``1-dev DP / bare``: ``DataParallel`` on one device against the bare module, measured as
   alternating blocks of steps (target <= 1.01), once before each round's ``cpu:2`` run and once right
   after it (``after cpu:2``: the replica thread's OpenMP team has just run);
-- ``cpu:2 / DDP``: against torch DDP over gloo, 2 spawned processes of one thread each (target <= 0.85).
+- ``cpu:2 / DDP``: against torch DDP over gloo, 2 spawned processes of one thread each (target <= 0.85);
+- ``bare / bare (noise floor)``: two bare models of the same kind, paired the same way: how far
+  from 1.00 a pair strays on this machine at this load (a ratio target finer than it is not resolved).
 
 Rounds are interleaved (every configuration once per round, in the same order) so the load of the
 shared machine hits them alike; each figure is the median over rounds of the per-round median.
@@ -114,8 +116,9 @@ class Configs:
     def __init__(self, name: str) -> None:
         self.name = name
         x, y = batch(name, MODELS[name])
-        bare, one, two = build(name), build(name), build(name)
+        bare, other, one, two = build(name), build(name), build(name), build(name)
         self.bare = make_step(bare, bare, x, y)
+        self.other_bare = make_step(other, other, x, y)  # a second bare model: the noise floor of a pair
         self.one_device = make_step(multigpu.DataParallel(one, devices="cpu"), one, x, y)
         self.dp2_model = multigpu.DataParallel(two, devices="cpu:2")
         self.dp2 = make_step(self.dp2_model, two, x, y)
@@ -124,7 +127,8 @@ class Configs:
 
 def round_of(c: Configs, steps: int) -> dict[str, float]:
     torch.set_num_threads(2)
-    out = {"1-dev DP / bare": paired_ratio(c.one_device, c.bare, steps)}
+    out = {"bare / bare (noise floor)": paired_ratio(c.other_bare, c.bare, steps)}
+    out["1-dev DP / bare"] = paired_ratio(c.one_device, c.bare, steps)
     bare_ms = median_ms(c.bare, steps)
     dp2_ms = median_ms(c.dp2, steps)
     out["1-dev DP / bare, after cpu:2"] = paired_ratio(c.one_device, c.bare, steps)
