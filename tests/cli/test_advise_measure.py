@@ -45,6 +45,7 @@ def test_a_factory_is_measured_beside_its_prediction_and_a_failing_strategy_does
     assert plan["measured"]["recommendation"]["strategy"] == "single"
     assert {r["strategy"] for r in plan["rows"]} >= {"single", "ddp"}  # the prediction is there too
     assert json.loads((tmp_path / "advise.json").read_text())["measured"] == plan["measured"]
+    assert (tmp_path / "advise-measured.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.multiprocess

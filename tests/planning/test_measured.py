@@ -78,3 +78,11 @@ def test_table_and_json_show_failures_with_their_reason() -> None:
     print_measured(console, checked, rec, 30.0)
     text = console.export_text()
     assert "ddp x2: RuntimeError: boom (exit 1)" in text and "Measured here: use single device" in text
+
+
+def test_the_figure_sets_measured_beside_predicted_throughput(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from multigpu.planning.measured import plot_measured
+
+    failed = Measurement(strategy="ddp", devices=2, status="timed out", reason="budget")
+    path = plot_measured(check(_rows(), [_ok("single", 1, 20.0, 32), failed]), tmp_path / "m.png", "tiny")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

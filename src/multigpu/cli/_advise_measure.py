@@ -129,7 +129,7 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
     from multigpu.cli import advise
     from multigpu.launcher.measure import measure
     from multigpu.planning.advise import print_plan, recommend, to_json
-    from multigpu.planning.measured import check, measured_json, print_measured, recommend_measured
+    from multigpu.planning.measured import check, measured_json, plot_measured, print_measured, recommend_measured
 
     try:
         if args.script and args.model and ":" not in args.model:
@@ -170,9 +170,12 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "advise.json").write_text(json.dumps(result_json, indent=2) + "\n")
+    figure = None
+    if not args.no_figure:
+        figure = plot_measured(checked, out / "advise-measured.png", f"{args.model or args.script}: measured here")
     if args.json:
         print(json.dumps(result_json, indent=2))
     else:
         print_measured(console, checked, rec_measured, args.budget)
-        console.print(f"written: {out / 'advise.json'}", soft_wrap=True)
+        console.print(f"written: {out / 'advise.json'}" + (f", {figure}" if figure else ""), soft_wrap=True)
     return 0

@@ -159,7 +159,11 @@ def _measure_one(
         log = Path(folder) / "output.txt"
         with log.open("w") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            timed_out = _wait(proc, run, started, share, limit, progress)
+            try:
+                timed_out = _wait(proc, run, started, share, limit, progress)
+            finally:  # Ctrl-C here (its own session does not get the terminal's signal) or any error: end it
+                if proc.poll() is None:
+                    _kill_group(proc)
         wall = time.monotonic() - started
         if progress is not None:
             progress(run, wall, share)

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from multigpu.core.units import binary_unit, format_bytes
+from multigpu.core.units import binary_unit
 from multigpu.planning.advise import TIE, Recommendation, Row
 from multigpu.planning.costs import FSDP, STRATEGIES
+from multigpu.report.figures import paired_bar_figure
 from multigpu.report.tables import compact_table
 
 STATUSES = ("ok", "failed", "out of memory", "timed out", "not run")
@@ -208,6 +210,14 @@ def measured_json(checked: Sequence[Checked], rec: Recommendation, budget_s: flo
     }
 
 
-def describe_bytes(values: Sequence[int]) -> str:
-    """``[1048576, 2097152]`` -> ``'1.0 MiB, 2.0 MiB'`` (for messages)."""
-    return ", ".join(format_bytes(v) for v in values)
+def plot_measured(checked: Sequence[Checked], path: str | Path, title: str) -> Path:
+    """A PNG of measured and predicted samples per second, one pair of bars per strategy run
+    (a failed run has no measured bar; its label says why)."""
+    labels = [
+        f"{c.measured.strategy} x{c.measured.devices}" + ("" if c.measured.ran else f"\n({c.measured.status})")
+        for c in checked
+    ]
+    measured = [c.measured.samples_per_s if c.measured.ran else None for c in checked]
+    predicted = [c.predicted.step.throughput if c.predicted is not None else None for c in checked]
+    series = {"measured": measured, **({"predicted": predicted} if any(p is not None for p in predicted) else {})}
+    return paired_bar_figure(labels, series, path, ylabel="samples / s", title=title)
