@@ -189,6 +189,7 @@ class _ScriptProbe:
         self.lock = threading.Lock()
         self.target: int | None = None
         self.done = False
+        self.accelerator = _accelerator()
         self.handles = [
             register_optimizer_step_post_hook(self.on_step),
             nn.modules.module.register_module_forward_pre_hook(self.on_enter),
@@ -207,8 +208,8 @@ class _ScriptProbe:
             self.depth = max(0, self.depth - 1)
 
     def on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        if self.accelerator is not None:
+            self.accelerator.synchronize()  # the step's kernels are done: a sync point, once per step
         self.stamps.append(time.perf_counter())
         self.samples.append(self.pending)
         self.pending = 0
@@ -244,13 +245,20 @@ def run_script(spec: dict[str, Any], write: Callable[[dict[str, Any]], None]) ->
     probe.finish()  # the script ended before its timed steps were done: what it ran is the measurement
 
 
-def _process_memory(rss0: int) -> dict[str, Any]:
-    if torch.cuda.is_available():
-        from multigpu.devices import get_device_type
+def _accelerator() -> Any:
+    """The device type of this machine's accelerator (CUDA), or None on a CPU-only machine."""
+    from multigpu.devices import accelerator_type, get_device_type
 
-        cuda = get_device_type("cuda")
-        peaks = [cuda.max_memory_allocated(torch.device("cuda", i)) or 0 for i in range(cuda.device_count())]
-        return {"peak_bytes": [p for p in peaks if p > 0] or [0], "memory_source": "CUDA allocator"}
+    kind = accelerator_type()
+    return None if kind is None else get_device_type(kind)
+
+
+def _process_memory(rss0: int) -> dict[str, Any]:
+    accelerator = _accelerator()
+    if accelerator is not None and accelerator.has_allocator_stats():
+        devices = [torch.device(accelerator.name, i) for i in range(accelerator.device_count())]
+        peaks = [accelerator.max_memory_allocated(d) or 0 for d in devices]
+        return {"peak_bytes": [p for p in peaks if p > 0] or [0], "memory_source": f"{accelerator.name} allocator"}
     return {"peak_bytes": [max(0, _peak_rss_bytes() - rss0)], "memory_source": "process resident memory"}
 
 
