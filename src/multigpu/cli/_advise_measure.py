@@ -37,6 +37,13 @@ def devices_present() -> int:
     return resolve_nproc(LaunchConfig())
 
 
+def present_accelerator() -> str | None:
+    """``"cuda"`` (or another accelerator type) when this machine has one, else None."""
+    from multigpu.devices import accelerator_type
+
+    return accelerator_type()
+
+
 def device_counts(args: argparse.Namespace, present: int) -> list[int]:
     """``--devices`` limited to what is present; by default ``1`` and every device present."""
     from multigpu.cli.advise import parse_shape
@@ -148,6 +155,12 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
             plan = to_json(rows, rec, advise._inputs(w, plat, rows, batch))
             if not args.json:
                 print_plan(console, w, plat, rows, rec)
+                if args.gpu is None and args.gpu_tflops is None and present_accelerator() is not None:
+                    console.print(
+                        f"(the plan above is for this machine's CPU; the runs below use its {present_accelerator()} "
+                        "devices: pass --gpu PRESET and --link for their plan)",
+                        soft_wrap=True,
+                    )
         runs = build_runs(counts, chosen, rows, batch)
     except (MultigpuError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)

@@ -258,7 +258,10 @@ def _process_memory(rss0: int) -> dict[str, Any]:
     if accelerator is not None and accelerator.has_allocator_stats():
         devices = [torch.device(accelerator.name, i) for i in range(accelerator.device_count())]
         peaks = [accelerator.max_memory_allocated(d) or 0 for d in devices]
-        return {"peak_bytes": [p for p in peaks if p > 0] or [0], "memory_source": f"{accelerator.name} allocator"}
+        return {
+            "peak_bytes": [p for p in peaks if p > 0] or [0],
+            "memory_source": f"{accelerator.name.upper()} allocator",
+        }
     return {"peak_bytes": [max(0, _peak_rss_bytes() - rss0)], "memory_source": "process resident memory"}
 
 
