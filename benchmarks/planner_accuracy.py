@@ -1,6 +1,7 @@
 """Planner accuracy on this CPU: predicted vs measured step time, five models x three strategies, + fsdp.
 
     python benchmarks/planner_accuracy.py [--pairs 11] [--models mlp,cnn-bn,...] [--fsdp-models mlp] [--figure PNG]
+    python benchmarks/planner_accuracy.py --via-advise [--budget 60] [--models mlp,cnn-bn]
 
 Models: an MLP, a CNN with BatchNorm, a small transformer with an Embedding, a grouped-conv net
 and an LSTM. Strategies: ``single`` (one process, one thread), ``dp`` (``multigpu.DataParallel``
@@ -16,6 +17,12 @@ merit is the median over pairs of predicted / measured; the goal is 0.75-1.25 fo
 Host costs (:mod:`multigpu.planning.calibrate`) are measured once per run. Writes a table here and
 ``benchmarks/figures/planner-accuracy-cpu2.png``. Not niced: it is a timing benchmark; rerun when
 ``uptime`` shows other load.
+
+``--via-advise`` checks the same models the way a user does: ``multigpu advise --measure`` on each
+model's factory (``benchmarks.planner_accuracy:mlp`` ...), which predicts from one calibration and
+then times every strategy in its own processes, one after another, within ``--budget`` seconds; the
+table is its JSON's predicted and measured step times. The pairs above are the finer figure (the
+same load for prediction and step); this one is the user's path, end to end.
 """
 
 from __future__ import annotations
@@ -103,6 +110,71 @@ def build(name: str) -> nn.Module:
     if name == "lstm":
         return LSTMNet()
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+def mlp() -> nn.Module:
+    return build("mlp")
+
+
+def cnn_bn() -> nn.Module:
+    return build("cnn-bn")
+
+
+def transformer() -> nn.Module:
+    return build("transformer")
+
+
+def grouped_conv() -> nn.Module:
+    return build("grouped-conv")
+
+
+def lstm() -> nn.Module:
+    return build("lstm")
+
+
+# per-sample input shape and dtype of each model, for `multigpu advise --input-shape ... --input-dtype ...`
+ADVISE_INPUTS = {
+    "mlp": ("512", "float32"),
+    "cnn-bn": ("3,32,32", "float32"),
+    "transformer": ("32", "long"),
+    "grouped-conv": ("3,32,32", "float32"),
+    "lstm": ("32,64", "float32"),
+}
+
+
+def via_advise(names: list[str], budget_s: float, console: Console) -> None:
+    """``multigpu advise --measure --json`` on each model; its predicted and measured steps side by side."""
+    import json
+    import sys
+
+    table = Table(title=f"multigpu advise --measure (budget {budget_s:.0f} s per model): predicted vs measured")
+    for col in ("model", "strategy", "predicted ms", "measured ms", "pred/meas", "goal", "status"):
+        table.add_column(col, justify="left" if col in ("model", "strategy", "status") else "right")
+    for name in names:
+        shape, dtype = ADVISE_INPUTS[name]
+        with tempfile.TemporaryDirectory() as out:
+            argv = [sys.executable, "-m", "multigpu", "advise", "--measure", "--json", "--no-figure", "--out", out]
+            argv += ["--model", f"benchmarks.planner_accuracy:{name.replace('-', '_')}", "--input-shape", shape]
+            argv += ["--input-dtype", dtype, "--global-batch", str(MODELS[name][0]), "--optimizer", "sgd-momentum"]
+            argv += ["--budget", str(budget_s)]
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=budget_s * 3 + 120)
+        if done.returncode != 0:
+            table.add_row(name, "-", "-", "-", "-", "-", f"advise failed: {done.stdout[-200:]}{done.stderr[-200:]}")
+            continue
+        for row in json.loads(done.stdout)["measured"]["rows"]:
+            pred, meas = row["predicted_step_ms"], row["step_ms"]
+            ratio = pred / meas if pred and meas else None
+            ok = "-" if ratio is None else "yes" if GOAL[0] <= ratio <= GOAL[1] else "NO"
+            table.add_row(
+                name,
+                f"{row['strategy']} x{row['devices']}",
+                f"{pred:.1f}" if pred else "-",
+                f"{meas:.1f}" if meas else "-",
+                f"{ratio:.2f}" if ratio else "-",
+                ok,
+                row["status"],
+            )
+    console.print(table)
 
 
 # global batch and the inputs of one sample
@@ -330,11 +402,19 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
     parser.add_argument("--fsdp-models", default="mlp", help="models that also get an fsdp row ('' for none)")
     parser.add_argument("--figure", type=Path, default=FIGURE, help=f"where the PNG goes (default {FIGURE.name})")
+    parser.add_argument(
+        "--via-advise", action="store_true", help="measure through `multigpu advise --measure` instead of pairs"
+    )
+    parser.add_argument("--budget", type=float, default=60.0, help="--via-advise: seconds of measuring per model")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per replica, as each DDP process has
     console = Console()
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     console.print(f"{datetime.datetime.now():%Y-%m-%d %H:%M}, revision {revision}, load {os.getloadavg()[0]:.2f}")
+    if args.via_advise:
+        via_advise(args.models.split(","), args.budget, console)
+        console.print(f"load {os.getloadavg()[0]:.2f} at the end")
+        return
     host = measure_host_costs(replicate="multigpu", repeats=15)
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     runners = {"single": single_pairs, "dp": dp_pairs, "ddp": ddp_pairs, "fsdp": fsdp_pairs}

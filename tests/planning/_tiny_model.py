@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -20,3 +21,21 @@ def not_a_module() -> int:
 
 def raises() -> nn.Module:
     raise RuntimeError("weights file missing")
+
+
+class _RaisesInProcesses(nn.Module):
+    """Trains in one process; under ddp or fsdp (a process group exists) its forward raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = build()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.distributed.is_initialized():
+            raise RuntimeError("this model refuses to run in a process group")
+        return self.body(x)  # type: ignore[no-any-return]
+
+
+def fails_in_processes() -> nn.Module:
+    """`advise --measure`: single and dp report, ddp fails with the message above."""
+    return _RaisesInProcesses()

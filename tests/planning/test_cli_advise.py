@@ -52,6 +52,11 @@ def test_advise_flags_are_a_decision() -> None:
         "--json",
         "--out",
         "--no-figure",
+        "--measure",
+        "--budget",
+        "--strategies",
+        "--script",
+        "--script-args",
     }
 
 

@@ -18,6 +18,12 @@ Any GPU: a preset (--gpu), or its figures (--gpu-tflops, --gpu-mem-gb, --gpu-mem
 measured by ``multigpu bandwidth`` replaces the link preset: ``--busbw 180`` (GB/s). ``--json``
 prints the plan for programs; the figure and advise.json go to --out. Equations, assumptions and
 sources: docs/planning.md.
+
+Checked on this machine: ``--measure`` runs a few timed steps of every strategy that fits the devices
+present, each in its own process, within ``--budget`` seconds, and prints measured beside predicted:
+
+    multigpu advise --measure --model mynet:build --input-shape 3,32,32 --budget 60
+    multigpu advise --measure --script train.py --script-args "--epochs 1"
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ INPUT_DTYPES = {"float32": "float32", "float": "float32", "float16": "float16", 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument(
-        "--model", required=True, help=f"a preset ({', '.join(workload.PRESETS)}) or 'package.module:factory'"
+        "--model",
+        help=f"a preset ({', '.join(workload.PRESETS)}) or 'package.module:factory' (required unless --script)",
     )
     model.add_argument("--input-shape", help="per-sample input shape, e.g. 512 or 3,224,224 (presets: rescales them)")
     model.add_argument(
@@ -99,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     plan = parser.add_argument_group("plan")
     plan.add_argument(
-        "--devices", default="1,2,4,8", help="device counts to compare, comma-separated (default 1,2,4,8)"
+        "--devices", help="device counts to compare, comma-separated (default 1,2,4,8; --measure: 1 and all present)"
     )
     plan.add_argument("--batch", type=int, help=f"samples per device per step (default {DEFAULT_BATCH})")
     plan.add_argument("--global-batch", type=int, help="samples per step, split over the devices (instead of --batch)")
@@ -107,6 +114,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON (inputs, rows, recommendation)")
     plan.add_argument("--out", default="advise-out", help="folder for advise.png and advise.json (default advise-out)")
     plan.add_argument("--no-figure", action="store_true", help="do not write advise.png")
+
+    measured = parser.add_argument_group("measure (check the plan on this machine)")
+    measured.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run a few timed steps of every strategy that fits the devices present, each in its own process",
+    )
+    measured.add_argument(
+        "--budget", type=float, default=60.0, help="seconds for all measured runs together (default 60)"
+    )
+    measured.add_argument("--strategies", help="strategies to measure, comma-separated (default single,dp,ddp,fsdp)")
+    measured.add_argument("--script", help="measure this Session training script instead of a factory model")
+    measured.add_argument("--script-args", help='arguments for --script, in one string: "--epochs 1 --lr 0.1"')
 
 
 def _gpu(args: argparse.Namespace) -> hardware.GpuSpec | None:
@@ -225,7 +245,7 @@ def _gpu_platform(args: argparse.Namespace, gpu: hardware.GpuSpec) -> Platform:
 def _plan(args: argparse.Namespace) -> tuple[Workload, Platform, list[Row], dict[str, Any]]:
     from multigpu.planning.advise import evaluate
 
-    counts = list(parse_shape(args.devices, flag="--devices") or ())
+    counts = list(parse_shape(args.devices or "1,2,4,8", flag="--devices") or ())
     batches = _batches(args)
     gpu = _gpu(args)
     plat: Platform | None = None
@@ -278,7 +298,13 @@ def run(args: argparse.Namespace) -> int:
     from multigpu.planning.advise import plot_throughput, print_plan, recommend, to_json
 
     console = Console()
+    if args.measure:
+        from multigpu.cli._advise_measure import run_measure
+
+        return run_measure(args, console)
     try:
+        if args.model is None:
+            raise ConfigError("pass --model (a preset or package.module:factory); --script needs --measure")
         w, plat, rows, batches = _plan(args)
     except (MultigpuError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}", soft_wrap=True)

@@ -8,6 +8,7 @@
 - :mod:`~multigpu.launcher.affinity` and :mod:`~multigpu.launcher._entry`: what each ddp worker
   runs first (its share of the cores, then the script under torch elastic's ``@record``).
 - :mod:`~multigpu.launcher.allreduce_probe`: the all-reduce bandwidth probe, launched as ddp is.
+- :mod:`~multigpu.launcher.measure`: ``multigpu advise --measure``'s runs, one strategy at a time, within a budget.
 
 Nothing below this package imports it: the workers' side is :mod:`multigpu.runtime`.
 """

@@ -130,6 +130,14 @@ class DataParallel(nn.Module):
         self._register_load_state_dict_pre_hook(add_module_prefix, with_module=True)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if (
+            len(self.replica_devices) == 1
+            and self.gather_outputs
+            and _already_there(inputs, kwargs, self.src_device_obj)
+        ):
+            # One device, nothing to move or split: the module called as it is, without a walk of the
+            # inputs (what a bare module costs; the general path below would move them first).
+            return self.module(*inputs, **kwargs)
         target = self._pop_target(kwargs)
         owns_loss = target is not None
         # The one walk of the inputs: every later stage (batch size, split, moves) loops over these leaves.
@@ -419,6 +427,23 @@ def _release(threads: ReplicaThreads, balancer: AutoBalancer | None) -> None:
     threads.close()
     if balancer is not None:
         balancer.close()
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _already_there(inputs: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> bool:
+    """Whether every argument is a plain tensor on ``device`` or a plain scalar (no container to walk),
+    and no ``target=`` (which the loss path, or its refusal, must see)."""
+    if "target" in kwargs:
+        return False
+    for value in chain(inputs, kwargs.values()):
+        if type(value) is torch.Tensor:
+            if value.device != device:
+                return False
+        elif not isinstance(value, _PLAIN):
+            return False
+    return True
 
 
 def _to(leaf: Any, device: torch.device) -> Any:

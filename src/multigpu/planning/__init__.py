@@ -4,7 +4,8 @@ Modules: hardware (what a step runs on: GPU and link presets with sources, the h
 platform), workload (what is trained: the workload and model presets), counting (one step counted
 on the meta device or timed on this CPU, fsdp's groups), calibrate (this machine measured: host
 costs, what CPU replicas share, collectives), costs (time, and the strategies' names and facts),
-memory (bytes per device), advise (the answer: recommendation, JSON, table rows, figure).
+memory (bytes per device), advise (the answer: recommendation, JSON, table rows, figure),
+measured (``advise --measure``'s runs beside their predictions; the launcher starts the runs).
 The equations: docs/planning.md; the published cases they are checked against: tests/planning.
 
 Example:

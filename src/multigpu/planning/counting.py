@@ -306,7 +306,7 @@ def measure_workload(
     """
     counted = count_step(model, inputs, loss_fn=loss_fn)
     batch = counted.batch
-    opt = _build_optimizer(optimizer, model)
+    opt = build_optimizer(optimizer, model)
     sync = synchronizer([inputs.device])  # waits for any accelerator (cuda, xpu, mps); no-op on the CPU
 
     def compute() -> None:
@@ -340,7 +340,8 @@ def device_seconds(step_s: float, host_s: float) -> float:
     return max(step_s - host_s, _MIN_DEVICE_SHARE * step_s)
 
 
-def _build_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer the planner's ``--optimizer`` names (``sgd``, ``sgd-momentum``, ``adam``, ``adamw``) over ``model``."""
     params = list(model.parameters())
     if name == "sgd":
         return torch.optim.SGD(params, lr=1e-3)

@@ -132,6 +132,29 @@ def line_figure(
     return save_figure(fig, path)
 
 
+def paired_bar_figure(
+    labels: Sequence[str],
+    series: Mapping[str, Sequence[float | None]],
+    path: str | Path,
+    *,
+    ylabel: str,
+    title: str,
+) -> Path:
+    """Bars side by side per label, one colour per series (``None``: no bar, e.g. a run that failed)."""
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.0), dpi=120)
+    width = 0.8 / max(1, len(series))
+    for k, (name, values) in enumerate(series.items()):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i, v in enumerate(values) if v is not None]
+        ax.bar(xs, [v for v in values if v is not None], width=width, label=name)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
 def save_figure(fig: Figure, path: str | Path) -> Path:
     """Lay out ``fig``, write it as a PNG at ``path`` (folders created) and close it."""
     out = Path(path)

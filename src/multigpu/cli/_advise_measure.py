@@ -1,0 +1,194 @@
+"""``multigpu advise --measure``: the plan, then every strategy that fits the devices present timed here.
+
+    multigpu advise --measure --model mynet:build --input-shape 3,32,32 --budget 60
+    multigpu advise --measure --script train.py --script-args "--epochs 1" --json
+
+The device counts are those of ``--devices`` that this machine has, by default 1 and every device
+present (on a CPU, 2: as ``multigpu launch`` starts ddp there). At one device ``single`` runs; at N,
+``dp`` (``cpu:N`` or N GPUs), ``ddp`` and ``fsdp`` with N processes (``--strategies`` picks fewer).
+Each runs in its own process(es) (:mod:`multigpu.launcher.measure`); the planner sets the measured
+rows beside its predictions (:mod:`multigpu.planning.measured`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from multigpu.errors import ConfigError, MultigpuError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from multigpu.launcher.measure import MeasureRun, MeasureSpec
+    from multigpu.planning.advise import Row
+
+MEASURED = ("single", "dp", "ddp", "fsdp")
+
+
+def devices_present() -> int:
+    """Devices a measured run may use here: every GPU, else the processes ``multigpu launch`` starts on a CPU."""
+    from multigpu.launcher.launch import LaunchConfig
+    from multigpu.launcher.torchrun import resolve_nproc
+
+    return resolve_nproc(LaunchConfig())
+
+
+def present_accelerator() -> str | None:
+    """``"cuda"`` (or another accelerator type) when this machine has one, else None."""
+    from multigpu.devices import accelerator_type
+
+    return accelerator_type()
+
+
+def device_counts(args: argparse.Namespace, present: int) -> list[int]:
+    """``--devices`` limited to what is present; by default ``1`` and every device present."""
+    from multigpu.cli.advise import parse_shape
+
+    if args.devices is None:
+        return sorted({1, present})
+    asked = list(parse_shape(args.devices, flag="--devices") or ())
+    counts = sorted({n for n in asked if n <= present})
+    if not counts:
+        raise ConfigError(
+            f"--devices {args.devices}: this machine has {present} devices to measure on; pass e.g. 1,{present}"
+        )
+    return counts
+
+
+def strategies(args: argparse.Namespace) -> list[str]:
+    chosen = [s.strip() for s in (args.strategies or ",".join(MEASURED)).split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in MEASURED]
+    if unknown or not chosen:
+        raise ConfigError(f"--strategies {args.strategies!r}: pick from {', '.join(MEASURED)}, e.g. single,ddp")
+    return chosen
+
+
+def build_runs(counts: list[int], chosen: list[str], rows: list[Row], batch: dict[str, Any]) -> list[MeasureRun]:
+    """A run per strategy and device count: ``single`` at one device, the others at more; the
+    predicted row's batch when there is one, else the batch flags'."""
+    from multigpu.launcher.measure import MeasureRun
+
+    predicted = {(r.strategy, r.devices): sum(r.step.chunks) for r in rows}
+    runs = []
+    for n in counts:
+        for strategy in chosen:
+            if (strategy == "single") != (n == 1):
+                continue
+            default = batch.get("global_batch") or batch.get("per_device_batch", 32) * n
+            runs.append(MeasureRun(strategy=strategy, devices=n, global_batch=predicted.get((strategy, n), default)))
+    if not runs:
+        raise ConfigError(
+            f"--strategies {','.join(chosen)} has nothing to run at {counts} devices; add single or a count > 1"
+        )
+    return runs
+
+
+def measure_spec(args: argparse.Namespace) -> MeasureSpec:
+    from multigpu.cli.advise import INPUT_DTYPES, parse_shape
+    from multigpu.launcher.measure import MeasureSpec
+
+    factory = args.model if args.model and ":" in args.model else None
+    shape = list(parse_shape(args.input_shape) or ()) if factory else []
+    if factory and not shape:
+        raise ConfigError(
+            f"--model {args.model!r} is measured on random inputs: pass --input-shape, e.g. 512 or 3,224,224"
+        )
+    return MeasureSpec(
+        factory=None if args.script else factory,
+        input_shape=shape,
+        input_dtype=INPUT_DTYPES.get(args.input_dtype, args.input_dtype),
+        optimizer=args.optimizer,
+        script=args.script,
+        script_args=shlex.split(args.script_args or ""),
+    )
+
+
+def _progress_bar(console: Console) -> Any:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console, transient=True)
+
+
+class _RunClock:
+    """Seconds of the runs that ended plus the one in progress (the progress bar's position)."""
+
+    def __init__(self) -> None:
+        self.run: MeasureRun | None = None
+        self.ended_s = 0.0
+        self.last_s = 0.0
+
+    def total(self, run: MeasureRun, seconds: float) -> float:
+        if run is not self.run:
+            self.ended_s += self.last_s
+            self.run = run
+        self.last_s = seconds
+        return self.ended_s + seconds
+
+
+def run_measure(args: argparse.Namespace, console: Console) -> int:
+    """Plan (when a factory model is given), measure each strategy, print or emit JSON; 2 on bad input."""
+    from rich.console import Console as RichConsole
+
+    from multigpu.cli import advise
+    from multigpu.launcher.measure import measure
+    from multigpu.planning.advise import print_plan, recommend, to_json
+    from multigpu.planning.measured import check, measured_json, plot_measured, print_measured, recommend_measured
+
+    try:
+        if args.script and args.model and ":" not in args.model:
+            raise ConfigError(f"--model {args.model!r} with --script must be a factory (package.module:function)")
+        spec = measure_spec(args)
+        present = devices_present()
+        counts = device_counts(args, present)
+        chosen = strategies(args)
+        plan: dict[str, Any] = {"inputs": {"script": args.script}, "rows": [], "recommendation": None}
+        rows: list[Row] = []
+        batch = advise._batches(args)
+        if args.model:
+            args.devices = ",".join(map(str, counts))
+            w, plat, rows, batch = advise._plan(args)
+            rec = recommend(rows, plat.memory_bytes)
+            plan = to_json(rows, rec, advise._inputs(w, plat, rows, batch))
+            if not args.json:
+                print_plan(console, w, plat, rows, rec)
+                if args.gpu is None and args.gpu_tflops is None and present_accelerator() is not None:
+                    console.print(
+                        f"(the plan above is for this machine's CPU; the runs below use its {present_accelerator()} "
+                        "devices: pass --gpu PRESET and --link for their plan)",
+                        soft_wrap=True,
+                    )
+        runs = build_runs(counts, chosen, rows, batch)
+    except (MultigpuError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        return 2
+    with _progress_bar(RichConsole(stderr=True)) as bar:
+        task = bar.add_task("measuring", total=args.budget)
+        shown = _RunClock()
+
+        def told(run: MeasureRun, seconds: float, share: float) -> None:
+            bar.update(
+                task,
+                completed=min(args.budget, shown.total(run, seconds)),
+                description=f"measuring {run.strategy} x{run.devices}",
+            )
+
+        measurements = measure(runs, spec, budget_s=args.budget, progress=told)
+    checked = check(rows, measurements)
+    rec_measured = recommend_measured(checked)
+    result_json = {**plan, "measured": measured_json(checked, rec_measured, args.budget)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "advise.json").write_text(json.dumps(result_json, indent=2) + "\n")
+    figure = None
+    if not args.no_figure:
+        figure = plot_measured(checked, out / "advise-measured.png", f"{args.model or args.script}: measured here")
+    if args.json:
+        print(json.dumps(result_json, indent=2))
+    else:
+        print_measured(console, checked, rec_measured, args.budget)
+        console.print(f"written: {out / 'advise.json'}" + (f", {figure}" if figure else ""), soft_wrap=True)
+    return 0

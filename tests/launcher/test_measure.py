@@ -1,0 +1,54 @@
+"""Strategies measured in processes of their own: failures classified, the budget enforced, nothing left behind."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from multigpu.errors import ConfigError
+from multigpu.launcher.measure import MeasureRun, MeasureSpec, _failure_kind, _reason, measure
+
+
+def test_out_of_memory_is_told_apart_from_other_failures() -> None:
+    cuda = "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+    assert _failure_kind(1, cuda) == "out of memory"
+    assert _reason(1, cuda) == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (exit 1)"
+    assert _failure_kind(-signal.SIGKILL, "") == "out of memory"  # the kernel's OOM killer leaves no message
+    assert "out-of-memory killer" in _reason(-signal.SIGKILL, "")
+    assert _failure_kind(1, "ValueError: bad shape\n") == "failed"
+    assert _reason(2, "usage: x\nno error line here\n") == "no error line here (exit 2)"
+
+
+def test_bad_specs_and_budgets_are_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="one of them"):
+        MeasureSpec()
+    with pytest.raises(ConfigError, match=r"--script 'nope\.py' does not exist"):
+        MeasureSpec(script="nope.py")
+    with pytest.raises(ConfigError, match="--budget 0 must be > 0"):
+        measure([MeasureRun(strategy="single", devices=1)], MeasureSpec(factory="m:f", input_shape=[4]), budget_s=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_run_past_its_budget_is_killed_with_what_it_started(tmp_path: Path) -> None:
+    marker = tmp_path / "alive"
+    script = tmp_path / "hangs.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(marker)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(600)\n"
+    )
+    started = time.monotonic()
+    [result] = measure([MeasureRun(strategy="single", devices=1)], MeasureSpec(script=str(script)), budget_s=6)
+    assert result.status == "timed out" and "raise --budget" in result.reason
+    assert time.monotonic() - started < 6 + 20  # the limit, then SIGTERM's grace at most
+    child = int(marker.read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    state = Path(f"/proc/{child}/stat").read_text().split()[2] if Path(f"/proc/{child}").exists() else "gone"
+    assert state in ("gone", "Z"), f"the run's child {child} outlived the run"
