@@ -45,6 +45,9 @@ class SessionConfig:
         sync_batchnorm: BatchNorm statistics over the global batch under ddp/fsdp (a no-op,
             with a warning, in one process, whose BatchNorm already sees the whole batch).
         compile: ``torch.compile`` the wrapped model (:meth:`multigpu.strategies.Strategy.apply_compile`).
+        deterministic: the same results run after run (:mod:`multigpu.session.determinism`):
+            deterministic algorithms only, cuDNN deterministic and not benchmarking, seeded loader
+            workers; slower, and an operation without a deterministic version raises.
     """
 
     strategy: str = "auto"
@@ -58,6 +61,7 @@ class SessionConfig:
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
     sync_batchnorm: bool = False
     compile: bool = False
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, ["auto", *STRATEGIES], "strategy='ddp'")
@@ -84,7 +88,7 @@ class SessionConfig:
                 raise ConfigError(
                     f"{name}={getattr(self, name)!r} must be a {kind.__name__}; use e.g. {name}={kind.__name__}()"
                 )
-        for name in ("sync_batchnorm", "compile"):
+        for name in ("sync_batchnorm", "compile", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
 

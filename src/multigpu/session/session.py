@@ -36,10 +36,11 @@ from torch.utils.data import DataLoader, Dataset
 from multigpu.core.keys import unwrap
 from multigpu.core.structure import map_leaves
 from multigpu.errors import ConfigError
-from multigpu.runtime import collectives, data, failure_records, loaders, world
+from multigpu.runtime import collectives, data, failure_records, loaders, preemption, world
 from multigpu.runtime.collective_failures import explain_collective_failures
 from multigpu.runtime.collectives import ReduceOp
 from multigpu.runtime.data import EpochLoader
+from multigpu.session import determinism
 from multigpu.session.config import SessionConfig
 from multigpu.session.evaluation import per_sample_result
 from multigpu.session.metrics import MetricsLog
@@ -74,6 +75,9 @@ class Session:
         self._micro = 0  # micro-steps since the last optimizer step
         self._last_batch = False  # the batch in flight is the last of session.batches(...)
         self._metrics: MetricsLog | None = None  # created by the first log()
+        self._stop_signals = preemption.StopSignals()  # installed by the first read of should_stop
+        self._stopping = False  # the ranks agreed to stop (pre-emption)
+        self._undo_deterministic: Callable[[], None] = _nothing  # deterministic=True's settings, undone on close
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -91,12 +95,17 @@ class Session:
             self.strategy = strategy
             self.precision = strategy.build_precision(self.config.precision)
             torch.manual_seed(self.config.seed)
+            if self.config.deterministic:
+                self._undo_deterministic = determinism.apply_deterministic(self.device)
         return self
 
     def close(self) -> None:
         """Leave the process group (ddp). Every rank must call it; safe to call twice."""
         if self._metrics is not None:
             self._metrics.close()
+        self._stop_signals.restore()
+        self._undo_deterministic()
+        self._undo_deterministic = _nothing
         if self.strategy is not None:
             self.strategy.teardown()
             self.strategy = None
@@ -180,6 +189,8 @@ class Session:
         for the shuffle and uneven-dataset policy.
         """
         strategy, _ = self._started()
+        if self.config.deterministic:
+            loader_kwargs = determinism.seeded_loader_kwargs(self.config.seed, strategy.shard.rank, loader_kwargs)
         return data.build_epoch_loader(
             dataset,
             global_batch=batch_size,
@@ -207,6 +218,8 @@ class Session:
             ConfigError: a loader that cannot be rebuilt (the message says what to do instead), or
                 a ``batch_size`` that does not divide by the world size.
         """
+        if self.config.deterministic and loader.worker_init_fn is None:
+            loader.worker_init_fn = determinism.seed_worker  # kept by the rebuild
         return loaders.shard_dataloader(loader, self._started()[0].shard, seed=self.config.seed)
 
     def batches(self, batches: Iterable[T], *, progress: bool = False, description: str = "batches") -> Iterator[T]:
@@ -238,6 +251,26 @@ class Session:
             self._last_batch = outer
 
     # -- one step -------------------------------------------------------------------------------
+
+    @property
+    def should_stop(self) -> bool:
+        """True on every rank at the same step once SIGTERM or SIGUSR1 reached any rank: save and leave the loop.
+
+        The first read installs the signal handlers (before it, the signals end the process as
+        usual); a handler only records the signal, and each read agrees on it with one
+        all-reduce of one flag (:mod:`multigpu.runtime.preemption`), so every rank must read it
+        at the same point of each step. Once True it stays True.
+
+        Example:
+            >>> if session.should_stop:  # doctest: +SKIP
+            ...     ckpt.save(step=step, model=model, optimizer=optimizer)
+            ...     break
+        """
+        self._started()
+        self._stop_signals.install()
+        if not self._stopping:
+            self._stopping = preemption.agree(self._stop_signals.received is not None)
+        return self._stopping
 
     @property
     def should_step(self) -> bool:
@@ -396,6 +429,10 @@ def _both(first: AbstractContextManager[Any], second: AbstractContextManager[Any
 
 
 _END: Any = object()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _is_positive(value: object) -> bool:
