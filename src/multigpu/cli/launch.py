@@ -17,7 +17,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from multigpu.cli.launch_settings import mark_defaults, resolve
+from multigpu.cli._launch_settings import mark_defaults, resolve
 from multigpu.errors import MultigpuError
 
 if TYPE_CHECKING:
