@@ -4,6 +4,7 @@ weights equal one process's (plain torch, same seed, same global batches)."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import sys
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.multiprocess
 
 WORKER = "tests/distributed/preempt_worker.py"
 STEPS = 3
+LONG = bool(os.environ.get("MULTIGPU_LONG"))
 
 
 def free_port(low: int = 1, high: int = 65535) -> int:
@@ -66,7 +68,13 @@ def test_slurm_variables_on_two_processes_form_one_world(tmp_path: Path) -> None
     _check_one_world(done, tmp_path, "slurm")
 
 
-@pytest.mark.parametrize("flavour", ["openmpi", "mpich"])
+@pytest.mark.parametrize(
+    "flavour",
+    [
+        "openmpi",
+        pytest.param("mpich", marks=pytest.mark.skipif(not LONG, reason="MULTIGPU_LONG=1: the second MPI flavour")),
+    ],
+)
 def test_mpi_variables_on_two_processes_form_one_world(tmp_path: Path, flavour: str) -> None:
     base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     if flavour == "openmpi":

@@ -4,6 +4,8 @@ tests/distributed/test_scheduler_starts.py."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -134,7 +136,10 @@ def test_open_mpi_and_mpich() -> None:
     ("env", "message"),
     [
         ({**_SLURM, "SLURM_PROCID": "4"}, r"SLURM_PROCID=4 lies outside SLURM_NTASKS=4"),
-        ({**_SLURM, "SLURM_TASKS_PER_NODE": "3(x2)"}, r"SLURM_TASKS_PER_NODE='3\(x2\)' adds up to 6 tasks but SLURM_NTASKS=4"),
+        (
+            {**_SLURM, "SLURM_TASKS_PER_NODE": "3(x2)"},
+            r"SLURM_TASKS_PER_NODE='3\(x2\)' adds up to 6 tasks but SLURM_NTASKS=4",
+        ),
         ({**_SLURM, "SLURM_LOCALID": "2"}, r"SLURM_LOCALID=2 on SLURM_NODEID=1 does not fit"),
         ({**_SLURM, "SLURM_NTASKS": "four"}, r"SLURM_NTASKS='four' is not a count"),
         ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "2"}, r"OMPI_COMM_WORLD_RANK=2 lies outside"),
@@ -154,19 +159,24 @@ def test_a_process_started_by_hand_inside_an_allocation(monkeypatch: pytest.Monk
     batch_shell = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
     assert detect_worker(batch_shell) is None  # not a task of an srun step: no world of 4 to wait for
     assert "expects SLURM_NTASKS=4 tasks, but it was not started by srun" in (not_started_reason(batch_shell) or "")
-    for key in [k for k in __import__("os").environ if k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))]:
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))]:
         monkeypatch.delenv(key)
     for key, value in batch_shell.items():
         monkeypatch.setenv(key, value)
     from multigpu.session import Session
 
-    with pytest.raises(LaunchError, match="SLURM_NTASKS=4 tasks, but it was not started by srun.*srun --ntasks-per-node"):
+    with pytest.raises(
+        LaunchError, match=r"SLURM_NTASKS=4 tasks, but it was not started by srun.*srun --ntasks-per-node"
+    ):
         Session(strategy="ddp").start()
     assert scheduler_report()["scheduler"].startswith("none: this process runs inside SLURM job 7")
 
 
 def test_launcher_defaults() -> None:
-    assert launcher_defaults({"PET_NNODES": "2", "PET_NODE_RANK": "1"}) == ("torchrun", {"nnodes": "2", "node-rank": "1"})
+    assert launcher_defaults({"PET_NNODES": "2", "PET_NODE_RANK": "1"}) == (
+        "torchrun",
+        {"nnodes": "2", "node-rank": "1"},
+    )
     one_per_node = {**_SLURM, "SLURM_NTASKS": "2", "SLURM_NNODES": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
     one_per_node["SLURM_TASKS_PER_NODE"] = "1(x2)"
     scheduler, values = launcher_defaults(one_per_node)

@@ -99,7 +99,9 @@ def _load_toml(path: Path) -> dict[str, Any]:
             with path.open("rb") as file:
                 return dict(toml.load(file))
         except toml.TOMLDecodeError as exc:
-            raise ConfigError(f"--config {path}: not valid TOML ({exc}); write keys as e.g. nproc-per-node = 2") from exc
+            raise ConfigError(
+                f"--config {path}: not valid TOML ({exc}); write keys as e.g. nproc-per-node = 2"
+            ) from exc
     raise ConfigError(f"--config {path}: reading TOML needs Python 3.11+ or the 'tomli' package (pip install tomli)")
 
 
@@ -112,7 +114,9 @@ def _read_config(path: Path, by_name: dict[str, argparse.Action]) -> dict[str, A
         if name not in by_name or name in _NOT_IN_FILE:
             choices = [n for n in by_name if n not in _NOT_IN_FILE]
             near = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
-            hint = f"did you mean '{near[0]}'?" if near else f"the keys are the long flags: {', '.join(sorted(choices))}"
+            hint = (
+                f"did you mean '{near[0]}'?" if near else f"the keys are the long flags: {', '.join(sorted(choices))}"
+            )
             raise ConfigError(f"--config {path}: {key!r} is not a flag of multigpu launch; {hint}")
         values[name] = _convert(by_name[name], raw, f"--config {path}: {key} = {raw!r}")
     return values

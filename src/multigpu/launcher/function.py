@@ -40,7 +40,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 from multigpu.devices import device_type_names, get_device_type
 from multigpu.errors import ConfigError, LaunchError
@@ -158,13 +158,14 @@ def _child(
 
 def _collect(children: list[tuple[Any, Connection]]) -> Any:
     """Wait for every rank; rank 0's result, or a LaunchError for the first rank that failed."""
-    pending = {receive: rank for rank, (_, receive) in enumerate(children)}
+    pending: dict[Connection, int] = {receive: rank for rank, (_, receive) in enumerate(children)}
     result: Any = None
     while pending:
-        for receive in wait(list(pending)):
-            rank = pending.pop(receive)  # type: ignore[call-overload]
+        for ready in wait(list(pending)):
+            receive = cast(Connection, ready)
+            rank = pending.pop(receive)
             try:
-                kind, payload = receive.recv()  # type: ignore[union-attr]
+                kind, payload = receive.recv()
             except EOFError:  # it died without a word (killed, or os._exit)
                 process = children[rank][0]
                 process.join(timeout=5)

@@ -41,7 +41,9 @@ def maybe_requeue(config: LaunchConfig, code: int) -> int:
         return code
     job = slurm_job_id()
     if job is None:
-        print("multigpu launch: --requeue: not inside a SLURM job (no SLURM_JOB_ID); nothing to requeue", file=sys.stderr)
+        print(
+            "multigpu launch: --requeue: not inside a SLURM job (no SLURM_JOB_ID); nothing to requeue", file=sys.stderr
+        )
         return code
     scontrol = shutil.which("scontrol")
     if scontrol is None:

@@ -83,7 +83,9 @@ def _split_top_level(text: str) -> list[str]:
     for char in text:
         depth += {"[": 1, "]": -1}.get(char, 0)
         if depth not in (0, 1):
-            raise LaunchError(f"hostlist {text!r} has unbalanced or nested brackets; SLURM writes e.g. 'node[01-03,07]'")
+            raise LaunchError(
+                f"hostlist {text!r} has unbalanced or nested brackets; SLURM writes e.g. 'node[01-03,07]'"
+            )
         if char == "," and depth == 0:
             parts.append(current)
             current = ""
@@ -190,7 +192,9 @@ def _ints(env: Mapping[str, str], names: list[str], fix: str) -> list[int]:
 
 def _slurm_worker(env: Mapping[str, str]) -> SchedulerWorld:
     tasks_name = "SLURM_NTASKS" if "SLURM_NTASKS" in env else "SLURM_NPROCS"
-    rank, world, local_rank, node = _ints(env, ["SLURM_PROCID", tasks_name, "SLURM_LOCALID", "SLURM_NODEID"], _SLURM_FIX)
+    rank, world, local_rank, node = _ints(
+        env, ["SLURM_PROCID", tasks_name, "SLURM_LOCALID", "SLURM_NODEID"], _SLURM_FIX
+    )
     if not 0 <= rank < world:
         raise LaunchError(f"SLURM_PROCID={rank} lies outside {tasks_name}={world} tasks; {_SLURM_FIX}")
     per_node = expand_tasks_per_node(env["SLURM_TASKS_PER_NODE"]) if env.get("SLURM_TASKS_PER_NODE") else [world]
