@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multigpu.runtime.schedulers import slurm_port
+from multigpu.runtime.schedulers import TORCHRUN, slurm_port
 from tests.distributed.preempt_worker import oracle
 from tests.launching import run_together
 
@@ -102,4 +102,4 @@ def test_two_launchers_under_pet_variables_form_one_world(tmp_path: Path) -> Non
     envs = [{**base, "PET_NODE_RANK": str(r)} for r in range(2)]
     argv = [sys.executable, "-m", "multigpu", "launch", "--strategy", "ddp", WORKER, str(tmp_path), str(STEPS)]
     done = run_together([argv, argv], envs=envs, timeout_s=150)
-    _check_one_world(done, tmp_path, "torchrun")
+    _check_one_world(done, tmp_path, TORCHRUN)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from multigpu.errors import LaunchError
 from multigpu.runtime.schedulers import (
+    TORCHRUN,
     detect_worker,
     expand_hostlist,
     expand_tasks_per_node,
@@ -109,7 +110,7 @@ def test_every_task_of_a_job_derives_the_same_port() -> None:
 
 def test_torchrun_variables_come_first() -> None:
     env = read_launch_env({**_SLURM, "RANK": "0", "WORLD_SIZE": "2"})
-    assert env is not None and env.scheduler == "torchrun" and env.world_size == 2
+    assert env is not None and env.scheduler == TORCHRUN and env.world_size == 2
 
 
 def test_open_mpi_and_mpich() -> None:
@@ -174,7 +175,7 @@ def test_a_process_started_by_hand_inside_an_allocation(monkeypatch: pytest.Monk
 
 def test_launcher_defaults() -> None:
     assert launcher_defaults({"PET_NNODES": "2", "PET_NODE_RANK": "1"}) == (
-        "torchrun",
+        TORCHRUN,
         {"nnodes": "2", "node-rank": "1"},
     )
     one_per_node = {**_SLURM, "SLURM_NTASKS": "2", "SLURM_NNODES": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from multigpu.errors import LaunchError
 
 DEFAULT_PORT = 29500
+TORCHRUN = "torchrun"  # the scheduler name of RANK/WORLD_SIZE (torchrun, multigpu launch) and of PET_*
 _PORT_BASE, _PORT_SPAN = 20000, 20000  # job-derived ports: 20000..39999, below Linux's ephemeral range
 _SLURM_FIX = "start one task per process with srun (e.g. 'srun --ntasks-per-node=2 python train.py')"
 
@@ -299,7 +300,7 @@ def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str
     """
     pet = {flag: env[name] for flag, name in _PET_FLAGS.items() if env.get(name)}
     if pet:
-        return "torchrun", pet
+        return TORCHRUN, pet
     if "SLURM_PROCID" not in env or not _in_srun_step(env):
         return None, {}
     tasks, nodes = env.get("SLURM_NTASKS", "1"), env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES", "1")

@@ -64,7 +64,7 @@ class LaunchEnv:
     local_world_size: int
     master_addr: str
     master_port: int
-    scheduler: str = "torchrun"
+    scheduler: str = schedulers.TORCHRUN
 
     @property
     def is_main_process(self) -> bool:
