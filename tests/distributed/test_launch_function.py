@@ -74,3 +74,13 @@ def test_bad_arguments_are_refused() -> None:
         launch_function(print, nproc_per_node=0)
     with pytest.raises(ConfigError, match=r"strategy='dp': launch_function starts one process per device"):
         launch_function(print, strategy="dp")
+
+
+@pytest.mark.multiprocess
+def test_the_guides_notebook_cell_works_as_written() -> None:
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "distributed.md").read_text()
+    section = guide.split("### From a notebook", 1)[1]
+    cell = section.split("```python\n", 1)[1].split("```", 1)[0]
+    done = run_python_stdin(cell, timeout_s=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.strip().splitlines()[-1]) >= 0.0  # the mean loss rank 0 returned

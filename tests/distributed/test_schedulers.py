@@ -186,3 +186,9 @@ def test_launcher_defaults() -> None:
     with pytest.raises(LaunchError, match=r"SLURM_NTASKS=4 tasks on 2 node\(s\).*--ntasks-per-node=1"):
         launcher_defaults({**_SLURM, "SLURM_NNODES": "2"})
     assert launcher_defaults({}) == (None, {})
+    older_operator = {"PET_NNODES": "2", "MASTER_ADDR": "train-master-0", "MASTER_PORT": "23456"}
+    assert launcher_defaults(older_operator)[1] == {
+        "nnodes": "2",
+        "master-addr": "train-master-0",
+        "master-port": "23456",
+    }

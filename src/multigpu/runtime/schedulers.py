@@ -300,6 +300,10 @@ def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str
     """
     pet = {flag: env[name] for flag, name in _PET_FLAGS.items() if env.get(name)}
     if pet:
+        # a PyTorchJob also sets MASTER_ADDR/MASTER_PORT (older operators set no PET_MASTER_*): rank 0's pod
+        for flag, name in (("master-addr", "MASTER_ADDR"), ("master-port", "MASTER_PORT")):
+            if flag not in pet and env.get(name):
+                pet[flag] = env[name]
         return TORCHRUN, pet
     if "SLURM_PROCID" not in env or not _in_srun_step(env):
         return None, {}
