@@ -70,8 +70,9 @@ def main() -> None:
                 session.backward(F.mse_loss(model(x), y))
             session.step(optimizer)
             step += 1
-            say("step", session.global_rank, step)
-            if session.should_stop:  # every rank, after every step: agreed on one step
+            stop = session.should_stop  # every rank, after every step: agreed on one step
+            say("step", session.global_rank, step)  # (after the first read: the handlers are in)
+            if stop:
                 checkpoints.save(step=step, model=model, optimizer=optimizer)
                 say("stopped", session.global_rank, step)
                 return

@@ -7,11 +7,14 @@ others blocked in a collective. Instead:
 
 - :class:`StopSignals` installs handlers that only record the signal (a handler runs between two
   bytecodes of the main thread, possibly inside a step: it must not save or communicate);
-- :func:`agree` turns the ranks' flags into one answer at a step boundary: one all-reduce (max) of
-  one number, so every rank sees True at the same step, including ranks the signal never reached.
+- :class:`StopAgreement` turns the ranks' flags into one answer at a step boundary: an all-reduce
+  (max) of one number, started asynchronously at one read and collected at the next, so it rides
+  alongside the next step's work instead of adding a sync point; every rank sees True at the same
+  step (one step after the signal), including ranks the signal never reached. :func:`agree` is the
+  blocking form.
 
 :attr:`multigpu.session.Session.should_stop` uses both: the first read installs the handlers (a
-loop that reads it has a place to save), each read agrees once.
+loop that reads it has a place to save), each read polls the agreement once.
 
 Example::
 
@@ -29,6 +32,10 @@ import threading
 from types import FrameType
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from multigpu.devices import backend_device_type
 from multigpu.runtime.collectives import reduce_value
 from multigpu.runtime.world import in_process_group
 
@@ -72,10 +79,44 @@ class StopSignals:
 
 
 def agree(local_stop: bool) -> bool:
-    """Whether any rank wants to stop: one all-reduce (max) of one flag. Every rank must call it.
+    """Whether any rank wants to stop, now: one blocking all-reduce (max) of one flag. Every rank must call it.
 
     Outside a process group, ``local_stop`` itself.
     """
     if not in_process_group():
         return local_stop
     return bool(reduce_value(1.0 if local_stop else 0.0, "max").item() > 0)  # note: a sync point
+
+
+class StopAgreement:
+    """The ranks' stop flags agreed one step late, so the agreement adds no sync point to a step.
+
+    Each :meth:`poll` starts an asynchronous all-reduce (max) of this rank's flag and returns the
+    result of the one the previous poll started, which has had a whole step to complete (it runs on
+    the backend's own threads while the step computes). Every rank sees True at the same poll;
+    the stop comes one step after the signal. Every rank must poll the same number of times and
+    call :meth:`finish` before the process group closes.
+    """
+
+    def __init__(self) -> None:
+        self._pending: tuple[torch.Tensor, Any] | None = None
+
+    def poll(self, local_stop: bool) -> bool:
+        """The previous poll's agreement (False at the first), after starting this one's."""
+        if not in_process_group():
+            return local_stop
+        agreed = self.finish()
+        kind = backend_device_type(str(dist.get_backend()))
+        device = kind.current_device() if kind is not None else torch.device("cpu")  # NCCL: on the GPU
+        flag = torch.tensor([1.0 if local_stop else 0.0], device=device)
+        self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+        return agreed
+
+    def finish(self) -> bool:
+        """Wait for the agreement in flight, if any; whether it said stop."""
+        if self._pending is None:
+            return False
+        flag, work = self._pending
+        self._pending = None
+        work.wait()  # note: done long ago in a training loop; a sync point otherwise
+        return bool(flag.item() > 0)

@@ -77,6 +77,7 @@ class Session:
         self._metrics: MetricsLog | None = None  # created by the first log()
         self._stop_signals = preemption.StopSignals()  # installed by the first read of should_stop
         self._stopping = False  # the ranks agreed to stop (pre-emption)
+        self._stop_agreement = preemption.StopAgreement()  # one flag all-reduced per read, a step late
         self._undo_deterministic: Callable[[], None] = _nothing  # deterministic=True's settings, undone on close
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -103,6 +104,8 @@ class Session:
         """Leave the process group (ddp). Every rank must call it; safe to call twice."""
         if self._metrics is not None:
             self._metrics.close()
+        if self.strategy is not None:
+            self._stop_agreement.finish()  # the all-reduce in flight completes before the group closes
         self._stop_signals.restore()
         self._undo_deterministic()
         self._undo_deterministic = _nothing
@@ -257,9 +260,11 @@ class Session:
         """True on every rank at the same step once SIGTERM or SIGUSR1 reached any rank: save and leave the loop.
 
         The first read installs the signal handlers (before it, the signals end the process as
-        usual); a handler only records the signal, and each read agrees on it with one
-        all-reduce of one flag (:mod:`multigpu.runtime.preemption`), so every rank must read it
-        at the same point of each step. Once True it stays True.
+        usual); a handler only records the signal. Each read starts an asynchronous all-reduce of
+        one flag and answers with the one the previous read started, which completed during the
+        step in between (:mod:`multigpu.runtime.preemption`): no added sync point, and the stop
+        comes one step after the signal. Every rank must read it at the same point of each step.
+        Once True it stays True.
 
         Example:
             >>> if session.should_stop:  # doctest: +SKIP
@@ -269,7 +274,7 @@ class Session:
         self._started()
         self._stop_signals.install()
         if not self._stopping:
-            self._stopping = preemption.agree(self._stop_signals.received is not None)
+            self._stopping = self._stop_agreement.poll(self._stop_signals.received is not None)
         return self._stopping
 
     @property
