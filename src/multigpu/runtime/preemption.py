@@ -35,7 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from multigpu.devices import backend_device_type
 from multigpu.runtime.collectives import reduce_value
 from multigpu.runtime.world import in_process_group
 
@@ -100,16 +99,21 @@ class StopAgreement:
 
     def __init__(self) -> None:
         self._pending: tuple[torch.Tensor, Any] | None = None
+        self._group: Any = None  # gloo: the default group; else a gloo side group, made at the first poll
 
     def poll(self, local_stop: bool) -> bool:
         """The previous poll's agreement (False at the first), after starting this one's."""
         if not in_process_group():
             return local_stop
         agreed = self.finish()
-        kind = backend_device_type(str(dist.get_backend()))
-        device = kind.current_device() if kind is not None else torch.device("cpu")  # NCCL: on the GPU
-        flag = torch.tensor([1.0 if local_stop else 0.0], device=device)
-        self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+        if self._group is None:
+            # On the CPU over gloo even when the run uses NCCL: a flag on the GPU would queue behind
+            # the step's kernels, and reading it would wait for them (a device sync every step).
+            # new_group is itself a collective: every rank reaches its first poll at the same point.
+            default = dist.group.WORLD
+            self._group = default if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        flag = torch.tensor([1.0 if local_stop else 0.0])
+        self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True))
         return agreed
 
     def finish(self) -> bool:
