@@ -91,3 +91,38 @@ def _workers(launcher_pid: int) -> list[int]:
             found.append(pid)
     assert found, "no worker process found below the launcher"
     return found
+
+
+_UNTIL_STOPPED = """
+import os, time
+from multigpu.session import Session
+with Session() as session:
+    steps = 0
+    while not session.should_stop:  # the first read installs the handlers
+        if steps == 1:
+            os.write(1, f"ready {session.global_rank}\\n".encode())
+        steps += 1
+        time.sleep(0.05)
+    os.write(1, f"saved {session.global_rank} {steps}\\n".encode())
+"""
+
+
+@pytest.mark.parametrize(("mode", "workers"), [(["--strategy", "single"], 1), (["--strategy", "ddp"], 2)])
+def test_sigusr1_to_the_launcher_reaches_the_loop_and_the_exit_code_says_so(
+    tmp_path: Path, mode: list[str], workers: int
+) -> None:
+    """SLURM's warning signal (``--signal=USR1@N``): forwarded in both launch modes; the script saves and
+    exits cleanly; the launcher exits 128 + SIGUSR1 so that a job script knows it was a pre-emption."""
+    script = tmp_path / "until_stopped.py"
+    script.write_text(_UNTIL_STOPPED)
+    launcher = start_launch(*mode, "--nproc-per-node", str(workers), str(script), env={"OMP_NUM_THREADS": "1"})
+    try:
+        read_lines_until(launcher, "ready ", workers, timeout_s=120)
+        launcher.send_signal(signal.SIGUSR1)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        kill_tree(launcher)
+    saved = sorted(line.split()[1:] for line in out.splitlines() if line.startswith("saved "))
+    assert [rank for rank, _ in saved] == [str(r) for r in range(workers)], f"{out}\n{err[-2000:]}"
+    assert len({steps for _, steps in saved}) == 1  # one agreed step
+    assert launcher.returncode == 128 + signal.SIGUSR1, err[-2000:]
