@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from multigpu.errors import LaunchError
+from multigpu.errors import DeviceError, LaunchError
 from multigpu.runtime.schedulers import (
     TORCHRUN,
     detect_worker,
@@ -192,3 +193,18 @@ def test_launcher_defaults() -> None:
         "master-addr": "train-master-0",
         "master-port": "23456",
     }
+
+
+def test_a_task_bound_to_one_gpu_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``srun --gpus-per-task=1``: each task sees one GPU (index 0) whatever its SLURM_LOCALID."""
+    from multigpu.runtime import world
+
+    monkeypatch.setattr(world, "accelerator_type", lambda: "cuda")
+    monkeypatch.setattr(world, "device_count", lambda kind: 1)
+    env = read_launch_env(_SLURM)
+    assert env is not None and env.local_rank == 1
+    assert world.process_device(env) == torch.device("cuda", 0)
+    torchrun = read_launch_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert torchrun is not None
+    with pytest.raises(DeviceError, match="2 processes per node were launched but this node sees 1 cuda"):
+        world.process_device(torchrun)  # under torchrun one GPU for two processes stays an error

@@ -224,13 +224,19 @@ def choose_backend(device_type: str) -> str:
 def process_device(env: LaunchEnv) -> torch.device:
     """The device this process computes on: ``cuda:<local_rank>`` where there are GPUs, else the CPU.
 
+    A task that a scheduler (SLURM, MPI) started seeing a single GPU takes it, whatever its local
+    rank: the scheduler bound one GPU to each task (``srun --gpus-per-task=1``).
+
     Raises:
         DeviceError: more processes on this node than visible GPUs.
     """
     accel = accelerator_type()
     if accel != "cuda":
         return torch.device("cpu")
-    check_world_matches_devices(env.local_world_size, "cuda", device_count("cuda"))
+    visible = device_count("cuda")
+    if env.scheduler != schedulers.TORCHRUN and visible == 1:
+        return torch.device("cuda", 0)  # the scheduler bound one GPU to this task (srun --gpus-per-task=1)
+    check_world_matches_devices(env.local_world_size, "cuda", visible)
     return torch.device("cuda", env.local_rank)
 
 
