@@ -27,8 +27,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from datetime import timedelta
 from types import FrameType
 from typing import Any
 
@@ -115,6 +117,16 @@ class StopAgreement:
         flag = torch.tensor([1.0 if local_stop else 0.0])
         self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True))
         return agreed
+
+    def settle(self, timeout_s: float = 10.0) -> None:
+        """Before the process group closes: let the agreement in flight complete, without hanging on a
+        rank that is gone (after a failure the group is being torn down anyway)."""
+        if self._pending is None:
+            return
+        _, work = self._pending
+        self._pending = None
+        with contextlib.suppress(Exception):
+            work.wait(timedelta(seconds=timeout_s))
 
     def finish(self) -> bool:
         """Wait for the agreement in flight, if any; whether it said stop."""

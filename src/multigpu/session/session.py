@@ -105,7 +105,7 @@ class Session:
         if self._metrics is not None:
             self._metrics.close()
         if self.strategy is not None:
-            self._stop_agreement.finish()  # the all-reduce in flight completes before the group closes
+            self._stop_agreement.settle()  # the all-reduce in flight completes before the group closes
         self._stop_signals.restore()
         self._undo_deterministic()
         self._undo_deterministic = _nothing
