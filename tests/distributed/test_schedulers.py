@@ -208,3 +208,26 @@ def test_a_task_bound_to_one_gpu_takes_it(monkeypatch: pytest.MonkeyPatch) -> No
     assert torchrun is not None
     with pytest.raises(DeviceError, match="2 processes per node were launched but this node sees 1 cuda"):
         world.process_device(torchrun)  # under torchrun one GPU for two processes stays an error
+
+
+@pytest.mark.multiprocess  # collect_env asks the platform, which runs `uname`
+def test_multigpu_env_says_which_scheduler_and_the_world(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from multigpu.cli.main import main
+
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "PET_", "OMPI_", "PMI_"))]:
+        monkeypatch.delenv(key)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in _SLURM.items():
+        monkeypatch.setenv(key, value)
+    assert main(["env", "--json"]) == 0
+    start = json.loads(capsys.readouterr().out)["start (scheduler)"]
+    assert start["scheduler"] == "slurm"
+    assert start["world"] == f"rank 3 of 4 (local rank 1 of 2), master gpu07:{slurm_port('4242')}"
+    assert start["multigpu launch here"].startswith("refused: multigpu launch runs once per node")
+    assert main(["env"]) == 0
+    assert "start (scheduler):\n  scheduler: slurm\n  world: rank 3 of 4" in capsys.readouterr().out
