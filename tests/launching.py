@@ -24,13 +24,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start(argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
+def start(argv: Sequence[str], *, env: Mapping[str, str] | None = None, stdin: bool = False) -> subprocess.Popen[str]:
     """``argv`` started in a session of its own (signals sent to it reach it alone; :func:`kill_tree` ends it
-    and its descendants), in the repository root with ``tests`` importable, stdout and stderr piped."""
+    and its descendants), in the repository root with ``tests`` importable, stdout and stderr piped (and
+    stdin when asked)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return subprocess.Popen(
         list(argv),
         cwd=ROOT,
+        stdin=subprocess.PIPE if stdin else None,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -59,10 +61,15 @@ def run_command(
 
 
 def run_together(
-    argvs: Sequence[Sequence[str]], *, timeout_s: float = 90, env: Mapping[str, str] | None = None
+    argvs: Sequence[Sequence[str]],
+    *,
+    timeout_s: float = 90,
+    env: Mapping[str, str] | None = None,
+    envs: Sequence[Mapping[str, str]] | None = None,
 ) -> list[subprocess.CompletedProcess[str]]:
-    """Run the commands at the same time (e.g. one launcher per node); on timeout kill them all, workers included."""
-    procs = [start(argv, env=env) for argv in argvs]
+    """Run the commands at the same time (e.g. one launcher per node, or one process per rank with ``envs``,
+    one environment each); on timeout kill them all, workers included."""
+    procs = [start(argv, env={**(env or {}), **(envs[i] if envs else {})}) for i, argv in enumerate(argvs)]
     deadline = time.monotonic() + timeout_s
     done = []
     try:
@@ -82,10 +89,28 @@ def run_together(
     return done
 
 
-def start_launch(*args: str, wrapper: Sequence[str] = ()) -> subprocess.Popen[str]:
+def start_launch(
+    *args: str, wrapper: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> subprocess.Popen[str]:
     """``multigpu launch ARGS`` started by :func:`start` (signals sent to it reach it alone); stop it with
     :func:`kill_tree`. ``wrapper`` goes before the interpreter (e.g. ``ip netns exec NODE``)."""
-    return start([*wrapper, sys.executable, "-m", "multigpu", "launch", *args])
+    return start([*wrapper, sys.executable, "-m", "multigpu", "launch", *args], env=env)
+
+
+def run_python_stdin(source: str, *, timeout_s: float = 90) -> subprocess.CompletedProcess[str]:
+    """``python -`` reading ``source`` from stdin (a script with no file, as a notebook's code has none);
+    on timeout it is killed with every process it started."""
+    proc = start([sys.executable, "-"], stdin=True)
+    try:
+        out, err = proc.communicate(source, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        out, err = proc.communicate()
+        raise AssertionError(f"python - ran past {timeout_s}s and was killed\n{out}\n{err}") from None
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc)
+    return subprocess.CompletedProcess(["python", "-"], proc.returncode, out, err)
 
 
 def read_lines_until(proc: subprocess.Popen[str], prefix: str, count: int, *, timeout_s: float) -> list[str]:

@@ -10,6 +10,7 @@ from multigpu.cli.main import subcommands
 PUBLIC = {
     "reduce_value",
     "launch",
+    "launch_function",
     "is_main_process",
     "SessionConfig",
     "Session",

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         PlacementError,
         ScatterError,
     )
-    from multigpu.launcher import LaunchConfig, launch
+    from multigpu.launcher import LaunchConfig, launch, launch_function
     from multigpu.parallel import DataParallel, data_parallel
     from multigpu.profiling.memory import DeviceMemory, track_memory
     from multigpu.profiling.step import ProfileConfig, profile_steps
@@ -55,7 +55,7 @@ _SOURCES: dict[str, str] = {
         ("Checkpointer", "Resumed", "clean_state_dict", "find_latest", "load", "save", "unwrap"), "multigpu.checkpoint"
     ),
     **dict.fromkeys(("ReplicaDevice", "parse_devices"), "multigpu.devices"),
-    **dict.fromkeys(("LaunchConfig", "launch"), "multigpu.launcher"),
+    **dict.fromkeys(("LaunchConfig", "launch", "launch_function"), "multigpu.launcher"),
     **dict.fromkeys(_ERRORS, "multigpu.errors"),
     **dict.fromkeys(("DataParallel", "data_parallel"), "multigpu.parallel"),
     **dict.fromkeys(("DeviceMemory", "track_memory"), "multigpu.profiling.memory"),
@@ -91,6 +91,7 @@ __all__ = [
     "find_latest",
     "is_main_process",
     "launch",
+    "launch_function",
     "load",
     "parse_devices",
     "profile_steps",

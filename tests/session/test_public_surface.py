@@ -42,6 +42,7 @@ def test_distributed_surface() -> None:
         "gather_by_index",
         "is_main_process",
         "launch",
+        "launch_function",
         "read_launch_env",
         "reduce_value",
         "setup_process_group",
@@ -66,7 +67,7 @@ def test_strategies_surface() -> None:
         "strategy_labels",
     ]
     assert multigpu.session.STRATEGIES is multigpu.strategies.STRATEGIES
-    assert sorted(multigpu.launcher.__all__) == ["LaunchConfig", "launch"]
+    assert sorted(multigpu.launcher.__all__) == ["LaunchConfig", "launch", "launch_function"]
 
 
 def test_session_toolkit_methods() -> None:

@@ -17,6 +17,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from multigpu.cli._launch_settings import mark_defaults, resolve
 from multigpu.errors import MultigpuError
 
 if TYPE_CHECKING:
@@ -139,14 +140,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="leave ddp workers unbound (default on a machine without GPUs: each worker runs on its own "
         "slice of the cores, about 6%% faster steps measured on 2 CPU workers)",
     )
+    parser.add_argument(
+        "--requeue",
+        action="store_true",
+        default=False,
+        help="under SLURM: after a SIGTERM/SIGUSR1 stopped the run (workers saved and exited), requeue the "
+        "job with 'scontrol requeue' (node rank 0's launcher)",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.toml",
+        help="read flags from a TOML file whose keys are the long flag names (nproc-per-node = 2); "
+        "flags on the command line win",
+    )
     parser.add_argument("script", help="the training script (a .py file)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    mark_defaults(parser)  # last: command line > --config > scheduler (PET_*, SLURM) > default
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
-    """The :class:`LaunchConfig` the command line describes."""
+    """The :class:`LaunchConfig` the command line describes (with --config and the scheduler's values)."""
     from multigpu.launcher.launch import LaunchConfig
 
+    args = resolve(args)
     return LaunchConfig(
         strategy=args.strategy,
         nproc_per_node=args.nproc_per_node,
@@ -165,6 +182,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         bind_cores=args.bind_cores,
         collective_timeout_s=args.collective_timeout,
         grace_period_s=args.grace_period,
+        requeue=args.requeue,
     )
 
 

@@ -88,6 +88,10 @@ class DeviceType:
         """How many devices of this type this process sees (0 when none is available)."""
         return int(self._call("device_count") or 0) if self.is_available() else 0
 
+    def is_initialized(self) -> bool:
+        """Whether this process has already started the device's runtime (a forked child could not use it)."""
+        return bool(self._call("is_initialized"))
+
     # work and time ---------------------------------------------------------------------------
     def synchronize(self, device: torch.device | None = None) -> None:
         """Wait for the work queued on ``device`` (default: the current one). A sync point."""

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from multigpu.devices import accelerator_type, get_device_type, parse_devices
 from multigpu.errors import ConfigError, LaunchError
+from multigpu.launcher.preemption import maybe_requeue
 from multigpu.launcher.supervise import run_supervised
 from multigpu.launcher.torchrun import build_torchrun_args, resolve_nproc, run_torchrun
 from multigpu.runtime.world import configured_threads
@@ -74,6 +75,8 @@ class LaunchConfig:
             every rank fails with the likely cause (None: 600).
         grace_period_s: after SIGINT, SIGTERM or SIGHUP reaches the launcher (forwarded to every
             worker), how long the workers get to exit before they are killed.
+        requeue: under SLURM, after a SIGTERM/SIGUSR1 stopped the run, requeue the job
+            (``scontrol requeue``; :mod:`multigpu.launcher.preemption`).
         extra_env: more variables for the workers (on top of the launcher's environment).
     """
 
@@ -94,6 +97,7 @@ class LaunchConfig:
     bind_cores: bool | None = None
     collective_timeout_s: float | None = None
     grace_period_s: float = 30.0
+    requeue: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -197,13 +201,14 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
         parse_devices(config.devices)  # a DeviceError here, not after the script started
     if not STRATEGIES[strategy].needs_processes:
         env = {**os.environ, **worker_env(config, strategy, 1)}
-        return run_supervised([sys.executable, script, *script_args], env, grace_s=config.grace_period_s)
+        code = run_supervised([sys.executable, script, *script_args], env, grace_s=config.grace_period_s)
+        return maybe_requeue(config, code)
     args = build_torchrun_args(config, script, script_args)
     if config.multi_node:  # the rendezvous waits silently for the other nodes: say where and for whom
         print(f"multigpu launch: {waiting_message(config, nproc)}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="multigpu-failures-") as failure_dir:
         env = {**worker_env(config, strategy, nproc), "MULTIGPU_FAILURE_DIR": failure_dir}
-        return run_torchrun(config, args, env, script)
+        return maybe_requeue(config, run_torchrun(config, args, env, script))
 
 
 def waiting_message(config: LaunchConfig, nproc: int) -> str:

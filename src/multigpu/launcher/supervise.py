@@ -6,7 +6,7 @@ too; a plain ``subprocess.call`` left it running. :func:`run_supervised`:
 
 - starts the child in a session (and process group) of its own, as torch elastic does with ddp
   workers, so a terminal's Ctrl-C reaches the launcher once and the launcher forwards it once;
-- forwards SIGINT, SIGTERM and SIGHUP to the child's process group (the script and anything it
+- forwards SIGINT, SIGTERM, SIGHUP and SIGUSR1 to the child's process group (the script and anything it
   started, e.g. DataLoader workers);
 - after the first forwarded signal, gives the group ``grace_s`` seconds to exit, then SIGKILLs it;
 - once the child has exited after a signal, SIGKILLs whatever is left in its process group.
@@ -32,7 +32,8 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# SIGUSR1: what SLURM sends before a pre-emption (sbatch --signal=USR1@120): the workers save and stop
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 _POLL_S = 0.1
 
 
@@ -45,7 +46,8 @@ def run_supervised(argv: Sequence[str], env: dict[str, str], *, grace_s: float) 
         grace_s: seconds the child gets after a forwarded signal before it is killed.
 
     Returns:
-        The child's exit code; ``128 + N`` when it ended by signal ``N`` (as shells report it),
+        The child's exit code; ``128 + N`` when it ended by signal ``N`` (as shells report it), or
+        exited 0 after the forwarded signal ``N`` (a pre-emption it saved for),
         or when it was killed after ignoring the forwarded signal ``N`` for ``grace_s``.
     """
     received: list[int] = []
@@ -81,6 +83,8 @@ def _wait(child: subprocess.Popen[bytes], received: list[int], grace_s: float) -
     while True:
         with contextlib.suppress(subprocess.TimeoutExpired):
             code = child.wait(timeout=_POLL_S)
+            if code == 0 and received:  # it saved and stopped on the signal: report the stop, as torchrun's agent does
+                return 128 + received[0]
             return 128 - code if code < 0 else code
         if received and deadline is None:
             deadline = time.monotonic() + grace_s

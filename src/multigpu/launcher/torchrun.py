@@ -97,6 +97,8 @@ def build_torchrun_args(config: LaunchConfig, script: str, script_args: Sequence
         args += ["--rdzv-endpoint", endpoint]
     if config.rdzv_conf:
         args += ["--rdzv-conf", config.rdzv_conf]
+    # the agent forwards these to the workers; SIGUSR1 too: SLURM's warning before a pre-emption
+    args += ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
     if not config.multi_node:
         args += ["--local-addr", addr]
     elif config.local_addr:
@@ -152,7 +154,7 @@ def run_torchrun(config: LaunchConfig, args: list[str], env: dict[str, str], scr
 def _signal_handlers_restored() -> Iterator[None]:
     """Put this process's signal handlers back after torchrun (its agent installs its own and leaves
     them), so a library caller (the all-reduce probe, a test) keeps its Ctrl-C and SIGTERM behaviour."""
-    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # what torch elastic's agent handles
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")  # what torch elastic's agent handles
     main = threading.current_thread() is threading.main_thread()  # (only the main thread installs handlers)
     saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names if main and hasattr(signal, n))}
     try:

@@ -18,9 +18,10 @@ import torch.distributed as dist
 import multigpu
 from multigpu.core.units import format_bytes
 from multigpu.devices import device_type_names, get_device_type
+from multigpu.runtime.world import scheduler_report
 
 # Variables that change how multi-device training behaves (prefixes end with "_").
-ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCHELASTIC_")
+ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCHELASTIC_", "PET_", "SLURM_", "OMPI_COMM_WORLD_", "PMI_")
 ENV_NAMES = (
     "CUDA_VISIBLE_DEVICES",
     "CUDA_LAUNCH_BLOCKING",
@@ -68,6 +69,7 @@ def collect_env() -> EnvReport:
             "versions": _versions(),
             "devices": _devices(),
             "backends": _backends(),
+            "start (scheduler)": scheduler_report(),
             "environment variables": _env_vars(),
         }
     )

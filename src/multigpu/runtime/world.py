@@ -5,7 +5,8 @@ This is the one module that reads the launcher's environment variables (``RANK``
 multigpu's own (``MULTIGPU_STRATEGY``, ``MULTIGPU_DEVICES``, ``MULTIGPU_COLLECTIVE_TIMEOUT``,
 ``MULTIGPU_BIND_CORES``, ``MULTIGPU_FAILURE_DIR``, set by ``multigpu launch``), torch elastic's
 ``TORCHELASTIC_RESTART_COUNT``, and
-the user's ``OMP_NUM_THREADS``.
+the user's ``OMP_NUM_THREADS``; a process without ``RANK``/``WORLD_SIZE`` asks
+:mod:`multigpu.runtime.schedulers` what SLURM's or MPI's variables say.
 Everything else asks :func:`read_launch_env`. It is also the one place that answers "which rank
 am I, is a process group up, am I the main process" (:func:`global_rank`, :func:`world_size`,
 :func:`in_process_group`, :func:`is_main_process`): the collectives, the failure messages, the
@@ -31,6 +32,7 @@ import torch.distributed as dist
 
 from multigpu.devices import accelerator_type, device_count, device_type_names, get_device_type
 from multigpu.errors import DeviceError, LaunchError
+from multigpu.runtime import schedulers
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -52,6 +54,8 @@ class LaunchEnv:
         local_world_size: how many processes run on this node.
         master_addr: address of the rank-0 store every process connects to.
         master_port: port of that store.
+        scheduler: who set the variables: ``torchrun`` (also ``multigpu launch``), ``slurm``,
+            ``openmpi`` or ``mpich`` (:mod:`multigpu.runtime.schedulers`).
     """
 
     global_rank: int
@@ -60,6 +64,7 @@ class LaunchEnv:
     local_world_size: int
     master_addr: str
     master_port: int
+    scheduler: str = schedulers.TORCHRUN
 
     @property
     def is_main_process(self) -> bool:
@@ -73,7 +78,8 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | Non
         environ: the variables to read (default: ``os.environ``).
 
     Returns:
-        A :class:`LaunchEnv` when ``RANK`` and ``WORLD_SIZE`` are set, else None.
+        A :class:`LaunchEnv` when ``RANK`` and ``WORLD_SIZE`` are set, else the world SLURM's or
+        MPI's variables describe (:func:`multigpu.runtime.schedulers.detect_worker`), else None.
 
     Raises:
         LaunchError: the variables are present but inconsistent (e.g. ``RANK`` >= ``WORLD_SIZE``).
@@ -84,7 +90,18 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | Non
     """
     env = os.environ if environ is None else environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
-        return None
+        found = schedulers.detect_worker(env)
+        if found is None:
+            return None
+        return LaunchEnv(
+            global_rank=found.global_rank,
+            local_rank=found.local_rank,
+            world_size=found.world_size,
+            local_world_size=found.local_world_size,
+            master_addr=found.master_addr,
+            master_port=found.master_port,
+            scheduler=found.scheduler,
+        )
     try:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         local_rank = int(env.get("LOCAL_RANK", rank))
@@ -108,8 +125,49 @@ def require_launch_env(what: str) -> LaunchEnv:
     """The launch environment, or a :class:`LaunchError` that says how to launch ``what``."""
     env = read_launch_env()
     if env is None:
+        reason = schedulers.not_started_reason(os.environ)
+        if reason is not None:
+            raise LaunchError(f"{what} needs one process per task: {reason}")
         raise LaunchError(f"{what} needs a launched process, but RANK/WORLD_SIZE are not set; {_LAUNCH_HINT}")
     return env
+
+
+def scheduler_launcher_defaults() -> tuple[str | None, dict[str, str]]:
+    """What this node's scheduler says ``multigpu launch`` should use, by long flag name
+    (:func:`multigpu.runtime.schedulers.launcher_defaults`: ``PET_*``, or a SLURM step)."""
+    return schedulers.launcher_defaults(os.environ)
+
+
+def slurm_job_id() -> str | None:
+    """The SLURM job this process runs in (``SLURM_JOB_ID``), if any."""
+    return schedulers.slurm_job_id(os.environ)
+
+
+def scheduler_report() -> dict[str, str]:
+    """What ``multigpu env`` shows of the start: the scheduler detected and the world it implies."""
+    rows: dict[str, str] = {}
+    try:
+        env = read_launch_env()
+    except LaunchError as exc:
+        env, rows["worker"] = None, f"refused: {exc}"
+    if env is not None:
+        rows["scheduler"] = env.scheduler
+        rows["world"] = (
+            f"rank {env.global_rank} of {env.world_size} (local rank {env.local_rank} of {env.local_world_size}), "
+            f"master {env.master_addr}:{env.master_port}"
+        )
+    else:
+        reason = schedulers.not_started_reason(os.environ)
+        rows.setdefault("scheduler", "none (one process)" if reason is None else f"none: {reason}")
+    try:
+        launcher_scheduler, values = scheduler_launcher_defaults()
+    except LaunchError as exc:
+        rows["multigpu launch here"] = f"refused: {exc}"
+    else:
+        if launcher_scheduler is not None:
+            flags = " ".join(f"--{flag} {value}" for flag, value in values.items())
+            rows["multigpu launch here"] = f"{launcher_scheduler}: {flags}"
+    return rows
 
 
 def requested_strategy() -> str | None:
@@ -166,13 +224,19 @@ def choose_backend(device_type: str) -> str:
 def process_device(env: LaunchEnv) -> torch.device:
     """The device this process computes on: ``cuda:<local_rank>`` where there are GPUs, else the CPU.
 
+    A task that a scheduler (SLURM, MPI) started seeing a single GPU takes it, whatever its local
+    rank: the scheduler bound one GPU to each task (``srun --gpus-per-task=1``).
+
     Raises:
         DeviceError: more processes on this node than visible GPUs.
     """
     accel = accelerator_type()
     if accel != "cuda":
         return torch.device("cpu")
-    check_world_matches_devices(env.local_world_size, "cuda", device_count("cuda"))
+    visible = device_count("cuda")
+    if env.scheduler != schedulers.TORCHRUN and visible == 1:
+        return torch.device("cuda", 0)  # the scheduler bound one GPU to this task (srun --gpus-per-task=1)
+    check_world_matches_devices(env.local_world_size, "cuda", visible)
     return torch.device("cuda", env.local_rank)
 
 

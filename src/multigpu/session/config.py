@@ -50,6 +50,9 @@ class SessionConfig:
             so ranks draw independent dropout masks as one device does over the global batch
             (Accelerate's ``set_seed(device_specific=True)``). False: every rank draws the same
             stream (the same mask for sample ``j`` of every rank).
+        deterministic: the same results run after run (:mod:`multigpu.session.determinism`):
+            deterministic algorithms only, cuDNN deterministic and not benchmarking, seeded loader
+            workers; slower, and an operation without a deterministic version raises.
     """
 
     strategy: str = "auto"
@@ -64,6 +67,7 @@ class SessionConfig:
     sync_batchnorm: bool = False
     compile: bool = False
     seed_per_rank: bool = True
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, ["auto", *STRATEGIES], "strategy='ddp'")
@@ -90,7 +94,7 @@ class SessionConfig:
                 raise ConfigError(
                     f"{name}={getattr(self, name)!r} must be a {kind.__name__}; use e.g. {name}={kind.__name__}()"
                 )
-        for name in ("sync_batchnorm", "compile", "seed_per_rank"):
+        for name in ("sync_batchnorm", "compile", "seed_per_rank", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
 

@@ -36,10 +36,11 @@ from torch.utils.data import DataLoader, Dataset
 from multigpu.core.keys import unwrap
 from multigpu.core.structure import map_leaves
 from multigpu.errors import ConfigError
-from multigpu.runtime import collectives, data, exchange, failure_records, loaders, world
+from multigpu.runtime import collectives, data, exchange, failure_records, loaders, preemption, world
 from multigpu.runtime.collective_failures import explain_collective_failures
 from multigpu.runtime.collectives import ReduceOp
 from multigpu.runtime.data import EpochLoader
+from multigpu.session import determinism
 from multigpu.session.config import SessionConfig
 from multigpu.session.coordination import MetricsPosition, seed_rank_streams
 from multigpu.session.evaluation import per_sample_result
@@ -77,6 +78,10 @@ class Session(Toolkit):
         self._last_batch = False  # the batch in flight is the last of session.batches(...)
         self._metrics: MetricsLog | None = None  # created by the first log()
         self._rank_streams = False  # each rank's torch generator reseeded (seed_per_rank)
+        self._stop_signals = preemption.StopSignals()  # installed by the first read of should_stop
+        self._stopping = False  # the ranks agreed to stop (pre-emption)
+        self._stop_agreement = preemption.StopAgreement()  # one flag all-reduced per read, a step late
+        self._undo_deterministic: Callable[[], None] = _nothing  # deterministic=True's settings, undone on close
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -94,12 +99,19 @@ class Session(Toolkit):
             self.strategy = strategy
             self.precision = strategy.build_precision(self.config.precision)
             torch.manual_seed(self.config.seed)
+            if self.config.deterministic:
+                self._undo_deterministic = determinism.apply_deterministic(self.device)
         return self
 
     def close(self) -> None:
         """Leave the process group (ddp). Every rank must call it; safe to call twice."""
         if self._metrics is not None:
             self._metrics.close()
+        if self.strategy is not None:
+            self._stop_agreement.settle()  # the all-reduce in flight completes before the group closes
+        self._stop_signals.restore()
+        self._undo_deterministic()
+        self._undo_deterministic = _nothing
         if self.strategy is not None:
             self.strategy.teardown()
             self.strategy = None
@@ -187,6 +199,8 @@ class Session(Toolkit):
         for the shuffle and uneven-dataset policy.
         """
         strategy, _ = self._started()
+        if self.config.deterministic:
+            loader_kwargs = determinism.seeded_loader_kwargs(self.config.seed, strategy.shard.rank, loader_kwargs)
         return data.build_epoch_loader(
             dataset,
             global_batch=batch_size,
@@ -214,6 +228,8 @@ class Session(Toolkit):
             ConfigError: a loader that cannot be rebuilt (the message says what to do instead), or
                 a ``batch_size`` that does not divide by the world size.
         """
+        if self.config.deterministic and loader.worker_init_fn is None:
+            loader.worker_init_fn = determinism.seed_worker  # kept by the rebuild
         return loaders.shard_dataloader(loader, self._started()[0].shard, seed=self.config.seed)
 
     def batches(
@@ -258,6 +274,28 @@ class Session(Toolkit):
             self._last_batch, self._position = outer, outer_position
 
     # -- one step -------------------------------------------------------------------------------
+
+    @property
+    def should_stop(self) -> bool:
+        """True on every rank at the same step once SIGTERM or SIGUSR1 reached any rank: save and leave the loop.
+
+        The first read installs the signal handlers (before it, the signals end the process as
+        usual); a handler only records the signal. Each read starts an asynchronous all-reduce of
+        one flag and answers with the one the previous read started, which completed during the
+        step in between (:mod:`multigpu.runtime.preemption`): no added sync point, and the stop
+        comes one step after the signal. Every rank must read it at the same point of each step.
+        Once True it stays True.
+
+        Example:
+            >>> if session.should_stop:  # doctest: +SKIP
+            ...     ckpt.save(step=step, model=model, optimizer=optimizer)
+            ...     break
+        """
+        self._started()
+        self._stop_signals.install()
+        if not self._stopping:
+            self._stopping = self._stop_agreement.poll(self._stop_signals.received is not None)
+        return self._stopping
 
     @property
     def should_step(self) -> bool:
@@ -435,6 +473,10 @@ def _both(first: AbstractContextManager[Any], second: AbstractContextManager[Any
 
 
 _END: Any = object()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _is_positive(value: object) -> bool:

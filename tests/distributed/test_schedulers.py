@@ -1,0 +1,233 @@
+"""Scheduler detection (runtime/schedulers.py): SLURM hostlists against a plain oracle, each scheduler's
+world, and inconsistent variables refused by name. In-process: the multi-process starts are in
+tests/distributed/test_scheduler_starts.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from multigpu.errors import DeviceError, LaunchError
+from multigpu.runtime.schedulers import (
+    TORCHRUN,
+    detect_worker,
+    expand_hostlist,
+    expand_tasks_per_node,
+    launcher_defaults,
+    not_started_reason,
+    slurm_port,
+)
+from multigpu.runtime.world import read_launch_env, scheduler_report
+
+# -- hostlists: generated as (prefix, ranges) so the oracle is the generation itself ---------------------
+
+_prefix = st.text(alphabet="abcdefghijklmnopqrstuvwxyz-", min_size=1, max_size=6).filter(lambda p: not p[-1].isdigit())
+_range = st.tuples(st.integers(0, 120), st.integers(0, 4), st.integers(1, 3))  # start, extra hosts, pad width
+
+
+def _group(draw_prefix: str, ranges: list[tuple[int, int, int]]) -> tuple[str, list[str]]:
+    """The compressed text SLURM would write for these ranges, and the hosts a person would list."""
+    items, hosts = [], []
+    for start, extra, width in ranges:
+        low, high = str(start).zfill(width), str(start + extra).zfill(width)
+        items.append(low if extra == 0 else f"{low}-{high}")
+        hosts += [draw_prefix + str(n).zfill(width) for n in range(start, start + extra + 1)]
+    return f"{draw_prefix}[{','.join(items)}]", hosts
+
+
+@given(st.lists(st.tuples(_prefix, st.lists(_range, min_size=1, max_size=3)), min_size=1, max_size=3))
+def test_hostlists_expand_as_written(groups: list[tuple[str, list[tuple[int, int, int]]]]) -> None:
+    texts, expected = [], []
+    for prefix, ranges in groups:
+        text, hosts = _group(prefix, ranges)
+        texts.append(text)
+        expected += hosts
+    assert expand_hostlist(",".join(texts)) == expected
+
+
+def test_hostlist_forms_slurm_writes() -> None:
+    assert expand_hostlist("node[01-03,07],gpu[1-2]") == ["node01", "node02", "node03", "node07", "gpu1", "gpu2"]
+    assert expand_hostlist("n[08-10]") == ["n08", "n09", "n10"]
+    assert expand_hostlist("single") == ["single"]
+    assert expand_hostlist("r[1-2]n[1-2]") == ["r1n1", "r1n2", "r2n1", "r2n2"]
+    assert expand_hostlist("a,b[3]") == ["a", "b3"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("node[1-3", "unclosed"), ("node[3-1]", "runs backwards"), ("node[a-b]", "not a number"), ("n[[1]]", "nested")],
+)
+def test_bad_hostlists_are_refused(text: str, message: str) -> None:
+    with pytest.raises(LaunchError, match=message):
+        expand_hostlist(text)
+
+
+def test_tasks_per_node() -> None:
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    with pytest.raises(LaunchError, match="SLURM_TASKS_PER_NODE='two'"):
+        expand_tasks_per_node("two")
+
+
+# -- each scheduler's world ----------------------------------------------------------------------------
+
+_SLURM = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_TASKS_PER_NODE": "2(x2)",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_STEP_NODELIST": "gpu[07-08]",
+}
+
+
+def test_slurm_task() -> None:
+    world = detect_worker(_SLURM)
+    assert world is not None
+    assert (world.scheduler, world.global_rank, world.world_size, world.local_rank, world.local_world_size) == (
+        "slurm",
+        3,
+        4,
+        1,
+        2,
+    )
+    assert (world.node_rank, world.master_addr, world.master_port) == (1, "gpu07", slurm_port("4242"))
+    assert detect_worker({**_SLURM, "MASTER_PORT": "29600", "MASTER_ADDR": "10.0.0.1"}).master_port == 29600  # type: ignore[union-attr]
+    env = read_launch_env(_SLURM)
+    assert env is not None and env.scheduler == "slurm" and env.global_rank == 3
+
+
+def test_every_task_of_a_job_derives_the_same_port() -> None:
+    ports = {slurm_port("987654") for _ in range(3)}
+    assert len(ports) == 1 and 20000 <= ports.pop() < 40000
+    assert slurm_port("123_4") == slurm_port("1234")  # array jobs
+
+
+def test_torchrun_variables_come_first() -> None:
+    env = read_launch_env({**_SLURM, "RANK": "0", "WORLD_SIZE": "2"})
+    assert env is not None and env.scheduler == TORCHRUN and env.world_size == 2
+
+
+def test_open_mpi_and_mpich() -> None:
+    ompi = {
+        "OMPI_COMM_WORLD_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "MASTER_PORT": "29555",
+    }
+    world = detect_worker(ompi)
+    assert world is not None and (world.scheduler, world.global_rank, world.master_addr, world.master_port) == (
+        "openmpi",
+        1,
+        "127.0.0.1",
+        29555,
+    )
+    mpich = {"PMI_RANK": "0", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2", "MASTER_ADDR": "h0"}
+    world = detect_worker(mpich)
+    assert world is not None and (world.scheduler, world.world_size, world.local_world_size) == ("mpich", 4, 2)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({**_SLURM, "SLURM_PROCID": "4"}, r"SLURM_PROCID=4 lies outside SLURM_NTASKS=4"),
+        (
+            {**_SLURM, "SLURM_TASKS_PER_NODE": "3(x2)"},
+            r"SLURM_TASKS_PER_NODE='3\(x2\)' adds up to 6 tasks but SLURM_NTASKS=4",
+        ),
+        ({**_SLURM, "SLURM_LOCALID": "2"}, r"SLURM_LOCALID=2 on SLURM_NODEID=1 does not fit"),
+        ({**_SLURM, "SLURM_NTASKS": "four"}, r"SLURM_NTASKS='four' is not a count"),
+        ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "2"}, r"OMPI_COMM_WORLD_RANK=2 lies outside"),
+        (
+            {"PMI_RANK": "0", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"},
+            r"MASTER_ADDR is not set",
+        ),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_PORT": "99999"}, r"MASTER_PORT='99999' is not a TCP port"),
+    ],
+)
+def test_inconsistent_variables_are_refused_by_name(env: dict[str, str], message: str) -> None:
+    with pytest.raises(LaunchError, match=message):
+        read_launch_env(env)
+
+
+def test_a_process_started_by_hand_inside_an_allocation(monkeypatch: pytest.MonkeyPatch) -> None:
+    batch_shell = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    assert detect_worker(batch_shell) is None  # not a task of an srun step: no world of 4 to wait for
+    assert "expects SLURM_NTASKS=4 tasks, but it was not started by srun" in (not_started_reason(batch_shell) or "")
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))]:
+        monkeypatch.delenv(key)
+    for key, value in batch_shell.items():
+        monkeypatch.setenv(key, value)
+    from multigpu.session import Session
+
+    with pytest.raises(
+        LaunchError, match=r"SLURM_NTASKS=4 tasks, but it was not started by srun.*srun --ntasks-per-node"
+    ):
+        Session(strategy="ddp").start()
+    assert scheduler_report()["scheduler"].startswith("none: this process runs inside SLURM job 7")
+
+
+def test_launcher_defaults() -> None:
+    assert launcher_defaults({"PET_NNODES": "2", "PET_NODE_RANK": "1"}) == (
+        TORCHRUN,
+        {"nnodes": "2", "node-rank": "1"},
+    )
+    one_per_node = {**_SLURM, "SLURM_NTASKS": "2", "SLURM_NNODES": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
+    one_per_node["SLURM_TASKS_PER_NODE"] = "1(x2)"
+    scheduler, values = launcher_defaults(one_per_node)
+    assert scheduler == "slurm"
+    assert values == {"nnodes": "2", "node-rank": "1", "master-addr": "gpu07", "master-port": str(slurm_port("4242"))}
+    with pytest.raises(LaunchError, match=r"SLURM_NTASKS=4 tasks on 2 node\(s\).*--ntasks-per-node=1"):
+        launcher_defaults({**_SLURM, "SLURM_NNODES": "2"})
+    assert launcher_defaults({}) == (None, {})
+    older_operator = {"PET_NNODES": "2", "MASTER_ADDR": "train-master-0", "MASTER_PORT": "23456"}
+    assert launcher_defaults(older_operator)[1] == {
+        "nnodes": "2",
+        "master-addr": "train-master-0",
+        "master-port": "23456",
+    }
+
+
+def test_a_task_bound_to_one_gpu_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``srun --gpus-per-task=1``: each task sees one GPU (index 0) whatever its SLURM_LOCALID."""
+    from multigpu.runtime import world
+
+    monkeypatch.setattr(world, "accelerator_type", lambda: "cuda")
+    monkeypatch.setattr(world, "device_count", lambda kind: 1)
+    env = read_launch_env(_SLURM)
+    assert env is not None and env.local_rank == 1
+    assert world.process_device(env) == torch.device("cuda", 0)
+    torchrun = read_launch_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert torchrun is not None
+    with pytest.raises(DeviceError, match="2 processes per node were launched but this node sees 1 cuda"):
+        world.process_device(torchrun)  # under torchrun one GPU for two processes stays an error
+
+
+@pytest.mark.multiprocess  # collect_env asks the platform, which runs `uname`
+def test_multigpu_env_says_which_scheduler_and_the_world(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from multigpu.cli.main import main
+
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "PET_", "OMPI_", "PMI_"))]:
+        monkeypatch.delenv(key)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in _SLURM.items():
+        monkeypatch.setenv(key, value)
+    assert main(["env", "--json"]) == 0
+    start = json.loads(capsys.readouterr().out)["start (scheduler)"]
+    assert start["scheduler"] == "slurm"
+    assert start["world"] == f"rank 3 of 4 (local rank 1 of 2), master gpu07:{slurm_port('4242')}"
+    assert start["multigpu launch here"].startswith("refused: multigpu launch runs once per node")
+    assert main(["env"]) == 0
+    assert "start (scheduler):\n  scheduler: slurm\n  world: rank 3 of 4" in capsys.readouterr().out
