@@ -200,8 +200,12 @@ def test_checkpointer_loader_state_errors(tmp_path: Path) -> None:
     ):
         checkpointer.save(step=1, model=model, loader=DataLoader(TensorDataset(torch.arange(4))))  # type: ignore[arg-type]
     checkpointer.save(step=1, model=model)
-    with pytest.raises(CheckpointError, match=r"holds no loader state \(it was saved without loader=\)"):
+    with torch.no_grad():
+        model.weight.add_(1.0)  # differs from the saved weights: a refused resume must leave it so
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"holds no loader state \(it was saved without loader=\); nothing"):
         checkpointer.resume(model=model, loader=loader)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # all or nothing
 
 
 # -- real gloo ranks ------------------------------------------------------------------------------------

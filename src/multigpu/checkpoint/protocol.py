@@ -175,11 +175,14 @@ def resume_step(
     parts: Mapping[str, Any],
     *,
     allow_unsafe_pickle: bool,
+    also_check: Callable[[Path, TrainingState], None] | None = None,
 ) -> tuple[Path, TrainingState] | None:
     """Load the checkpoint ``locate()`` names into the model, ``parts`` and this rank's RNG; all or nothing.
 
     Args:
         parts: ``{"optimizer": ..., "scheduler": ..., "scaler": ...}``, ``None`` where not resumed.
+        also_check: the caller's own check of the training state (raises), run with the others, before
+            anything is applied.
 
     Returns:
         The folder and its checked training state, or ``None`` when ``locate()`` finds none.
@@ -197,6 +200,8 @@ def resume_step(
         checked = check_training_state(state, folder / STATE_FILE, folder_step=step, allow_objects=allow_unsafe_pickle)
         in_storage = storage.check(folder, checked)
         _check_parts(folder, checked, parts, optimizer_in_storage=in_storage)
+        if also_check is not None:
+            also_check(folder, checked)
         return folder, checked
 
     try:

@@ -50,7 +50,7 @@ from multigpu.checkpoint.folders import (
 )
 from multigpu.checkpoint.protocol import OneFile, Storage, resume_step, save_step
 from multigpu.checkpoint.ranks import capture_rng, gather_on_main, run_on_main
-from multigpu.checkpoint.validate import FORMAT_VERSION, walk_plain
+from multigpu.checkpoint.validate import FORMAT_VERSION, TrainingState, walk_plain
 from multigpu.errors import CheckpointError, ConfigError
 from multigpu.runtime.world import world_size
 
@@ -238,16 +238,20 @@ class Checkpointer:
             raise CheckpointError(_UNSHARDED_INTO_SHARDED.format(folder=str(first)))
         else:
             storage = OneFile(model, optimizer)
-        found = resume_step(storage, locate, parts, allow_unsafe_pickle=allow_unsafe_pickle)
+
+        def holds_loader(folder: Path, checked: TrainingState) -> None:
+            if loader is not None and _LOADER_KEY not in checked.data_position:
+                raise CheckpointError(
+                    f"{str(folder)!r} holds no loader state (it was saved without loader=); nothing was "
+                    "loaded: resume without loader= and position the loader yourself (loader.set_epoch, "
+                    "skip_first_batches)"
+                )
+
+        found = resume_step(storage, locate, parts, allow_unsafe_pickle=allow_unsafe_pickle, also_check=holds_loader)
         if found is None:
             return None
         folder, checked = found
         if loader is not None:
-            if _LOADER_KEY not in checked.data_position:
-                raise CheckpointError(
-                    f"{str(folder)!r} holds no loader state (it was saved without loader=); its model and "
-                    "optimizer were loaded: position the loader yourself (loader.set_epoch, skip_first_batches)"
-                )
             loader.load_state_dict(checked.data_position[_LOADER_KEY])
         return Resumed(
             path=folder,

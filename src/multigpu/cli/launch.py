@@ -1,11 +1,11 @@
-"""Run a training script under a strategy: one process, threads (dp), or one process per device (ddp).
+"""Run a training script under a strategy: one process, threads (dp), or one process per device (ddp, fsdp).
 
     multigpu launch --strategy ddp --nproc-per-node 2 examples/train.py --epochs 1
     multigpu launch --strategy fsdp --nproc-per-node 2 examples/train.py
     multigpu launch --strategy dp --devices cpu:2 examples/train.py
     multigpu launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
 
-For ddp it builds torchrun's arguments and calls torch.distributed.run: one node binds to
+For ddp and fsdp it builds torchrun's arguments and calls torch.distributed.run: one node binds to
 127.0.0.1 on a free port, each process gets OMP_NUM_THREADS = cores / processes (unless set), and
 a failing worker's rank and traceback are printed here. Inside the script,
 ``multigpu.session.Session(strategy="auto")`` picks up the strategy chosen here.
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # the launcher asks each strategy its facts (processes, --devices, launch environment)
 LAUNCH_STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
 
-HELP = "run a training script under single, dp or ddp (torchrun underneath for ddp)"
+HELP = "run a training script under single, dp, ddp or fsdp (torchrun underneath for ddp and fsdp)"
 
 
 def _nproc(text: str) -> int | str:

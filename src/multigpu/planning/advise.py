@@ -1,8 +1,8 @@
 """The answer: every strategy at every device count, the one to use with its reason, as JSON, table and figure.
 
-Strategy names and facts are the cost model's (:data:`multigpu.planning.costs.STRATEGIES`). The
-table fits 80 columns (also when piped) and numbers keep their real size: a 5 k-parameter model
-shows ``5.2 k params`` and its peak in KiB, not ``0.0M`` and ``0 MB``. DataParallel rows show the
+The planned rows are the cost model's (:data:`multigpu.planning.costs.PLANNED`, each a strategy of
+:mod:`multigpu.strategies`). The table fits 80 columns (also when piped) and numbers keep their
+real size: a 5 k-parameter model shows ``5.2 k params`` and its peak in KiB, not ``0.0M`` and ``0 MB``. DataParallel rows show the
 primary and the other devices apart (``primary | others``): the primary carries the optimizer state
 and the gathered outputs. The table and figure are drawn by :mod:`multigpu.report`; this module
 supplies their rows.
@@ -28,7 +28,7 @@ from rich.console import Console
 from multigpu.core.units import binary_unit, format_bytes
 from multigpu.errors import ConfigError
 from multigpu.parallel.scatter_gather import even_chunk_sizes
-from multigpu.planning.costs import DDP, DP, FSDP, SINGLE, STRATEGIES, StepTime, device_memory, predict_step
+from multigpu.planning.costs import DDP, DP, FSDP, PLANNED, SINGLE, StepTime, device_memory, predict_step
 from multigpu.planning.hardware import Platform
 from multigpu.planning.workload import Workload
 from multigpu.report.figures import Line, line_figure
@@ -117,7 +117,7 @@ def evaluate(
     single = _row(SINGLE, w, plat, split(1), None)
     rows = [single]
     for n in sorted(set(device_counts) - {1}):
-        for strategy in (s for s in STRATEGIES.values() if s.multi_device):
+        for strategy in (s for s in PLANNED.values() if s.multi_device):
             if strategy.one_process and not plat.single_process(n):
                 continue  # one process cannot span nodes
             given_split = chunk_sizes is not None and strategy.name == DP
@@ -218,7 +218,7 @@ def to_json(rows: Sequence[Row], rec: Recommendation, inputs: dict[str, Any]) ->
 
 
 def _label(strategy: str) -> str:
-    return STRATEGIES[strategy].label
+    return PLANNED[strategy].label
 
 
 def plot_throughput(rows: Sequence[Row], path: str | Path, title: str) -> Path:
@@ -226,7 +226,7 @@ def plot_throughput(rows: Sequence[Row], path: str | Path, title: str) -> Path:
     single = next(r for r in rows if r.strategy == SINGLE)
     counts = sorted({r.devices for r in rows})
     lines = [Line(counts, [single.step.throughput * n for n in counts], "linear scaling", _LINEAR)]
-    for strategy in (s.name for s in STRATEGIES.values() if s.multi_device):
+    for strategy in (s.name for s in PLANNED.values() if s.multi_device):
         pts = [(1, single.step.throughput)] + [(r.devices, r.step.throughput) for r in rows if r.strategy == strategy]
         if len(pts) > 1:
             dashed = strategy == FSDP  # often on top of ddp: dashed and hollow, so both show

@@ -45,7 +45,7 @@ from multigpu.profiling.bandwidth import bus_factor
 from multigpu.strategies import multi_device_strategies, process_strategies, strategy_labels
 
 # The strategies' names (dp-balanced: dp's variant, DataParallel with chunk sizes that even out memory).
-# Their labels and how they run are asked of multigpu.strategies in STRATEGIES, at the end of this module:
+# Their labels and how they run are asked of multigpu.strategies in PLANNED, at the end of this module:
 # a name that is not a strategy's fails there, at import.
 SINGLE, DP, DP_BALANCED, DDP, FSDP = "single", "dp", "dp-balanced", "ddp", "fsdp"
 
@@ -374,7 +374,7 @@ def _planned(
     )
 
 
-STRATEGIES: dict[str, PlannedStrategy] = {
+PLANNED: dict[str, PlannedStrategy] = {
     s.name: s
     for s in (
         _planned(SINGLE, single_step, memory.single_memory),
@@ -387,9 +387,9 @@ STRATEGIES: dict[str, PlannedStrategy] = {
 
 
 def _strategy(name: str) -> PlannedStrategy:
-    if name not in STRATEGIES:
-        raise ConfigError(f"strategy={name!r} is not one of {', '.join(STRATEGIES)}")
-    return STRATEGIES[name]
+    if name not in PLANNED:
+        raise ConfigError(f"strategy={name!r} is not one of {', '.join(PLANNED)}")
+    return PLANNED[name]
 
 
 def device_memory(strategy: str, w: Workload, plat: Platform, chunks: Sequence[int]) -> list[float]:

@@ -26,7 +26,7 @@ from rich.console import Console
 
 from multigpu.core.units import binary_unit
 from multigpu.planning.advise import TIE, Recommendation, Row
-from multigpu.planning.costs import FSDP, STRATEGIES
+from multigpu.planning.costs import FSDP, PLANNED
 from multigpu.report.figures import paired_bar_figure
 from multigpu.report.tables import compact_table
 
@@ -133,7 +133,7 @@ def recommend_measured(checked: Sequence[Checked]) -> Recommendation:
 
 
 def _label(strategy: str) -> str:
-    return STRATEGIES[strategy].label if strategy in STRATEGIES else strategy
+    return PLANNED[strategy].label if strategy in PLANNED else strategy
 
 
 def _pct(error: float | None) -> str:
