@@ -41,6 +41,7 @@ from multigpu.launcher.supervise import run_supervised
 from multigpu.launcher.torchrun import build_torchrun_args, resolve_nproc, run_torchrun
 from multigpu.runtime.world import configured_threads
 from multigpu.strategies import STRATEGIES, get_strategy
+from multigpu.strategies.registry import launched_auto
 
 LAUNCH_STRATEGIES = ("auto", *STRATEGIES)
 
@@ -154,7 +155,7 @@ def resolve_strategy(config: LaunchConfig, nproc: int) -> str:
     """``auto`` becomes ``ddp`` for several processes and ``single`` for one."""
     if config.strategy != "auto":
         return config.strategy
-    return "ddp" if nproc > 1 or config.multi_node else "single"  # the policy of ``auto``, named
+    return launched_auto(nproc, multi_node=config.multi_node)
 
 
 def worker_env(config: LaunchConfig, strategy: str, nproc: int) -> dict[str, str]:

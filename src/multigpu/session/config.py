@@ -16,6 +16,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from multigpu.devices import DeviceSpec
 from multigpu.errors import ConfigError
@@ -97,6 +98,10 @@ class SessionConfig:
         for name in ("sync_batchnorm", "compile", "seed_per_rank", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+
+    def strategy_options(self) -> dict[str, Any]:
+        """Each strategy's options by its name (``{"ddp": DDPOptions(...), "fsdp": FSDPOptions(...)}``)."""
+        return {name: getattr(self, name) for name, _ in _options_fields()}
 
 
 def _options_fields() -> list[tuple[str, type]]:

@@ -92,8 +92,7 @@ class Session(Toolkit):
                 self.config.strategy,
                 devices=self.config.devices,
                 timeout_s=self.config.timeout_s or world.collective_timeout_s(),
-                ddp=self.config.ddp,
-                fsdp=self.config.fsdp,
+                **self.config.strategy_options(),
             )
             strategy.setup()
             self.strategy = strategy

@@ -82,6 +82,11 @@ def resolve_strategy_name(name: str) -> str:
     return SingleStrategy.name
 
 
+def launched_auto(processes: int, *, multi_node: bool) -> str:
+    """What ``multigpu launch --strategy auto`` runs: ddp over several processes or nodes, else single."""
+    return DDPStrategy.name if processes > 1 or multi_node else SingleStrategy.name
+
+
 def build_strategy(
     name: str, *, devices: DeviceSpec = None, timeout_s: float = DEFAULT_TIMEOUT_S, **options: Any
 ) -> Strategy:
