@@ -1,5 +1,5 @@
 """``session.should_stop`` (pre-emption) and ``Session(deterministic=True)`` in one process; the
-multi-process agreement is tests/distributed/test_preemption.py."""
+multi-process agreement is tests/runtime/test_preemption.py."""
 
 from __future__ import annotations
 

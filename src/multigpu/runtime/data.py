@@ -87,7 +87,7 @@ def build_train_sampler(
     With ``drop_last`` torch's sampler cuts the permutation to a multiple of the world size and the
     loader (built with ``drop_last`` too) drops each rank's short last batch; together that keeps
     exactly the first ``(len(dataset) // global_batch) * global_batch`` positions, so global batch
-    ``k`` under ``W`` ranks is batch ``k`` of one device (``tests/distributed/test_data.py`` checks
+    ``k`` under ``W`` ranks is batch ``k`` of one device (``tests/runtime/test_data.py`` checks
     it against one device over drawn sizes, world sizes, batches, seeds and epochs).
 
     Args:

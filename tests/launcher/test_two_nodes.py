@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed.two_node_worker import batch
+from tests.launcher.two_node_worker import batch
 from tests.launching import kill_tree, read_lines_until, start_launch
 
 pytestmark = pytest.mark.multiprocess

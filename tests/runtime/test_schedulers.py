@@ -1,6 +1,6 @@
 """Scheduler detection (runtime/schedulers.py): SLURM hostlists against a plain oracle, each scheduler's
 world, and inconsistent variables refused by name. In-process: the multi-process starts are in
-tests/distributed/test_scheduler_starts.py."""
+tests/runtime/test_scheduler_starts.py."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from multigpu.session import DDPOptions, FSDPOptions, Session, SessionConfig
 from multigpu.strategies.fsdp import select_blocks, warn_if_started_without_sharding_env
 from multigpu.strategies.sync_batchnorm import CPUSyncBatchNorm, _SyncBatchNorm, apply_sync_batchnorm
 from tests.conftest import free_port
-from tests.session.strategy_oracle import Block, deep_model
+from tests.strategies.strategy_oracle import Block, deep_model
 
 # -- option validation ------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Worker of the scheduler-start and pre-emption tests: a small model trained step by step.
 
-    python tests/distributed/preempt_worker.py FOLDER STEPS [slow]          (under srun/mpirun variables)
-    multigpu launch --strategy ddp ... tests/distributed/preempt_worker.py FOLDER STEPS [slow]
+    python tests/runtime/preempt_worker.py FOLDER STEPS [slow]          (under srun/mpirun variables)
+    multigpu launch --strategy ddp ... tests/runtime/preempt_worker.py FOLDER STEPS [slow]
 
 Resumes from FOLDER's latest checkpoint, trains to STEPS on global batch ``k`` of a fixed dataset at
 step ``k`` (each rank its share), and after every step reads ``session.should_stop``: when the ranks

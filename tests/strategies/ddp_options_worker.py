@@ -1,10 +1,10 @@
 """Worker for the tests of DDP's knobs, sync BatchNorm and compile: every scenario in one launched job.
 
-    multigpu launch --strategy ddp --nproc-per-node 2 tests/session/ddp_options_worker.py OUT_DIR
+    multigpu launch --strategy ddp --nproc-per-node 2 tests/strategies/ddp_options_worker.py OUT_DIR
 
 Each rank writes OUT_DIR/rank<R>.pt with one entry per scenario (and the compiled run's weights
-file and checkpoint under OUT_DIR); tests/session/test_ddp_options.py compares them with one
-device (tests/session/strategy_oracle.py).
+file and checkpoint under OUT_DIR); tests/strategies/test_ddp_options.py compares them with one
+device (tests/strategies/strategy_oracle.py).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 import multigpu
 from multigpu.errors import ConfigError
 from multigpu.session import DDPOptions, Session
-from tests.session.fsdp_worker import train
 from tests.session.oracle import regression_data
-from tests.session.strategy_oracle import Branchy, adamw, batchnorm_model, deep_model, sgd
+from tests.strategies.fsdp_worker import train
+from tests.strategies.strategy_oracle import Branchy, adamw, batchnorm_model, deep_model, sgd
 
 
 def unused_branch_fails(session: Session) -> dict[str, Any]:

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.preempt_worker import oracle
 from tests.launching import kill_tree, multigpu_launch, read_lines_until, start_launch
+from tests.runtime.preempt_worker import oracle
 
 pytestmark = pytest.mark.multiprocess
 
-WORKER = "tests/distributed/preempt_worker.py"
+WORKER = "tests/runtime/preempt_worker.py"
 STEPS = 40  # far more than run before the signal: the stop, not the end, ends the first run
 
 

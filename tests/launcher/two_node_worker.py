@@ -1,6 +1,6 @@
 """Worker of the two-node tests: a small model trained step by step, checkpointed after every step.
 
-    multigpu launch --strategy ddp --nnodes 2 ... tests/distributed/two_node_worker.py FOLDER STEPS
+    multigpu launch --strategy ddp --nnodes 2 ... tests/launcher/two_node_worker.py FOLDER STEPS
 
 Resumes from FOLDER's latest checkpoint, trains to STEPS on global batch ``k`` of a fixed dataset
 at step ``k`` (each rank its half), and writes one line per event to stdout: ``start <rank> <step>``

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from multigpu.runtime.schedulers import TORCHRUN, slurm_port
-from tests.distributed.preempt_worker import oracle
 from tests.launching import run_together
+from tests.runtime.preempt_worker import oracle
 
 pytestmark = pytest.mark.multiprocess
 
-WORKER = "tests/distributed/preempt_worker.py"
+WORKER = "tests/runtime/preempt_worker.py"
 STEPS = 3
 LONG = bool(os.environ.get("MULTIGPU_LONG"))
 

@@ -1,10 +1,10 @@
 """Worker for the fsdp tests: every scenario in one launched job (launches are slow).
 
-    multigpu launch --strategy fsdp --nproc-per-node 2 tests/session/fsdp_worker.py OUT_DIR [--long]
+    multigpu launch --strategy fsdp --nproc-per-node 2 tests/strategies/fsdp_worker.py OUT_DIR [--long]
 
 Each rank writes OUT_DIR/rank<R>.pt with one entry per scenario, and rank 0 the weights file
-OUT_DIR/fsdp.safetensors through multigpu.save; tests/session/test_fsdp.py compares them with one
-device (tests/session/strategy_oracle.py). ``--long`` adds the compiled run (slow: it compiles).
+OUT_DIR/fsdp.safetensors through multigpu.save; tests/strategies/test_fsdp.py compares them with one
+device (tests/strategies/strategy_oracle.py). ``--long`` adds the compiled run (slow: it compiles).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import multigpu
 from multigpu.errors import ConfigError
 from multigpu.session import FSDPOptions, Session
 from tests.session.oracle import regression_data
-from tests.session.strategy_oracle import Block, OptimizerFactory, adamw, batchnorm_model, deep_model, sgd
+from tests.strategies.strategy_oracle import Block, OptimizerFactory, adamw, batchnorm_model, deep_model, sgd
 
 
 def train(

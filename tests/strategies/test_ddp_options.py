@@ -1,6 +1,6 @@
 """DDP's knobs, comm hooks, sync BatchNorm and compile in two real gloo processes, against one device.
 
-One launch runs every scenario (tests/session/ddp_options_worker.py); each test checks one of them.
+One launch runs every scenario (tests/strategies/ddp_options_worker.py); each test checks one of them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from multigpu.checkpoint.formats import read_tensors
 from tests.launching import launch_workers
 from tests.session.oracle import regression_data
-from tests.session.strategy_oracle import (
+from tests.strategies.strategy_oracle import (
     Branchy,
     adamw,
     assert_weights_close,

@@ -1,6 +1,6 @@
 """Two real gloo processes under ``multigpu launch --strategy fsdp`` against PyTorch on one device.
 
-One launch runs every scenario (tests/session/fsdp_worker.py); each test checks one of them.
+One launch runs every scenario (tests/strategies/fsdp_worker.py); each test checks one of them.
 MULTIGPU_LONG=1 adds the compiled fsdp run (its first compile takes tens of seconds).
 """
 
@@ -19,7 +19,7 @@ from multigpu.checkpoint.formats import read_tensors
 from multigpu.devices import get_device_type
 from tests.launching import multigpu_launch
 from tests.session.oracle import regression_data
-from tests.session.strategy_oracle import (
+from tests.strategies.strategy_oracle import (
     adamw,
     assert_weights_close,
     batchnorm_model,
