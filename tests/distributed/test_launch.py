@@ -264,6 +264,10 @@ def test_cli_flags_are_the_documented_surface() -> None:
             "--collective-timeout",
             "--grace-period",
             "--no-bind-cores",
+            "--debug",
+            "--log-dir",
+            "--tee",
+            "--local-ranks-filter",
         ]
     )
     args = parser.parse_args(["--nproc-per-node", "2", "t.py", "--epochs", "1"])

@@ -43,6 +43,27 @@ def _nproc(text: str) -> int | str:
     return value
 
 
+_STREAM_NAMES = ("none", "stdout", "stderr", "both")  # torchrun's --tee 0..3, by name
+
+
+def _streams(text: str) -> str:
+    if text.isdigit() and int(text) < len(_STREAM_NAMES):
+        return _STREAM_NAMES[int(text)]
+    if text not in _STREAM_NAMES:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass one of {', '.join(_STREAM_NAMES)} (or 0-3)")
+    return text
+
+
+def _ranks(text: str) -> tuple[int, ...]:
+    try:
+        ranks = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of local ranks; pass e.g. 0 or 0,1") from None
+    if any(r < 0 for r in ranks):
+        raise argparse.ArgumentTypeError(f"{text!r}: local ranks are >= 0; pass e.g. 0 or 0,1")
+    return ranks
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strategy",
@@ -139,6 +160,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="leave ddp workers unbound (default on a machine without GPUs: each worker runs on its own "
         "slice of the cores, about 6%% faster steps measured on 2 CPU workers)",
     )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="before every collective, check that all ranks issue the same one (operation, shapes, line) and "
+        "name each rank's call on a mismatch; also sets TORCH_DISTRIBUTED_DEBUG=DETAIL (slower: for finding bugs)",
+    )
+    parser.add_argument(
+        "--log-dir",
+        default=None,
+        metavar="DIR",
+        help="write each rank's stdout and stderr to files in DIR (torchrun's layout: "
+        "DIR/<run>/attempt_<k>/<local_rank>/stdout.log)",
+    )
+    parser.add_argument(
+        "--tee",
+        type=_streams,
+        default=None,
+        metavar="none|stdout|stderr|both",
+        help="which streams also reach the console when they go to files (torchrun's --tee; 0-3 accepted; "
+        "default both)",
+    )
+    parser.add_argument(
+        "--local-ranks-filter",
+        type=_ranks,
+        default=None,
+        metavar="R[,R...]",
+        help="only these local ranks print on the console, e.g. 0 (the --log-dir files keep every rank)",
+    )
     parser.add_argument("script", help="the training script (a .py file)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
@@ -165,6 +214,10 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         bind_cores=args.bind_cores,
         collective_timeout_s=args.collective_timeout,
         grace_period_s=args.grace_period,
+        log_dir=args.log_dir,
+        tee=args.tee,
+        local_ranks_filter=args.local_ranks_filter,
+        debug=args.debug,
     )
 
 

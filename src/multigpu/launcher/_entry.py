@@ -6,7 +6,9 @@ inside torch elastic's ``@record``, which writes an uncaught exception to the er
 agent reads, and records the failure for the launcher (:mod:`multigpu.runtime.failure_records`; a
 Session records it earlier, before its process group closes). The launcher's failure summary then
 shows the failing rank and its traceback without the user decorating anything. When the launcher asks for it, the process first binds to its share
-of the node's cores (:mod:`multigpu.launcher.affinity`), before the script starts any thread.
+of the node's cores (:mod:`multigpu.launcher.affinity`), before the script starts any thread. It
+also gets ready to write its stacks on request and its ledger of collectives
+(:func:`multigpu.runtime.tracking.setup_worker`), which the failure summary of a hang reads.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from multigpu.core.script import run_as_main
 from multigpu.launcher.affinity import bind_to_core_share
-from multigpu.runtime import failure_records, world
+from multigpu.runtime import failure_records, tracking, world
 
 
 @record
@@ -28,6 +30,7 @@ def main() -> None:
     env = world.read_launch_env()
     if env is not None and world.bind_cores_requested():
         bind_to_core_share(env.local_rank, env.local_world_size)
+    tracking.setup_worker()
     try:
         run_as_main(script, sys.argv[2:])
     except SystemExit as exc:

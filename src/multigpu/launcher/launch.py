@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from multigpu.devices import accelerator_type, get_device_type, parse_devices
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.launcher.supervise import run_supervised
-from multigpu.launcher.torchrun import build_torchrun_args, resolve_nproc, run_torchrun
+from multigpu.launcher.torchrun import STREAMS, build_torchrun_args, resolve_nproc, run_torchrun
 from multigpu.runtime.world import configured_threads
 from multigpu.strategies import STRATEGIES, get_strategy
 
@@ -75,6 +75,13 @@ class LaunchConfig:
         grace_period_s: after SIGINT, SIGTERM or SIGHUP reaches the launcher (forwarded to every
             worker), how long the workers get to exit before they are killed.
         extra_env: more variables for the workers (on top of the launcher's environment).
+        log_dir: write every rank's stdout and stderr to files here (torchrun's ``--log-dir`` layout);
+            None: only stderr, into the run's temporary failure folder (for the failure summary).
+        tee: which streams also reach the console (``"none"``, ``"stdout"``, ``"stderr"``, ``"both"``);
+            None: both with ``log_dir``, else as usual.
+        local_ranks_filter: only these local ranks print on the console (the files keep every rank).
+        debug: check that every rank issues the same collectives (operation, shapes, call site) and turn
+            on torch's checks (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) in every worker.
     """
 
     strategy: str = "auto"
@@ -95,6 +102,10 @@ class LaunchConfig:
     collective_timeout_s: float | None = None
     grace_period_s: float = 30.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    log_dir: str | None = None
+    tee: str | None = None
+    local_ranks_filter: tuple[int, ...] | None = None
+    debug: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in LAUNCH_STRATEGIES:
@@ -113,6 +124,7 @@ class LaunchConfig:
             raise ConfigError(f"grace_period_s={self.grace_period_s} must be a finite number of seconds > 0")
         if self.threads_per_process is not None and self.threads_per_process < 1:
             raise ConfigError(f"threads_per_process={self.threads_per_process} must be >= 1")
+        check_log_options(self)
         chosen = get_strategy(self.strategy) if self.strategy != "auto" else None
         one_process = chosen is not None and not chosen.needs_processes
         if one_process and isinstance(self.nproc_per_node, int) and self.nproc_per_node > 1:
@@ -171,6 +183,8 @@ def worker_env(config: LaunchConfig, strategy: str, nproc: int) -> dict[str, str
     env.update(chosen.launch_env(device_type, {**os.environ, **env}))
     if config.collective_timeout_s is not None:
         env["MULTIGPU_COLLECTIVE_TIMEOUT"] = str(config.collective_timeout_s)
+    if config.debug:
+        env["MULTIGPU_DEBUG"] = "1"  # the worker turns on torch's checks too (runtime.tracking.setup_worker)
     if config.max_restarts > 0:
         # Restarted gloo workers otherwise may read the previous attempt's addresses from the
         # shared rendezvous store and fail to connect (pytorch/pytorch#135712).
@@ -198,12 +212,26 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
     if not STRATEGIES[strategy].needs_processes:
         env = {**os.environ, **worker_env(config, strategy, 1)}
         return run_supervised([sys.executable, script, *script_args], env, grace_s=config.grace_period_s)
-    args = build_torchrun_args(config, script, script_args)
-    if config.multi_node:  # the rendezvous waits silently for the other nodes: say where and for whom
-        print(f"multigpu launch: {waiting_message(config, nproc)}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="multigpu-failures-") as failure_dir:
+        log_dir = config.log_dir or os.path.join(failure_dir, "logs")
+        args = build_torchrun_args(config, script, script_args, log_dir=log_dir)
+        if config.multi_node:  # the rendezvous waits silently for the other nodes: say where and for whom
+            print(f"multigpu launch: {waiting_message(config, nproc)}", file=sys.stderr, flush=True)
         env = {**worker_env(config, strategy, nproc), "MULTIGPU_FAILURE_DIR": failure_dir}
         return run_torchrun(config, args, env, script)
+
+
+def check_log_options(config: LaunchConfig) -> None:
+    """Refuse log options torchrun would misread, naming the flag (called by :class:`LaunchConfig`)."""
+    if config.tee is not None and config.tee not in STREAMS:
+        raise ConfigError(f"tee={config.tee!r} is not one of {sorted(STREAMS)}; use e.g. --tee both")
+    ranks = config.local_ranks_filter
+    if ranks is not None and (not ranks or any(not isinstance(r, int) or r < 0 for r in ranks)):
+        raise ConfigError(
+            f"local_ranks_filter={ranks!r} must name local ranks >= 0; use e.g. --local-ranks-filter 0 (or 0,1)"
+        )
+    if config.log_dir is not None and os.path.isfile(config.log_dir):
+        raise ConfigError(f"--log-dir {config.log_dir} is a file; pass a folder (created when missing)")
 
 
 def waiting_message(config: LaunchConfig, nproc: int) -> str:

@@ -3,8 +3,8 @@
 This is the one module that reads the launcher's environment variables (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
 multigpu's own (``MULTIGPU_STRATEGY``, ``MULTIGPU_DEVICES``, ``MULTIGPU_COLLECTIVE_TIMEOUT``,
-``MULTIGPU_BIND_CORES``, ``MULTIGPU_FAILURE_DIR``, set by ``multigpu launch``), torch elastic's
-``TORCHELASTIC_RESTART_COUNT``, and
+``MULTIGPU_BIND_CORES``, ``MULTIGPU_FAILURE_DIR``, ``MULTIGPU_DEBUG``, set by ``multigpu launch``), torch
+elastic's ``TORCHELASTIC_RESTART_COUNT``, torch's ``TORCH_DISTRIBUTED_DEBUG`` (set for ``--debug``), and
 the user's ``OMP_NUM_THREADS``.
 Everything else asks :func:`read_launch_env`. It is also the one place that answers "which rank
 am I, is a process group up, am I the main process" (:func:`global_rank`, :func:`world_size`,
@@ -139,6 +139,22 @@ def collective_timeout_s() -> float:
 def failure_dir() -> str | None:
     """Where this worker records its failure for the launcher's summary (``MULTIGPU_FAILURE_DIR``), if set."""
     return os.environ.get("MULTIGPU_FAILURE_DIR") or None
+
+
+def debug_requested() -> bool:
+    """Whether ``multigpu launch --debug`` asked for the collective checks (``MULTIGPU_DEBUG``)."""
+    return os.environ.get("MULTIGPU_DEBUG") == "1"
+
+
+def enable_torch_debug() -> None:
+    """Turn on torch's own collective checks in this process (``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
+
+    Before the process group is created: torch wraps a group made afterwards in its checking wrapper and
+    DDP names the parameters that got no gradient.
+    """
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    if dist.is_available():
+        dist.set_debug_level_from_env()
 
 
 def restart_count() -> int:

@@ -45,6 +45,10 @@ class SessionConfig:
         sync_batchnorm: BatchNorm statistics over the global batch under ddp/fsdp (a no-op,
             with a warning, in one process, whose BatchNorm already sees the whole batch).
         compile: ``torch.compile`` the wrapped model (:meth:`multigpu.strategies.Strategy.apply_compile`).
+        debug: check before every collective that all ranks issue the same one (a mismatch raises
+            :class:`~multigpu.errors.CollectiveMismatchError` naming each rank's call) and turn on torch's
+            checks (``TORCH_DISTRIBUTED_DEBUG=DETAIL``); costs an extra exchange per collective
+            (``multigpu launch --debug`` does the same).
     """
 
     strategy: str = "auto"
@@ -58,6 +62,7 @@ class SessionConfig:
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
     sync_batchnorm: bool = False
     compile: bool = False
+    debug: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, ["auto", *STRATEGIES], "strategy='ddp'")
@@ -84,7 +89,7 @@ class SessionConfig:
                 raise ConfigError(
                     f"{name}={getattr(self, name)!r} must be a {kind.__name__}; use e.g. {name}={kind.__name__}()"
                 )
-        for name in ("sync_batchnorm", "compile"):
+        for name in ("sync_batchnorm", "compile", "debug"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
 

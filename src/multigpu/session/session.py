@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 from multigpu.core.keys import unwrap
 from multigpu.core.structure import map_leaves
 from multigpu.errors import ConfigError
-from multigpu.runtime import collectives, data, failure_records, loaders, world
+from multigpu.runtime import collectives, data, failure_records, loaders, tracking, world
 from multigpu.runtime.collective_failures import explain_collective_failures
 from multigpu.runtime.collectives import ReduceOp
 from multigpu.runtime.data import EpochLoader
@@ -80,6 +80,8 @@ class Session:
     def start(self) -> Session:
         """Build the strategy and join the process group (ddp). Every rank must call it."""
         if self.strategy is None:
+            if self.config.debug:  # before the process group exists: torch wraps it in its checks
+                tracking.enable_debug()
             strategy = build_strategy(
                 self.config.strategy,
                 devices=self.config.devices,
@@ -261,7 +263,7 @@ class Session:
         scaled = precision.scale_loss(loss)
         # DDP all-reduces the gradients inside backward: a rank that stopped turns into an
         # explained CollectiveTimeoutError / PeerExitedError instead of a bare backend error.
-        with explain_collective_failures("backward (gradient all-reduce)"):
+        with collectives.issuing("backward (gradient all-reduce)") if self.should_step else _no_collective():
             if not torch.is_autocast_enabled(self.device.type):
                 scaled.backward()
                 return
@@ -356,8 +358,7 @@ class Session:
 
     def barrier(self) -> None:
         """Wait for every rank (no-op in one process). Every rank must call it."""
-        with explain_collective_failures("barrier"):
-            world.barrier()
+        collectives.barrier()
 
     def evaluate(self, fn: Callable[[Any], torch.Tensor], dataset: Dataset, batch_size: int) -> torch.Tensor:
         """``fn`` on every sample, each evaluated once over all processes, in dataset order.
@@ -393,6 +394,11 @@ class Session:
 def _both(first: AbstractContextManager[Any], second: AbstractContextManager[Any]) -> Iterator[None]:
     with first, second:
         yield
+
+
+@contextmanager
+def _no_collective() -> Iterator[None]:
+    yield  # a micro-step inside an accumulation window: DDP does not communicate
 
 
 _END: Any = object()
