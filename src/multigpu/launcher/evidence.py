@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from multigpu.runtime.tracking import Entry, read_ledgers, read_stack
+from multigpu.runtime.tracking import Entry, read_ledgers, read_snapshot, read_stack
 
 # the docs section a summary points to (tests/test_docs.py checks the heading exists)
 GUIDE = "docs/distributed.md, section 'When a run hangs or a collective fails'"
@@ -72,6 +72,7 @@ class Hang:
     waiting: dict[int, Entry]
     last: dict[int, Entry]
     stacks: dict[int, list[Frame]] = field(default_factory=dict)
+    timed_out: list[int] = field(default_factory=list)
 
     def lead(self, script: str, timed_out_at_ns: int) -> str:
         """The summary's first line: who never arrived, what the others waited in, since when, for how long."""
@@ -103,6 +104,12 @@ class Hang:
                 else "it had entered no collective yet"
             )
             lines += ["", f"Rank {rank} never arrived ({before}). Its stack when the launcher stopped it:"]
+            if last is not None and rank in self.timed_out:
+                lines[-1] = (
+                    f"Rank {rank} never arrived: it waited in collective #{last.seq}, {last.operation}"
+                    + (f" at {last.site}" if last.site else "")
+                    + ", instead (the ranks issue collectives in a different order; --debug names each call)."
+                )
             stack = self.stacks.get(rank)
             if not stack:
                 lines.append("  (none written: it ran on another node, or could not take the signal)")
@@ -137,7 +144,19 @@ class Evidence:
             waiting={r: e for r, e in waiting.items() if e.seq == top},
             last={r: self.ledgers[r] for r in missing},
             stacks={r: s for r in missing if (s := main_thread_stack(self.stack_text.get(r, ""), self.ledgers[r]))},
+            timed_out=[r for r in missing if r in timed_out],
         )
+
+    def diverged(self, timed_out: list[int]) -> dict[int, Entry] | None:
+        """The ranks that timed out in the *same* collective number but different operations, if any.
+
+        Without ``--debug`` a collective issued in a different order on different ranks (a reduce on rank 0
+        where rank 1 calls a barrier) leaves both waiting; their ledgers name both calls.
+        """
+        entries = {r: self.ledgers[r] for r in sorted(timed_out) if r in self.ledgers}
+        if len(entries) < 2 or len({e.seq for e in entries.values()}) != 1:
+            return None
+        return entries if len({e.operation for e in entries.values()}) > 1 else None
 
     def abort_text(self, local_rank: int) -> list[str]:
         """What a rank printed about its abort (gloo's or NCCL's words, the failing line), else []."""
@@ -152,7 +171,8 @@ class Evidence:
 
 def read(folder: str | Path, *, attempt: int, log_dir: str | Path | None) -> Evidence:
     """What the workers of ``attempt`` left in the failure ``folder`` and in torchrun's ``log_dir``."""
-    ledgers = read_ledgers(folder, attempt=attempt)
+    # the ledgers as the first rank that timed out saw them, else as the workers left them
+    ledgers = read_snapshot(folder, attempt=attempt) or read_ledgers(folder, attempt=attempt)
     stacks = {rank: text for rank in ledgers if (text := read_stack(folder, attempt=attempt, rank=rank))}
     return Evidence(ledgers=ledgers, stack_text=stacks, stderr=_stderr_tails(log_dir, attempt))
 

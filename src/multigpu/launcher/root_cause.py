@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from multigpu.launcher.evidence import GUIDE, Evidence, Hang
+from multigpu.runtime.tracking import Entry
 from multigpu.runtime.failure_records import Record
 
 # Messages of a rank that failed because another one did (multigpu's explained errors, and the raw
@@ -156,9 +157,13 @@ def format_summary(script: str, failures: Sequence[WorkerFailure], evidence: Evi
     With ``evidence`` (what the workers left: :mod:`multigpu.launcher.evidence`), a hang names the rank that
     never arrived and shows its stack, and a worker killed by a signal shows what the backend said.
     """
-    hang = evidence.hang([f.rank for f in failures if f.timed_out]) if evidence is not None else None
+    timed_out = [f.rank for f in failures if f.timed_out]
+    hang = evidence.hang(timed_out) if evidence is not None else None
     if hang is not None:
         return _hang_summary(script, failures, hang)
+    diverged = evidence.diverged(timed_out) if evidence is not None else None
+    if diverged is not None:
+        return _diverged_summary(script, failures, diverged)
     cause = root_cause(failures)
     head = (
         f"multigpu launch: {script} failed on rank {cause.rank} (local_rank {cause.local_rank}, "
@@ -202,6 +207,22 @@ def _hang_summary(script: str, failures: Sequence[WorkerFailure], hang: Hang) ->
         lines += ["", "Other ranks that failed:"]
         lines += [f"  rank {f.rank} (local_rank {f.local_rank}, {_ending(f)}): {_outcome(f)}" for f in rest]
     lines += ["", f"Why a run hangs and what to do: {GUIDE}"]
+    return "\n".join(lines)
+
+
+def _diverged_summary(script: str, failures: Sequence[WorkerFailure], entries: dict[int, Entry]) -> str:
+    """Ranks that waited in the same collective number but different operations: the calls, side by side."""
+    seq = next(iter(entries.values())).seq
+    calls = "; ".join(f"rank {r}: {e.operation}" + (f" at {e.site}" if e.site else "") for r, e in entries.items())
+    lines = [
+        f"multigpu launch: {script} hung: the ranks waited in different collectives at #{seq} ({calls}) until "
+        "the collective timeout: a collective issued in a different order, or on some ranks only",
+        "  rerun with 'multigpu launch --debug' (or Session(debug=True)) to stop at the first differing call "
+        f"on every rank; see {GUIDE}",
+        "",
+        "Ranks that failed:",
+    ]
+    lines += [f"  rank {f.rank} (local_rank {f.local_rank}, {_ending(f)}): {_outcome(f)}" for f in failures]
     return "\n".join(lines)
 
 

@@ -49,6 +49,7 @@ from multigpu.runtime import world
 STACK_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 
 _LEDGER_BYTES = 1024  # one entry: a JSON object padded with spaces
+_BLANK = b" " * (_LEDGER_BYTES - 1) + b"\n"
 _PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # .../multigpu/
 _SKIPPED = (_PACKAGE, str(Path(torch.__file__).resolve().parent) + os.sep, contextlib.__file__)
 
@@ -83,7 +84,7 @@ class _Ledger:
         self.seq = 0
         self.debug = world.debug_requested()
         self._map: mmap.mmap | None = None
-        self._base: dict[str, Any] = {}
+        self._prefix = ""
         self._opened = False
 
     def write(self, operation: str, site: str) -> None:
@@ -91,9 +92,9 @@ class _Ledger:
             self._open()
         if self._map is None:
             return
-        entry = {**self._base, "seq": self.seq, "operation": operation, "site": site, "since": time.time()}
-        data = json.dumps(entry).encode()[: _LEDGER_BYTES - 1]
-        self._map[:] = data.ljust(_LEDGER_BYTES - 1) + b"\n"  # one memory copy, no system call
+        text = f'{self._prefix}"seq": {self.seq}, "operation": {json.dumps(operation)}, "site": {json.dumps(site)}, '
+        data = f'{text}"since": {time.time()}}}'.encode()[: _LEDGER_BYTES - 1]
+        self._map[:] = data + _BLANK[len(data) :]  # one memory copy, no system call
 
     def _open(self) -> None:
         self._opened = True
@@ -102,15 +103,11 @@ class _Ledger:
             return
         with contextlib.suppress(OSError):  # a ledger is a courtesy to the summary; never fail the worker
             with open(path, "w+b") as file:
-                file.write(b" " * (_LEDGER_BYTES - 1) + b"\n")
+                file.write(_BLANK)
                 file.flush()
                 self._map = mmap.mmap(file.fileno(), _LEDGER_BYTES)
-            env = world.read_launch_env()
-            self._base = {
-                "rank": env.global_rank if env else 0,
-                "pid": os.getpid(),
-                "main_thread": threading.main_thread().ident,
-            }
+            base = {"rank": world.global_rank(), "pid": os.getpid(), "main_thread": threading.main_thread().ident}
+            self._prefix = json.dumps(base)[:-1] + ", "  # the fixed part of every entry, written once
 
 
 _ledger = _Ledger()
@@ -226,7 +223,9 @@ def request_peer_stacks(*, wait_s: float = 3.0) -> None:
     if folder is None:
         return
     pending: dict[Path, int] = {}
-    for entry in read_ledgers(folder, attempt=world.restart_count()).values():
+    ledgers = read_ledgers(folder, attempt=world.restart_count())
+    _write_snapshot(Path(folder), me, ledgers)
+    for entry in ledgers.values():
         if entry.rank == me:
             continue
         stack = _stack_path(entry.rank)
@@ -262,6 +261,29 @@ def read_ledgers(folder: str | Path, *, attempt: int) -> dict[int, Entry]:
             continue
         found[entry.rank] = entry
     return found
+
+
+def read_snapshot(folder: str | Path, *, attempt: int) -> dict[int, Entry]:
+    """Every rank's ledger as the first rank that timed out saw it at that moment ({} when none did).
+
+    The moment that matters: a rank woken afterwards (a signal ending its native wait, the others exiting)
+    may enter more collectives before the launcher reads the ledgers.
+    """
+    snapshots = sorted(Path(folder).glob(f"attempt-{attempt}-snapshot-by-rank-*.json"), key=lambda p: p.stat().st_mtime)
+    for path in snapshots:
+        try:
+            return {int(rank): Entry(**data) for rank, data in json.loads(path.read_text()).items()}
+        except (OSError, ValueError, TypeError):
+            continue
+    return {}
+
+
+def _write_snapshot(folder: Path, me: int, ledgers: dict[int, Entry]) -> None:
+    path = folder / f"attempt-{world.restart_count()}-snapshot-by-rank-{me}.json"
+    partial = path.with_suffix(".tmp")
+    with contextlib.suppress(OSError):
+        partial.write_text(json.dumps({rank: entry.__dict__ for rank, entry in ledgers.items()}))
+        os.replace(partial, path)
 
 
 def read_stack(folder: str | Path, *, attempt: int, rank: int) -> str:
