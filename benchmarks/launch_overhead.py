@@ -430,7 +430,13 @@ def _figure(med: dict[str, float], runs: dict[str, list[dict[str, float]]], path
     """Left: ms/step per launcher (bars: median, dots: repeats). Right: each repeat's ratio to torchrun."""
     from multigpu.report.figures import pyplot, save_figure
 
-    colors = {"torchrun": "#888888", "multigpu": "#2a7ab9", "multigpu-unbound": "#8fb8de", "multigpu-debug": "#b05ca8", "accelerate": "#e39b2d"}
+    colors = {
+        "torchrun": "#888888",
+        "multigpu": "#2a7ab9",
+        "multigpu-unbound": "#8fb8de",
+        "multigpu-debug": "#b05ca8",
+        "accelerate": "#e39b2d",
+    }
     fig, (left, right) = pyplot().subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [3, 2]})
     names = list(med)
     left.bar(names, [med[n] for n in names], color=[colors[n] for n in names])

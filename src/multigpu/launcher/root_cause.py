@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from multigpu.launcher.evidence import GUIDE, Evidence, Hang
-from multigpu.runtime.tracking import Entry
 from multigpu.runtime.failure_records import Record
+from multigpu.runtime.tracking import Entry
 
 # Messages of a rank that failed because another one did (multigpu's explained errors, and the raw
 # backend errors of a collective whose peer went away or never came).
