@@ -164,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--debug",
         action="store_true",
         help="before every collective, check that all ranks issue the same one (operation, shapes, line) and "
-        "name each rank's call on a mismatch; also sets TORCH_DISTRIBUTED_DEBUG=DETAIL (slower: for finding bugs)",
+        "name each rank's call on a mismatch; also sets TORCH_DISTRIBUTED_DEBUG (DETAIL on GPUs, INFO on CPU; slower: for finding bugs)",
     )
     parser.add_argument(
         "--log-dir",

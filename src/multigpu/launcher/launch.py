@@ -81,7 +81,8 @@ class LaunchConfig:
             None: both with ``log_dir``, else as usual.
         local_ranks_filter: only these local ranks print on the console (the files keep every rank).
         debug: check that every rank issues the same collectives (operation, shapes, call site) and turn
-            on torch's checks (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) in every worker.
+            on torch's checks (``TORCH_DISTRIBUTED_DEBUG``, :func:`multigpu.runtime.world.enable_torch_debug`)
+            in every worker.
     """
 
     strategy: str = "auto"

@@ -115,7 +115,7 @@ _stack_file: IO[str] | None = None  # kept open: faulthandler writes into its de
 
 
 def enable_debug() -> None:
-    """Turn on the fingerprint check for this process and torch's own checks (``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
+    """Turn on the fingerprint check for this process and torch's own (:func:`multigpu.runtime.world.enable_torch_debug`).
 
     Call it before the process group is created (``Session(debug=True)`` does). Every rank must call it.
     """

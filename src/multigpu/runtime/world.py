@@ -4,7 +4,7 @@ This is the one module that reads the launcher's environment variables (``RANK``
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
 multigpu's own (``MULTIGPU_STRATEGY``, ``MULTIGPU_DEVICES``, ``MULTIGPU_COLLECTIVE_TIMEOUT``,
 ``MULTIGPU_BIND_CORES``, ``MULTIGPU_FAILURE_DIR``, ``MULTIGPU_DEBUG``, set by ``multigpu launch``), torch
-elastic's ``TORCHELASTIC_RESTART_COUNT``, torch's ``TORCH_DISTRIBUTED_DEBUG`` (set for ``--debug``), and
+elastic's ``TORCHELASTIC_RESTART_COUNT``, torch's ``TORCH_DISTRIBUTED_DEBUG`` (set for ``--debug``: :func:`enable_torch_debug`), and
 the user's ``OMP_NUM_THREADS``.
 Everything else asks :func:`read_launch_env`. It is also the one place that answers "which rank
 am I, is a process group up, am I the main process" (:func:`global_rank`, :func:`world_size`,
@@ -147,12 +147,15 @@ def debug_requested() -> bool:
 
 
 def enable_torch_debug() -> None:
-    """Turn on torch's own collective checks in this process (``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
+    """Turn on torch's own collective checks in this process (``TORCH_DISTRIBUTED_DEBUG``).
 
-    Before the process group is created: torch wraps a group made afterwards in its checking wrapper and
-    DDP names the parameters that got no gradient.
+    Before the process group is created. Under NCCL (a GPU per process): ``DETAIL``, torch wraps the group
+    in its checking wrapper, which compares every collective's shapes across ranks. Under gloo: ``INFO``
+    (DDP's runtime logging, unused parameters by name): torch 2.13's CPU build crashes (SIGSEGV) building
+    DDP over a gloo group wrapped for ``DETAIL`` (reproduced with a plain torchrun script); multigpu's own
+    fingerprint check covers its collectives there.
     """
-    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL" if accelerator_type() == "cuda" else "INFO"
     if dist.is_available():
         dist.set_debug_level_from_env()
 

@@ -47,7 +47,7 @@ class SessionConfig:
         compile: ``torch.compile`` the wrapped model (:meth:`multigpu.strategies.Strategy.apply_compile`).
         debug: check before every collective that all ranks issue the same one (a mismatch raises
             :class:`~multigpu.errors.CollectiveMismatchError` naming each rank's call) and turn on torch's
-            checks (``TORCH_DISTRIBUTED_DEBUG=DETAIL``); costs an extra exchange per collective
+            checks (``TORCH_DISTRIBUTED_DEBUG``: ``DETAIL`` under NCCL, ``INFO`` under gloo); costs an extra exchange per collective
             (``multigpu launch --debug`` does the same).
     """
 
