@@ -112,11 +112,12 @@ def test_the_backend_s_abort_text_and_the_failing_line_are_kept() -> None:
         '  File "/home/me/train.py", line 7 in <module>\n'
         '  File "<frozen runpy>", line 88 in _run_code\n\n'
     )
-    said = Evidence(stderr={0: stderr}).abort_text(0)
+    said = Evidence(stderr={0: stderr}).abort_text(0, 0)
+    assert Evidence(stderr_local={0: stderr}).abort_text(3, 0) == said  # from torchrun's log file of local rank 0
     assert said[0] == "terminate called after throwing an instance of 'gloo::EnforceNotMet'"
     assert said[1].endswith("Is there a distributed collective mismatch in your code?")
     assert said[-1] == "Python was at train.py:7 in <module>"
-    assert Evidence(stderr={0: "an ordinary warning\n"}).abort_text(0) == []
+    assert Evidence(stderr={0: "an ordinary warning\n"}).abort_text(0, 0) == []
 
 
 def test_unused_parameters_are_named_as_ddp_counts_them() -> None:
@@ -144,12 +145,17 @@ def test_unused_parameters_are_named_as_ddp_counts_them() -> None:
 
 
 def test_log_options_map_to_torchrun_s_own() -> None:
-    assert log_args(LaunchConfig(), "/l") == ["--log-dir", "/l", "--redirects", "2", "--tee", "2"]
     assert log_args(LaunchConfig(log_dir="/mine"), "/mine") == ["--log-dir", "/mine", "--redirects", "3", "--tee", "3"]
     filtered = log_args(LaunchConfig(log_dir="/l", tee="stdout", local_ranks_filter=(0, 2)), "/l")
     assert filtered == ["--log-dir", "/l", "--redirects", "3", "--tee", "1", "--local-ranks-filter", "0,2"]
-    args = build_torchrun_args(LaunchConfig(nproc_per_node=2), "t.py", ["--log-dir", "x"], log_dir="/l")
-    assert args[args.index("--module") - 6 : args.index("--module")] == log_args(LaunchConfig(), "/l")
+    config = LaunchConfig(nproc_per_node=2, log_dir="/l")
+    args = build_torchrun_args(config, "t.py", ["--log-dir", "x"], log_dir="/l")
+    assert args[args.index("--module") - 6 : args.index("--module")] == log_args(config, "/l")
+    # without log options torchrun writes no files: the console stays as torchrun's, and each worker
+    # copies its own stderr for the summary instead
+    assert "--log-dir" not in build_torchrun_args(LaunchConfig(nproc_per_node=2), "t.py", [])
+    assert worker_env(LaunchConfig(strategy="ddp"), "ddp", 2)["MULTIGPU_STDERR_COPY"] == "1"
+    assert "MULTIGPU_STDERR_COPY" not in worker_env(config, "ddp", 2)
 
 
 def test_bad_log_options_name_the_fix(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from multigpu.runtime.tracking import Entry, read_ledgers, read_snapshot, read_stack
+from multigpu.runtime.tracking import Entry, read_ledgers, read_snapshot, read_stack, stderr_copy_path
 
 # the docs section a summary points to (tests/test_docs.py checks the heading exists)
 GUIDE = "docs/distributed.md, section 'When a run hangs or a collective fails'"
@@ -128,7 +128,8 @@ class Evidence:
 
     ledgers: dict[int, Entry] = field(default_factory=dict)
     stack_text: dict[int, str] = field(default_factory=dict)
-    stderr: dict[int, str] = field(default_factory=dict)  # by local rank: the end of its stderr
+    stderr: dict[int, str] = field(default_factory=dict)  # by global rank: the end of its stderr (worker's copy)
+    stderr_local: dict[int, str] = field(default_factory=dict)  # by local rank: from torchrun's log files
 
     def hang(self, timed_out: list[int]) -> Hang | None:
         """The hang that ``timed_out`` (ranks whose collective timed out) waited on, if the ledgers show one."""
@@ -158,9 +159,9 @@ class Evidence:
             return None
         return entries if len({e.operation for e in entries.values()}) > 1 else None
 
-    def abort_text(self, local_rank: int) -> list[str]:
+    def abort_text(self, rank: int, local_rank: int) -> list[str]:
         """What a rank printed about its abort (gloo's or NCCL's words, the failing line), else []."""
-        text = self.stderr.get(local_rank, "")
+        text = self.stderr.get(rank) or self.stderr_local.get(local_rank, "")
         said = [line.strip() for line in text.splitlines() if _ABORT.search(line)]
         said = [line for line in dict.fromkeys(said) if not line.startswith("Fatal Python error")]
         frames = [f for f in _frames_after(text, "Fatal Python error") if f.is_user]
@@ -174,7 +175,13 @@ def read(folder: str | Path, *, attempt: int, log_dir: str | Path | None) -> Evi
     # the ledgers as the first rank that timed out saw them, else as the workers left them
     ledgers = read_snapshot(folder, attempt=attempt) or read_ledgers(folder, attempt=attempt)
     stacks = {rank: text for rank in ledgers if (text := read_stack(folder, attempt=attempt, rank=rank))}
-    return Evidence(ledgers=ledgers, stack_text=stacks, stderr=_stderr_tails(log_dir, attempt))
+    copies = {rank: _tail(stderr_copy_path(folder, attempt=attempt, rank=rank)) for rank in ledgers}
+    return Evidence(
+        ledgers=ledgers,
+        stack_text=stacks,
+        stderr={rank: text for rank, text in copies.items() if text},
+        stderr_local=_stderr_tails(log_dir, attempt),
+    )
 
 
 def main_thread_stack(text: str, entry: Entry) -> list[Frame]:
@@ -215,12 +222,14 @@ def _stderr_tails(log_dir: str | Path | None, attempt: int, keep: int = 16_000) 
     runs = sorted(Path(log_dir).glob(f"*/attempt_{attempt}"), key=lambda p: p.stat().st_mtime)
     if not runs:
         return {}
-    tails: dict[int, str] = {}
-    for path in runs[-1].glob("*/stderr.log"):
-        try:
-            with open(path, "rb") as file:
-                file.seek(max(0, path.stat().st_size - keep))
-                tails[int(path.parent.name)] = file.read().decode(errors="replace")
-        except (OSError, ValueError):
-            continue
-    return tails
+    return {int(p.parent.name): _tail(p, keep) for p in runs[-1].glob("*/stderr.log") if p.parent.name.isdigit()}
+
+
+def _tail(path: Path, keep: int = 16_000) -> str:
+    """The last ``keep`` bytes of ``path`` as text ("" when unreadable)."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(max(0, path.stat().st_size - keep))
+            return file.read().decode(errors="replace")
+    except OSError:
+        return ""

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from multigpu.devices import accelerator_type, get_device_type, parse_devices
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.launcher.supervise import run_supervised
-from multigpu.launcher.torchrun import STREAMS, build_torchrun_args, resolve_nproc, run_torchrun
+from multigpu.launcher.torchrun import STREAMS, build_torchrun_args, logs_requested, resolve_nproc, run_torchrun
 from multigpu.runtime.world import configured_threads
 from multigpu.strategies import STRATEGIES, get_strategy
 
@@ -76,7 +76,8 @@ class LaunchConfig:
             worker), how long the workers get to exit before they are killed.
         extra_env: more variables for the workers (on top of the launcher's environment).
         log_dir: write every rank's stdout and stderr to files here (torchrun's ``--log-dir`` layout);
-            None: only stderr, into the run's temporary failure folder (for the failure summary).
+            None: no files (each worker still copies its stderr into the run's temporary failure folder,
+            for the failure summary).
         tee: which streams also reach the console (``"none"``, ``"stdout"``, ``"stderr"``, ``"both"``);
             None: both with ``log_dir``, else as usual.
         local_ranks_filter: only these local ranks print on the console (the files keep every rank).
@@ -184,6 +185,8 @@ def worker_env(config: LaunchConfig, strategy: str, nproc: int) -> dict[str, str
     env.update(chosen.launch_env(device_type, {**os.environ, **env}))
     if config.collective_timeout_s is not None:
         env["MULTIGPU_COLLECTIVE_TIMEOUT"] = str(config.collective_timeout_s)
+    if not logs_requested(config):  # the worker copies its stderr for the summary (torchrun's files do otherwise)
+        env["MULTIGPU_STDERR_COPY"] = "1"
     if config.debug:
         env["MULTIGPU_DEBUG"] = "1"  # the worker turns on torch's checks too (runtime.tracking.setup_worker)
     if config.max_restarts > 0:
@@ -214,7 +217,7 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
         env = {**os.environ, **worker_env(config, strategy, 1)}
         return run_supervised([sys.executable, script, *script_args], env, grace_s=config.grace_period_s)
     with tempfile.TemporaryDirectory(prefix="multigpu-failures-") as failure_dir:
-        log_dir = config.log_dir or os.path.join(failure_dir, "logs")
+        log_dir = (config.log_dir or os.path.join(failure_dir, "logs")) if logs_requested(config) else None
         args = build_torchrun_args(config, script, script_args, log_dir=log_dir)
         if config.multi_node:  # the rendezvous waits silently for the other nodes: say where and for whom
             print(f"multigpu launch: {waiting_message(config, nproc)}", file=sys.stderr, flush=True)

@@ -175,7 +175,7 @@ def format_summary(script: str, failures: Sequence[WorkerFailure], evidence: Evi
             "without an error, or ran on another node; look at that node's launcher)"
         )
     lines = [head]
-    said = evidence.abort_text(cause.local_rank) if evidence is not None and not cause.traceback else []
+    said = evidence.abort_text(cause.rank, cause.local_rank) if evidence is not None and not cause.traceback else []
     if said:
         lines += ["  it printed before it died:", *(f"    {line}" for line in said)]
         lines.append(

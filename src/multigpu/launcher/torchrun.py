@@ -64,7 +64,7 @@ def build_torchrun_args(
         config: the launch's configuration (processes per node: :func:`resolve_nproc`).
         script: the training script each worker runs under :data:`ENTRY_MODULE`.
         script_args: its arguments (the module docstring shows an example).
-        log_dir: where torchrun writes each rank's streams (:func:`log_args`); None: nowhere.
+        log_dir: where torchrun writes each rank's streams (:func:`log_args`); None: it writes none.
     """
     nproc = resolve_nproc(config)
     addr = config.master_addr or LOOPBACK
@@ -113,24 +113,26 @@ def build_torchrun_args(
 def log_args(config: LaunchConfig, log_dir: str) -> list[str]:
     """torchrun's own log options for ``--log-dir``, ``--tee`` and ``--local-ranks-filter``.
 
-    Every rank's stderr always goes into a file under ``log_dir`` (and on to the console: torchrun's tee),
-    so that the failure summary can quote what a worker printed before it aborted (gloo's and NCCL's
-    messages come from C++, past Python). With ``--log-dir`` (or ``--tee`` / ``--local-ranks-filter``)
-    stdout is written there too, and ``--tee`` picks the streams that also reach the console (default:
-    both; each teed line starts with torchrun's ``[default<local_rank>]:``). torchrun's layout: ``LOG_DIR/<run id>_<random>/attempt_<k>/<local_rank>/{stdout,stderr}.log``.
+    Both streams of every rank go into files under ``log_dir``, and ``--tee`` picks the streams that also
+    reach the console (default: both; each teed line starts with torchrun's ``[default<local_rank>]:``);
+    ``--local-ranks-filter`` the ranks. Only when the user asked for one of them (:func:`logs_requested`):
+    a file on a full disk would otherwise take the workers' errors off the console. torchrun's layout: ``LOG_DIR/<run id>_<random>/attempt_<k>/<local_rank>/{stdout,stderr}.log``.
 
     Example:
         >>> from multigpu.launcher.launch import LaunchConfig
-        >>> log_args(LaunchConfig(), "/tmp/logs")
-        ['--log-dir', '/tmp/logs', '--redirects', '2', '--tee', '2']
+        >>> log_args(LaunchConfig(log_dir="/tmp/logs"), "/tmp/logs")
+        ['--log-dir', '/tmp/logs', '--redirects', '3', '--tee', '3']
     """
-    asked = config.log_dir is not None or config.tee is not None or config.local_ranks_filter is not None
-    files = STREAMS["both"] if asked else STREAMS["stderr"]
-    tee = STREAMS[config.tee] if config.tee is not None else files
-    args = ["--log-dir", log_dir, "--redirects", str(files), "--tee", str(tee)]
+    tee = STREAMS[config.tee] if config.tee is not None else STREAMS["both"]
+    args = ["--log-dir", log_dir, "--redirects", str(STREAMS["both"]), "--tee", str(tee)]
     if config.local_ranks_filter is not None:
         args += ["--local-ranks-filter", ",".join(str(r) for r in config.local_ranks_filter)]
     return args
+
+
+def logs_requested(config: LaunchConfig) -> bool:
+    """Whether the user asked for per-rank logs (``--log-dir``, ``--tee`` or ``--local-ranks-filter``)."""
+    return config.log_dir is not None or config.tee is not None or config.local_ranks_filter is not None
 
 
 # torchrun's numbers for the standard streams (its Std flags), by the names --tee takes

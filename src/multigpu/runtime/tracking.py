@@ -294,6 +294,11 @@ def read_stack(folder: str | Path, *, attempt: int, rank: int) -> str:
         return ""
 
 
+def stderr_copy_path(folder: str | Path, *, attempt: int, rank: int) -> Path:
+    """Where a worker copies its stderr for the launcher's summary (what gloo or NCCL print before an abort)."""
+    return Path(folder) / f"attempt-{attempt}-rank-{rank}.stderr"
+
+
 def _ledger_path() -> Path | None:
     folder = world.failure_dir()
     if folder is None:

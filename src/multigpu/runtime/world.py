@@ -3,7 +3,7 @@
 This is the one module that reads the launcher's environment variables (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
 multigpu's own (``MULTIGPU_STRATEGY``, ``MULTIGPU_DEVICES``, ``MULTIGPU_COLLECTIVE_TIMEOUT``,
-``MULTIGPU_BIND_CORES``, ``MULTIGPU_FAILURE_DIR``, ``MULTIGPU_DEBUG``, set by ``multigpu launch``), torch
+``MULTIGPU_BIND_CORES``, ``MULTIGPU_FAILURE_DIR``, ``MULTIGPU_DEBUG``, ``MULTIGPU_STDERR_COPY``, set by ``multigpu launch``), torch
 elastic's ``TORCHELASTIC_RESTART_COUNT``, torch's ``TORCH_DISTRIBUTED_DEBUG`` (set for ``--debug``: :func:`enable_torch_debug`), and
 the user's ``OMP_NUM_THREADS``.
 Everything else asks :func:`read_launch_env`. It is also the one place that answers "which rank
@@ -139,6 +139,11 @@ def collective_timeout_s() -> float:
 def failure_dir() -> str | None:
     """Where this worker records its failure for the launcher's summary (``MULTIGPU_FAILURE_DIR``), if set."""
     return os.environ.get("MULTIGPU_FAILURE_DIR") or None
+
+
+def stderr_copy_requested() -> bool:
+    """Whether ``multigpu launch`` asked this worker to copy its stderr for the summary (``MULTIGPU_STDERR_COPY``)."""
+    return os.environ.get("MULTIGPU_STDERR_COPY") == "1"
 
 
 def debug_requested() -> bool:
