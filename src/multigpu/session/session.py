@@ -263,7 +263,8 @@ class Session:
         scaled = precision.scale_loss(loss)
         # DDP all-reduces the gradients inside backward: a rank that stopped turns into an
         # explained CollectiveTimeoutError / PeerExitedError instead of a bare backend error.
-        with collectives.issuing("backward (gradient all-reduce)") if self.should_step else _no_collective():
+        syncs = self.should_step and world.in_process_group()  # DDP all-reduces in this backward
+        with collectives.issuing("backward (gradient all-reduce)") if syncs else _no_collective():
             if not torch.is_autocast_enabled(self.device.type):
                 scaled.backward()
                 return
@@ -398,7 +399,7 @@ def _both(first: AbstractContextManager[Any], second: AbstractContextManager[Any
 
 @contextmanager
 def _no_collective() -> Iterator[None]:
-    yield  # a micro-step inside an accumulation window: DDP does not communicate
+    yield  # no communication: a micro-step inside an accumulation window, or one process
 
 
 _END: Any = object()
