@@ -17,6 +17,7 @@ PUBLIC = {
     "LaunchConfig",
     "CheckpointError",
     "Checkpointer",
+    "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "ConfigError",
     "DataParallel",
