@@ -4,6 +4,7 @@
     multigpu launch --strategy fsdp --nproc-per-node 2 examples/train.py
     multigpu launch --strategy dp --devices cpu:2 examples/train.py
     multigpu launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
+    multigpu launch --strategy ddp --debug --log-dir logs --local-ranks-filter 0 train.py
 
 For ddp it builds torchrun's arguments and calls torch.distributed.run: one node binds to
 127.0.0.1 on a free port, each process gets OMP_NUM_THREADS = cores / processes (unless set), and

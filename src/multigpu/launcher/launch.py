@@ -17,7 +17,11 @@ rendezvous or collectives. What it adds:
   launcher owns (:mod:`multigpu.runtime.failure_records`); the launcher names the rank whose failure
   caused the others and prints its traceback (:mod:`multigpu.launcher.root_cause`);
 - a strategy that does not need processes (``single``, ``dp``) runs the script in one ordinary
-  process (:mod:`multigpu.launcher.supervise`).
+  process (:mod:`multigpu.launcher.supervise`);
+- when a collective times out, the summary names the rank that never reached it, with its stack, from
+  what the workers left (:mod:`multigpu.launcher.evidence`); ``--debug`` checks every collective's
+  fingerprint (:mod:`multigpu.runtime.tracking`); ``--log-dir``, ``--tee`` and ``--local-ranks-filter``
+  are torchrun's own (:func:`multigpu.launcher.torchrun.log_args`).
 
 Example::
 
