@@ -12,7 +12,12 @@ processes each on the CPU (gloo), with the same OMP_NUM_THREADS:
   their own cores, the launcher's CPU default);
 - ``multigpu-unbound``: the same with ``--no-bind-cores``, so the launcher's and the API's own
   overhead shows without the binding's gain;
+- ``multigpu-debug``: ``multigpu launch --debug``: every collective first exchanges a fingerprint
+  and torch runs with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (its cost, against ``multigpu``);
 - ``accelerate``: ``accelerate launch`` running Accelerate's documented loop.
+
+It also prints what each collective's entry in the per-rank ledger costs (the part of the hang
+forensics that is always on), measured in one process.
 
 Each worker times every step on rank 0 (from the end of one step to the end of the next, so fetching
 the batch counts); a run's figures are its median step, its mean step (the throughput) and its 10th
@@ -40,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LAUNCHERS = ("torchrun", "multigpu", "multigpu-unbound", "accelerate")
+LAUNCHERS = ("torchrun", "multigpu", "multigpu-unbound", "multigpu-debug", "accelerate")
 NPROC = 2
 
 
@@ -142,6 +147,7 @@ WORKERS = {
     "torchrun": _worker_torchrun,
     "multigpu": _worker_multigpu,
     "multigpu-unbound": _worker_multigpu,
+    "multigpu-debug": _worker_multigpu,
     "accelerate": _worker_accelerate,
 }
 
@@ -181,7 +187,7 @@ def launch_command(launcher: str, worker_args: list[str]) -> list[str]:
             *worker_args,
         ]
     if launcher.startswith("multigpu"):
-        unbound = ["--no-bind-cores"] if launcher == "multigpu-unbound" else []
+        unbound = {"multigpu-unbound": ["--no-bind-cores"], "multigpu-debug": ["--debug"]}.get(launcher, [])
         return [
             sys.executable,
             "-m",
@@ -298,11 +304,41 @@ def api_overhead_us(steps: int = 3000, repeats: int = 7) -> dict[str, float]:
     return best
 
 
+def ledger_overhead_us(calls: int = 20000, repeats: int = 7) -> dict[str, float]:
+    """Microseconds one collective's ledger entry costs (count, call site, memory-mapped write), in one process.
+
+    ``off``: outside a launch (no ledger file: count and call site only); ``on``: with the file, as
+    every worker of ``multigpu launch`` keeps it. Fastest of ``repeats``.
+    """
+    import tempfile
+
+    from multigpu.runtime import tracking
+
+    best = {"off": float("inf"), "on": float("inf")}
+    with tempfile.TemporaryDirectory() as folder:
+        for label, env in (("off", {}), ("on", {"MULTIGPU_FAILURE_DIR": folder, "RANK": "0", "WORLD_SIZE": "1"})):
+            saved = dict(os.environ)
+            os.environ.update(env)
+            tracking._ledger = tracking._Ledger()  # a fresh ledger that reads this environment
+            try:
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        tracking.enter("reduce (mean)")
+                    best[label] = min(best[label], 1e6 * (time.perf_counter() - start) / calls)
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+                tracking._ledger = tracking._Ledger()
+    return best
+
+
 STATISTICS = {"ms_per_step": "median step", "mean": "mean step", "p10": "p10 step"}
 TARGETS = (
     ("multigpu", "torchrun", 1.02),
     ("multigpu", "accelerate", 1.0),
     ("multigpu-unbound", "torchrun", 1.02),  # the launcher's overhead without its core binding
+    ("multigpu-debug", "multigpu", None),  # what --debug's checks cost
     ("accelerate", "torchrun", None),
 )
 
@@ -379,6 +415,11 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
         f"{overhead['session_us'] - overhead['plain_us']:+.1f} us ({overhead['plain_us']:.1f} us plain loop, "
         f"{overhead['session_us']:.1f} us Session loop)"
     )
+    ledger = ledger_overhead_us()
+    console.print(
+        f"Collective ledger per collective (always on): {ledger['on']:.2f} us under a launch "
+        f"({ledger['off']:.2f} us without its file); a ddp Session step enters 2 collectives"
+    )
     _figure(med, runs, Path(args.out_dir) / "launch_overhead.png")
     console.print(
         f"figure: {Path(args.out_dir) / 'launch_overhead.png'}; every repeat: {Path(args.out_dir) / 'runs.json'}"
@@ -389,7 +430,13 @@ def _figure(med: dict[str, float], runs: dict[str, list[dict[str, float]]], path
     """Left: ms/step per launcher (bars: median, dots: repeats). Right: each repeat's ratio to torchrun."""
     from multigpu.report.figures import pyplot, save_figure
 
-    colors = {"torchrun": "#888888", "multigpu": "#2a7ab9", "multigpu-unbound": "#8fb8de", "accelerate": "#e39b2d"}
+    colors = {
+        "torchrun": "#888888",
+        "multigpu": "#2a7ab9",
+        "multigpu-unbound": "#8fb8de",
+        "multigpu-debug": "#b05ca8",
+        "accelerate": "#e39b2d",
+    }
     fig, (left, right) = pyplot().subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [3, 2]})
     names = list(med)
     left.bar(names, [med[n] for n in names], color=[colors[n] for n in names])

@@ -18,6 +18,7 @@ PUBLIC = {
     "LaunchConfig",
     "CheckpointError",
     "Checkpointer",
+    "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "ConfigError",
     "DataParallel",

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from multigpu.devices import ReplicaDevice, parse_devices
     from multigpu.errors import (
         CheckpointError,
+        CollectiveMismatchError,
         CollectiveTimeoutError,
         ConfigError,
         DeviceError,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
 
 _ERRORS = (
     "CheckpointError",
+    "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "ConfigError",
     "DeviceError",
@@ -67,6 +69,7 @@ _SOURCES: dict[str, str] = {
 __all__ = [
     "CheckpointError",
     "Checkpointer",
+    "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "ConfigError",
     "DDPOptions",

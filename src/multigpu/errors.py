@@ -35,6 +35,10 @@ class CollectiveTimeoutError(MultigpuError, RuntimeError):
     """A collective did not complete within the process group's timeout (a rank stopped calling it)."""
 
 
+class CollectiveMismatchError(MultigpuError, RuntimeError):
+    """The ranks issued different collectives (operation, shape or dtype), found by the ``--debug`` check."""
+
+
 class PeerExitedError(MultigpuError, RuntimeError):
     """Another rank went away while this one waited in a collective."""
 

@@ -74,7 +74,7 @@ def one_rank_group() -> Iterator[None]:
 def test_process_group_setup_collectives_and_teardown(one_rank_group: None) -> None:
     assert dist.is_initialized() and dist.get_backend() == "gloo"
     assert world.is_main_process()
-    world.barrier()
+    collectives.barrier()
     assert float(collectives.reduce_value(torch.tensor(3.0), "sum")) == 3.0
     got = collectives.gather_by_index(torch.tensor([[1.0], [2.0]]), torch.tensor([1, 0]), 2)
     torch.testing.assert_close(got, torch.tensor([[2.0], [1.0]]))

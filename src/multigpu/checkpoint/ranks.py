@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from multigpu.devices import capture_device_rng, device_type_names, restore_device_rng
 from multigpu.errors import CheckpointError
-from multigpu.runtime.collective_failures import explain_collective_failures
+from multigpu.runtime.collectives import issuing
 from multigpu.runtime.world import in_process_group, is_main_process, world_size
 
 T = TypeVar("T")
@@ -79,7 +79,7 @@ def _from_main(compute: Callable[[], T], what: str, *, share: bool) -> T | None:
         None if failure is None else f"{type(failure).__name__}: {failure}",
     ]
     # Sync point: the other ranks wait here until the main process has finished (or failed).
-    with explain_collective_failures(f"waiting for rank 0 to finish {what}"):
+    with issuing(f"waiting for rank 0 to finish {what}"):
         dist.broadcast_object_list(message, src=0)
     if failure is not None:
         raise failure
@@ -96,7 +96,7 @@ def gather_on_main(obj: Any, what: str) -> list[Any] | None:
     if not is_distributed():
         return [obj] if is_main_process() else None
     gathered: list[Any] | None = [None] * world_size() if is_main_process() else None
-    with explain_collective_failures(f"gathering {what} on rank 0"):
+    with issuing(f"gathering {what} on rank 0"):
         dist.gather_object(obj, gathered, dst=0)
     return gathered
 
@@ -117,7 +117,7 @@ def agreed(compute: Callable[[], T], what: str) -> T:
             raise failure
         return result  # type: ignore[no-any-return]
     problems: list[Any] = [None] * world_size()
-    with explain_collective_failures(what):
+    with issuing(what):
         dist.all_gather_object(problems, None if failure is None else f"{type(failure).__name__}: {failure}")
     if failure is not None:
         raise failure

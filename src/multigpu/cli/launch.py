@@ -4,6 +4,7 @@
     multigpu launch --strategy fsdp --nproc-per-node 2 examples/train.py
     multigpu launch --strategy dp --devices cpu:2 examples/train.py
     multigpu launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
+    multigpu launch --strategy ddp --debug --log-dir logs --local-ranks-filter 0 train.py
 
 For ddp and fsdp it builds torchrun's arguments and calls torch.distributed.run: one node binds to
 127.0.0.1 on a free port, each process gets OMP_NUM_THREADS = cores / processes (unless set), and
@@ -42,6 +43,27 @@ def _nproc(text: str) -> int | str:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} processes: pass a count >= 1 or 'auto'")
     return value
+
+
+_STREAM_NAMES = ("none", "stdout", "stderr", "both")  # torchrun's --tee 0..3, by name
+
+
+def _streams(text: str) -> str:
+    if text.isdigit() and int(text) < len(_STREAM_NAMES):
+        return _STREAM_NAMES[int(text)]
+    if text not in _STREAM_NAMES:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass one of {', '.join(_STREAM_NAMES)} (or 0-3)")
+    return text
+
+
+def _ranks(text: str) -> tuple[int, ...]:
+    try:
+        ranks = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of local ranks; pass e.g. 0 or 0,1") from None
+    if any(r < 0 for r in ranks):
+        raise argparse.ArgumentTypeError(f"{text!r}: local ranks are >= 0; pass e.g. 0 or 0,1")
+    return ranks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,6 +176,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="read flags from a TOML file whose keys are the long flag names (nproc-per-node = 2); "
         "flags on the command line win",
     )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="before every collective, check that all ranks issue the same one (operation, shapes, line) and "
+        "name each rank's call on a mismatch; also sets TORCH_DISTRIBUTED_DEBUG (DETAIL on GPUs, INFO on CPU; slower: for finding bugs)",
+    )
+    parser.add_argument(
+        "--log-dir",
+        default=None,
+        metavar="DIR",
+        help="write each rank's stdout and stderr to files in DIR (torchrun's layout: "
+        "DIR/<run>/attempt_<k>/<local_rank>/stdout.log)",
+    )
+    parser.add_argument(
+        "--tee",
+        type=_streams,
+        default=None,
+        metavar="none|stdout|stderr|both",
+        help="which streams also reach the console when they go to files (torchrun's --tee; 0-3 accepted; "
+        "default both)",
+    )
+    parser.add_argument(
+        "--local-ranks-filter",
+        type=_ranks,
+        default=None,
+        metavar="R[,R...]",
+        help="only these local ranks print on the console, e.g. 0 (the --log-dir files keep every rank)",
+    )
     parser.add_argument("script", help="the training script (a .py file)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     mark_defaults(parser)  # last: command line > --config > scheduler (PET_*, SLURM) > default
@@ -183,6 +233,10 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         collective_timeout_s=args.collective_timeout,
         grace_period_s=args.grace_period,
         requeue=args.requeue,
+        log_dir=args.log_dir,
+        tee=args.tee,
+        local_ranks_filter=args.local_ranks_filter,
+        debug=args.debug,
     )
 
 

@@ -6,18 +6,24 @@ inside torch elastic's ``@record``, which writes an uncaught exception to the er
 agent reads, and records the failure for the launcher (:mod:`multigpu.runtime.failure_records`; a
 Session records it earlier, before its process group closes). The launcher's failure summary then
 shows the failing rank and its traceback without the user decorating anything. When the launcher asks for it, the process first binds to its share
-of the node's cores (:mod:`multigpu.launcher.affinity`), before the script starts any thread.
+of the node's cores (:mod:`multigpu.launcher.affinity`), before the script starts any thread. It
+also gets ready to write its stacks on request and its ledger of collectives
+(:func:`multigpu.runtime.tracking.setup_worker`), which the failure summary of a hang reads, and,
+unless the user asked for torchrun's log files, copies its stderr into the failure folder through
+``tee`` (what gloo or NCCL print from C++ before they abort the process, for the summary).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from multigpu.core.script import run_as_main
 from multigpu.launcher.affinity import bind_to_core_share
-from multigpu.runtime import failure_records, world
+from multigpu.runtime import failure_records, tracking, world
 
 
 @record
@@ -28,6 +34,10 @@ def main() -> None:
     env = world.read_launch_env()
     if env is not None and world.bind_cores_requested():
         bind_to_core_share(env.local_rank, env.local_world_size)
+    tracking.setup_worker()
+    folder = world.failure_dir()
+    if folder is not None and world.stderr_copy_requested():
+        _copy_stderr(tracking.stderr_copy_path(folder, attempt=world.restart_count(), rank=world.global_rank()))
     try:
         run_as_main(script, sys.argv[2:])
     except SystemExit as exc:
@@ -37,6 +47,23 @@ def main() -> None:
     except BaseException as exc:
         failure_records.record(exc)  # a no-op when the Session already recorded it before closing its group
         raise
+
+
+def _copy_stderr(path: os.PathLike[str]) -> None:
+    """Send this process's stderr (file descriptor 2, so C++ output too) through ``tee`` into ``path`` as well.
+
+    ``tee`` is a process of its own, in a session of its own: it outlives an abort of this one (and the
+    agent's signals to its group) and copies what is left in the pipe; a write error on the file (a full
+    disk) leaves the console copy going. It ends when every writer has closed the pipe.
+    """
+    sys.stderr.flush()
+    try:
+        copier = subprocess.Popen(["tee", "-a", os.fspath(path)], stdin=subprocess.PIPE, start_new_session=True)
+    except OSError:  # no tee on this system: the console keeps stderr, the summary goes without it
+        return
+    assert copier.stdin is not None
+    os.dup2(copier.stdin.fileno(), 2)
+    copier.stdin.close()  # fd 2 now holds the pipe; tee sees its end when this process (and its children) exit
 
 
 if __name__ == "__main__":

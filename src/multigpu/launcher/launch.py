@@ -17,7 +17,11 @@ rendezvous or collectives. What it adds:
   launcher owns (:mod:`multigpu.runtime.failure_records`); the launcher names the rank whose failure
   caused the others and prints its traceback (:mod:`multigpu.launcher.root_cause`);
 - a strategy that does not need processes (``single``, ``dp``) runs the script in one ordinary
-  process (:mod:`multigpu.launcher.supervise`).
+  process (:mod:`multigpu.launcher.supervise`);
+- when a collective times out, the summary names the rank that never reached it, with its stack, from
+  what the workers left (:mod:`multigpu.launcher.evidence`); ``--debug`` checks every collective's
+  fingerprint (:mod:`multigpu.runtime.tracking`); ``--log-dir``, ``--tee`` and ``--local-ranks-filter``
+  are torchrun's own (:func:`multigpu.launcher.torchrun.log_args`).
 
 Example::
 
@@ -38,7 +42,7 @@ from multigpu.devices import accelerator_type, get_device_type, parse_devices
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.launcher.preemption import maybe_requeue
 from multigpu.launcher.supervise import run_supervised
-from multigpu.launcher.torchrun import build_torchrun_args, resolve_nproc, run_torchrun
+from multigpu.launcher.torchrun import STREAMS, build_torchrun_args, logs_requested, resolve_nproc, run_torchrun
 from multigpu.runtime.world import configured_threads
 from multigpu.strategies import STRATEGIES, get_strategy
 from multigpu.strategies.registry import launched_auto
@@ -79,6 +83,15 @@ class LaunchConfig:
         requeue: under SLURM, after a SIGTERM/SIGUSR1 stopped the run, requeue the job
             (``scontrol requeue``; :mod:`multigpu.launcher.preemption`).
         extra_env: more variables for the workers (on top of the launcher's environment).
+        log_dir: write every rank's stdout and stderr to files here (torchrun's ``--log-dir`` layout);
+            None: no files (each worker still copies its stderr into the run's temporary failure folder,
+            for the failure summary).
+        tee: which streams also reach the console (``"none"``, ``"stdout"``, ``"stderr"``, ``"both"``);
+            None: both with ``log_dir``, else as usual.
+        local_ranks_filter: only these local ranks print on the console (the files keep every rank).
+        debug: check that every rank issues the same collectives (operation, shapes, call site) and turn
+            on torch's checks (``TORCH_DISTRIBUTED_DEBUG``, :func:`multigpu.runtime.world.enable_torch_debug`)
+            in every worker.
     """
 
     strategy: str = "auto"
@@ -100,6 +113,10 @@ class LaunchConfig:
     grace_period_s: float = 30.0
     requeue: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)
+    log_dir: str | None = None
+    tee: str | None = None
+    local_ranks_filter: tuple[int, ...] | None = None
+    debug: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in LAUNCH_STRATEGIES:
@@ -118,6 +135,7 @@ class LaunchConfig:
             raise ConfigError(f"grace_period_s={self.grace_period_s} must be a finite number of seconds > 0")
         if self.threads_per_process is not None and self.threads_per_process < 1:
             raise ConfigError(f"threads_per_process={self.threads_per_process} must be >= 1")
+        check_log_options(self)
         chosen = get_strategy(self.strategy) if self.strategy != "auto" else None
         one_process = chosen is not None and not chosen.needs_processes
         if one_process and isinstance(self.nproc_per_node, int) and self.nproc_per_node > 1:
@@ -176,6 +194,10 @@ def worker_env(config: LaunchConfig, strategy: str, nproc: int) -> dict[str, str
     env.update(chosen.launch_env(device_type, {**os.environ, **env}))
     if config.collective_timeout_s is not None:
         env["MULTIGPU_COLLECTIVE_TIMEOUT"] = str(config.collective_timeout_s)
+    if not logs_requested(config):  # the worker copies its stderr for the summary (torchrun's files do otherwise)
+        env["MULTIGPU_STDERR_COPY"] = "1"
+    if config.debug:
+        env["MULTIGPU_DEBUG"] = "1"  # the worker turns on torch's checks too (runtime.tracking.setup_worker)
     if config.max_restarts > 0:
         # Restarted gloo workers otherwise may read the previous attempt's addresses from the
         # shared rendezvous store and fail to connect (pytorch/pytorch#135712).
@@ -204,12 +226,26 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
         env = {**os.environ, **worker_env(config, strategy, 1)}
         code = run_supervised([sys.executable, script, *script_args], env, grace_s=config.grace_period_s)
         return maybe_requeue(config, code)
-    args = build_torchrun_args(config, script, script_args)
-    if config.multi_node:  # the rendezvous waits silently for the other nodes: say where and for whom
-        print(f"multigpu launch: {waiting_message(config, nproc)}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="multigpu-failures-") as failure_dir:
+        log_dir = (config.log_dir or os.path.join(failure_dir, "logs")) if logs_requested(config) else None
+        args = build_torchrun_args(config, script, script_args, log_dir=log_dir)
+        if config.multi_node:  # the rendezvous waits silently for the other nodes: say where and for whom
+            print(f"multigpu launch: {waiting_message(config, nproc)}", file=sys.stderr, flush=True)
         env = {**worker_env(config, strategy, nproc), "MULTIGPU_FAILURE_DIR": failure_dir}
         return maybe_requeue(config, run_torchrun(config, args, env, script))
+
+
+def check_log_options(config: LaunchConfig) -> None:
+    """Refuse log options torchrun would misread, naming the flag (called by :class:`LaunchConfig`)."""
+    if config.tee is not None and config.tee not in STREAMS:
+        raise ConfigError(f"tee={config.tee!r} is not one of {sorted(STREAMS)}; use e.g. --tee both")
+    ranks = config.local_ranks_filter
+    if ranks is not None and (not ranks or any(not isinstance(r, int) or r < 0 for r in ranks)):
+        raise ConfigError(
+            f"local_ranks_filter={ranks!r} must name local ranks >= 0; use e.g. --local-ranks-filter 0 (or 0,1)"
+        )
+    if config.log_dir is not None and os.path.isfile(config.log_dir):
+        raise ConfigError(f"--log-dir {config.log_dir} is a file; pass a folder (created when missing)")
 
 
 def waiting_message(config: LaunchConfig, nproc: int) -> str:

@@ -19,7 +19,11 @@ not in its report at all. :func:`merge` adds each worker's own record of its fir
 3. last, the workers the agent itself stopped once another had failed: ended by SIGTERM without
    an error file (torch elastic lists them among the failures too).
 
-:func:`format_summary` then prints the cause's traceback and one line per other failure.
+:func:`format_summary` then prints the cause's traceback and one line per other failure. With the
+workers' :class:`~multigpu.launcher.evidence.Evidence` it says more: when a collective timed out because
+a rank never reached it, that rank is named first with its stack (the ranks that timed out are its
+consequences); when a worker died by a signal, what gloo or NCCL printed before it died, and the
+hint to rerun with ``--debug``.
 
 Example:
     >>> cause = WorkerFailure(rank=1, local_rank=1, exitcode=1, pid=7, message="ValueError: x", traceback="")
@@ -36,7 +40,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from multigpu.launcher.evidence import GUIDE, Evidence, Hang
 from multigpu.runtime.failure_records import Record
+from multigpu.runtime.tracking import Entry
 
 # Messages of a rank that failed because another one did (multigpu's explained errors, and the raw
 # backend errors of a collective whose peer went away or never came).
@@ -45,6 +51,9 @@ _CONSEQUENCE = re.compile(
     r"|connection (closed|reset) by peer|broken pipe|timed? ?out waiting|ncclRemoteError|NCCL communicator was aborted",
     re.IGNORECASE | re.MULTILINE,
 )
+
+
+_TIMED_OUT = re.compile(r"timed? ?out waiting", re.IGNORECASE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +83,11 @@ class WorkerFailure:
     def is_consequence(self) -> bool:
         """Whether it failed because another rank did (it lost a peer or timed out waiting for one)."""
         return bool(_CONSEQUENCE.search(self.message))
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether its collective timed out waiting for another rank."""
+        return self.message.startswith("CollectiveTimeoutError") or bool(_TIMED_OUT.search(self.message))
 
     @property
     def stopped_by_launcher(self) -> bool:
@@ -137,8 +151,19 @@ def root_cause(failures: Sequence[WorkerFailure]) -> WorkerFailure:
     return min(failures, key=lambda f: (f._tier, f.when_ns, f.rank))
 
 
-def format_summary(script: str, failures: Sequence[WorkerFailure]) -> str:
-    """The launcher's report: the failing rank and its traceback first, then every other failure in one line."""
+def format_summary(script: str, failures: Sequence[WorkerFailure], evidence: Evidence | None = None) -> str:
+    """The launcher's report: the failing rank and its traceback first, then every other failure in one line.
+
+    With ``evidence`` (what the workers left: :mod:`multigpu.launcher.evidence`), a hang names the rank that
+    never arrived and shows its stack, and a worker killed by a signal shows what the backend said.
+    """
+    timed_out = [f.rank for f in failures if f.timed_out]
+    hang = evidence.hang(timed_out) if evidence is not None else None
+    if hang is not None:
+        return _hang_summary(script, failures, hang)
+    diverged = evidence.diverged(timed_out) if evidence is not None else None
+    if diverged is not None:
+        return _diverged_summary(script, failures, diverged)
     cause = root_cause(failures)
     head = (
         f"multigpu launch: {script} failed on rank {cause.rank} (local_rank {cause.local_rank}, "
@@ -150,12 +175,54 @@ def format_summary(script: str, failures: Sequence[WorkerFailure]) -> str:
             "without an error, or ran on another node; look at that node's launcher)"
         )
     lines = [head]
+    said = evidence.abort_text(cause.rank, cause.local_rank) if evidence is not None and not cause.traceback else []
+    if said:
+        lines += ["  it printed before it died:", *(f"    {line}" for line in said)]
+        lines.append(
+            "  a collective the ranks issued differently (another operation, shape or dtype) aborts like this: "
+            "rerun with 'multigpu launch --debug' (or Session(debug=True)) to name each rank's collective, "
+            f"shape and line; see {GUIDE}"
+        )
     if cause.traceback:
         lines += ["", f"Traceback of rank {cause.rank}:", cause.traceback.rstrip()]
     others = sorted((f for f in failures if f is not cause), key=lambda f: f.rank)
     if others:
         lines += ["", "Other ranks that failed (consequences or later errors):"]
         lines += [f"  rank {f.rank} (local_rank {f.local_rank}, {_ending(f)}): {_outcome(f)}" for f in others]
+    return "\n".join(lines)
+
+
+def _hang_summary(script: str, failures: Sequence[WorkerFailure], hang: Hang) -> str:
+    """A hang's report: who never arrived and where (first), then the ranks that timed out, then the rest."""
+    timed_out = [f for f in failures if f.timed_out and f.rank not in hang.missing]
+    first_ns = min((f.when_ns for f in timed_out), default=0)
+    lines = [hang.lead(script, first_ns), *hang.details()]
+    if timed_out:
+        lines += ["", "Ranks that timed out waiting for it (consequences):"]
+        lines += [
+            f"  rank {f.rank} (local_rank {f.local_rank}, {_ending(f)}): {_first_line(f.message)}" for f in timed_out
+        ]
+    rest = [f for f in failures if f not in timed_out and f.rank not in hang.missing]
+    if rest:
+        lines += ["", "Other ranks that failed:"]
+        lines += [f"  rank {f.rank} (local_rank {f.local_rank}, {_ending(f)}): {_outcome(f)}" for f in rest]
+    lines += ["", f"Why a run hangs and what to do: {GUIDE}"]
+    return "\n".join(lines)
+
+
+def _diverged_summary(script: str, failures: Sequence[WorkerFailure], entries: dict[int, Entry]) -> str:
+    """Ranks that waited in the same collective number but different operations: the calls, side by side."""
+    seq = next(iter(entries.values())).seq
+    calls = "; ".join(f"rank {r}: {e.operation}" + (f" at {e.site}" if e.site else "") for r, e in entries.items())
+    lines = [
+        f"multigpu launch: {script} hung: the ranks waited in different collectives at #{seq} ({calls}) until "
+        "the collective timeout: a collective issued in a different order, or on some ranks only",
+        "  rerun with 'multigpu launch --debug' (or Session(debug=True)) to stop at the first differing call "
+        f"on every rank; see {GUIDE}",
+        "",
+        "Ranks that failed:",
+    ]
+    lines += [f"  rank {f.rank} (local_rank {f.local_rank}, {_ending(f)}): {_outcome(f)}" for f in failures]
     return "\n".join(lines)
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from multigpu.devices import accelerator_type, device_count
 from multigpu.errors import LaunchError
+from multigpu.launcher import evidence
 from multigpu.launcher.preflight import check_listen_address
 from multigpu.launcher.root_cause import format_summary, from_torch, merge
 from multigpu.runtime import failure_records
@@ -54,13 +55,16 @@ def resolve_nproc(config: LaunchConfig) -> int:
     return nproc
 
 
-def build_torchrun_args(config: LaunchConfig, script: str, script_args: Sequence[str]) -> list[str]:
+def build_torchrun_args(
+    config: LaunchConfig, script: str, script_args: Sequence[str], *, log_dir: str | None = None
+) -> list[str]:
     """torchrun's argument list for a ``ddp`` run of ``script`` (ports resolved, checked).
 
     Args:
         config: the launch's configuration (processes per node: :func:`resolve_nproc`).
         script: the training script each worker runs under :data:`ENTRY_MODULE`.
         script_args: its arguments (the module docstring shows an example).
+        log_dir: where torchrun writes each rank's streams (:func:`log_args`); None: it writes none.
     """
     nproc = resolve_nproc(config)
     addr = config.master_addr or LOOPBACK
@@ -103,7 +107,38 @@ def build_torchrun_args(config: LaunchConfig, script: str, script_args: Sequence
         args += ["--local-addr", addr]
     elif config.local_addr:
         args += ["--local-addr", config.local_addr]
+    if log_dir is not None:
+        args += log_args(config, log_dir)
     return [*args, "--module", ENTRY_MODULE, script, *script_args]
+
+
+def log_args(config: LaunchConfig, log_dir: str) -> list[str]:
+    """torchrun's own log options for ``--log-dir``, ``--tee`` and ``--local-ranks-filter``.
+
+    Both streams of every rank go into files under ``log_dir``, and ``--tee`` picks the streams that also
+    reach the console (default: both; each teed line starts with torchrun's ``[default<local_rank>]:``);
+    ``--local-ranks-filter`` the ranks. Only when the user asked for one of them (:func:`logs_requested`):
+    a file on a full disk would otherwise take the workers' errors off the console. torchrun's layout: ``LOG_DIR/<run id>_<random>/attempt_<k>/<local_rank>/{stdout,stderr}.log``.
+
+    Example:
+        >>> from multigpu.launcher.launch import LaunchConfig
+        >>> log_args(LaunchConfig(log_dir="/tmp/logs"), "/tmp/logs")
+        ['--log-dir', '/tmp/logs', '--redirects', '3', '--tee', '3']
+    """
+    tee = STREAMS[config.tee] if config.tee is not None else STREAMS["both"]
+    args = ["--log-dir", log_dir, "--redirects", str(STREAMS["both"]), "--tee", str(tee)]
+    if config.local_ranks_filter is not None:
+        args += ["--local-ranks-filter", ",".join(str(r) for r in config.local_ranks_filter)]
+    return args
+
+
+def logs_requested(config: LaunchConfig) -> bool:
+    """Whether the user asked for per-rank logs (``--log-dir``, ``--tee`` or ``--local-ranks-filter``)."""
+    return config.log_dir is not None or config.tee is not None or config.local_ranks_filter is not None
+
+
+# torchrun's numbers for the standard streams (its Std flags), by the names --tee takes
+STREAMS = {"none": 0, "stdout": 1, "stderr": 2, "both": 3}
 
 
 def run_torchrun(config: LaunchConfig, args: list[str], env: dict[str, str], script: str) -> int:
@@ -114,7 +149,10 @@ def run_torchrun(config: LaunchConfig, args: list[str], env: dict[str, str], scr
     :mod:`multigpu.launcher.root_cause` goes to stderr and the exit code is 1.
     """
     # whole seconds, read from this variable when the agent is configured
-    env = {**env, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(config.grace_period_s))}
+    env = {
+        **env,
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(config.grace_period_s)),
+    }
     # Imported here: torch.distributed.run pulls in the elastic agent, only needed for ddp.
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -143,11 +181,18 @@ def run_torchrun(config: LaunchConfig, args: list[str], env: dict[str, str], scr
             # rank that failed only because the cause's rank exited: name the cause instead
             # and the agent reports only the ranks that had exited by then: add the workers' own records
             # (of the last attempt: the agent gives up once its restarts are spent)
-            recorded = failure_records.read(env["MULTIGPU_FAILURE_DIR"], attempt=config.max_restarts)
+            folder = env["MULTIGPU_FAILURE_DIR"]
+            recorded = failure_records.read(folder, attempt=config.max_restarts)
             failures = merge(from_torch(exc.failures), recorded)
-            print(format_summary(script, failures), file=sys.stderr, flush=True)
+            found = evidence.read(folder, attempt=config.max_restarts, log_dir=_log_dir_of(args))
+            print(format_summary(script, failures, found), file=sys.stderr, flush=True)
             return 1
     return 0
+
+
+def _log_dir_of(args: Sequence[str]) -> str | None:
+    ours = args[: args.index("--module")] if "--module" in args else args  # not the script's own arguments
+    return ours[ours.index("--log-dir") + 1] if "--log-dir" in ours else None
 
 
 @contextmanager

@@ -3,7 +3,8 @@
 Opt-in and off by default: an engine's phase marks cost one attribute read while nobody is
 attached to it. Inside :func:`profile_steps` a :class:`StepProfiler` is attached to the model's
 engines (:mod:`multigpu.profiling.attach`) and hears every phase (from every replica thread),
-times ``optimizer.step()`` through optimizer hooks, and closes a step each time the optimizer steps. Phases on an accelerator are timed as its device type marks time
+times ``optimizer.step()`` through optimizer hooks and the wait for each DataLoader batch
+(:mod:`multigpu.profiling.data_wait`), and closes a step each time the optimizer steps. Phases on an accelerator are timed as its device type marks time
 (:mod:`multigpu.profiling.clock`): on CUDA with events on the device's current stream, read once,
 when :meth:`StepProfiler.profile` is called (the only sync point).
 
@@ -32,6 +33,7 @@ from multigpu.devices import accelerator_type, get_device_type
 from multigpu.errors import ConfigError
 from multigpu.profiling import clock
 from multigpu.profiling.attach import attached
+from multigpu.profiling.data_wait import timing_data_waits
 from multigpu.profiling.records import PhaseStat, StepProfile, StepRecord
 
 _now = time.perf_counter
@@ -229,6 +231,7 @@ def profile_steps(
         for handle in handles:
             stack.callback(handle.remove)
         stack.enter_context(attached(profiler, model))
+        stack.enter_context(timing_data_waits(profiler))
         if isinstance(source, PhaseListener):  # it begins each phase after the profiler, ends it before
             stack.enter_context(attached(source, model))
         yield profiler

@@ -11,12 +11,11 @@ Nothing here starts processes: that is :mod:`multigpu.launcher`, the parent side
 """
 
 from multigpu.runtime.collective_failures import explain_collective_failures
-from multigpu.runtime.collectives import gather_by_index, reduce_value
+from multigpu.runtime.collectives import barrier, gather_by_index, reduce_value
 from multigpu.runtime.data import EpochLoader, ShardSpec, build_epoch_loader, even_batches
 from multigpu.runtime.world import (
     LaunchEnv,
     LaunchError,
-    barrier,
     is_main_process,
     read_launch_env,
     setup_process_group,

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterator
 
 from multigpu.errors import CollectiveTimeoutError, MultigpuError, PeerExitedError
-from multigpu.runtime import world
+from multigpu.runtime import tracking, world
 
 _TIMEOUT = re.compile(r"timed? ?out|timeout|deadline", re.IGNORECASE)
 _TIMEOUT_MS = re.compile(r"(\d+)\s*ms", re.IGNORECASE)
@@ -48,6 +48,7 @@ def explain_collective_failures(operation: str) -> Iterator[None]:
     except RuntimeError as exc:
         text = str(exc)
         if _TIMEOUT.search(text):
+            tracking.request_peer_stacks()  # while the rank that never came still runs: the launcher shows it
             raise CollectiveTimeoutError(_timeout_message(operation, text)) from exc
         if _PEER_GONE.search(text):
             raise PeerExitedError(_peer_message(operation, text)) from exc

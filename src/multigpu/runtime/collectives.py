@@ -5,10 +5,17 @@ process group too (one process: the value is already the answer), so a training 
 them the same way under every strategy. Inside a process group **every rank must call them**, in
 the same order: each is a collective and a rank that skips one leaves the others waiting until
 the process group's timeout.
+
+Every collective multigpu issues passes through :func:`issuing` (one door): it notes the collective in
+this rank's ledger, checks under ``--debug`` that every rank issues the same one
+(:mod:`multigpu.runtime.tracking`), and explains a timed-out or broken collective
+(:mod:`multigpu.runtime.collective_failures`). New collectives go through it too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -16,11 +23,37 @@ import torch.distributed as dist
 
 from multigpu.devices import backend_device_type
 from multigpu.errors import ConfigError
+from multigpu.runtime import tracking
+from multigpu.runtime.collective_failures import explain_collective_failures
 from multigpu.runtime.world import in_process_group, world_size
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 
 _OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+
+
+@contextmanager
+def issuing(operation: str, tensors: Sequence[torch.Tensor] = (), *, ragged: bool = False) -> Iterator[None]:
+    """The block issues one collective ``operation`` over ``tensors``: the one door of multigpu's collectives.
+
+    Notes it in this rank's ledger, checks under ``--debug`` that every rank issues the same one
+    (``ragged``: the first dimension may differ), and re-raises a timeout or a lost peer explained.
+    Every rank must enter it, in the same order (outside a process group it only counts).
+
+    Example:
+        >>> with issuing("barrier"):
+        ...     pass
+    """
+    with explain_collective_failures(operation):
+        tracking.enter(operation, tensors, ragged=ragged)
+        yield
+
+
+def barrier() -> None:
+    """Wait until every rank arrives (no-op outside a process group). Every rank must call it."""
+    if in_process_group():
+        with issuing("barrier"):
+            dist.barrier()
 
 
 def reduce_value(value: float | torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
@@ -45,7 +78,8 @@ def reduce_value(value: float | torch.Tensor, op: ReduceOp = "mean") -> torch.Te
         return tensor.to("cpu", torch.float64)
     # Reduce in float64 so that sums of many float32 losses keep their digits.
     work = tensor.to(_collective_device(), torch.float64).clone()
-    dist.all_reduce(work, op=getattr(dist.ReduceOp, _OPS[op]))  # note: a sync point across ranks
+    with issuing(f"reduce ({op})", [work]):
+        dist.all_reduce(work, op=getattr(dist.ReduceOp, _OPS[op]))  # note: a sync point across ranks
     if op == "mean":
         work /= world_size()
     return work.cpu()
@@ -121,7 +155,8 @@ def broadcast_tensor(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     if not 0 <= src < world_size():
         raise ConfigError(f"src={src} is not a rank of this world of {world_size()}; use 0 <= src < world size")
     work = tensor.detach().to(_collective_device()).contiguous().clone()
-    dist.broadcast(work, src=src)  # note: a sync point across ranks
+    with issuing(f"broadcast from rank {src}", [work]):
+        dist.broadcast(work, src=src)  # note: a sync point across ranks
     return work.to(tensor.device)
 
 
@@ -132,12 +167,14 @@ def _all_gather_rows(tensor: torch.Tensor) -> list[torch.Tensor]:
     device = _collective_device()
     local = tensor.to(device).contiguous()
     sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world_size())]
-    dist.all_gather(sizes, torch.tensor([local.shape[0]], device=device))
+    with issuing("gather (rows)", [local], ragged=True):
+        dist.all_gather(sizes, torch.tensor([local.shape[0]], device=device))
     longest = int(max(s.item() for s in sizes))
     padded = torch.zeros((longest, *local.shape[1:]), dtype=local.dtype, device=device)
     padded[: local.shape[0]] = local
     gathered = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(gathered, padded)  # note: a sync point across ranks
+    with issuing("gather (rows, padded)", [padded]):
+        dist.all_gather(gathered, padded)  # note: a sync point across ranks
     return [g[: int(s.item())].cpu() for g, s in zip(gathered, sizes)]
 
 

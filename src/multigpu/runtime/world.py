@@ -3,10 +3,10 @@
 This is the one module that reads the launcher's environment variables (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
 multigpu's own (``MULTIGPU_STRATEGY``, ``MULTIGPU_DEVICES``, ``MULTIGPU_COLLECTIVE_TIMEOUT``,
-``MULTIGPU_BIND_CORES``, ``MULTIGPU_FAILURE_DIR``, set by ``multigpu launch``), torch elastic's
-``TORCHELASTIC_RESTART_COUNT``, and
-the user's ``OMP_NUM_THREADS``; a process without ``RANK``/``WORLD_SIZE`` asks
-:mod:`multigpu.runtime.schedulers` what SLURM's or MPI's variables say.
+``MULTIGPU_BIND_CORES``, ``MULTIGPU_FAILURE_DIR``, ``MULTIGPU_DEBUG``, ``MULTIGPU_STDERR_COPY``, set by
+``multigpu launch``), torch elastic's ``TORCHELASTIC_RESTART_COUNT``, torch's ``TORCH_DISTRIBUTED_DEBUG``
+(set for ``--debug``: :func:`enable_torch_debug`), and the user's ``OMP_NUM_THREADS``; a process without
+``RANK``/``WORLD_SIZE`` asks :mod:`multigpu.runtime.schedulers` what SLURM's or MPI's variables say.
 Everything else asks :func:`read_launch_env`. It is also the one place that answers "which rank
 am I, is a process group up, am I the main process" (:func:`global_rank`, :func:`world_size`,
 :func:`in_process_group`, :func:`is_main_process`): the collectives, the failure messages, the
@@ -199,6 +199,30 @@ def failure_dir() -> str | None:
     return os.environ.get("MULTIGPU_FAILURE_DIR") or None
 
 
+def stderr_copy_requested() -> bool:
+    """Whether ``multigpu launch`` asked this worker to copy its stderr for the summary (``MULTIGPU_STDERR_COPY``)."""
+    return os.environ.get("MULTIGPU_STDERR_COPY") == "1"
+
+
+def debug_requested() -> bool:
+    """Whether ``multigpu launch --debug`` asked for the collective checks (``MULTIGPU_DEBUG``)."""
+    return os.environ.get("MULTIGPU_DEBUG") == "1"
+
+
+def enable_torch_debug() -> None:
+    """Turn on torch's own collective checks in this process (``TORCH_DISTRIBUTED_DEBUG``).
+
+    Before the process group is created. Under NCCL (a GPU per process): ``DETAIL``, torch wraps the group
+    in its checking wrapper, which compares every collective's shapes across ranks. Under gloo: ``INFO``
+    (DDP's runtime logging, unused parameters by name): torch 2.13's CPU build crashes (SIGSEGV) building
+    DDP over a gloo group wrapped for ``DETAIL`` (reproduced with a plain torchrun script); multigpu's own
+    fingerprint check covers its collectives there.
+    """
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL" if accelerator_type() == "cuda" else "INFO"
+    if dist.is_available():
+        dist.set_debug_level_from_env()
+
+
 def restart_count() -> int:
     """How often torch elastic has restarted this run's workers (``TORCHELASTIC_RESTART_COUNT``; 0 if unset)."""
     value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -344,12 +368,6 @@ def is_main_process() -> bool:
         True
     """
     return global_rank() == 0
-
-
-def barrier() -> None:
-    """Wait until every rank arrives (no-op outside a process group). Every rank must call it."""
-    if in_process_group():
-        dist.barrier()
 
 
 def _url_host(addr: str) -> str:

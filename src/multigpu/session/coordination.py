@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from multigpu.core.structure import map_leaves
 from multigpu.errors import ConfigError
-from multigpu.runtime import world
+from multigpu.runtime import collectives, world
 from multigpu.runtime.collectives import reduce_value
 from multigpu.runtime.data import EpochLoader
 from multigpu.runtime.exchange import gather_per_rank, interleave
@@ -46,10 +46,10 @@ def main_first(is_first: bool) -> Iterator[None]:
     until the collective timeout, which then names the cause.
     """
     if not is_first:
-        world.barrier()  # note: a sync point; the first processes reach it after the block
+        collectives.barrier()  # note: a sync point; the first processes reach it after the block
     yield
     if is_first:
-        world.barrier()
+        collectives.barrier()
 
 
 class Trigger:

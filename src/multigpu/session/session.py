@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 from multigpu.core.keys import unwrap
 from multigpu.core.structure import map_leaves
 from multigpu.errors import ConfigError
-from multigpu.runtime import collectives, data, exchange, failure_records, loaders, preemption, world
+from multigpu.runtime import collectives, data, exchange, failure_records, loaders, preemption, tracking, world
 from multigpu.runtime.collective_failures import explain_collective_failures
 from multigpu.runtime.collectives import ReduceOp
 from multigpu.runtime.data import EpochLoader
@@ -88,6 +88,8 @@ class Session(Toolkit):
     def start(self) -> Session:
         """Build the strategy and join the process group (ddp). Every rank must call it."""
         if self.strategy is None:
+            if self.config.debug:  # before the process group exists: torch wraps it in its checks
+                tracking.enable_debug()
             strategy = build_strategy(
                 self.config.strategy,
                 devices=self.config.devices,
@@ -318,7 +320,8 @@ class Session(Toolkit):
         scaled = precision.scale_loss(loss)
         # DDP all-reduces the gradients inside backward: a rank that stopped turns into an
         # explained CollectiveTimeoutError / PeerExitedError instead of a bare backend error.
-        with explain_collective_failures("backward (gradient all-reduce)"):
+        syncs = self.should_step and world.in_process_group()  # DDP all-reduces in this backward
+        with collectives.issuing("backward (gradient all-reduce)") if syncs else _no_collective():
             if not torch.is_autocast_enabled(self.device.type):
                 scaled.backward()
                 return
@@ -426,8 +429,7 @@ class Session(Toolkit):
 
     def barrier(self) -> None:
         """Wait for every rank (no-op in one process). Every rank must call it."""
-        with explain_collective_failures("barrier"):
-            world.barrier()
+        collectives.barrier()
 
     def evaluate(self, fn: Callable[[Any], torch.Tensor], dataset: Dataset, batch_size: int) -> torch.Tensor:
         """``fn`` on every sample, each result kept once over all processes, in dataset order.
@@ -469,6 +471,11 @@ class Session(Toolkit):
 def _both(first: AbstractContextManager[Any], second: AbstractContextManager[Any]) -> Iterator[None]:
     with first, second:
         yield
+
+
+@contextmanager
+def _no_collective() -> Iterator[None]:
+    yield  # no communication: a micro-step inside an accumulation window, or one process
 
 
 _END: Any = object()

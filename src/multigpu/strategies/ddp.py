@@ -10,7 +10,8 @@ The fields mirror ``torch.nn.parallel.DistributedDataParallel``'s arguments of t
 defaults); ``comm_hook`` names one of torch's gradient-compression hooks. A model whose forward
 leaves some parameters unused fails in DDP's *next* forward with "Expected to have finished
 reduction in the prior iteration"; :func:`build_ddp` turns that error into a :class:`ConfigError`
-naming ``DDPOptions(find_unused_parameters=True)``.
+naming the parameters and their modules (:mod:`multigpu.strategies.unused_parameters`) and
+``DDPOptions(find_unused_parameters=True)``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from multigpu.devices import DeviceSpec
 from multigpu.errors import ConfigError
 from multigpu.runtime.world import DEFAULT_TIMEOUT_S
 from multigpu.strategies.base import ProcessPerDeviceStrategy
+from multigpu.strategies.unused_parameters import unused_parameter_names
 
 COMM_HOOKS = ("fp16", "bf16", "powersgd")
 
@@ -111,8 +113,10 @@ class _DistributedDataParallel(DistributedDataParallel):
         except RuntimeError as exc:
             if _UNFINISHED_REDUCTION not in str(exc):
                 raise
+            names = unused_parameter_names(self.module, str(exc), self.parameters_to_ignore)
+            which = f": {', '.join(names)}" if names else ""
             raise ConfigError(
-                "DDP found parameters that received no gradient in the previous step (the forward did not "
+                f"DDP found parameters that received no gradient in the previous step{which} (the forward did not "
                 "use them for the loss, e.g. a branch not taken); pass "
                 "Session(ddp=DDPOptions(find_unused_parameters=True)), or make every parameter take part "
                 f"in the loss. (torch: {str(exc).split('. ')[0]}.)"

@@ -1,0 +1,313 @@
+"""Each rank's record of the collectives it entered, the debug fingerprint check, and its stack on request.
+
+Three things a launcher needs to say *which* rank stopped a run, *where* and *why*, kept by the worker:
+
+- **The ledger.** Every collective multigpu issues passes :func:`enter` (through
+  :func:`multigpu.runtime.collectives.issuing`): it counts the collective (a sequence number, the same on
+  every rank while they agree), names it ("reduce (mean)") and its call site in the user's script
+  (``train.py:41``), and notes the time. Under ``multigpu launch`` the entry is written into a small
+  memory-mapped file in the run's failure folder (no system call per collective), which the launcher reads
+  after a failure to compare ranks: a rank whose count is behind the others' never arrived.
+- **The stack on request.** :func:`setup_worker` (run by the worker entry point, :func:`setup_worker`) registers
+  :mod:`faulthandler` on :data:`STACK_SIGNAL` to write every thread's Python stack into the failure folder.
+  faulthandler writes from the C signal handler, so the stack comes whether the rank sleeps, spins in a
+  Python loop or is blocked in native code. A rank whose collective timed out calls
+  :func:`request_peer_stacks` before it fails: the other ranks of this node dump their stacks while they
+  are still alive, before the launcher stops them.
+- **The fingerprint check** (``multigpu launch --debug`` / ``Session(debug=True)``). Before each
+  collective, every rank exchanges what it is about to do (operation, shapes, dtypes, call site); on a
+  difference every rank raises :class:`~multigpu.errors.CollectiveMismatchError` naming each rank's call,
+  instead of gloo aborting or NCCL hanging.
+
+The file forms are written once, here, for both sides (the launcher reads them with :func:`read_ledgers`
+and :func:`read_stack`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import mmap
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from multigpu.errors import CollectiveMismatchError
+from multigpu.runtime import world
+
+# The signal that asks a worker for its stacks: a real-time signal nobody else uses (SIGUSR1/2 are
+# taken by schedulers for requeue and by user code); SIGUSR2 where real-time signals do not exist.
+STACK_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+
+_LEDGER_BYTES = 1024  # one entry: a JSON object padded with spaces
+_BLANK = b" " * (_LEDGER_BYTES - 1) + b"\n"
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # .../multigpu/
+_SKIPPED = (_PACKAGE, str(Path(torch.__file__).resolve().parent) + os.sep, contextlib.__file__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entry:
+    """The last collective a rank entered.
+
+    Attributes:
+        rank: its global rank.
+        pid: its process id (on the node whose failure folder holds the entry).
+        main_thread: the id of its main thread (to find that thread in a stack dump).
+        seq: how many collectives it had entered (1 = the first); 0: none yet.
+        operation: what the collective does ("reduce (mean)", "barrier"), "" before the first.
+        site: where the user's script called it (``train.py:41``), "" when unknown.
+        since: when it entered it (seconds since the epoch).
+    """
+
+    rank: int
+    pid: int
+    main_thread: int
+    seq: int
+    operation: str
+    site: str
+    since: float
+
+
+class _Ledger:
+    """This process's count of collectives and, under a launcher, its memory-mapped file."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.debug = world.debug_requested()
+        self._map: mmap.mmap | None = None
+        self._prefix = ""
+        self._opened = False
+
+    def write(self, operation: str, site: str) -> None:
+        if not self._opened:
+            self._open()
+        if self._map is None:
+            return
+        text = f'{self._prefix}"seq": {self.seq}, "operation": {json.dumps(operation)}, "site": {json.dumps(site)}, '
+        data = f'{text}"since": {time.time()}}}'.encode()[: _LEDGER_BYTES - 1]
+        self._map[:] = data + _BLANK[len(data) :]  # one memory copy, no system call
+
+    def _open(self) -> None:
+        self._opened = True
+        path = _ledger_path()
+        if path is None:
+            return
+        with contextlib.suppress(OSError):  # a ledger is a courtesy to the summary; never fail the worker
+            with open(path, "w+b") as file:
+                file.write(_BLANK)
+                file.flush()
+                self._map = mmap.mmap(file.fileno(), _LEDGER_BYTES)
+            base = {"rank": world.global_rank(), "pid": os.getpid(), "main_thread": threading.main_thread().ident}
+            self._prefix = json.dumps(base)[:-1] + ", "  # the fixed part of every entry, written once
+
+
+_ledger = _Ledger()
+_stack_file: IO[str] | None = None  # kept open: faulthandler writes into its descriptor
+
+
+def enable_debug() -> None:
+    """Turn on the fingerprint check for this process and torch's own (:func:`multigpu.runtime.world.enable_torch_debug`).
+
+    Call it before the process group is created (``Session(debug=True)`` does). Every rank must call it.
+    """
+    _ledger.debug = True
+    world.enable_torch_debug()
+
+
+def debug_enabled() -> bool:
+    """Whether collectives exchange fingerprints first (``--debug`` / ``Session(debug=True)``)."""
+    return _ledger.debug
+
+
+def enter(operation: str, tensors: Sequence[torch.Tensor] = (), *, ragged: bool = False) -> None:
+    """Note that this rank enters a collective; under debug, check every rank enters the same one.
+
+    Args:
+        operation: what the collective does, e.g. ``"reduce (mean)"``.
+        tensors: the tensors it communicates (their shapes and dtypes are compared under debug).
+        ragged: the first dimension may differ between ranks (a gather of uneven shards).
+
+    Raises:
+        CollectiveMismatchError: under debug, the ranks are about to issue different collectives.
+    """
+    _ledger.seq += 1
+    site = call_site()
+    _ledger.write(operation, site)
+    if _ledger.debug and world.in_process_group():
+        _check_fingerprints(operation, tensors, ragged, site)
+
+
+def call_site() -> str:
+    """``file:line`` of the innermost frame outside multigpu and torch (the user's call), else ""."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return ""
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+
+
+def _check_fingerprints(operation: str, tensors: Sequence[torch.Tensor], ragged: bool, site: str) -> None:
+    import torch.distributed as dist
+
+    shapes = [("*", *t.shape[1:]) if ragged and t.dim() else tuple(t.shape) for t in tensors]
+    mine = (operation, [(shape, str(t.dtype).removeprefix("torch.")) for shape, t in zip(shapes, tensors)], site)
+    everyone: list[Any] = [None] * world.world_size()
+    dist.all_gather_object(everyone, mine)  # note: a sync point; the extra collective --debug pays for
+    if all(other[:2] == mine[:2] for other in everyone):
+        return
+    lines = [f"  rank {rank}: {describe(*call)}" for rank, call in enumerate(everyone)]
+    raise CollectiveMismatchError(
+        f"the ranks issued different collectives at collective #{_ledger.seq} (found by the --debug check):\n"
+        + "\n".join(lines)
+        + "\nFix: every rank must call the same collectives in the same order with tensors of the same shape "
+        "and dtype (look for a collective inside 'if rank == 0', or a tensor whose size depends on the rank)."
+    )
+
+
+def describe(operation: str, tensors: Sequence[tuple[tuple[Any, ...], str]], site: str) -> str:
+    """One rank's call in words: ``reduce (mean) shape (3,) float64 at train.py:41``.
+
+    Example:
+        >>> describe("reduce (mean)", [((3,), "float64")], "train.py:41")
+        'reduce (mean) shape (3,) float64 at train.py:41'
+    """
+    shapes = ", ".join(f"shape {_shape(shape)} {dtype}" for shape, dtype in tensors)
+    return " ".join(part for part in (operation, shapes, f"at {site}" if site else "") if part)
+
+
+def _shape(shape: tuple[Any, ...]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+# -- stacks on request ------------------------------------------------------------------------------
+
+
+def setup_worker() -> None:
+    """Prepare a launched worker: its stacks on :data:`STACK_SIGNAL`, its ledger file, ``--debug``'s checks.
+
+    Run by :mod:`multigpu.launcher._entry` before the script starts. The stacks go into the failure
+    folder; the ledger file (which holds this process's id) is created after the handler, so a peer only
+    ever signals a process that is ready for the signal. A no-op outside ``multigpu launch``.
+    """
+    global _stack_file
+    if _ledger.debug:  # before the script creates its process group
+        world.enable_torch_debug()
+    path = _stack_path(world.global_rank())
+    if path is None or _stack_file is not None:
+        return
+    try:
+        _stack_file = open(path, "a")  # noqa: SIM115 (kept open for the process's life)
+    except OSError:
+        return
+    faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+    _ledger._open()
+
+
+def request_peer_stacks(*, wait_s: float = 3.0) -> None:
+    """Ask every other rank of this node for its stacks, and wait (up to ``wait_s``) until they are written.
+
+    Called by a rank whose collective timed out, before it fails, so the stacks show where the other
+    ranks are while they still run. Adds no communication; a no-op outside ``multigpu launch``.
+    """
+    folder, me = world.failure_dir(), world.global_rank()
+    if folder is None:
+        return
+    pending: dict[Path, int] = {}
+    ledgers = read_ledgers(folder, attempt=world.restart_count())
+    _write_snapshot(Path(folder), me, ledgers)
+    for entry in ledgers.values():
+        if entry.rank == me:
+            continue
+        stack = _stack_path(entry.rank)
+        size = stack.stat().st_size if stack is not None and stack.exists() else 0
+        try:
+            os.kill(entry.pid, STACK_SIGNAL)
+        except OSError:  # gone already, or not ours
+            continue
+        if stack is not None:
+            pending[stack] = size
+    deadline = time.monotonic() + wait_s
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+        pending = {p: s for p, s in pending.items() if not p.exists() or p.stat().st_size <= s}
+
+
+def read_ledgers(folder: str | Path, *, attempt: int) -> dict[int, Entry]:
+    """Every rank's last entered collective recorded in ``folder`` for ``attempt``, by rank (unreadable: skipped)."""
+    found: dict[int, Entry] = {}
+    for path in Path(folder).glob(f"attempt-{attempt}-rank-*.ledger"):
+        try:
+            data = json.loads(path.read_bytes().strip() or b"{}")
+            entry = Entry(
+                rank=int(data["rank"]),
+                pid=int(data["pid"]),
+                main_thread=int(data["main_thread"]),
+                seq=int(data.get("seq", 0)),
+                operation=str(data.get("operation", "")),
+                site=str(data.get("site", "")),
+                since=float(data.get("since", 0.0)),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        found[entry.rank] = entry
+    return found
+
+
+def read_snapshot(folder: str | Path, *, attempt: int) -> dict[int, Entry]:
+    """Every rank's ledger as the first rank that timed out saw it at that moment ({} when none did).
+
+    The moment that matters: a rank woken afterwards (a signal ending its native wait, the others exiting)
+    may enter more collectives before the launcher reads the ledgers.
+    """
+    snapshots = sorted(Path(folder).glob(f"attempt-{attempt}-snapshot-by-rank-*.json"), key=lambda p: p.stat().st_mtime)
+    for path in snapshots:
+        try:
+            return {int(rank): Entry(**data) for rank, data in json.loads(path.read_text()).items()}
+        except (OSError, ValueError, TypeError):
+            continue
+    return {}
+
+
+def _write_snapshot(folder: Path, me: int, ledgers: dict[int, Entry]) -> None:
+    path = folder / f"attempt-{world.restart_count()}-snapshot-by-rank-{me}.json"
+    partial = path.with_suffix(".tmp")
+    with contextlib.suppress(OSError):
+        partial.write_text(json.dumps({rank: entry.__dict__ for rank, entry in ledgers.items()}))
+        os.replace(partial, path)
+
+
+def read_stack(folder: str | Path, *, attempt: int, rank: int) -> str:
+    """Every stack dump ``rank`` wrote into ``folder`` (faulthandler's text, one block per thread), or ""."""
+    try:
+        return (Path(folder) / f"attempt-{attempt}-rank-{rank}.stacks").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def stderr_copy_path(folder: str | Path, *, attempt: int, rank: int) -> Path:
+    """Where a worker copies its stderr for the launcher's summary (what gloo or NCCL print before an abort)."""
+    return Path(folder) / f"attempt-{attempt}-rank-{rank}.stderr"
+
+
+def _ledger_path() -> Path | None:
+    folder = world.failure_dir()
+    if folder is None:
+        return None
+    return Path(folder) / f"attempt-{world.restart_count()}-rank-{world.global_rank()}.ledger"
+
+
+def _stack_path(rank: int) -> Path | None:
+    folder = world.failure_dir()
+    if folder is None:
+        return None
+    return Path(folder) / f"attempt-{world.restart_count()}-rank-{rank}.stacks"
