@@ -11,7 +11,7 @@ import pytest
 
 from tests.launching import run_python_stdin
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.multiprocess]  # both start processes (launch_function)
 
 _CHILDREN_ON_THE_GPU = """
 import json, os, signal

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from multigpu.profiling.ddp import profile_ddp
+from multigpu.runtime import collectives
 from multigpu.runtime import world as runtime
 
 STEPS, WARMUP, SLOW_RANK, DELAY_S = 4, 1, 1, 0.08
@@ -48,7 +49,7 @@ def main(out: Path) -> None:
         profile = prof.gather()
         if runtime.is_main_process():
             out.write_text(profile.to_json())
-        runtime.barrier()
+        collectives.barrier()
         # Free DDP's reducer (it holds the process group and the comm hook) before the group goes:
         # tearing the group down under a live reducer can abort the process at exit.
         del model, prof, opt
