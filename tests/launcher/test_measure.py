@@ -52,3 +52,25 @@ def test_a_run_past_its_budget_is_killed_with_what_it_started(tmp_path: Path) ->
         time.sleep(0.1)
     state = Path(f"/proc/{child}/stat").read_text().split()[2] if Path(f"/proc/{child}").exists() else "gone"
     assert state in ("gone", "Z"), f"the run's child {child} outlived the run"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_ddp_worker_that_ignores_sigterm_is_ended_with_its_run(tmp_path: Path) -> None:
+    """torch elastic starts workers in sessions of their own: killing the launcher's group misses them."""
+    marker = tmp_path / "worker"
+    script = tmp_path / "stubborn.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: None)\n"
+        f"open({str(marker)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(600)\n"
+    )
+    [result] = measure([MeasureRun(strategy="ddp", devices=1)], MeasureSpec(script=str(script)), budget_s=20)
+    assert result.status == "timed out"
+    worker = int(marker.read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    state = Path(f"/proc/{worker}/stat").read_text().split()[2] if Path(f"/proc/{worker}").exists() else "gone"
+    assert state in ("gone", "Z"), f"the ddp worker {worker} outlived its run"

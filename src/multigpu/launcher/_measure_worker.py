@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import os
 import resource
 import sys
 import threading
@@ -270,6 +271,8 @@ def main(argv: list[str]) -> None:
     spec = json.loads(Path(argv[0]).read_text())
     env = world.read_launch_env()
     rank = env.global_rank if env is not None else 0
+    # torch elastic starts each worker in a session of its own: the parent ends it by this pid
+    (Path(spec["folder"]) / f"pid{rank}").write_text(str(os.getpid()))
     out = Path(spec["folder"]) / f"rank{rank}.json"
     if spec.get("factory"):
         out.write_text(json.dumps({"rank": rank, **run_factory(spec)}))

@@ -164,6 +164,7 @@ def _measure_one(
             finally:  # Ctrl-C here (its own session does not get the terminal's signal) or any error: end it
                 if proc.poll() is None:
                     _kill_group(proc)
+                _kill_workers(Path(folder))  # in sessions of their own (torch elastic): not in proc's group
         wall = time.monotonic() - started
         if progress is not None:
             progress(run, wall, share)
@@ -205,8 +206,9 @@ def _wait(
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """Stop ``proc`` and everything it started (its own session): SIGTERM, then SIGKILL after a grace."""
-    for sig, wait_s in ((signal.SIGTERM, _KILL_GRACE_S), (signal.SIGKILL, 10.0)):
+    """Stop ``proc`` and everything in its session: SIGTERM, then SIGKILL once the launcher's own grace
+    period for its workers (``_KILL_GRACE_S``) has passed."""
+    for sig, wait_s in ((signal.SIGTERM, _KILL_GRACE_S + 5.0), (signal.SIGKILL, 10.0)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
         try:
@@ -216,6 +218,14 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
             continue
     with contextlib.suppress(ProcessLookupError):  # workers of a launcher that already exited
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _kill_workers(folder: Path) -> None:
+    """SIGKILL the session of every worker that wrote its pid into ``folder`` and still runs (a worker
+    that ignored SIGTERM outlives its launcher: torch elastic starts workers in sessions of their own)."""
+    for record in folder.glob("pid*"):
+        with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
+            os.killpg(int(record.read_text()), signal.SIGKILL)
 
 
 def _failure_kind(returncode: int | None, text: str) -> str:
