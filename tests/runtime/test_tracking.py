@@ -79,6 +79,21 @@ def test_the_stack_signal_writes_the_main_thread_s_stack_where_the_launcher_read
     assert frames[-1].is_user and str(frames[-1]).startswith("test_tracking.py:")
 
 
+def test_a_rank_stuck_before_its_first_collective_is_in_the_ledgers_and_named(launched: Path) -> None:
+    tracking.setup_worker()  # rank 1 of the fixture, which never enters a collective
+    behind = tracking.read_ledgers(launched, attempt=0)[1]
+    assert behind.seq == 0 and behind.pid == os.getpid()  # known, so its stack can be asked for
+    hang = Evidence(ledgers={0: _entry(0, 1), 1: behind}).hang([0])
+    assert hang is not None and hang.missing == [1]
+    assert "it had entered no collective yet" in "\n".join(hang.details())
+
+
+def test_long_operation_names_still_leave_a_readable_ledger(launched: Path) -> None:
+    tracking.setup_worker()
+    tracking.enter("x" * 5000)
+    assert tracking.read_ledgers(launched, attempt=0)[1].seq == 1
+
+
 def _entry(rank: int, seq: int, operation: str = "reduce (mean)", site: str = "train.py:41") -> tracking.Entry:
     return tracking.Entry(rank=rank, pid=100 + rank, main_thread=7, seq=seq, operation=operation, site=site, since=0.0)
 

@@ -92,7 +92,12 @@ class _Ledger:
             self._open()
         if self._map is None:
             return
-        text = f'{self._prefix}"seq": {self.seq}, "operation": {json.dumps(operation)}, "site": {json.dumps(site)}, '
+        # bounded, so an entry always fits the ledger whole (a cut entry would be unreadable)
+        operation, site = json.dumps(operation[:200]), json.dumps(site[:300])
+        self._store(f'{self._prefix}"seq": {self.seq}, "operation": {operation}, "site": {site}, ')
+
+    def _store(self, text: str) -> None:
+        assert self._map is not None
         data = f'{text}"since": {time.time()}}}'.encode()[: _LEDGER_BYTES - 1]
         self._map[:] = data + _BLANK[len(data) :]  # one memory copy, no system call
 
@@ -108,6 +113,8 @@ class _Ledger:
                 self._map = mmap.mmap(file.fileno(), _LEDGER_BYTES)
             base = {"rank": world.global_rank(), "pid": os.getpid(), "main_thread": threading.main_thread().ident}
             self._prefix = json.dumps(base)[:-1] + ", "  # the fixed part of every entry, written once
+            # entry #0: the rank is known (and can be asked for its stack) before its first collective
+            self._store(f'{self._prefix}"seq": 0, ')
 
 
 _ledger = _Ledger()
@@ -247,7 +254,7 @@ def read_ledgers(folder: str | Path, *, attempt: int) -> dict[int, Entry]:
     found: dict[int, Entry] = {}
     for path in Path(folder).glob(f"attempt-{attempt}-rank-*.ledger"):
         try:
-            data = json.loads(path.read_bytes().strip() or b"{}")
+            data = _read_entry(path)
             entry = Entry(
                 rank=int(data["rank"]),
                 pid=int(data["pid"]),
@@ -261,6 +268,15 @@ def read_ledgers(folder: str | Path, *, attempt: int) -> dict[int, Entry]:
             continue
         found[entry.rank] = entry
     return found
+
+
+def _read_entry(path: Path, tries: int = 3) -> Any:
+    """The ledger's JSON; read again when caught while its rank rewrites it (one memory copy, not atomic)."""
+    for _ in range(tries - 1):
+        with contextlib.suppress(ValueError):
+            return json.loads(path.read_bytes().strip() or b"{}")
+        time.sleep(0.01)
+    return json.loads(path.read_bytes().strip() or b"{}")
 
 
 def read_snapshot(folder: str | Path, *, attempt: int) -> dict[int, Entry]:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from multigpu.runtime.collectives import issuing
 from multigpu.runtime.world import in_process_group, world_size
 
 # Device types torch's nn.SyncBatchNorm runs on (its forward raises for the others).
@@ -129,7 +130,8 @@ class _SyncBatchNorm(torch.autograd.Function):
         local_m2 = ((x - local_mean[:, None]) ** 2).sum(dim=1)
         stats = torch.cat([x.new_tensor([float(count)]), local_mean, local_m2])
         gathered = [torch.empty_like(stats) for _ in range(world_size())]
-        dist.all_gather(gathered, stats)  # sync point: every rank's forward must reach it
+        with issuing("sync BatchNorm statistics (all-gather)", [stats]):
+            dist.all_gather(gathered, stats)  # sync point: every rank's forward must reach it
         table = torch.stack(gathered)  # [ranks, 1 + 2C]
         counts, means, m2s = table[:, :1], table[:, 1 : 1 + channels], table[:, 1 + channels :]
         total = float(counts.sum())
@@ -168,7 +170,8 @@ class _SyncBatchNorm(torch.autograd.Function):
         grad_input = None
         if ctx.needs_input_grad[0]:
             sums = torch.cat([sum_dy, sum_dy_xhat])
-            dist.all_reduce(sums)  # sync point: the input gradient needs the global sums
+            with issuing("sync BatchNorm gradient sums (all-reduce)", [sums]):
+                dist.all_reduce(sums)  # sync point: the input gradient needs the global sums
             mean_dy, mean_dy_xhat = (sums / ctx.total).split(channels)
             scale = invstd if weight is None else invstd * weight.float()
             grad = (dy - mean_dy.view(shape) - xhat * mean_dy_xhat.view(shape)) * scale.view(shape)
