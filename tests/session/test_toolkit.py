@@ -82,6 +82,7 @@ def test_gather_for_metrics_rules_give_the_one_device_rows(
     position = MetricsPosition(loaders[0])
     got = []
     for batches in zip(*[iter(loader) for loader in loaders]):  # the ranks' batch k, as gathered
+        position.next_batch()  # as session.batches does before each batch
         rows = position.arrange([b[0] for b in batches])
         got.append(rows[: position.keep(len(rows))])
     order = torch.randperm(n, generator=torch.Generator().manual_seed(9)) if shuffle else torch.arange(n)
@@ -187,6 +188,18 @@ def test_bad_input_names_the_value_and_the_fix() -> None:
     loader = build_epoch_loader(TensorDataset(torch.arange(4)), global_batch=2, shard=ShardSpec())
     with pytest.raises(ConfigError, match=r"needs ints 'epoch' and 'batch' >= 0, got \{'epoch': -1\}"):
         loader.load_state_dict({"epoch": -1})
+
+
+def test_gather_for_metrics_twice_per_batch_keeps_every_sample_of_both() -> None:
+    """Predictions and labels gathered in two calls: the batch counts once (Accelerate users do this)."""
+    data = TensorDataset(torch.arange(10.0), torch.arange(10))
+    with Session(strategy="single") as session:
+        loader = session.setup_dataloader(DataLoader(data, batch_size=4, shuffle=False))
+        xs, ys = [], []
+        for x, y in session.batches(loader):
+            xs.append(session.gather_for_metrics(x))
+            ys.append(session.gather_for_metrics(y))
+    assert torch.equal(torch.cat(xs), torch.arange(10.0)) and torch.equal(torch.cat(ys), torch.arange(10))
 
 
 def test_checkpointer_loader_state_errors(tmp_path: Path) -> None:

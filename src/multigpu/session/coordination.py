@@ -83,9 +83,16 @@ class MetricsPosition:
     def __init__(self, loader: object) -> None:
         self.strided = isinstance(loader, EpochLoader)
         self.total = _epoch_samples(loader) if isinstance(loader, EpochLoader) else None
-        self.seen = 0  # samples of the epoch before this iteration's first batch (a resumed epoch skips some)
+        self.seen = 0  # samples of the epoch before the current batch (a resumed epoch skips some)
+        self.batch_rows = 0  # the current batch's rows over all ranks, as its gathers found them
         if isinstance(loader, EpochLoader) and loader.sampler is not None:
             self.seen = loader.pending_skip * (loader.loader.batch_size or 1) * loader.sampler.num_replicas
+
+    def next_batch(self) -> None:
+        """The loop moved to its next batch: the current one's rows count as seen (once, however many
+        times it was gathered: predictions and labels are often gathered apart)."""
+        self.seen += self.batch_rows
+        self.batch_rows = 0
 
     def gather(self, obj: Any) -> Any:
         """``obj``'s tensors from every rank, in one-device order, less the repeats past the epoch's end."""
@@ -107,10 +114,9 @@ class MetricsPosition:
         return interleave(pieces) if self.strided else torch.cat(pieces)
 
     def keep(self, rows: int) -> int:
-        """How many of a gathered batch's ``rows`` are real samples (the rest repeat the epoch's first); counts them seen."""
-        keep = rows if self.total is None else max(0, min(rows, self.total - self.seen))
-        self.seen += rows
-        return keep
+        """How many of the current batch's gathered ``rows`` are real samples (the rest repeat the epoch's first)."""
+        self.batch_rows = max(self.batch_rows, rows)
+        return rows if self.total is None else max(0, min(rows, self.total - self.seen))
 
 
 def _epoch_samples(loader: EpochLoader[Any]) -> int | None:

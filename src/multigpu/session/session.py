@@ -259,7 +259,8 @@ class Session(Toolkit):
             )
         device = self.device
         outer = self._last_batch  # an evaluate() inside a training loop must not reset the loop's flag
-        outer_position, self._position = self._position, MetricsPosition(batches)
+        position = MetricsPosition(batches)
+        outer_position, self._position = self._position, position
         ahead: Iterator[T] = iter(data.even_batches(batches) if even_batches else batches)
         if progress and self.is_main_process:
             ahead = with_progress(ahead, total=data.known_len(batches), description=description)
@@ -270,6 +271,7 @@ class Session(Toolkit):
                 self._last_batch = upcoming is _END
                 if isinstance(batches, EpochLoader):  # its state counts the batches the loop has received
                     batches.lookahead = 0 if upcoming is _END else 1
+                position.next_batch()
                 yield _to_device(batch, device)
         finally:
             self._last_batch, self._position = outer, outer_position
