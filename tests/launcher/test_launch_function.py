@@ -84,3 +84,20 @@ def test_the_guides_notebook_cell_works_as_written() -> None:
     done = run_python_stdin(cell, timeout_s=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.strip().splitlines()[-1]) >= 0.0  # the mean loss rank 0 returned
+
+
+def _exits_cleanly_on_rank_1() -> object:
+    import os
+    import sys
+
+    import torch
+
+    if os.environ["RANK"] == "1":
+        sys.exit(0)
+    return {"weights": torch.ones(2)}
+
+
+@pytest.mark.multiprocess
+def test_sys_exit_0_is_a_clean_end_and_tensors_come_back_on_the_cpu() -> None:
+    result = launch_function(_exits_cleanly_on_rank_1, nproc_per_node=2)
+    assert result["weights"].device.type == "cpu" and result["weights"].tolist() == [1.0, 1.0]

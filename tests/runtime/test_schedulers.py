@@ -193,6 +193,9 @@ def test_launcher_defaults() -> None:
         "master-addr": "train-master-0",
         "master-port": "23456",
     }
+    # a PyTorchJob's nprocPerNode may be a word, as torchrun reads it: one per GPU, one per core
+    assert launcher_defaults({"PET_NPROC_PER_NODE": "gpu"})[1] == {"nproc-per-node": "auto"}
+    assert launcher_defaults({"PET_NPROC_PER_NODE": "cpu"})[1] == {"nproc-per-node": str(os.cpu_count())}
 
 
 def test_a_task_bound_to_one_gpu_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:

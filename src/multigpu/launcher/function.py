@@ -70,7 +70,8 @@ def launch_function(
         env: more environment variables for the children.
 
     Returns:
-        What ``fn`` returned on rank 0.
+        What ``fn`` returned on rank 0, its tensors moved to the CPU (so CUDA stays uninitialised here
+        and the next call can fork). ``sys.exit(0)`` in ``fn`` ends that rank cleanly.
 
     Raises:
         LaunchError: a rank raised (its rank and traceback in the message) or died, or the
@@ -144,8 +145,17 @@ def _child(
     os.environ.update(env)
     rank = int(env["RANK"])
     try:
-        result = fn(*args, **kwargs)
-        send.send(("ok", pickle.dumps(result if rank == 0 else None)))
+        try:
+            result = fn(*args, **kwargs)
+        except SystemExit as done:  # sys.exit(0) (or None) on a rank is a clean end, as in a script
+            if done.code not in (0, None):
+                raise
+            result = None
+        # on the CPU: a CUDA tensor unpickled in the caller would initialise CUDA there, and the next
+        # launch_function (a fork) would then be refused
+        from multigpu.core.structure import map_leaves  # here: importing the launcher stays torch-free
+
+        send.send(("ok", pickle.dumps(map_leaves(_to_cpu, result) if rank == 0 else None)))
     except BaseException as exc:
         try:
             original: bytes | None = pickle.dumps(exc)
@@ -154,6 +164,12 @@ def _child(
         send.send(("error", (type(exc).__name__, str(exc), traceback.format_exc(), original)))
     finally:
         send.close()
+
+
+def _to_cpu(leaf: Any, _: str) -> Any:
+    import torch
+
+    return leaf.cpu() if isinstance(leaf, torch.Tensor) else leaf
 
 
 def _collect(children: list[tuple[Any, Connection]]) -> Any:

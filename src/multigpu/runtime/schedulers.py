@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -287,6 +288,10 @@ _PET_FLAGS = {
 }
 
 
+# torchrun's words for --nproc-per-node, as multigpu launch reads them: one per GPU, or one per core
+_NPROC_WORDS = {"gpu": lambda: "auto", "cpu": lambda: str(os.cpu_count() or 1)}
+
+
 def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str]]:
     """What the scheduler says ``multigpu launch`` on this node should use, by long flag name.
 
@@ -299,6 +304,8 @@ def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str
         LaunchError: an srun step that starts more than one launcher per node.
     """
     pet = {flag: env[name] for flag, name in _PET_FLAGS.items() if env.get(name)}
+    if pet.get("nproc-per-node") in _NPROC_WORDS:  # a PyTorchJob's nprocPerNode: auto, gpu, cpu or a count
+        pet["nproc-per-node"] = _NPROC_WORDS[pet["nproc-per-node"]]()
     if pet:
         # a PyTorchJob also sets MASTER_ADDR/MASTER_PORT (older operators set no PET_MASTER_*): rank 0's pod
         for flag, name in (("master-addr", "MASTER_ADDR"), ("master-port", "MASTER_PORT")):
