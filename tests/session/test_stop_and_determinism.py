@@ -72,3 +72,15 @@ def test_deterministic_runs_repeat_exactly() -> None:
 def test_deterministic_must_be_a_bool() -> None:
     with pytest.raises(ConfigError, match=r"deterministic='yes' must be True or False"):
         Session(strategy="single", deterministic="yes")  # type: ignore[arg-type]
+
+
+def test_deterministic_loader_seeds_differ_per_seed_and_rank() -> None:
+    from multigpu.session.determinism import seeded_loader_kwargs
+
+    def first_draw(seed: int, rank: int) -> int:
+        generator = seeded_loader_kwargs(seed, rank, {})["generator"]
+        return int(torch.randint(0, 2**62, (1,), generator=generator))  # type: ignore[call-overload]
+
+    draws = {(seed, rank): first_draw(seed, rank) for seed in range(3) for rank in range(3)}
+    assert len(set(draws.values())) == len(draws)  # seed 0 rank 1 is not seed 1 rank 0
+    assert first_draw(0, 1) == first_draw(0, 1)

@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from multigpu.session.coordination import rank_seed
+
 CUBLAS_WORKSPACE = ":4096:8"
 
 
@@ -67,9 +69,14 @@ def seed_worker(worker_id: int) -> None:
     np.random.seed(seed)
 
 
+_LOADER_SALT = 0x5EED_10AD
+
+
 def seeded_loader_kwargs(seed: int, rank: int, given: dict[str, object]) -> dict[str, object]:
     """``given`` with a seeded ``worker_init_fn`` and ``generator`` unless the caller passed their own."""
     kwargs = dict(given)
     kwargs.setdefault("worker_init_fn", seed_worker)
-    kwargs.setdefault("generator", torch.Generator().manual_seed(seed + rank))
+    # a seed of its own per (seed, rank): seed + rank made seed 0's rank 1 seed 1's rank 0
+    loader_seed = rank_seed(seed, rank) ^ _LOADER_SALT  # not the rank's dropout stream (rank_seed itself)
+    kwargs.setdefault("generator", torch.Generator().manual_seed(loader_seed))
     return kwargs
