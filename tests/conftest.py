@@ -117,6 +117,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A real one-rank gloo process group on loopback for the test, torn down after it."""
+    from multigpu.runtime import world
+    from multigpu.runtime.world import LaunchEnv
+
+    env = LaunchEnv(
+        global_rank=0, local_rank=0, world_size=1, local_world_size=1, master_addr="127.0.0.1", master_port=free_port()
+    )
+    world.setup_process_group(env, torch.device("cpu"), timeout_s=30)
+    try:
+        yield
+    finally:
+        world.teardown_process_group()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +9,6 @@ import torch.distributed as dist
 from multigpu.errors import ConfigError, DeviceError
 from multigpu.runtime import collectives, world
 from multigpu.runtime.world import LaunchEnv, LaunchError
-from tests.conftest import free_port
 
 
 def test_read_launch_env_parses_torchrun_variables() -> None:
@@ -57,18 +54,6 @@ def test_more_processes_than_gpus_names_the_right_count() -> None:
         DeviceError, match=r"4 processes per node were launched but this node sees 2 cuda.*--nproc-per-node 2"
     ):
         world.check_world_matches_devices(4, "cuda", 2)
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    env = LaunchEnv(
-        global_rank=0, local_rank=0, world_size=1, local_world_size=1, master_addr="127.0.0.1", master_port=free_port()
-    )
-    world.setup_process_group(env, torch.device("cpu"), timeout_s=30)
-    try:
-        yield
-    finally:
-        world.teardown_process_group()
 
 
 def test_process_group_setup_collectives_and_teardown(one_rank_group: None) -> None:

@@ -11,36 +11,10 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+from toolkit_worker import train_with_dropout  # beside this file (its folder is on the path)
 from torch.utils.data import DataLoader, TensorDataset
 
-from multigpu import Checkpointer
 from multigpu.session import Session
-
-
-def train(folder: Path, *, stop_at: int | None) -> dict[str, torch.Tensor] | None:
-    with Session(strategy="ddp", seed=0) as session:
-        model = session.setup_model(nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3)))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        gen = torch.Generator().manual_seed(3)
-        data = TensorDataset(torch.randn(48, 5, generator=gen), torch.randint(0, 3, (48,), generator=gen))
-        loader = session.build_loader(data, batch_size=4 * session.world_size)
-        checkpointer = Checkpointer(folder=folder)
-        resumed = checkpointer.resume(model=model, optimizer=optimizer, loader=loader)
-        step = resumed.step if resumed else 0
-        while step < 14:
-            for x, y in session.batches(loader):
-                with session.micro_step(model):
-                    session.backward(F.cross_entropy(model(x), y))
-                session.step(optimizer)
-                step += 1
-                if step == stop_at:
-                    checkpointer.save(step=step, model=model, optimizer=optimizer, loader=loader)
-                    return None
-                if step == 14:
-                    break
-        return {k: v.detach().cpu().clone() for k, v in session.unwrap(model).state_dict().items()}
 
 
 def main() -> None:
@@ -65,9 +39,9 @@ def main() -> None:
         session.print("ok cuda_collectives")
         # each run a session of its own inside this one's process group (sessions started after a
         # group was torn down would have to rendezvous again)
-        whole = train(out / "whole", stop_at=None)
-        train(out / "split", stop_at=8)
-        rest = train(out / "split", stop_at=None)
+        whole = train_with_dropout(out / "whole", stop_at=None)
+        train_with_dropout(out / "split", stop_at=8)
+        rest = train_with_dropout(out / "split", stop_at=None)
         assert whole is not None and rest is not None
         assert all(torch.equal(whole[k], rest[k]) for k in whole), "resume mid-epoch on CUDA"
         session.print("ok cuda_resume")

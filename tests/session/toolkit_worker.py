@@ -253,7 +253,7 @@ def train_with_dropout(folder: Path, *, stop_at: int | None) -> dict[str, torch.
                     return None
                 if step == 14:
                     break
-        return {k: v.clone() for k, v in session.unwrap(model).state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in session.unwrap(model).state_dict().items()}
 
 
 def check_resume(session: Session) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import platform
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,12 +18,9 @@ from torch import nn
 from multigpu.devices import get_device_type
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.parallel import DataParallel
-from multigpu.runtime import world
-from multigpu.runtime.world import LaunchEnv
 from multigpu.session import DDPOptions, FSDPOptions, Session, SessionConfig
 from multigpu.strategies.fsdp import select_blocks, warn_if_started_without_sharding_env
 from multigpu.strategies.sync_batchnorm import CPUSyncBatchNorm, _SyncBatchNorm, apply_sync_batchnorm
-from tests.conftest import free_port
 from tests.strategies.strategy_oracle import Block, deep_model
 
 # -- option validation ------------------------------------------------------------------------
@@ -129,18 +125,6 @@ def test_named_classes_are_sharded_children_first() -> None:
 
 
 # -- synchronized BatchNorm ---------------------------------------------------------------------
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    env = LaunchEnv(
-        global_rank=0, local_rank=0, world_size=1, local_world_size=1, master_addr="127.0.0.1", master_port=free_port()
-    )
-    world.setup_process_group(env, torch.device("cpu"), timeout_s=30)
-    try:
-        yield
-    finally:
-        world.teardown_process_group()
 
 
 # The group is the same for every example (nothing in it changes between them).

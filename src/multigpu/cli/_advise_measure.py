@@ -13,9 +13,7 @@ rows beside its predictions (:mod:`multigpu.planning.measured`).
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from multigpu.errors import ConfigError, MultigpuError
@@ -180,15 +178,11 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
     checked = check(rows, measurements)
     rec_measured = recommend_measured(checked)
     result_json = {**plan, "measured": measured_json(checked, rec_measured, args.budget)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "advise.json").write_text(json.dumps(result_json, indent=2) + "\n")
-    figure = None
-    if not args.no_figure:
-        figure = plot_measured(checked, out / "advise-measured.png", f"{args.model or args.script}: measured here")
-    if args.json:
-        print(json.dumps(result_json, indent=2))
-    else:
+    title = f"{args.model or args.script}: measured here"
+    written = advise.write_result(
+        args, result_json, lambda out: plot_measured(checked, out / "advise-measured.png", title)
+    )
+    if written is not None:
         print_measured(console, checked, rec_measured, args.budget)
-        console.print(f"written: {out / 'advise.json'}" + (f", {figure}" if figure else ""), soft_wrap=True)
+        console.print(written, soft_wrap=True)
     return 0

@@ -311,18 +311,26 @@ def run(args: argparse.Namespace) -> int:
         return 2
     rec = recommend(rows, plat.memory_bytes)
     plan = to_json(rows, rec, _inputs(w, plat, rows, batches))
+    written = write_result(
+        args, plan, lambda out: plot_throughput(rows, out / "advise.png", f"{w.name} on {plat.name}")
+    )
+    if written is not None:
+        print_plan(console, w, plat, rows, rec)
+        console.print(written, soft_wrap=True)
+    return 0
+
+
+def write_result(args: argparse.Namespace, result: dict[str, Any], draw: Callable[[Path], Path]) -> str | None:
+    """``advise.json`` and the figure ``draw`` makes (unless ``--no-figure``) in ``--out``; the JSON printed
+    under ``--json`` (then None), else the line that says what was written, for after the table."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "advise.json").write_text(json.dumps(plan, indent=2) + "\n")
-    figure = None
-    if not args.no_figure:
-        figure = plot_throughput(rows, out / "advise.png", f"{w.name} on {plat.name}")
+    (out / "advise.json").write_text(json.dumps(result, indent=2) + "\n")
+    figure = None if args.no_figure else draw(out)
     if args.json:
-        print(json.dumps(plan, indent=2))
-        return 0
-    print_plan(console, w, plat, rows, rec)
-    console.print(f"written: {out / 'advise.json'}" + (f", {figure}" if figure else ""), soft_wrap=True)
-    return 0
+        print(json.dumps(result, indent=2))
+        return None
+    return f"written: {out / 'advise.json'}" + (f", {figure}" if figure else "")
 
 
 def load_factory(path: str) -> Callable[[], object]:
