@@ -11,6 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from multigpu.devices import get_device_type
 from multigpu.errors import DeviceError, LaunchError
 from multigpu.runtime.schedulers import (
     TORCHRUN,
@@ -202,8 +203,9 @@ def test_a_task_bound_to_one_gpu_takes_it(monkeypatch: pytest.MonkeyPatch) -> No
     """``srun --gpus-per-task=1``: each task sees one GPU (index 0) whatever its SLURM_LOCALID."""
     from multigpu.runtime import world
 
-    monkeypatch.setattr(world, "accelerator_type", lambda: "cuda")
-    monkeypatch.setattr(world, "device_count", lambda kind: 1)
+    cuda = get_device_type("cuda")
+    monkeypatch.setattr(cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(world, "process_device_type", lambda: cuda)  # a GPU machine's workers compute on CUDA
     env = read_launch_env(_SLURM)
     assert env is not None and env.local_rank == 1
     assert world.process_device(env) == torch.device("cuda", 0)

@@ -68,9 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def default_devices() -> str:
-    from multigpu.devices import accelerator_type, device_count
+    """Every device of the type ddp's workers compute on (every GPU) when there are several, else two CPU replicas."""
+    from multigpu.devices import process_device_type
 
-    return "cuda" if accelerator_type() == "cuda" and device_count("cuda") > 1 else "cpu:2"
+    kind = process_device_type()
+    return kind.name if kind.name != "cpu" and kind.device_count() > 1 else "cpu:2"
 
 
 def build_plans(devices: str, primary: str) -> list[Plan]:
@@ -103,10 +105,11 @@ def run(args: argparse.Namespace) -> int:
     from multigpu.demo.ddp import run_ddp
     from multigpu.demo.figures import plot_losses, plot_memory
     from multigpu.demo.train import Plan, TrainConfig, steps_per_run, train_run, warm_up
+    from multigpu.devices import parse_devices
 
     console = Console(width=None if sys.stdout.isatty() else 124)
     devices = args.devices or default_devices()
-    primary = "cuda:0" if devices.startswith("cuda") else "cpu"
+    primary = str(parse_devices(devices)[0].device)  # the oracle's device: DataParallel's primary
     config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed, dtype=args.dtype)
     data = load_digits(seed=args.seed).to(primary)
     plans = build_plans(devices, primary)

@@ -3,7 +3,9 @@
 Built-in types (cpu, cuda, xpu, mps) are registered when :mod:`multigpu.devices` is imported;
 :func:`register_device_type` adds another (an out-of-tree accelerator, or a test's own type)
 without touching any other module. Registration order is the order accelerators are looked for
-(:func:`accelerator_type`): the first available one wins.
+(:func:`accelerator_type`): the first available one wins. :func:`process_device_type` is the one
+rule for which type a worker process of ddp/fsdp computes on (the runtime, the launcher, the
+Session's ``auto`` and the CLI ask it).
 
 Example:
     >>> get_device_type("cuda").backend
@@ -17,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from multigpu.devices.base import DeviceType
 from multigpu.errors import ConfigError, DeviceError
@@ -78,6 +81,26 @@ def accelerator_type() -> str | None:
         if name != "cpu" and device_type.is_available():
             return name
     return None
+
+
+def process_device_type() -> DeviceType:
+    """The device type a worker process (one per device, as under ddp and fsdp) computes on.
+
+    The first registered type that is available and has a collective backend of its own that this
+    torch can build a process group with (CUDA: nccl); else the CPU, whose backend is gloo. A type
+    whose processes would use the CPU's backend (xpu and mps, today) leaves the workers on the CPU.
+
+    Example:
+        >>> process_device_type().backend in ("gloo", "nccl")
+        True
+    """
+    cpu = _TYPES["cpu"]
+    for name, device_type in _TYPES.items():
+        if name == "cpu" or device_type.backend == cpu.backend or not device_type.is_available():
+            continue
+        if dist.is_available() and dist.is_backend_available(device_type.backend):
+            return device_type
+    return cpu
 
 
 def device_count(device_type: str) -> int:

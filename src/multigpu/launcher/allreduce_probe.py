@@ -18,9 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch.distributed as dist
-
-from multigpu.devices import accelerator_type, backend_device_type, get_device_type
+from multigpu.devices import backend_device_type, process_device_type
 from multigpu.errors import ConfigError, DeviceError
 from multigpu.launcher.launch import LaunchConfig, launch
 from multigpu.profiling import _allreduce_worker
@@ -31,11 +29,8 @@ _WORKER = Path(_allreduce_worker.__file__)  # each rank runs it as its script
 
 
 def default_backend() -> str:
-    """The backend of this machine's accelerator where torch has it (nccl on CUDA), gloo otherwise."""
-    accel = accelerator_type()
-    backend = get_device_type(accel).backend if accel is not None else "gloo"
-    available = getattr(dist, f"is_{backend}_available", None)
-    return backend if available is not None and available() else "gloo"
+    """The backend of the workers' device type where torch has it (nccl on CUDA), the CPU's (gloo) otherwise."""
+    return process_device_type().backend
 
 
 def probe_all_reduce(

@@ -38,7 +38,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from multigpu.devices import accelerator_type, get_device_type, parse_devices
+from multigpu.devices import parse_devices, process_device_type
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.launcher.preemption import maybe_requeue
 from multigpu.launcher.supervise import run_supervised
@@ -185,12 +185,11 @@ def worker_env(config: LaunchConfig, strategy: str, nproc: int) -> dict[str, str
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // nproc)
     env["OMP_NUM_THREADS"] = str(threads)
-    bind = config.bind_cores if config.bind_cores is not None else accelerator_type() != "cuda"
+    device_type = process_device_type()  # what each worker computes on (runtime.world.process_device)
+    bind = config.bind_cores if config.bind_cores is not None else device_type.name == "cpu"
     chosen = STRATEGIES[strategy]
     if bind and chosen.needs_processes:
         env["MULTIGPU_BIND_CORES"] = "1"
-    # on the device each process takes (runtime.world.process_device): a GPU, else the CPU
-    device_type = get_device_type("cuda" if accelerator_type() == "cuda" else "cpu")
     env.update(chosen.launch_env(device_type, {**os.environ, **env}))
     if config.collective_timeout_s is not None:
         env["MULTIGPU_COLLECTIVE_TIMEOUT"] = str(config.collective_timeout_s)

@@ -134,10 +134,10 @@ def _argv(run: MeasureRun, spec_path: Path) -> tuple[list[str], dict[str, str]]:
 
 
 def _dp_devices(n: int) -> str:
-    from multigpu.devices import accelerator_type
+    from multigpu.devices import process_device_type
 
-    kind = accelerator_type()
-    return f"cuda:{','.join(map(str, range(n)))}" if kind == "cuda" else f"cpu:{n}"
+    kind = process_device_type().name  # the type the launched workers compute on: the same devices
+    return f"{kind}:{','.join(map(str, range(n)))}" if kind != "cpu" else f"cpu:{n}"
 
 
 def _measure_one(

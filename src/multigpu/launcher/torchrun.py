@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from multigpu.devices import accelerator_type, device_count
+from multigpu.devices import process_device_type
 from multigpu.errors import LaunchError
 from multigpu.launcher import evidence
 from multigpu.launcher.preflight import check_listen_address
@@ -41,17 +41,17 @@ _CPU_AUTO_PROCS = 2  # on CPU, processes share the same cores; 2 exercises the m
 
 
 def resolve_nproc(config: LaunchConfig) -> int:
-    """Processes per node: the configured count, or for ``"auto"`` every GPU, else 2 on CPU.
+    """Processes per node: the configured count, or for ``"auto"`` one per device of the type the
+    workers compute on (:func:`~multigpu.devices.process_device_type`: every GPU), else 2 on CPU.
 
     Raises:
-        DeviceError: on CUDA, more processes than visible GPUs.
+        DeviceError: more processes than visible devices of that type (GPUs).
     """
-    on_cuda = accelerator_type() == "cuda"
+    kind = process_device_type()
     if config.nproc_per_node == "auto":
-        return device_count("cuda") if on_cuda else _CPU_AUTO_PROCS
+        return kind.device_count() if kind.name != "cpu" else _CPU_AUTO_PROCS
     nproc = int(config.nproc_per_node)
-    if on_cuda:
-        check_world_matches_devices(nproc, "cuda", device_count("cuda"))
+    check_world_matches_devices(nproc, kind.name, kind.device_count())  # any count on the CPU
     return nproc
 
 

@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from multigpu.devices import accelerator_type, device_count, device_type_names, get_device_type
+from multigpu.devices import accelerator_type, device_type_names, get_device_type, process_device_type
 from multigpu.errors import DeviceError, LaunchError
 from multigpu.runtime import schedulers
 
@@ -246,22 +246,23 @@ def choose_backend(device_type: str) -> str:
 
 
 def process_device(env: LaunchEnv) -> torch.device:
-    """The device this process computes on: ``cuda:<local_rank>`` where there are GPUs, else the CPU.
+    """The device this process computes on: ``<type>:<local_rank>`` of the type
+    :func:`~multigpu.devices.process_device_type` names (CUDA's where there are GPUs), else the CPU.
 
-    A task that a scheduler (SLURM, MPI) started seeing a single GPU takes it, whatever its local
+    A task that a scheduler (SLURM, MPI) started seeing a single device takes it, whatever its local
     rank: the scheduler bound one GPU to each task (``srun --gpus-per-task=1``).
 
     Raises:
-        DeviceError: more processes on this node than visible GPUs.
+        DeviceError: more processes on this node than visible devices of that type.
     """
-    accel = accelerator_type()
-    if accel != "cuda":
+    kind = process_device_type()
+    if kind.name == "cpu":
         return torch.device("cpu")
-    visible = device_count("cuda")
+    visible = kind.device_count()
     if env.scheduler != schedulers.TORCHRUN and visible == 1:
-        return torch.device("cuda", 0)  # the scheduler bound one GPU to this task (srun --gpus-per-task=1)
-    check_world_matches_devices(env.local_world_size, "cuda", visible)
-    return torch.device("cuda", env.local_rank)
+        return torch.device(kind.name, 0)  # the scheduler bound one device to this task (srun --gpus-per-task=1)
+    check_world_matches_devices(env.local_world_size, kind.name, visible)
+    return torch.device(kind.name, env.local_rank)
 
 
 def check_world_matches_devices(local_world_size: int, device_type: str, available: int) -> None:

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -128,7 +127,7 @@ def build_ddp(model: nn.Module, device: torch.device, options: DDPOptions) -> Di
 
     Args:
         model: the module, already on ``device``.
-        device: this process's device (CUDA: DDP's single ``device_ids`` entry).
+        device: this process's device (an accelerator's: DDP's single ``device_ids`` entry).
         options: the :class:`DDPOptions`.
 
     Returns:
@@ -137,7 +136,7 @@ def build_ddp(model: nn.Module, device: torch.device, options: DDPOptions) -> Di
     Example:
         >>> build_ddp(nn.Linear(4, 2), torch.device("cpu"), DDPOptions())  # doctest: +SKIP
     """
-    device_ids = [device.index] if device.type == "cuda" else None
+    device_ids = None if device.type == "cpu" else [device.index]  # DDP: one device id for an accelerator module
     buffers: dict[str, Any] = {}
     if not options.broadcast_buffers:  # DDP's default is True; passing it at all warns on torch >= 2.13
         buffers = {_BUFFER_SYNC_ARGUMENT: False}
@@ -156,11 +155,10 @@ def build_ddp(model: nn.Module, device: torch.device, options: DDPOptions) -> Di
 
 
 def _register_comm_hook(model: DistributedDataParallel, options: DDPOptions) -> None:
-    nccl = dist.get_backend() == "nccl"
     if options.comm_hook == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif options.comm_hook == "bf16":
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook if nccl else _bf16_compress_hook_any_backend)
+        model.register_comm_hook(None, _bf16_compress_hook)
     else:
         state = powerSGD_hook.PowerSGDState(
             process_group=None,
@@ -170,14 +168,15 @@ def _register_comm_hook(model: DistributedDataParallel, options: DDPOptions) -> 
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
-def _bf16_compress_hook_any_backend(process_group, bucket):  # type: ignore[no-untyped-def]
-    """(ProcessGroup | None, GradBucket) -> Future[Tensor]: torch's bf16 compression under another name.
+def _bf16_compress_hook(process_group, bucket):  # type: ignore[no-untyped-def]
+    """(ProcessGroup | None, GradBucket) -> Future[Tensor]: torch's bf16 compression, on every backend.
 
-    torch's bf16_compress_hook is refused on gloo by DDP's _check_comm_hook, which recognizes the
-    hook by its name ("BF16 all reduce communication hook required CUDA 11+ and NCCL 2.10+");
-    gloo all-reduces bfloat16 tensors fine, so the same compression under another name runs on
-    CPU. No annotations: _check_comm_hook compares them with the classes themselves, and this
-    module's postponed annotations are strings.
+    torch's ``bf16_compress_hook`` is this same call (``_compress_hook(torch.bfloat16, ...)``), but
+    DDP's ``_check_comm_hook`` refuses it by its name unless the backend is nccl ("BF16 all reduce
+    communication hook required CUDA 11+ and NCCL 2.10+"); gloo all-reduces bfloat16 tensors fine,
+    so one hook under another name serves whatever backend the device type uses. No annotations:
+    ``_check_comm_hook`` compares them with the classes themselves, and this module's postponed
+    annotations are strings.
     """
     return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
 
