@@ -202,6 +202,7 @@ def test_debug_is_one_variable_for_the_workers_and_torch_s_checks_in_the_worker(
     assert "MULTIGPU_DEBUG" not in worker_env(LaunchConfig(strategy="ddp"), "ddp", 2)
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "OFF")
     monkeypatch.setattr(tracking, "_ledger", tracking._Ledger())
+    monkeypatch.setattr(world, "_torch_debug", False)  # restored after: later groups are not debugged
     try:
         tracking.enable_debug()
         # DETAIL under NCCL; INFO under gloo, whose DDP torch 2.13's CPU build crashes under DETAIL
@@ -214,6 +215,35 @@ def test_debug_is_one_variable_for_the_workers_and_torch_s_checks_in_the_worker(
     with pytest.raises(ConfigError, match=r"debug='yes' must be True or False"):
         SessionConfig(debug="yes")  # type: ignore[arg-type]
     assert world.debug_requested() is False
+
+
+def test_debug_level_follows_the_backend_the_group_uses_not_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU machine whose ranks train on the CPU (``devices="cpu"``) builds a gloo group: INFO there, not
+    DETAIL (torch 2.13's CPU build crashes building DDP over a DETAIL-wrapped gloo group)."""
+    from multigpu.devices import get_device_type
+    from multigpu.runtime.world import LaunchEnv
+    from tests.conftest import free_port
+
+    known = dist.is_backend_available
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "OFF")
+    monkeypatch.setattr(get_device_type("cuda"), "is_available", lambda: True)  # a GPU machine, as the registry sees it
+    monkeypatch.setattr(dist, "is_backend_available", lambda backend: backend == "nccl" or known(backend))
+    monkeypatch.setattr(tracking, "_ledger", tracking._Ledger())
+    monkeypatch.setattr(world, "_torch_debug", False)  # restored after the test: later groups are not debugged
+    env = LaunchEnv(
+        global_rank=0, local_rank=0, world_size=1, local_world_size=1, master_addr="127.0.0.1", master_port=free_port()
+    )
+    try:
+        tracking.enable_debug()
+        assert os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"  # the machine's workers would use nccl
+        world.setup_process_group(env, torch.device("cpu"), timeout_s=30)  # but this rank's group is gloo
+        assert dist.get_backend() == "gloo" and os.environ["TORCH_DISTRIBUTED_DEBUG"] == "INFO"
+        assert dist.get_debug_level() == dist.DebugLevel.INFO
+    finally:
+        world.teardown_process_group()
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "OFF"
+        dist.set_debug_level_from_env()
+    assert [world.torch_debug_level(b) for b in ("nccl", "gloo", "cpu:gloo,cuda:nccl")] == ["DETAIL", "INFO", "INFO"]
 
 
 def test_the_summary_s_pointer_leads_to_a_section_of_the_guide() -> None:

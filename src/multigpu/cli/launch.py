@@ -180,7 +180,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--debug",
         action="store_true",
         help="before every collective, check that all ranks issue the same one (operation, shapes, line) and "
-        "name each rank's call on a mismatch; also sets TORCH_DISTRIBUTED_DEBUG (DETAIL on GPUs, INFO on CPU; slower: for finding bugs)",
+        "name each rank's call on a mismatch; also sets TORCH_DISTRIBUTED_DEBUG (DETAIL under nccl, INFO under gloo; slower: for finding bugs)",
     )
     parser.add_argument(
         "--log-dir",

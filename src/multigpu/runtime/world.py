@@ -30,11 +30,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from multigpu.devices import accelerator_type, device_type_names, get_device_type, process_device_type
+from multigpu.devices import device_type_names, get_device_type, process_device_type
 from multigpu.errors import DeviceError, LaunchError
 from multigpu.runtime import schedulers
 
 DEFAULT_TIMEOUT_S = 600.0
+
+_torch_debug = False  # enable_torch_debug was called: setup_process_group sets the level for its backend
 
 _LAUNCH_HINT = (
     "start the script with a launcher, e.g. "
@@ -209,16 +211,39 @@ def debug_requested() -> bool:
     return os.environ.get("MULTIGPU_DEBUG") == "1"
 
 
-def enable_torch_debug() -> None:
+def enable_torch_debug(backend: str | None = None) -> None:
     """Turn on torch's own collective checks in this process (``TORCH_DISTRIBUTED_DEBUG``).
 
-    Before the process group is created. Under NCCL (a GPU per process): ``DETAIL``, torch wraps the group
-    in its checking wrapper, which compares every collective's shapes across ranks. Under gloo: ``INFO``
-    (DDP's runtime logging, unused parameters by name): torch 2.13's CPU build crashes (SIGSEGV) building
-    DDP over a gloo group wrapped for ``DETAIL`` (reproduced with a plain torchrun script); multigpu's own
-    fingerprint check covers its collectives there.
+    Before the process group is created; :func:`setup_process_group` sets the level again from the
+    backend it creates the group with (a rank of a GPU machine that trains on the CPU uses gloo).
+
+    Args:
+        backend: the process group's backend; None: the backend of the type workers compute on
+            (:func:`~multigpu.devices.process_device_type`), until the group says otherwise.
     """
-    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL" if accelerator_type() == "cuda" else "INFO"
+    global _torch_debug
+    _torch_debug = True
+    _apply_torch_debug(backend or process_device_type().backend)
+
+
+def torch_debug_level(backend: str) -> str:
+    """The ``TORCH_DISTRIBUTED_DEBUG`` level ``--debug`` sets for a group of ``backend``.
+
+    ``DETAIL`` (torch wraps the group in its checking wrapper, which compares every collective's
+    shapes across ranks), but ``INFO`` wherever gloo serves (DDP's runtime logging, unused
+    parameters by name): torch 2.13's CPU build crashes (SIGSEGV) building DDP over a gloo group
+    wrapped for ``DETAIL`` (reproduced with a plain torchrun script); multigpu's own fingerprint
+    check covers its collectives there.
+
+    Example:
+        >>> torch_debug_level("nccl"), torch_debug_level("cpu:gloo,cuda:nccl")
+        ('DETAIL', 'INFO')
+    """
+    return "INFO" if "gloo" in backend else "DETAIL"
+
+
+def _apply_torch_debug(backend: str) -> None:
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = torch_debug_level(backend)
     if dist.is_available():
         dist.set_debug_level_from_env()
 
@@ -306,8 +331,11 @@ def setup_process_group(env: LaunchEnv, device: torch.device, *, timeout_s: floa
     if dist.is_initialized():
         return False
     get_device_type(device.type).set_device(device)  # one process per device: make it the current one
+    backend = choose_backend(device.type)
+    if _torch_debug:  # --debug: the level follows the backend this group really uses (torch reads it now)
+        _apply_torch_debug(backend)
     dist.init_process_group(
-        backend=choose_backend(device.type),
+        backend=backend,
         init_method=f"tcp://{_url_host(env.master_addr)}:{env.master_port}",
         rank=env.global_rank,
         world_size=env.world_size,
