@@ -134,24 +134,23 @@ def test_timing_waits_for_every_device_type_not_only_cuda(meta: MetaDevice) -> N
     assert meta.synced == [torch.device("meta", 1)] and timer.seconds["meta:1"] >= 0
 
 
-@pytest.fixture
-def meta_processes(meta: MetaDevice, monkeypatch: pytest.MonkeyPatch) -> MetaDevice:
-    """The fake type, with its collective backend known to torch.distributed (as nccl is to a CUDA build)."""
-    import torch.distributed as dist
-
-    known = dist.is_backend_available
-    monkeypatch.setattr(dist, "is_backend_available", lambda backend: backend == meta.backend or known(backend))
-    return meta
-
-
 def test_worker_processes_compute_on_the_cpu_unless_a_type_has_a_backend_of_its_own(meta: MetaDevice) -> None:
-    """A type whose backend torch lacks (here "fakebackend"; XPU and MPS use the CPU's gloo) leaves workers on the CPU."""
+    """A type whose processes would use the CPU's gloo (as XPU and MPS do) leaves the workers on the CPU."""
     from multigpu.devices import process_device_type
 
+    assert process_device_type() is meta  # available, with a backend of its own
+    unregister_device_type("meta")
+    register_device_type(_GlooMeta())  # the fixture unregisters it
     assert process_device_type() is get_device_type("cpu")
 
 
-def test_every_place_asks_which_type_a_worker_process_computes_on(meta_processes: MetaDevice) -> None:
+class _GlooMeta(MetaDevice):
+    backend = "gloo"
+
+
+def test_every_place_asks_which_type_a_worker_process_computes_on(
+    meta: MetaDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One rule (devices.process_device_type), asked by the runtime, the launcher, the Session's auto and the CLI."""
     from multigpu.cli.demo import default_devices
     from multigpu.devices import process_device_type
@@ -162,13 +161,16 @@ def test_every_place_asks_which_type_a_worker_process_computes_on(meta_processes
     from multigpu.runtime import world
     from multigpu.strategies.registry import resolve_strategy_name
 
-    assert process_device_type() is meta_processes
+    assert process_device_type() is meta
     env = world.read_launch_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
     assert env is not None and world.process_device(env) == torch.device("meta", 1)
     assert resolve_nproc(LaunchConfig(nproc_per_node="auto")) == 2  # one process per meta device
     with pytest.raises(DeviceError, match="3 processes per node were launched but this node sees 2 meta"):
         resolve_nproc(LaunchConfig(nproc_per_node=3))
     assert "MULTIGPU_BIND_CORES" not in worker_env(LaunchConfig(strategy="ddp"), "ddp", 2)  # binding: CPU workers only
+    assert default_backend() == "gloo"  # torch lacks "fakebackend": the probe measures the CPU's instead
+    known = torch.distributed.is_backend_available
+    monkeypatch.setattr(torch.distributed, "is_backend_available", lambda name: name == "fakebackend" or known(name))
     assert default_backend() == "fakebackend"
     assert resolve_strategy_name("auto") == "dp"  # several devices of the workers' type, one process
     assert default_devices() == "meta" and _dp_devices(2) == "meta:0,1"

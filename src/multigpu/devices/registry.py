@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
 from multigpu.devices.base import DeviceType
 from multigpu.errors import ConfigError, DeviceError
@@ -86,21 +85,17 @@ def accelerator_type() -> str | None:
 def process_device_type() -> DeviceType:
     """The device type a worker process (one per device, as under ddp and fsdp) computes on.
 
-    The first registered type that is available and has a collective backend of its own that this
-    torch can build a process group with (CUDA: nccl); else the CPU, whose backend is gloo. A type
-    whose processes would use the CPU's backend (xpu and mps, today) leaves the workers on the CPU.
+    The first registered type that is available and has a collective backend of its own (CUDA:
+    nccl); else the CPU, whose backend is gloo. A type whose processes would use the CPU's backend
+    (xpu and mps, today) leaves the workers on the CPU.
 
     Example:
         >>> process_device_type().backend in ("gloo", "nccl")
         True
     """
     cpu = _TYPES["cpu"]
-    for name, device_type in _TYPES.items():
-        if name == "cpu" or device_type.backend == cpu.backend or not device_type.is_available():
-            continue
-        if dist.is_available() and dist.is_backend_available(device_type.backend):
-            return device_type
-    return cpu
+    found = (t for name, t in _TYPES.items() if name != "cpu" and t.backend != cpu.backend and t.is_available())
+    return next(found, cpu)
 
 
 def device_count(device_type: str) -> int:

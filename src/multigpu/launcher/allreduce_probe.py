@@ -18,7 +18,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from multigpu.devices import backend_device_type, process_device_type
+import torch.distributed as dist
+
+from multigpu.devices import backend_device_type, get_device_type, process_device_type
 from multigpu.errors import ConfigError, DeviceError
 from multigpu.launcher.launch import LaunchConfig, launch
 from multigpu.profiling import _allreduce_worker
@@ -30,7 +32,8 @@ _WORKER = Path(_allreduce_worker.__file__)  # each rank runs it as its script
 
 def default_backend() -> str:
     """The backend of the workers' device type where torch has it (nccl on CUDA), the CPU's (gloo) otherwise."""
-    return process_device_type().backend
+    backend = process_device_type().backend
+    return backend if dist.is_backend_available(backend) else get_device_type("cpu").backend
 
 
 def probe_all_reduce(
