@@ -94,11 +94,12 @@ class Session(Toolkit):
                 self.config.strategy,
                 devices=self.config.devices,
                 timeout_s=self.config.timeout_s or world.collective_timeout_s(),
+                precision=self.config.precision,
                 **self.config.strategy_options(),
             )
             strategy.setup()
             self.strategy = strategy
-            self.precision = strategy.build_precision(self.config.precision)
+            self.precision = strategy.build_precision()
             torch.manual_seed(self.config.seed)
             if self.config.deterministic:
                 self._undo_deterministic = determinism.apply_deterministic(self.device)

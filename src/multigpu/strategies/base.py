@@ -6,6 +6,10 @@ instead of listing names anywhere else: its ``name`` and ``label``, whether it `
 (a launcher starts one per device), its ``options_type``, the ``launch_env`` its workers need.
 An instance answers the loop's questions: which device, which shard, how to wrap the model, how
 to skip gradient sync while accumulating, which precision object.
+
+A strategy is made from plain values (its constructor only stores them: a test makes one of a
+rank it is not); its ``build`` classmethod is where this process is read (the launch environment,
+the devices asked for) and those values computed, as :func:`~multigpu.strategies.build_strategy` does.
 """
 
 from __future__ import annotations
@@ -59,9 +63,29 @@ class Strategy(ABC):
 
     # -- one process's use of it -------------------------------------------------------------------
 
-    def __init__(self, *, devices: DeviceSpec = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.devices = devices
+    @classmethod
+    @abstractmethod
+    def build(
+        cls,
+        *,
+        devices: DeviceSpec = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        precision: str = "fp32",
+        options: Any = None,
+    ) -> Strategy:
+        """The strategy of this process: reads what it needs (launch environment, devices asked for).
+
+        Args:
+            devices: the devices (see each strategy).
+            timeout_s: how long a collective waits for a missing rank.
+            precision: the precision's name (``fp32``, ``bf16``, ``fp16``; see :meth:`build_precision`).
+            options: the strategy's options (an instance of its ``options_type``; None: the defaults).
+                A strategy without options ignores it.
+        """
+
+    def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S, precision: str = "fp32") -> None:
         self.timeout_s = timeout_s
+        self.precision_name = precision
 
     @property
     @abstractmethod
@@ -101,9 +125,9 @@ class Strategy(ABC):
         """The region of an accumulating micro-step: no gradient communication there."""
         return nullcontext()
 
-    def build_precision(self, name: str) -> Precision:
-        """The precision object called ``name`` for this strategy's device."""
-        return build_precision(name, self.device.type)
+    def build_precision(self) -> Precision:
+        """The object of the strategy's precision (:attr:`precision_name`) for its device."""
+        return build_precision(self.precision_name, self.device.type)
 
     def apply_sync_batchnorm(self, model: nn.Module) -> nn.Module:
         """``model`` with BatchNorm statistics over every process's batch; in one process, unchanged."""
@@ -149,13 +173,26 @@ class ProcessPerDeviceStrategy(Strategy, ABC):
 
     needs_processes: ClassVar[bool] = True
 
-    def __init__(self, *, devices: DeviceSpec = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        super().__init__(devices=devices, timeout_s=timeout_s)
-        self.env: LaunchEnv = world.require_launch_env(f"strategy {self.name!r}")
+    def __init__(
+        self, *, env: LaunchEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S, precision: str = "fp32"
+    ) -> None:
+        super().__init__(timeout_s=timeout_s, precision=precision)
+        self.env = env
+        self._device = device
         self._owns_group = False  # whether setup created the process group (then teardown ends it)
-        self._device = world.process_device(self.env)
-        if devices is not None:  # the node's devices, one per process: take this process's
-            self._device = _check_node_devices(devices, self.env)[self.env.local_rank].device
+
+    @classmethod
+    def locate(cls, devices: DeviceSpec = None) -> tuple[LaunchEnv, torch.device]:
+        """This process's place: the launch environment, and its device (``devices``: the node's, one per process).
+
+        Raises:
+            LaunchError: no launcher started this process.
+            DeviceError: ``devices`` does not name one device per process of this node.
+        """
+        env = world.require_launch_env(f"strategy {cls.name!r}")
+        if devices is None:
+            return env, world.process_device(env)
+        return env, _check_node_devices(devices, env)[env.local_rank].device  # take this process's
 
     @property
     def device(self) -> torch.device:

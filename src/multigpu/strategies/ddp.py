@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from multigpu.devices import DeviceSpec
 from multigpu.errors import ConfigError
-from multigpu.runtime.world import DEFAULT_TIMEOUT_S
+from multigpu.runtime.world import DEFAULT_TIMEOUT_S, LaunchEnv
 from multigpu.strategies.base import ProcessPerDeviceStrategy
 from multigpu.strategies.unused_parameters import unused_parameter_names
 
@@ -189,11 +189,29 @@ class DDPStrategy(ProcessPerDeviceStrategy):
     options_type: ClassVar[type | None] = DDPOptions
 
     def __init__(
-        self, *, devices: DeviceSpec = None, timeout_s: float = DEFAULT_TIMEOUT_S, options: DDPOptions | None = None
+        self,
+        *,
+        env: LaunchEnv,
+        device: torch.device,
+        options: DDPOptions | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        precision: str = "fp32",
     ) -> None:
-        super().__init__(devices=devices, timeout_s=timeout_s)
+        super().__init__(env=env, device=device, timeout_s=timeout_s, precision=precision)
         self.options = options or DDPOptions()
         self._wrapped: list[weakref.ref[DistributedDataParallel]] = []
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        devices: DeviceSpec = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        precision: str = "fp32",
+        options: DDPOptions | None = None,
+    ) -> DDPStrategy:
+        env, device = cls.locate(devices)
+        return cls(env=env, device=device, options=options, timeout_s=timeout_s, precision=precision)
 
     def release_models(self) -> None:
         # Release every DDP reducer before the group goes. In a plain torch script, destroying a

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -28,13 +28,28 @@ class DataParallelStrategy(OneProcessStrategy):
     launch_devices: ClassVar[bool] = True
     variants: ClassVar[Mapping[str, str]] = {"dp-balanced": "balanced DataParallel"}  # chunk_sizes="auto"
 
-    def __init__(self, *, devices: DeviceSpec = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        super().__init__(devices=devices, timeout_s=timeout_s)
+    def __init__(
+        self, *, replicas: list[ReplicaDevice], timeout_s: float = DEFAULT_TIMEOUT_S, precision: str = "fp32"
+    ) -> None:
+        super().__init__(timeout_s=timeout_s, precision=precision)
+        self.replicas = replicas
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        devices: DeviceSpec = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        precision: str = "fp32",
+        options: Any = None,
+    ) -> DataParallelStrategy:
+        """Replicas on ``devices``, else on ``multigpu launch --devices``, else every GPU, else two CPU
+        replicas; ``options``: none, ignored."""
         spec = devices if devices is not None else world.requested_devices()
         replicas = parse_devices(spec)
         if spec is None and len(replicas) == 1 and replicas[0].type == "cpu":
             replicas = parse_devices("cpu:2")  # no GPU: two CPU replicas still exercise the engine
-        self.replicas: list[ReplicaDevice] = replicas
+        return cls(replicas=replicas, timeout_s=timeout_s, precision=precision)
 
     @property
     def replicas_per_process(self) -> int:

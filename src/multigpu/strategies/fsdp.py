@@ -44,7 +44,7 @@ from torch import nn
 
 from multigpu.devices import DeviceSpec, DeviceType, get_device_type
 from multigpu.errors import ConfigError
-from multigpu.runtime.world import DEFAULT_TIMEOUT_S
+from multigpu.runtime.world import DEFAULT_TIMEOUT_S, LaunchEnv
 from multigpu.strategies.base import ProcessPerDeviceStrategy
 from multigpu.strategies.precision import FP16, Precision, build_precision
 
@@ -288,22 +288,39 @@ class FSDPStrategy(ProcessPerDeviceStrategy):
         return device_type.sharded_process_env(environ)
 
     def __init__(
-        self, *, devices: DeviceSpec = None, timeout_s: float = DEFAULT_TIMEOUT_S, options: FSDPOptions | None = None
+        self,
+        *,
+        env: LaunchEnv,
+        device: torch.device,
+        options: FSDPOptions | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        precision: str = "fp32",
     ) -> None:
-        super().__init__(devices=devices, timeout_s=timeout_s)
+        super().__init__(env=env, device=device, timeout_s=timeout_s, precision=precision)
         self.options = options or FSDPOptions()
         self._sharded: list[weakref.ref[nn.Module]] = []
         self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._precision = "fp32"
 
-    def build_precision(self, name: str) -> Precision:
-        self._precision = name  # wrap_model's MixedPrecisionPolicy follows it
-        return build_fsdp_precision(name, self.device.type)
+    @classmethod
+    def build(
+        cls,
+        *,
+        devices: DeviceSpec = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        precision: str = "fp32",
+        options: FSDPOptions | None = None,
+    ) -> FSDPStrategy:
+        env, device = cls.locate(devices)
+        return cls(env=env, device=device, options=options, timeout_s=timeout_s, precision=precision)
+
+    def build_precision(self) -> Precision:
+        return build_fsdp_precision(self.precision_name, self.device.type)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         if not self._sharded and self.is_main_process:  # once, from rank 0
             warn_if_started_without_sharding_env(self.device, os.environ)
-        sharded = apply_fsdp(model.to(self.device), self.device, self.options, self._precision)
+        # the MixedPrecisionPolicy follows the strategy's precision, whenever build_precision is called
+        sharded = apply_fsdp(model.to(self.device), self.device, self.options, self.precision_name)
         self._sharded.append(weakref.ref(sharded))
         return sharded
 

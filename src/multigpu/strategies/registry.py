@@ -89,18 +89,23 @@ def launched_auto(processes: int, *, multi_node: bool) -> str:
 
 
 def build_strategy(
-    name: str, *, devices: DeviceSpec = None, timeout_s: float = DEFAULT_TIMEOUT_S, **options: Any
+    name: str,
+    *,
+    devices: DeviceSpec = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    precision: str = "fp32",
+    **options: Any,
 ) -> Strategy:
-    """The strategy object for ``name`` (``auto`` resolved). Does not join any process group yet.
+    """The strategy object for ``name`` (``auto`` resolved), built for this process. Joins no process group yet.
 
     Args:
         name: a strategy's name, or ``auto``.
         devices: the devices (see each strategy).
         timeout_s: how long a collective waits for a missing rank.
+        precision: the precision's name (``fp32``, ``bf16``, ``fp16``): the strategy builds its object
+            (:meth:`Strategy.build_precision`), and fsdp shards the model in it.
         options: each strategy's options by its name (``ddp=DDPOptions(...)``, ``fsdp=FSDPOptions(...)``);
             the strategy built takes its own and ignores the others'.
     """
     cls = STRATEGIES[resolve_strategy_name(name)]
-    if cls.options_type is None:
-        return cls(devices=devices, timeout_s=timeout_s)
-    return cls(devices=devices, timeout_s=timeout_s, options=options.get(cls.name))  # type: ignore[call-arg]
+    return cls.build(devices=devices, timeout_s=timeout_s, precision=precision, options=options.get(cls.name))

@@ -6,7 +6,7 @@ plain PyTorch on one device would.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -24,15 +24,31 @@ class SingleStrategy(OneProcessStrategy):
     label: ClassVar[str] = "single device"
     multi_device: ClassVar[bool] = False
 
-    def __init__(self, *, devices: DeviceSpec = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        super().__init__(devices=devices, timeout_s=timeout_s)
+    def __init__(self, *, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S, precision: str = "fp32") -> None:
+        super().__init__(timeout_s=timeout_s, precision=precision)
+        self._device = device
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        devices: DeviceSpec = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        precision: str = "fp32",
+        options: Any = None,
+    ) -> SingleStrategy:
+        """``devices``' one device (default: the first GPU, else the CPU); ``options``: none, ignored.
+
+        Raises:
+            ConfigError: ``devices`` names several devices.
+        """
         parsed = parse_devices(devices)
         if devices is not None and len(parsed) > 1:
             raise ConfigError(
                 f"strategy 'single' runs on one device but devices={devices!r} names {len(parsed)}; "
                 "use strategy='dp' (threads) or 'ddp' (processes) for several"
             )
-        self._device = parsed[0].device
+        return cls(device=parsed[0].device, timeout_s=timeout_s, precision=precision)
 
     @property
     def device(self) -> torch.device:
