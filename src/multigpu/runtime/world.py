@@ -261,13 +261,14 @@ def configured_threads() -> int | None:
 
 
 def choose_backend(device_type: str) -> str:
-    """The collective backend for ``device_type``, as its device type says: ``nccl`` on CUDA, ``gloo`` elsewhere.
+    """The collective backend for ``device_type``, as its device type says (``nccl`` on CUDA); the CPU's
+    (``gloo``) for a type nobody registered.
 
     Example:
         >>> choose_backend("cpu")
         'gloo'
     """
-    return get_device_type(device_type).backend if device_type in device_type_names() else "gloo"
+    return get_device_type(device_type if device_type in device_type_names() else "cpu").backend
 
 
 def process_device(env: LaunchEnv) -> torch.device:

@@ -174,16 +174,30 @@ class ProcessPerDeviceStrategy(Strategy, ABC):
     needs_processes: ClassVar[bool] = True
 
     def __init__(
-        self, *, env: LaunchEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S, precision: str = "fp32"
+        self,
+        *,
+        env: LaunchEnv,
+        device: torch.device,
+        options: Any = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        precision: str = "fp32",
     ) -> None:
         super().__init__(timeout_s=timeout_s, precision=precision)
         self.env = env
         self._device = device
+        self.options = options  # its options_type's instance (each strategy puts its default)
         self._owns_group = False  # whether setup created the process group (then teardown ends it)
 
     @classmethod
-    def locate(cls, devices: DeviceSpec = None) -> tuple[LaunchEnv, torch.device]:
-        """This process's place: the launch environment, and its device (``devices``: the node's, one per process).
+    def build(
+        cls,
+        *,
+        devices: DeviceSpec = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        precision: str = "fp32",
+        options: Any = None,
+    ) -> ProcessPerDeviceStrategy:
+        """This process's rank (the launch environment) and device (``devices``: the node's, one per process).
 
         Raises:
             LaunchError: no launcher started this process.
@@ -191,8 +205,10 @@ class ProcessPerDeviceStrategy(Strategy, ABC):
         """
         env = world.require_launch_env(f"strategy {cls.name!r}")
         if devices is None:
-            return env, world.process_device(env)
-        return env, _check_node_devices(devices, env)[env.local_rank].device  # take this process's
+            device = world.process_device(env)
+        else:
+            device = _check_node_devices(devices, env)[env.local_rank].device  # take this process's
+        return cls(env=env, device=device, options=options, timeout_s=timeout_s, precision=precision)
 
     @property
     def device(self) -> torch.device:

@@ -28,7 +28,6 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from multigpu.devices import DeviceSpec
 from multigpu.errors import ConfigError
 from multigpu.runtime.world import DEFAULT_TIMEOUT_S, LaunchEnv
 from multigpu.strategies.base import ProcessPerDeviceStrategy
@@ -187,6 +186,7 @@ class DDPStrategy(ProcessPerDeviceStrategy):
     name: ClassVar[str] = "ddp"
     label: ClassVar[str] = "DDP"
     options_type: ClassVar[type | None] = DDPOptions
+    options: DDPOptions
 
     def __init__(
         self,
@@ -197,21 +197,10 @@ class DDPStrategy(ProcessPerDeviceStrategy):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         precision: str = "fp32",
     ) -> None:
-        super().__init__(env=env, device=device, timeout_s=timeout_s, precision=precision)
-        self.options = options or DDPOptions()
+        super().__init__(
+            env=env, device=device, options=options or DDPOptions(), timeout_s=timeout_s, precision=precision
+        )
         self._wrapped: list[weakref.ref[DistributedDataParallel]] = []
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        devices: DeviceSpec = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        precision: str = "fp32",
-        options: DDPOptions | None = None,
-    ) -> DDPStrategy:
-        env, device = cls.locate(devices)
-        return cls(env=env, device=device, options=options, timeout_s=timeout_s, precision=precision)
 
     def release_models(self) -> None:
         # Release every DDP reducer before the group goes. In a plain torch script, destroying a

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multigpu.devices import DeviceSpec, DeviceType, get_device_type
+from multigpu.devices import DeviceType, get_device_type
 from multigpu.errors import ConfigError
 from multigpu.runtime.world import DEFAULT_TIMEOUT_S, LaunchEnv
 from multigpu.strategies.base import ProcessPerDeviceStrategy
@@ -280,6 +280,7 @@ class FSDPStrategy(ProcessPerDeviceStrategy):
     name: ClassVar[str] = "fsdp"
     label: ClassVar[str] = "FSDP"
     options_type: ClassVar[type | None] = FSDPOptions
+    options: FSDPOptions
 
     @classmethod
     def launch_env(cls, device_type: DeviceType, environ: Mapping[str, str]) -> dict[str, str]:
@@ -296,22 +297,11 @@ class FSDPStrategy(ProcessPerDeviceStrategy):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         precision: str = "fp32",
     ) -> None:
-        super().__init__(env=env, device=device, timeout_s=timeout_s, precision=precision)
-        self.options = options or FSDPOptions()
+        super().__init__(
+            env=env, device=device, options=options or FSDPOptions(), timeout_s=timeout_s, precision=precision
+        )
         self._sharded: list[weakref.ref[nn.Module]] = []
         self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        devices: DeviceSpec = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        precision: str = "fp32",
-        options: FSDPOptions | None = None,
-    ) -> FSDPStrategy:
-        env, device = cls.locate(devices)
-        return cls(env=env, device=device, options=options, timeout_s=timeout_s, precision=precision)
 
     def build_precision(self) -> Precision:
         return build_fsdp_precision(self.precision_name, self.device.type)
