@@ -36,10 +36,11 @@ def devices_present() -> int:
 
 
 def present_accelerator() -> str | None:
-    """``"cuda"`` (or another accelerator type) when this machine has one, else None."""
-    from multigpu.devices import accelerator_type
+    """``"cuda"`` (or another type) when the measured runs compute on an accelerator here, else None."""
+    from multigpu.devices import process_device_type
 
-    return accelerator_type()
+    kind = process_device_type().name  # what launch_measured's processes and dp replicas run on
+    return None if kind == "cpu" else kind
 
 
 def device_counts(args: argparse.Namespace, present: int) -> list[int]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from multigpu.devices import synchronizer
+from multigpu.devices import backend_device_type, synchronizer
 from multigpu.profiling.bandwidth import iters_for, time_per_op
 from multigpu.runtime import world
 
@@ -29,7 +29,8 @@ from multigpu.runtime import world
 def main(out: Path) -> None:
     spec = json.loads((out / "probe.json").read_text())
     env = world.require_launch_env("the all-reduce probe")
-    device = torch.device("cpu") if spec["backend"] == "gloo" else world.process_device(env)
+    # a backend of an accelerator's processes (nccl: cuda) all-reduces on this process's device, the CPU's on the CPU
+    device = world.process_device(env) if backend_device_type(spec["backend"]) is not None else torch.device("cpu")
     world.setup_process_group(env, device, timeout_s=world.collective_timeout_s())
     try:
         sync = synchronizer([device])
