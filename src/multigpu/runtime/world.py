@@ -211,19 +211,18 @@ def debug_requested() -> bool:
     return os.environ.get("MULTIGPU_DEBUG") == "1"
 
 
-def enable_torch_debug(backend: str | None = None) -> None:
+def enable_torch_debug() -> None:
     """Turn on torch's own collective checks in this process (``TORCH_DISTRIBUTED_DEBUG``).
 
-    Before the process group is created; :func:`setup_process_group` sets the level again from the
-    backend it creates the group with (a rank of a GPU machine that trains on the CPU uses gloo).
-
-    Args:
-        backend: the process group's backend; None: the backend of the type workers compute on
-            (:func:`~multigpu.devices.process_device_type`), until the group says otherwise.
+    Before the process group is created, at the level of the backend workers use here
+    (:func:`~multigpu.devices.process_device_type`'s; :func:`torch_debug_level`);
+    :func:`setup_process_group` sets it again from the backend it creates the group with (a rank
+    of a GPU machine that trains on the CPU uses gloo). A group the script creates itself keeps
+    the first level.
     """
     global _torch_debug
     _torch_debug = True
-    _apply_torch_debug(backend or process_device_type().backend)
+    _apply_torch_debug(process_device_type().backend)
 
 
 def torch_debug_level(backend: str) -> str:
