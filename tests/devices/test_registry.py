@@ -152,6 +152,7 @@ def test_every_place_asks_which_type_a_worker_process_computes_on(
     meta: MetaDevice, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One rule (devices.process_device_type), asked by the runtime, the launcher, the Session's auto and the CLI."""
+    from multigpu.cli._advise_measure import present_accelerator
     from multigpu.cli.demo import default_devices
     from multigpu.devices import process_device_type
     from multigpu.launcher.allreduce_probe import default_backend
@@ -161,6 +162,8 @@ def test_every_place_asks_which_type_a_worker_process_computes_on(
     from multigpu.runtime import world
     from multigpu.strategies.registry import resolve_strategy_name
 
+    for key in ("RANK", "WORLD_SIZE", "MULTIGPU_STRATEGY"):  # not launched: auto decides on the devices
+        monkeypatch.delenv(key, raising=False)
     assert process_device_type() is meta
     env = world.read_launch_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
     assert env is not None and world.process_device(env) == torch.device("meta", 1)
@@ -173,4 +176,4 @@ def test_every_place_asks_which_type_a_worker_process_computes_on(
     monkeypatch.setattr(torch.distributed, "is_backend_available", lambda name: name == "fakebackend" or known(name))
     assert default_backend() == "fakebackend"
     assert resolve_strategy_name("auto") == "dp"  # several devices of the workers' type, one process
-    assert default_devices() == "meta" and _dp_devices(2) == "meta:0,1"
+    assert default_devices() == "meta" and _dp_devices(2) == "meta:0,1" and present_accelerator() == "meta"
