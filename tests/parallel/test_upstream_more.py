@@ -1,0 +1,50 @@
+"""More of torch's own DataParallel tests (test/distributed/test_data_parallel.py), asked of
+multigpu.DataParallel on CPU replicas: what test_upstream.py and test_semantics.py left out."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import multigpu
+
+
+class OneLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+@pytest.fixture
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off, so that the test counts the cycles a call leaves (gc.collect)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("devices", ["cpu:2", "cpu:3"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_step_leaves_no_reference_cycles(collector_paused: None, devices: str, batch: int) -> None:
+    # torch's test_data_parallel_model_no_refcycles: what a forward leaves is freed by reference
+    # counting alone, so the replicas and the graph go at once, not at the next collection
+    model = multigpu.DataParallel(OneLinear(), devices=devices)
+    try:
+        model(torch.randn(batch, 1)).sum().backward()  # first step: imports, registrations, caches made once
+        gc.collect()
+        model(torch.randn(batch, 1))
+        assert gc.collect() == 0
+        model(torch.randn(batch, 1)).sum().backward()
+        assert gc.collect() == 0
+    finally:
+        model.close()
