@@ -48,3 +48,15 @@ def test_a_step_leaves_no_reference_cycles(collector_paused: None, devices: str,
         assert gc.collect() == 0
     finally:
         model.close()
+
+
+@pytest.mark.parametrize("call", ["module", "functional"])
+def test_a_module_off_the_primary_device_is_torchs_runtime_error(call: str) -> None:
+    # torch's test_data_parallel_model_device: a RuntimeError that starts with torch's sentence
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    x = torch.randn(4, 2)
+    with pytest.raises(RuntimeError, match=r"^module must have its parameters and buffers on device cpu .*'1.weight'"):
+        if call == "module":
+            multigpu.DataParallel(net, devices="cpu:2")(x)
+        else:
+            multigpu.data_parallel(net, x, devices="cpu:2")

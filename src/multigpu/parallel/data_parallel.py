@@ -345,10 +345,10 @@ class DataParallel(nn.Module):
     def _check_placement(self) -> None:
         for name, tensor in chain(self.module.named_parameters(), self.module.named_buffers()):
             if tensor.device != self.src_device_obj:
-                raise PlacementError(
-                    f"module parameter or buffer {name!r} is on {tensor.device}, but DataParallel's primary "
-                    f"device is {self.replica_devices[0].label}; move the model first: "
-                    f"model.to({str(self.src_device_obj)!r})"
+                raise PlacementError(  # torch's sentence first: code written for nn.DataParallel matches it
+                    f"module must have its parameters and buffers on device {self.src_device_obj} "
+                    f"(the primary device, {self.replica_devices[0].label}): module parameter or buffer {name!r} "
+                    f"is on {tensor.device}; move the model first: model.to({str(self.src_device_obj)!r})"
                 )
 
     def extra_repr(self) -> str:
