@@ -1,0 +1,28 @@
+"""Accelerate's semantic tests (its ``test_ops.py``, ``test_sync.py``, ``test_distributed_data_loop.py``),
+re-asked of the Session in one process and on a real one-rank gloo group: what test_toolkit.py left out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multigpu.runtime import exchange
+from multigpu.session import Session
+
+BIG = 2**60 + 1  # not a float64: an integer reduced through float64 comes back as 2**60
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+def test_reducing_integer_tensors_keeps_every_digit(op: str) -> None:
+    with Session(strategy="single") as session:
+        reduced = session.reduce({"n": torch.tensor([BIG, 3, -BIG]), "bits": torch.tensor([True, False])}, op)
+    assert reduced["n"].dtype == torch.int64 and reduced["n"].tolist() == [BIG, 3, -BIG]
+    assert reduced["bits"].dtype == torch.bool and reduced["bits"].tolist() == [True, False]
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+def test_reducing_integer_tensors_over_gloo_keeps_every_digit(one_rank_group: None, op: str) -> None:
+    reduced = exchange.reduce([torch.tensor([BIG, -BIG]), torch.tensor([[7]], dtype=torch.int32)], op)
+    assert reduced[0].tolist() == [BIG, -BIG] and reduced[1].dtype == torch.int32 and reduced[1].tolist() == [[7]]
+    mean = exchange.reduce(torch.tensor([2, 3]), "mean")  # a mean of integers is float32, as documented
+    assert mean.dtype == torch.float32 and mean.tolist() == [2.0, 3.0]
