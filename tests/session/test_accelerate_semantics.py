@@ -3,11 +3,14 @@ re-asked of the Session in one process and on a real one-rank gloo group: what t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from multigpu.runtime import exchange
 from multigpu.session import Session
+from tests.launching import launch_workers
 
 BIG = 2**60 + 1  # not a float64: an integer reduced through float64 comes back as 2**60
 
@@ -26,3 +29,20 @@ def test_reducing_integer_tensors_over_gloo_keeps_every_digit(one_rank_group: No
     assert reduced[0].tolist() == [BIG, -BIG] and reduced[1].dtype == torch.int32 and reduced[1].tolist() == [[7]]
     mean = exchange.reduce(torch.tensor([2, 3]), "mean")  # a mean of integers is float32, as documented
     assert mean.dtype == torch.float32 and mean.tolist() == [2.0, 3.0]
+
+
+# -- real gloo ranks ------------------------------------------------------------------------------------
+
+WORKER = Path(__file__).with_name("accelerate_worker.py")
+CHECKS = ["join_accumulate_1", "join_accumulate_2", "join_accumulate_3"]
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def worker_output(request: pytest.FixtureRequest) -> str:
+    return launch_workers(WORKER, nproc=request.param, timeout_s=120).stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("check", CHECKS)
+def test_accelerate_semantics_on_gloo_ranks(worker_output: str, check: str) -> None:
+    assert f"ok {check}" in worker_output.splitlines(), worker_output[-2000:]
