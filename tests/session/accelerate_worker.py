@@ -13,6 +13,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from multigpu.errors import ConfigError
 from multigpu.session import Session
@@ -77,10 +78,22 @@ def check_join(session: Session, accumulate: int) -> None:
     session.print(f"ok join_accumulate_{accumulate}")
 
 
+def check_loader_attributes(session: Session) -> None:
+    """A session loader answers as a DataLoader: the whole dataset, this rank's batch size."""
+    world = session.world_size
+    data = TensorDataset(torch.arange(6 * world))
+    loader = session.setup_dataloader(DataLoader(data, batch_size=2 * world, shuffle=True))
+    sizes = {len(batch[0]) for batch in session.batches(loader)}
+    ok = loader.dataset is data and len(loader.dataset) == 6 * world and loader.batch_size == 2 and sizes == {2}
+    agree(ok, f"loader attributes: batch_size={loader.batch_size}, batches of {sizes}", session)
+    session.print("ok loader_attributes")
+
+
 def main() -> None:
     with Session(strategy="ddp", seed=0) as session:
         for accumulate in (1, 2, 3):
             check_join(session, accumulate)
+        check_loader_attributes(session)
     sys.stdout.flush()
 
 

@@ -7,12 +7,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from multigpu.runtime import exchange
 from multigpu.session import Session
 from tests.launching import launch_workers
 
 BIG = 2**60 + 1  # not a float64: an integer reduced through float64 comes back as 2**60
+
+
+class Stream(IterableDataset):  # type: ignore[type-arg]
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(range(self.n))
 
 
 @pytest.mark.parametrize("op", ["sum", "max", "min"])
@@ -34,7 +43,7 @@ def test_reducing_integer_tensors_over_gloo_keeps_every_digit(one_rank_group: No
 # -- real gloo ranks ------------------------------------------------------------------------------------
 
 WORKER = Path(__file__).with_name("accelerate_worker.py")
-CHECKS = ["join_accumulate_1", "join_accumulate_2", "join_accumulate_3"]
+CHECKS = ["join_accumulate_1", "join_accumulate_2", "join_accumulate_3", "loader_attributes"]
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -46,3 +55,15 @@ def worker_output(request: pytest.FixtureRequest) -> str:
 @pytest.mark.parametrize("check", CHECKS)
 def test_accelerate_semantics_on_gloo_ranks(worker_output: str, check: str) -> None:
     assert f"ok {check}" in worker_output.splitlines(), worker_output[-2000:]
+
+
+def test_a_session_loader_answers_what_a_dataloader_does() -> None:
+    # Accelerate's prepared loader is a DataLoader: len(loader.dataset) and loader.batch_size work on it
+    data = TensorDataset(torch.arange(10))
+    stream = Stream(9)
+    with Session(strategy="single") as session:
+        for dataset in (data, stream):
+            loader = session.setup_dataloader(DataLoader(dataset, batch_size=4))
+            assert loader.dataset is dataset and loader.batch_size == 4
+        built = session.build_loader(data, batch_size=2)
+        assert built.dataset is data and built.batch_size == 2 and len(built) == 5
