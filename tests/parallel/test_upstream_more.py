@@ -60,3 +60,36 @@ def test_a_module_off_the_primary_device_is_torchs_runtime_error(call: str) -> N
             multigpu.DataParallel(net, devices="cpu:2")(x)
         else:
             multigpu.data_parallel(net, x, devices="cpu:2")
+
+
+class Noisy(nn.Module):
+    """Random draws in training mode three ways: a Dropout module, RReLU, and attention's own dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.drop = nn.Dropout(0.5)
+        self.act = nn.RReLU()
+        self.attn = nn.MultiheadAttention(16, 2, dropout=0.3, batch_first=True)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.drop(self.inp(x))).unsqueeze(1).repeat(1, 4, 1)
+        return self.out(self.attn(h, h, h)[0].mean(1))
+
+
+@pytest.mark.parametrize("devices, chunks", [("cpu:2", [6, 6]), ("cpu:3", [4, 4, 4])])
+def test_cpu_replicas_draw_random_numbers_as_one_device_does_chunk_by_chunk(devices: str, chunks: list[int]) -> None:
+    # CPU replicas share one generator: threads drawing from it at once took their numbers in the
+    # order they reached it, so one seed gave different dropout masks from run to run
+    net = Noisy()
+    x = torch.randn(sum(chunks), 8)
+    torch.manual_seed(5)
+    want = torch.cat([net(part) for part in x.split(chunks)]).detach()  # one device, chunk after chunk
+    model = multigpu.DataParallel(net, devices=devices)
+    try:
+        for _ in range(12):
+            torch.manual_seed(5)
+            assert torch.equal(model(x).detach(), want)
+    finally:
+        model.close()

@@ -28,6 +28,7 @@ from multigpu.errors import ConfigError, PlacementError
 from multigpu.parallel import backward
 from multigpu.parallel.balance import AutoBalancer, BalancePlan, imbalance_warning
 from multigpu.parallel.chunks import build_policy
+from multigpu.parallel.random_turns import forward_turns, in_turn
 from multigpu.parallel.replicas import build_replicas
 from multigpu.parallel.scatter_gather import ScalarRule, batch_size, merge_outputs, split_inputs
 from multigpu.parallel.threads import ReplicaThreads, run_replicas
@@ -247,10 +248,12 @@ class DataParallel(nn.Module):
 
     def _run_replicas(self, modules: list[nn.Module], chunks: list[Any], devices: list[ReplicaDevice]) -> list[Flat]:
         """Every replica's forward (and loss), in parallel, each inside the listeners' phase and scope;
-        each result flattened once, on its replica's thread."""
+        each result flattened once, on its replica's thread. CPU replicas whose forward draws random
+        numbers take turns (:mod:`multigpu.parallel.random_turns`)."""
+        turns = forward_turns(self.module, [d.device for d in devices])
 
         def run(i: int) -> Flat:
-            with self._listeners.phase("forward", devices[i].label):
+            with in_turn(turns, i), self._listeners.phase("forward", devices[i].label):
                 return flatten(self._run_one(modules[i], *chunks[i]))
 
         return run_replicas(run, devices, self._threads, listeners=self._listeners)
