@@ -4,11 +4,15 @@ re-asked of the Session in one process and on a real one-rank gloo group: what t
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
+from multigpu import Checkpointer
 from multigpu.runtime import exchange
 from multigpu.session import Session
 from tests.launching import launch_workers
@@ -67,3 +71,46 @@ def test_a_session_loader_answers_what_a_dataloader_does() -> None:
             assert loader.dataset is dataset and loader.batch_size == 4
         built = session.build_loader(data, batch_size=2)
         assert built.dataset is data and built.batch_size == 2 and len(built) == 5
+
+
+def _train_with_dropout(folder: Path, stop_at: int | None, **session_args: Any) -> dict[str, torch.Tensor] | None:
+    """14 steps of a dropout MLP over a shuffled loader; save at ``stop_at`` and return, or resume and finish."""
+    with Session(seed=0, **session_args) as session:
+        model = session.setup_model(nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        gen = torch.Generator().manual_seed(3)
+        data = TensorDataset(torch.randn(48, 5, generator=gen), torch.randint(0, 3, (48,), generator=gen))
+        loader = session.setup_dataloader(DataLoader(data, batch_size=12, shuffle=True))
+        checkpointer = Checkpointer(folder=folder)
+        resumed = checkpointer.resume(model=model, optimizer=optimizer, loader=loader)
+        step = resumed.step if resumed else 0
+        while step < 14:
+            for x, y in session.batches(loader):
+                with session.micro_step(model):
+                    session.backward(F.cross_entropy(model(x), y))
+                session.step(optimizer)
+                step += 1
+                if step == stop_at:
+                    checkpointer.save(step=step, model=model, optimizer=optimizer, loader=loader)
+                    return None
+                if step == 14:
+                    break
+        return {k: v.detach().clone() for k, v in session.unwrap(model).state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "session_args",
+    [
+        {"strategy": "single"},
+        {"strategy": "dp", "devices": "cpu:2"},
+        {"strategy": "dp", "devices": "cpu:3", "accumulate": 2},
+    ],
+    ids=["single", "dp-2", "dp-3-accumulate"],
+)
+def test_a_mid_epoch_resume_with_dropout_is_bit_exact(tmp_path: Path, session_args: dict[str, Any]) -> None:
+    # Accelerate's save_state/load_state mid-epoch; with dp the CPU replicas' dropout draws must be in order
+    whole = _train_with_dropout(tmp_path / "whole", None, **session_args)
+    assert _train_with_dropout(tmp_path / "split", 6, **session_args) is None  # epoch 1, batch 2
+    rest = _train_with_dropout(tmp_path / "split", None, **session_args)
+    assert whole is not None and rest is not None
+    assert all(torch.equal(whole[k], rest[k]) for k in whole)
