@@ -47,11 +47,11 @@ def join_oracle(batches: list[list[tuple[torch.Tensor, torch.Tensor]]], start: n
     return start
 
 
-def check_join(session: Session, accumulate: int) -> None:
+def check_join(session: Session, accumulate: int, extra: int = 3) -> None:
     """Uneven inputs under join: accumulate=1 trains every rank's batches to the oracle; accumulate > 1 is
     refused on every rank (a rank's last window would close inside another's, unpaired all-reduces: a hang)."""
     world, rank = session.world_size, session.global_rank
-    batches = uneven_batches(world, extra=3)
+    batches = uneven_batches(world, extra=extra)
     torch.manual_seed(11)
     plain = nn.Linear(4, 1)
     start = {k: v.clone() for k, v in plain.state_dict().items()}
@@ -75,7 +75,7 @@ def check_join(session: Session, accumulate: int) -> None:
         want = join_oracle(batches, plain).state_dict()
         ok = not refused and all(torch.allclose(got[k], v, atol=1e-6) for k, v in want.items())
         agree(ok, f"join with accumulate={accumulate}: {refused or got} vs {dict(want)}", session)
-    session.print(f"ok join_accumulate_{accumulate}")
+    session.print(f"ok join_accumulate_{accumulate}" + ("" if extra else "_rank0_without_batches"))
 
 
 def check_loader_attributes(session: Session) -> None:
@@ -93,6 +93,7 @@ def main() -> None:
     with Session(strategy="ddp", seed=0) as session:
         for accumulate in (1, 2, 3):
             check_join(session, accumulate)
+        check_join(session, 1, extra=0)  # rank 0 has no batch at all: it joins at once
         check_loader_attributes(session)
     sys.stdout.flush()
 

@@ -47,7 +47,13 @@ def test_reducing_integer_tensors_over_gloo_keeps_every_digit(one_rank_group: No
 # -- real gloo ranks ------------------------------------------------------------------------------------
 
 WORKER = Path(__file__).with_name("accelerate_worker.py")
-CHECKS = ["join_accumulate_1", "join_accumulate_2", "join_accumulate_3", "loader_attributes"]
+CHECKS = [
+    "join_accumulate_1",
+    "join_accumulate_2",
+    "join_accumulate_3",
+    "join_accumulate_1_rank0_without_batches",
+    "loader_attributes",
+]
 
 
 @pytest.fixture(scope="module", params=[2, 3])
