@@ -93,3 +93,30 @@ def test_cpu_replicas_draw_random_numbers_as_one_device_does_chunk_by_chunk(devi
             assert torch.equal(model(x).detach(), want)
     finally:
         model.close()
+
+
+class OwnDraws(nn.Module):
+    """Draws in its own forward (no layer to find): ordered only under deterministic algorithms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(nn.functional.dropout(x, 0.5, self.training)) + torch.rand(x.shape[0], 1)
+
+
+def test_under_deterministic_algorithms_every_draw_of_cpu_replicas_is_in_order() -> None:
+    net, x = OwnDraws(), torch.randn(12, 8)
+    torch.manual_seed(2)
+    want = torch.cat([net(part) for part in x.split([6, 6])]).detach()
+    model = multigpu.DataParallel(net, devices="cpu:2")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(12):
+            torch.manual_seed(2)
+            assert torch.equal(model(x).detach(), want)
+    finally:
+        torch.use_deterministic_algorithms(before)
+        model.close()
