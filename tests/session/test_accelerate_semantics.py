@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from multigpu import Checkpointer
+from multigpu.errors import ConfigError
 from multigpu.runtime import exchange
 from multigpu.session import Session
 from tests.launching import launch_workers
@@ -120,3 +121,22 @@ def test_a_mid_epoch_resume_with_dropout_is_bit_exact(tmp_path: Path, session_ar
     rest = _train_with_dropout(tmp_path / "split", None, **session_args)
     assert whole is not None and rest is not None
     assert all(torch.equal(whole[k], rest[k]) for k in whole)
+
+
+@pytest.mark.parametrize("src", [1, -1, True])
+def test_a_broadcast_from_a_rank_that_is_not_there_is_named(src: Any) -> None:
+    # one process is a world of one: src=1 was an IndexError (broadcast_object) or silently rank 0's
+    # value (broadcast), src=-1 the last rank's object, while a process group refused both
+    with Session(strategy="single") as session:
+        with pytest.raises(
+            ConfigError, match=rf"src={src!r} is not a rank of this world of 1; use 0 <= src < world size"
+        ):
+            session.broadcast_object({"lr": 0.1}, src=src)
+        with pytest.raises(ConfigError, match=rf"src={src!r} is not a rank"):
+            session.broadcast([torch.ones(2)], src=src)
+
+
+def test_a_broadcast_over_gloo_checks_src_for_objects_too(one_rank_group: None) -> None:
+    with pytest.raises(ConfigError, match=r"src=-1 is not a rank of this world of 1"):
+        exchange.broadcast_object("x", src=-1)
+    assert exchange.broadcast_object("x", src=0) == "x"
