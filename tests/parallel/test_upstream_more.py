@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import multigpu
+from multigpu.errors import ConfigError
 
 
 class OneLinear(nn.Module):
@@ -120,3 +121,9 @@ def test_under_deterministic_algorithms_every_draw_of_cpu_replicas_is_in_order()
     finally:
         torch.use_deterministic_algorithms(before)
         model.close()
+
+
+def test_a_module_that_is_not_a_module_is_named_at_construction() -> None:
+    # it failed at the first call, with "'function' object has no attribute 'named_parameters'"
+    with pytest.raises(ConfigError, match=r"module must be a torch.nn.Module, got function; wrap the callable"):
+        multigpu.DataParallel(lambda t: t * 2, devices="cpu:2")  # type: ignore[arg-type]

@@ -407,6 +407,11 @@ def _as_leaf(leaf: Any, sources: list[torch.Tensor], leaves: list[torch.Tensor])
 
 
 def _refuse_wrapper(module: nn.Module) -> None:
+    if not isinstance(module, nn.Module):
+        raise ConfigError(
+            f"module must be a torch.nn.Module, got {type(module).__name__}; wrap the callable in a Module "
+            "whose forward calls it (its parameters, if any, registered on that Module)"
+        )
     if isinstance(module, (DataParallel, nn.DataParallel, DistributedDataParallel)):
         raise ConfigError(
             f"module is already a {type(module).__name__}; wrapping it again would split every chunk a "
