@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import multigpu
@@ -127,3 +129,18 @@ def test_a_module_that_is_not_a_module_is_named_at_construction() -> None:
     # it failed at the first call, with "'function' object has no attribute 'named_parameters'"
     with pytest.raises(ConfigError, match=r"module must be a torch.nn.Module, got function; wrap the callable"):
         multigpu.DataParallel(lambda t: t * 2, devices="cpu:2")  # type: ignore[arg-type]
+
+
+@settings(max_examples=15, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5), min_size=2, max_size=4).filter(lambda s: sum(s) > 0), seed=st.integers(0, 99))
+def test_dropout_on_cpu_replicas_follows_one_device_for_any_chunk_sizes(sizes: list[int], seed: int) -> None:
+    net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 2))
+    x = torch.randn(sum(sizes), 4)
+    torch.manual_seed(seed)
+    want = torch.cat([net(part) for part in x.split(sizes) if len(part)]).detach()
+    model = multigpu.DataParallel(net, devices=f"cpu:{len(sizes)}", chunk_sizes=sizes)
+    try:
+        torch.manual_seed(seed)
+        assert torch.equal(model(x).detach(), want)
+    finally:
+        model.close()
