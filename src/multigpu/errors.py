@@ -11,8 +11,8 @@ class DeviceError(MultigpuError, ValueError):
     """A device specification that does not parse or names hardware that is not there."""
 
 
-class PlacementError(MultigpuError, ValueError):
-    """A module or tensor that is not where the engine needs it."""
+class PlacementError(MultigpuError, ValueError, RuntimeError):
+    """A module or tensor that is not where the engine needs it (a RuntimeError too, as torch's DataParallel raises)."""
 
 
 class ScatterError(MultigpuError, ValueError):

@@ -94,6 +94,12 @@ def test_row_a_batch_is_split_evenly_over_every_device() -> None:
     assert [c.size(0) for c in torch.randn(5, 2).chunk(4)] == [2, 2, 1]  # nn.DataParallel's split (comm.scatter)
 
 
+def test_row_an_empty_batch_is_an_error() -> None:
+    assert [c.size(0) for c in torch.randn(0, 2).chunk(2)] == [0, 0]  # nn.DataParallel's split: empty chunks
+    with pytest.raises(ScatterError, match=r"input\[0\]\[0\] has an empty batch .*skip empty batches"):
+        multigpu.DataParallel(nn.Linear(2, 1), devices="cpu:2")(torch.randn(0, 2))
+
+
 def test_row_inputs_whose_batch_sizes_disagree_are_an_error() -> None:
     class Two(nn.Module):
         def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,8 @@ _IS_LEAF: dict[type, bool] = {deque: True}  # deques stay leaves, as they always
 _DATACLASSES: set[type] = set()  # registered here: their children are named fields (paths ``.name``)
 _MAPPINGS: set[type] = {dict, OrderedDict}  # context: the keys (paths ``['key']``)
 _DEFAULTDICTS: set[type] = {defaultdict}  # context: the default factory and the keys
+_LEAF_SPEC = pytree.tree_structure(0)  # pytree's spec of one leaf, whatever this torch names it
+_node_type: Callable[[Any], Any] = pytree._get_node_type  # the registry's key (every namedtuple is `namedtuple`)
 
 
 class Flat:
@@ -82,8 +84,24 @@ class Flat:
 
 def flatten(obj: Any) -> Flat:
     """``obj``'s leaves and spec, registering dataclasses, mappings and sequence subclasses on first sight."""
-    leaves, spec = pytree.tree_flatten(obj, is_leaf=_is_leaf)
+    leaves: list[Leaf] = []
+    spec = _flatten_into(obj, leaves)
     return Flat(leaves, spec)
+
+
+def _flatten_into(node: Any, leaves: list[Leaf]) -> pytree.TreeSpec:
+    """pytree's flatten of ``node`` (leaves appended to ``leaves``), recursing at module level.
+
+    Why not ``pytree.tree_flatten``: its inner helper refers to itself through its closure, a reference
+    cycle per call that only the garbage collector frees; a step flattens several structures, and torch's
+    own DataParallel test (test_data_parallel_model_no_refcycles) asserts that a step leaves no cycle.
+    """
+    if _is_leaf(node):
+        leaves.append(node)
+        return _LEAF_SPEC
+    node_type = _node_type(node)
+    children, context = pytree.SUPPORTED_NODES[node_type].flatten_fn(node)
+    return pytree.TreeSpec(node_type, context, [_flatten_into(child, leaves) for child in children])
 
 
 def map_leaves(fn: Callable[[Leaf, str], Any], obj: Any) -> Any:

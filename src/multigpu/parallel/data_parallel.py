@@ -28,6 +28,7 @@ from multigpu.errors import ConfigError, PlacementError
 from multigpu.parallel import backward
 from multigpu.parallel.balance import AutoBalancer, BalancePlan, imbalance_warning
 from multigpu.parallel.chunks import build_policy
+from multigpu.parallel.random_turns import forward_turns, in_turn
 from multigpu.parallel.replicas import build_replicas
 from multigpu.parallel.scatter_gather import ScalarRule, batch_size, merge_outputs, split_inputs
 from multigpu.parallel.threads import ReplicaThreads, run_replicas
@@ -247,10 +248,12 @@ class DataParallel(nn.Module):
 
     def _run_replicas(self, modules: list[nn.Module], chunks: list[Any], devices: list[ReplicaDevice]) -> list[Flat]:
         """Every replica's forward (and loss), in parallel, each inside the listeners' phase and scope;
-        each result flattened once, on its replica's thread."""
+        each result flattened once, on its replica's thread. CPU replicas whose forward draws random
+        numbers take turns (:mod:`multigpu.parallel.random_turns`)."""
+        turns = forward_turns(self.module, [d.device for d in devices])
 
         def run(i: int) -> Flat:
-            with self._listeners.phase("forward", devices[i].label):
+            with in_turn(turns, i), self._listeners.phase("forward", devices[i].label):
                 return flatten(self._run_one(modules[i], *chunks[i]))
 
         return run_replicas(run, devices, self._threads, listeners=self._listeners)
@@ -345,10 +348,10 @@ class DataParallel(nn.Module):
     def _check_placement(self) -> None:
         for name, tensor in chain(self.module.named_parameters(), self.module.named_buffers()):
             if tensor.device != self.src_device_obj:
-                raise PlacementError(
-                    f"module parameter or buffer {name!r} is on {tensor.device}, but DataParallel's primary "
-                    f"device is {self.replica_devices[0].label}; move the model first: "
-                    f"model.to({str(self.src_device_obj)!r})"
+                raise PlacementError(  # torch's sentence first: code written for nn.DataParallel matches it
+                    f"module must have its parameters and buffers on device {self.src_device_obj} "
+                    f"(the primary device, {self.replica_devices[0].label}): module parameter or buffer {name!r} "
+                    f"is on {tensor.device}; move the model first: model.to({str(self.src_device_obj)!r})"
                 )
 
     def extra_repr(self) -> str:
@@ -404,6 +407,11 @@ def _as_leaf(leaf: Any, sources: list[torch.Tensor], leaves: list[torch.Tensor])
 
 
 def _refuse_wrapper(module: nn.Module) -> None:
+    if not isinstance(module, nn.Module):
+        raise ConfigError(
+            f"module must be a torch.nn.Module, got {type(module).__name__}; wrap the callable in a Module "
+            "whose forward calls it (its parameters, if any, registered on that Module)"
+        )
     if isinstance(module, (DataParallel, nn.DataParallel, DistributedDataParallel)):
         raise ConfigError(
             f"module is already a {type(module).__name__}; wrapping it again would split every chunk a "

@@ -70,7 +70,8 @@ def reduce_value(value: float | torch.Tensor, op: ReduceOp = "mean") -> torch.Te
 
     Returns:
         The reduced value as a float64 tensor on the CPU, identical on every rank (a 0-dim tensor
-        for a number); outside a process group, ``value`` itself as such a tensor.
+        for a number); outside a process group, ``value`` itself as such a tensor. Integer (and
+        bool) tensors reduced by sum, max or min come back as int64 instead, exact beyond 2**53.
 
     Example:
         >>> float(reduce_value(2.5))   # one process: unchanged
@@ -79,10 +80,14 @@ def reduce_value(value: float | torch.Tensor, op: ReduceOp = "mean") -> torch.Te
     if op not in _OPS:
         raise ConfigError(f"op={op!r} is not a reduction; use one of {sorted(_OPS)}")
     tensor = torch.as_tensor(value).detach()
+    # Reduce in float64 so that sums of many float32 losses keep their digits; integer tensors in
+    # int64, which float64 would round past 2**53 (a mean of them is a fraction: float64). Numbers
+    # stay float64 whatever their type, so a rank's int 0 meets another's 0.5 in one dtype.
+    exact = isinstance(value, torch.Tensor) and op != "mean" and not (value.is_floating_point() or value.is_complex())
+    dtype = torch.int64 if exact else torch.float64
     if not in_process_group():
-        return tensor.to("cpu", torch.float64)
-    # Reduce in float64 so that sums of many float32 losses keep their digits.
-    work = tensor.to(_collective_device(), torch.float64).clone()
+        return tensor.to("cpu", dtype)
+    work = tensor.to(_collective_device(), dtype).clone()
     with issuing(f"reduce ({op})", [work]):
         dist.all_reduce(work, op=getattr(dist.ReduceOp, _OPS[op]))  # note: a sync point across ranks
     if op == "mean":

@@ -139,6 +139,8 @@ class EpochLoader(Generic[T]):
             ``set_epoch`` is called; None for a loader without one (an iterable dataset).
         seed: the seed its own per-epoch generators derive from (with ``rank`` and the epoch).
         rank: this process's rank (the workers of each rank get seeds of their own).
+        dataset: the dataset the caller built the loader over, which :attr:`dataset` answers
+            (default: ``loader``'s, which may be this rank's stride of it).
 
     Example:
         >>> data = torch.utils.data.TensorDataset(torch.arange(8.0))
@@ -147,9 +149,18 @@ class EpochLoader(Generic[T]):
         ([2, 2], 2)
     """
 
-    def __init__(self, loader: DataLoader, sampler: DistributedSampler | None, *, seed: int = 0, rank: int = 0) -> None:
+    def __init__(
+        self,
+        loader: DataLoader,
+        sampler: DistributedSampler | None,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        dataset: Any = None,
+    ) -> None:
         self.loader = loader
         self.sampler = sampler
+        self._dataset = loader.dataset if dataset is None else dataset
         self.epoch = 0  # the epoch the next iteration will use
         self.lookahead = 0  # batches taken from the iterator that the loop has not received (session.batches)
         self._seed, self._rank = seed, rank
@@ -158,6 +169,16 @@ class EpochLoader(Generic[T]):
         self._skip = 0  # batches the next iteration skips (load_state_dict, skip_first_batches)
         self._in_flight: int | None = None  # the epoch being iterated
         self._taken = 0  # batches of that epoch taken (skipped ones included)
+
+    @property
+    def dataset(self) -> Any:
+        """The whole dataset, as a DataLoader's ``dataset`` (``len(loader.dataset)`` counts every rank's samples)."""
+        return self._dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        """The size of the batches this rank's iteration yields (the global batch divided by the world size)."""
+        return self.loader.batch_size
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration use ``epoch``'s permutation (e.g. after resuming)."""

@@ -27,6 +27,7 @@ import torch
 from multigpu.core.structure import map_leaves
 from multigpu.errors import ConfigError
 from multigpu.runtime.collectives import ReduceOp, broadcast_tensor, gather_rows, reduce_value
+from multigpu.runtime.world import in_process_group, world_size
 
 T = TypeVar("T")
 
@@ -73,6 +74,7 @@ def broadcast(obj: T, src: int = 0) -> T:
         >>> broadcast([torch.ones(2)], src=0)
         [tensor([1., 1.])]
     """
+    check_src(src)
     return map_leaves(lambda leaf, _: broadcast_tensor(leaf, src) if torch.is_tensor(leaf) else leaf, obj)  # type: ignore[no-any-return]
 
 
@@ -83,7 +85,19 @@ def broadcast_object(obj: T, src: int = 0) -> T:
         >>> broadcast_object({"lr": 0.1})
         {'lr': 0.1}
     """
+    check_src(src)
     return gather_object(obj)[src]  # type: ignore[no-any-return]
+
+
+def check_src(src: object) -> None:
+    """Refuse a ``src`` that names no rank of this world (one process: a world of one), before any collective.
+
+    Raises:
+        ConfigError: ``src`` is not an int in ``[0, world size)`` (a negative index, a bool, rank 1 of one).
+    """
+    size = world_size() if in_process_group() else 1
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size:
+        raise ConfigError(f"src={src!r} is not a rank of this world of {size}; use 0 <= src < world size")
 
 
 def reduce(obj: Any, op: ReduceOp = "mean") -> Any:

@@ -250,13 +250,24 @@ class Session(Toolkit):
         Raises:
             ConfigError: under ddp, a DataLoader over a map-style dataset that is not sharded
                 (every rank would train on every sample): pass it through :meth:`setup_dataloader`;
-                ``even_batches=False`` outside ``with session.join(model):`` with several processes.
+                ``even_batches=False`` outside ``with session.join(model):``, or with ``accumulate > 1``,
+                with several processes.
         """
         loaders.check_sharded(batches, self._started()[0].shard)
         if not even_batches and not self._joined and self.world_size > 1:
             raise ConfigError(
                 "session.batches(..., even_batches=False) lets ranks take different numbers of batches; "
                 "iterate it inside 'with session.join(model):' so finished ranks shadow the others' all-reduces"
+            )
+        if not even_batches and self.world_size > 1 and self.config.accumulate > 1:
+            # A rank that runs out closes its last window early, inside the others' windows: its gradient
+            # all-reduce would pair with another rank's next collective (a hang); syncing every micro-step
+            # instead gives wrong gradients once a rank has joined (its shadow adds zeros, not its share).
+            raise ConfigError(
+                f"session.batches(..., even_batches=False) with accumulate={self.config.accumulate}: a rank that "
+                "runs out of batches closes its last accumulation window inside the other ranks' windows, and "
+                "their gradient all-reduces no longer pair up; use Session(accumulate=1) for uneven inputs "
+                "under session.join, or keep even_batches=True (every rank stops at the shortest)"
             )
         device = self.device
         outer = self._last_batch  # an evaluate() inside a training loop must not reset the loop's flag

@@ -177,7 +177,9 @@ class Toolkit:
         (``divide_by_initial_world_size``) as DDP does, so a step fewer ranks take is smaller than
         a one-device step over their samples; False divides by the ranks still training. Collectives
         of your own (``reduce``, ``gather``...) are not shadowed: call them after the block. Every rank
-        must enter it. A no-op in one process.
+        must enter it. A no-op in one process. With several processes its uneven batches need
+        ``Session(accumulate=1)``: ranks that run out at different micro-steps would close their last
+        accumulation windows apart (``session.batches`` refuses it).
 
         Raises:
             ConfigError: several processes but ``model`` is not DDP's (fsdp cannot shadow its collectives).
