@@ -103,6 +103,77 @@ def test_slurm_task() -> None:
     assert env is not None and env.scheduler == "slurm" and env.global_rank == 3
 
 
+_STEP_OF_A_BIGGER_JOB = {  # 'srun --ntasks=2 --nodes=1' inside an allocation of 8 tasks on 2 nodes
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "3",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_NTASKS": "8",
+    "SLURM_NPROCS": "8",
+    "SLURM_NNODES": "2",
+    "SLURM_TASKS_PER_NODE": "4(x2)",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_NUM_NODES": "1",
+    "SLURM_STEP_TASKS_PER_NODE": "2",
+    "SLURM_STEP_NODELIST": "gpu08",
+}
+
+
+def test_a_step_smaller_than_its_job_forms_the_steps_world() -> None:
+    world = detect_worker(_STEP_OF_A_BIGGER_JOB)
+    assert world is not None
+    assert (world.global_rank, world.world_size, world.local_rank, world.local_world_size, world.node_rank) == (
+        1,
+        2,
+        1,
+        2,
+        0,
+    )
+    assert world.master_addr == "gpu08"  # the step's first host, not the job's
+    # the job's variables alone (no step variables): the job's world, never a mix of the two
+    job_only = {k: v for k, v in _STEP_OF_A_BIGGER_JOB.items() if not k.startswith("SLURM_STEP_")}
+    job_world = detect_worker({**job_only, "SLURM_STEP_ID": "0"})
+    assert job_world is not None and (job_world.world_size, job_world.local_world_size) == (8, 4)
+    assert job_world.master_addr == "gpu07"
+
+
+def test_step_tasks_per_node_in_slurms_compressed_form() -> None:
+    env = {
+        **_STEP_OF_A_BIGGER_JOB,
+        "SLURM_STEP_NUM_TASKS": "7",
+        "SLURM_STEP_NUM_NODES": "4",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x3),1",
+        "SLURM_STEP_NODELIST": "n[1-3],m9",
+        "SLURM_PROCID": "6",
+        "SLURM_NODEID": "3",
+        "SLURM_LOCALID": "0",
+    }
+    world = detect_worker(env)
+    assert world is not None and (world.world_size, world.local_world_size, world.node_rank) == (7, 1, 3)
+    with pytest.raises(
+        LaunchError, match=r"SLURM_STEP_TASKS_PER_NODE='2\(x3\),1' names 4 nodes but SLURM_STEP_NUM_NODES=3"
+    ):
+        detect_worker({**env, "SLURM_STEP_NUM_NODES": "3"})
+
+
+@pytest.mark.parametrize("step", ["batch", "extern", "interactive", "4294967294", "4294967295", "4294967291"])
+def test_the_batch_and_extern_steps_are_not_srun_steps(step: str) -> None:
+    """python run directly in the batch script (or the extern/interactive step) is no task of an srun step."""
+    batch = {**_SLURM, "SLURM_STEP_ID": step, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+    assert detect_worker(batch) is None
+    assert "not started by srun" in (not_started_reason(batch) or "")
+    assert launcher_defaults(batch) == (None, {})
+
+
+def test_two_steps_of_one_job_derive_different_ports() -> None:
+    first = detect_worker({**_STEP_OF_A_BIGGER_JOB, "SLURM_STEP_ID": "0"})
+    second = detect_worker({**_STEP_OF_A_BIGGER_JOB, "SLURM_STEP_ID": "1"})
+    assert first is not None and second is not None and first.master_port != second.master_port
+    assert first.master_port == slurm_port("4242")  # step 0: the job's port, as before
+
+
 def test_every_task_of_a_job_derives_the_same_port() -> None:
     ports = {slurm_port("987654") for _ in range(3)}
     assert len(ports) == 1 and 20000 <= ports.pop() < 40000
@@ -187,6 +258,18 @@ def test_launcher_defaults() -> None:
     with pytest.raises(LaunchError, match=r"SLURM_NTASKS=4 tasks on 2 node\(s\).*--ntasks-per-node=1"):
         launcher_defaults({**_SLURM, "SLURM_NNODES": "2"})
     assert launcher_defaults({}) == (None, {})
+    # 'srun --nodes=2 --ntasks-per-node=1 multigpu launch' inside a job of 8 tasks: the step's counts decide
+    one_launcher_per_node = {
+        **_STEP_OF_A_BIGGER_JOB,
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        "SLURM_STEP_NODELIST": "gpu[07-08]",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "1",
+    }
+    assert launcher_defaults(one_launcher_per_node)[1]["nnodes"] == "2"
+    assert launcher_defaults(one_launcher_per_node)[1]["node-rank"] == "1"
     older_operator = {"PET_NNODES": "2", "MASTER_ADDR": "train-master-0", "MASTER_PORT": "23456"}
     assert launcher_defaults(older_operator)[1] == {
         "nnodes": "2",

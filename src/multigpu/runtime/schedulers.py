@@ -4,11 +4,15 @@
 them asks :func:`detect_worker` here, so ``srun python train.py`` and ``mpirun -np 2 python
 train.py`` form the same world as ``multigpu launch``:
 
-- **SLURM** (a task of an ``srun`` step): rank ``SLURM_PROCID``, world ``SLURM_NTASKS``, local rank
-  ``SLURM_LOCALID``, node ``SLURM_NODEID``, tasks on this node from ``SLURM_TASKS_PER_NODE``; the
-  master is the first host of ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``), expanded by
-  :func:`expand_hostlist`; the port is ``MASTER_PORT``, else derived from ``SLURM_JOB_ID`` so every
-  task computes the same one.
+- **SLURM** (a task of an ``srun`` step): rank ``SLURM_PROCID``, local rank ``SLURM_LOCALID``, node
+  ``SLURM_NODEID``; the world, tasks per node and hosts from the step's variables
+  (``SLURM_STEP_NUM_TASKS``, ``SLURM_STEP_NUM_NODES``, ``SLURM_STEP_TASKS_PER_NODE``,
+  ``SLURM_STEP_NODELIST``) when srun set them, else from the job's (``SLURM_NTASKS``, ``SLURM_NNODES``,
+  ``SLURM_TASKS_PER_NODE``, ``SLURM_JOB_NODELIST``), never a mix: a step may be smaller than its job.
+  Compressed lists are expanded by :mod:`multigpu.runtime.slurm_lists`. The master is the first host;
+  the port is ``MASTER_PORT``, else derived from ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``
+  (:func:`slurm_port`) so every task computes the same one and two steps of one job differ. The
+  batch, extern and interactive steps (python run directly in the batch script) are no srun step.
 - **Open MPI** (``OMPI_COMM_WORLD_RANK``/``_SIZE``/``_LOCAL_RANK``/``_LOCAL_SIZE``) and **MPICH / Intel
   MPI** (``PMI_RANK``/``PMI_SIZE``, ``MPI_LOCALRANKID``/``MPI_LOCALNRANKS``), with ``MASTER_ADDR`` and
   ``MASTER_PORT`` (loopback and 29500 when every rank runs on this node).
@@ -18,8 +22,6 @@ The parent side (``multigpu launch``) asks :func:`launcher_defaults`: torchrun's
 Inconsistent variables raise a :class:`~multigpu.errors.LaunchError` naming them and the fix.
 
 Example:
-    >>> expand_hostlist("node[01-03,07],gpu[1-2]")
-    ['node01', 'node02', 'node03', 'node07', 'gpu1', 'gpu2']
     >>> detect_worker({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}).global_rank
     1
 """
@@ -32,10 +34,30 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from multigpu.errors import LaunchError
+from multigpu.runtime.slurm_lists import expand_hostlist, expand_tasks_per_node
+
+__all__ = [
+    "DEFAULT_PORT",
+    "TORCHRUN",
+    "SchedulerWorld",
+    "detect_worker",
+    "expand_hostlist",
+    "expand_tasks_per_node",
+    "launcher_defaults",
+    "not_started_reason",
+    "slurm_job_id",
+    "slurm_port",
+]
 
 DEFAULT_PORT = 29500
 TORCHRUN = "torchrun"  # the scheduler name of RANK/WORLD_SIZE (torchrun, multigpu launch) and of PET_*
 _PORT_BASE, _PORT_SPAN = 20000, 20000  # job-derived ports: 20000..39999, below Linux's ephemeral range
+_PORT_STEP = 1000  # apart per step of one job
+# SLURM's step ids above SLURM_MAX_NORMAL_STEP_ID (0xfffffff0) name no srun step: the batch script
+# (0xfffffffb; 0xfffffffe before 20.11), the extern container (0xfffffffc; 0xffffffff before), the
+# interactive step (0xfffffffa); environments spell some of them as words
+_MAX_NORMAL_STEP_ID = 0xFFFFFFF0
+_SPECIAL_STEPS = {"batch", "extern", "interactive", "pending", "tbd"}
 _SLURM_FIX = "start one task per process with srun (e.g. 'srun --ntasks-per-node=2 python train.py')"
 
 
@@ -64,82 +86,21 @@ class SchedulerWorld:
     master_port: int
 
 
-def expand_hostlist(hostlist: str) -> list[str]:
-    """Every host of a SLURM hostlist, in order: ``"a[1-3,7],b"`` -> ``a1, a2, a3, a7, b``.
+def slurm_port(job_id: str, step_id: str = "0") -> int:
+    """The port every task of step ``step_id`` of SLURM job ``job_id`` derives alike (when ``MASTER_PORT`` is not set).
 
-    Ranges keep their zero padding (``node[08-10]`` -> ``node08, node09, node10``), and several
-    bracket groups in one name multiply (``r[1-2]n[1-2]`` -> ``r1n1, r1n2, r2n1, r2n2``).
-
-    Raises:
-        LaunchError: unbalanced brackets or a range that runs backwards.
-    """
-    hosts: list[str] = []
-    for name in _split_top_level(hostlist):
-        hosts += _expand_name(name, hostlist)
-    return hosts
-
-
-def _split_top_level(text: str) -> list[str]:
-    """``text`` split at the commas outside brackets."""
-    parts, depth, current = [], 0, ""
-    for char in text:
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if depth not in (0, 1):
-            raise LaunchError(
-                f"hostlist {text!r} has unbalanced or nested brackets; SLURM writes e.g. 'node[01-03,07]'"
-            )
-        if char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    if depth != 0:
-        raise LaunchError(f"hostlist {text!r} has an unclosed '['; SLURM writes e.g. 'node[01-03,07]'")
-    return [part.strip() for part in [*parts, current] if part.strip()]
-
-
-def _expand_name(name: str, whole: str) -> list[str]:
-    match = re.search(r"\[([^\]]*)\]", name)
-    if match is None:
-        return [name]
-    head, tail = name[: match.start()], name[match.end() :]
-    expanded: list[str] = []
-    for item in match.group(1).split(","):
-        low, _, high = item.strip().partition("-")
-        if not low.isdigit() or (high and not high.isdigit()):
-            raise LaunchError(f"hostlist {whole!r}: {item!r} is not a number or a range like 01-03")
-        if high and int(high) < int(low):
-            raise LaunchError(f"hostlist {whole!r}: the range {item!r} runs backwards; write it as {high}-{low}")
-        width = len(low)  # SLURM pads every number of a range to its first bound's width
-        for number in range(int(low), int(high or low) + 1):
-            expanded += [head + str(number).zfill(width) + rest for rest in _expand_name(tail, whole)]
-    return expanded
-
-
-def expand_tasks_per_node(value: str) -> list[int]:
-    """``SLURM_TASKS_PER_NODE`` per node: ``"2(x3),1"`` -> ``[2, 2, 2, 1]``.
-
-    Raises:
-        LaunchError: a value SLURM does not write.
-    """
-    counts: list[int] = []
-    for item in value.split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
-        if match is None:
-            raise LaunchError(f"SLURM_TASKS_PER_NODE={value!r} is not SLURM's form (e.g. '2(x3),1')")
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
-    return counts
-
-
-def slurm_port(job_id: str) -> int:
-    """The port every task of SLURM job ``job_id`` derives alike (when ``MASTER_PORT`` is not set).
+    ``20000 + (job + 1000 * step) % 20000``: the steps of one job that run at the same time (up to 20) get
+    different ports; step 0 keeps the job's own.
 
     Example:
         >>> slurm_port("123456")
         23456
+        >>> slurm_port("123456", "1")
+        24456
     """
-    digits = re.sub(r"\D", "", job_id) or "0"  # array jobs: '123_4'
-    return _PORT_BASE + int(digits) % _PORT_SPAN
+    job = int(re.sub(r"\D", "", job_id) or "0")  # array jobs: '123_4'
+    step = int(step_id) if step_id.isdigit() else 0
+    return _PORT_BASE + (job + _PORT_STEP * step) % _PORT_SPAN
 
 
 def detect_worker(env: Mapping[str, str]) -> SchedulerWorld | None:
@@ -164,22 +125,28 @@ def not_started_reason(env: Mapping[str, str]) -> str | None:
     """Why a process inside a SLURM allocation that expects several tasks is not one of them, if it is so.
 
     ``python train.py`` typed in an ``salloc`` shell, or run by an ``sbatch`` script without
-    ``srun``, sees ``SLURM_NTASKS`` > 1 but is no task of a step: it would wait forever for the
-    others, so the world's caller refuses it with this reason.
+    ``srun`` (the batch step, ``SLURM_STEP_ID=batch``), sees ``SLURM_NTASKS`` > 1 but is no task of a
+    step: it would wait forever for the others, so the world's caller refuses it with this reason.
     """
     tasks = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS")
     if "SLURM_JOB_ID" not in env or _in_srun_step(env) or not tasks or not tasks.isdigit() or int(tasks) <= 1:
         return None
+    step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
+    how = f"it runs in SLURM_STEP_ID={step}, not an srun step" if step else "no SLURM_STEP_ID"
     return (
         f"this process runs inside SLURM job {env['SLURM_JOB_ID']}, which expects SLURM_NTASKS={tasks} tasks, "
-        f"but it was not started by srun (no SLURM_STEP_ID); {_SLURM_FIX}"
+        f"but it was not started by srun ({how}); {_SLURM_FIX}"
     )
 
 
 def _in_srun_step(env: Mapping[str, str]) -> bool:
     # srun sets the step id for its tasks; an sbatch script's own shell (the batch step) has
-    # SLURM_PROCID=0 and the allocation's SLURM_NTASKS but is not one of the tasks
-    return "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+    # SLURM_PROCID=0 and the allocation's SLURM_NTASKS but is not one of the tasks, and its step id,
+    # where set, is one of SLURM's special ones
+    step = (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "").strip()
+    if not step or step.lower() in _SPECIAL_STEPS:
+        return False
+    return not step.isdigit() or int(step) < _MAX_NORMAL_STEP_ID
 
 
 def _ints(env: Mapping[str, str], names: list[str], fix: str) -> list[int]:
@@ -192,24 +159,60 @@ def _ints(env: Mapping[str, str], names: list[str], fix: str) -> list[int]:
     return values
 
 
-def _slurm_worker(env: Mapping[str, str]) -> SchedulerWorld:
-    tasks_name = "SLURM_NTASKS" if "SLURM_NTASKS" in env else "SLURM_NPROCS"
-    rank, world, local_rank, node = _ints(
-        env, ["SLURM_PROCID", tasks_name, "SLURM_LOCALID", "SLURM_NODEID"], _SLURM_FIX
-    )
-    if not 0 <= rank < world:
-        raise LaunchError(f"SLURM_PROCID={rank} lies outside {tasks_name}={world} tasks; {_SLURM_FIX}")
-    per_node = expand_tasks_per_node(env["SLURM_TASKS_PER_NODE"]) if env.get("SLURM_TASKS_PER_NODE") else [world]
-    if sum(per_node) != world:
+@dataclass(frozen=True)
+class _SlurmCounts:
+    """One consistent set of SLURM's counts: the step's (``SLURM_STEP_*``) or the job's, never a mix."""
+
+    tasks_var: str
+    tasks: int
+    nodes_var: str
+    nodes: int | None
+    per_node_var: str
+    per_node: list[int]
+    nodelist_var: str
+    nodelist: str
+
+
+def _slurm_counts(env: Mapping[str, str]) -> _SlurmCounts:
+    """The step's counts when srun set them (a step may be smaller than its job), else the job's."""
+    if "SLURM_STEP_NUM_TASKS" in env:
+        names = ("SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NODELIST")
+    else:
+        tasks_var = "SLURM_NTASKS" if "SLURM_NTASKS" in env else "SLURM_NPROCS"
+        nodes_var = "SLURM_JOB_NUM_NODES" if "SLURM_JOB_NUM_NODES" in env else "SLURM_NNODES"
+        nodelist_var = "SLURM_JOB_NODELIST" if "SLURM_JOB_NODELIST" in env else "SLURM_NODELIST"
+        names = (tasks_var, nodes_var, "SLURM_TASKS_PER_NODE", nodelist_var)
+    tasks_var, nodes_var, per_node_var, nodelist_var = names
+    (tasks,) = _ints(env, [tasks_var], _SLURM_FIX)
+    nodes = _ints(env, [nodes_var], _SLURM_FIX)[0] if env.get(nodes_var) else None
+    per_node = expand_tasks_per_node(env[per_node_var], name=per_node_var) if env.get(per_node_var) else [tasks]
+    if sum(per_node) != tasks:
         raise LaunchError(
-            f"SLURM_TASKS_PER_NODE={env['SLURM_TASKS_PER_NODE']!r} adds up to {sum(per_node)} tasks but "
-            f"{tasks_name}={world}; request consistent counts (e.g. --nodes=2 --ntasks-per-node=2, no --ntasks)"
+            f"{per_node_var}={env[per_node_var]!r} adds up to {sum(per_node)} tasks but {tasks_var}={tasks}; "
+            "request consistent counts (e.g. --nodes=2 --ntasks-per-node=2, no --ntasks)"
         )
+    if nodes is not None and env.get(per_node_var) and len(per_node) != nodes:
+        raise LaunchError(
+            f"{per_node_var}={env[per_node_var]!r} names {len(per_node)} nodes but {nodes_var}={nodes}; "
+            "SLURM writes both for one step: were some of them set by hand?"
+        )
+    return _SlurmCounts(
+        tasks_var, tasks, nodes_var, nodes, per_node_var, per_node, nodelist_var, env.get(nodelist_var, "")
+    )
+
+
+def _slurm_worker(env: Mapping[str, str]) -> SchedulerWorld:
+    counts = _slurm_counts(env)
+    rank, local_rank, node = _ints(env, ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"], _SLURM_FIX)
+    world, per_node = counts.tasks, counts.per_node
+    if not 0 <= rank < world:
+        raise LaunchError(f"SLURM_PROCID={rank} lies outside {counts.tasks_var}={world} tasks; {_SLURM_FIX}")
     if not node < len(per_node) or not local_rank < per_node[node]:
         raise LaunchError(
-            f"SLURM_LOCALID={local_rank} on SLURM_NODEID={node} does not fit SLURM_TASKS_PER_NODE="
-            f"{env.get('SLURM_TASKS_PER_NODE', str(world))!r}; {_SLURM_FIX}"
+            f"SLURM_LOCALID={local_rank} on SLURM_NODEID={node} does not fit {counts.per_node_var}="
+            f"{env.get(counts.per_node_var, str(world))!r}; {_SLURM_FIX}"
         )
+    step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "0"
     return SchedulerWorld(
         scheduler="slurm",
         global_rank=rank,
@@ -217,17 +220,16 @@ def _slurm_worker(env: Mapping[str, str]) -> SchedulerWorld:
         world_size=world,
         local_world_size=per_node[node],
         node_rank=node,
-        master_addr=env.get("MASTER_ADDR") or _slurm_master(env),
-        master_port=_port(env) if "MASTER_PORT" in env else slurm_port(env.get("SLURM_JOB_ID", "0")),
+        master_addr=env.get("MASTER_ADDR") or _slurm_master(counts),
+        master_port=_port(env) if "MASTER_PORT" in env else slurm_port(env.get("SLURM_JOB_ID", "0"), step),
     )
 
 
-def _slurm_master(env: Mapping[str, str]) -> str:
-    for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
-        if env.get(name):
-            return expand_hostlist(env[name])[0]
+def _slurm_master(counts: _SlurmCounts) -> str:
+    if counts.nodelist:
+        return expand_hostlist(counts.nodelist)[0]
     raise LaunchError(
-        "a SLURM task without SLURM_STEP_NODELIST or SLURM_JOB_NODELIST: set MASTER_ADDR to rank 0's host "
+        f"a SLURM task without {counts.nodelist_var}: set MASTER_ADDR to rank 0's host "
         "(e.g. MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1))"
     )
 
@@ -314,17 +316,19 @@ def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str
         return TORCHRUN, pet
     if "SLURM_PROCID" not in env or not _in_srun_step(env):
         return None, {}
-    tasks, nodes = env.get("SLURM_NTASKS", "1"), env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES", "1")
-    if tasks != nodes:
+    counts = _slurm_counts(env)
+    nodes = counts.nodes if counts.nodes is not None else len(counts.per_node)
+    if counts.tasks != nodes:
         raise LaunchError(
             f"multigpu launch runs once per node and starts the processes itself, but this srun step runs "
-            f"SLURM_NTASKS={tasks} tasks on {nodes} node(s); use 'srun --ntasks-per-node=1 multigpu launch ...'"
+            f"{counts.tasks_var}={counts.tasks} tasks on {nodes} node(s); use 'srun --ntasks-per-node=1 multigpu "
+            "launch ...'"
         )
     worker = _slurm_worker(env)
-    if nodes == "1":  # one node: the launcher's own loopback rendezvous is right
+    if nodes == 1:  # one node: the launcher's own loopback rendezvous is right
         return "slurm", {"nnodes": "1", "node-rank": "0"}
     values = {
-        "nnodes": nodes,
+        "nnodes": str(nodes),
         "node-rank": str(worker.node_rank),
         "master-addr": worker.master_addr,
         "master-port": str(worker.master_port),
