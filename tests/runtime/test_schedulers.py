@@ -205,6 +205,80 @@ def test_open_mpi_and_mpich() -> None:
     assert world is not None and (world.scheduler, world.world_size, world.local_world_size) == ("mpich", 4, 2)
 
 
+_OMPI_MAP_BY_NODE = {  # 'mpirun -np 4 --map-by node' on 2 nodes: ranks 0 and 2 on the first, 1 and 3 on the second
+    "OMPI_COMM_WORLD_RANK": "1",
+    "OMPI_COMM_WORLD_SIZE": "4",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    "OMPI_COMM_WORLD_NODE_RANK": "0",  # Open MPI's own: a local rank counted across jobs, no node index
+    "MASTER_ADDR": "10.0.0.1",
+}
+
+
+def test_mpi_local_rank_comes_only_from_the_variables_that_mean_it() -> None:
+    world = detect_worker(_OMPI_MAP_BY_NODE)
+    assert world is not None and (world.local_rank, world.local_world_size) == (0, 2)
+    assert world.node_rank is None  # rank // local size would say node 0: wrong under --map-by node
+    cray = {"PMI_RANK": "3", "PMI_SIZE": "4", "PMI_LOCAL_RANK": "1", "PMI_LOCAL_SIZE": "2", "MASTER_ADDR": "h0"}
+    world = detect_worker(cray)
+    assert world is not None and (world.scheduler, world.local_rank, world.local_world_size) == ("mpich", 1, 2)
+    one_node = detect_worker({"PMI_RANK": "1", "PMI_SIZE": "2"})  # no local variables, no MASTER_ADDR: this node
+    assert one_node is not None and (one_node.local_rank, one_node.local_world_size, one_node.node_rank) == (1, 2, 0)
+
+
+@pytest.mark.parametrize("addr", ["10.0.0.1", "node01"])
+def test_mpi_without_local_variables_refuses_a_master_on_another_host(addr: str) -> None:
+    with pytest.raises(LaunchError, match=rf"MASTER_ADDR={addr!r}.*MPI_LOCALRANKID and MPI_LOCALNRANKS"):
+        detect_worker({"PMI_RANK": "1", "PMI_SIZE": "4", "MASTER_ADDR": addr})
+    assert detect_worker({"PMI_RANK": "1", "PMI_SIZE": "2", "MASTER_ADDR": "localhost"}) is not None
+
+
+_MPIRUN_IN_SBATCH = {  # Open MPI's mpirun inside an sbatch job starts its daemons with srun: SLURM's are the daemon's
+    **_SLURM,
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "OMPI_COMM_WORLD_RANK": "2",
+    "OMPI_COMM_WORLD_SIZE": "4",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    "MASTER_ADDR": "gpu07",
+}
+
+
+def test_mpirun_inside_an_sbatch_job_takes_mpis_variables() -> None:
+    world = detect_worker(_MPIRUN_IN_SBATCH)
+    assert world is not None and (world.scheduler, world.global_rank, world.local_rank) == ("openmpi", 2, 0)
+    # srun --mpi=pmi2 python train.py: PMI's rank is the task's own, and SLURM knows the local rank
+    pmi2 = {**_SLURM, "PMI_RANK": "3", "PMI_SIZE": "4"}
+    world = detect_worker(pmi2)
+    assert world is not None and (world.scheduler, world.global_rank, world.local_rank) == ("slurm", 3, 1)
+
+
+def test_multigpu_launch_under_mpirun_one_per_node() -> None:
+    one_per_node = {
+        "OMPI_COMM_WORLD_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29600",
+    }
+    assert launcher_defaults(one_per_node) == (
+        "openmpi",
+        {"nnodes": "2", "node-rank": "1", "master-addr": "10.0.0.1", "master-port": "29600"},
+    )
+    assert launcher_defaults({**_MPIRUN_IN_SBATCH, **one_per_node})[0] == "openmpi"  # MPI's win over SLURM's
+    with pytest.raises(LaunchError, match=r"OMPI_COMM_WORLD_LOCAL_SIZE=2.*--map-by ppr:1:node"):
+        launcher_defaults(_OMPI_MAP_BY_NODE)
+    with pytest.raises(LaunchError, match=r"without MPI_LOCALRANKID and MPI_LOCALNRANKS.*--map-by ppr:1:node"):
+        launcher_defaults({"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_ADDR": "10.0.0.1"})
+    with pytest.raises(LaunchError, match=r"MASTER_ADDR is not set.*-x MASTER_ADDR"):
+        launcher_defaults({k: v for k, v in one_per_node.items() if k != "MASTER_ADDR"})
+    alone = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}
+    assert launcher_defaults(alone) == ("openmpi", {"nnodes": "1", "node-rank": "0"})
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [

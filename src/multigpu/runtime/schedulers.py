@@ -14,11 +14,17 @@ train.py`` form the same world as ``multigpu launch``:
   (:func:`slurm_port`) so every task computes the same one and two steps of one job differ. The
   batch, extern and interactive steps (python run directly in the batch script) are no srun step.
 - **Open MPI** (``OMPI_COMM_WORLD_RANK``/``_SIZE``/``_LOCAL_RANK``/``_LOCAL_SIZE``) and **MPICH / Intel
-  MPI** (``PMI_RANK``/``PMI_SIZE``, ``MPI_LOCALRANKID``/``MPI_LOCALNRANKS``), with ``MASTER_ADDR`` and
-  ``MASTER_PORT`` (loopback and 29500 when every rank runs on this node).
+  MPI / Cray** (``PMI_RANK``/``PMI_SIZE``, ``MPI_LOCALRANKID``/``MPI_LOCALNRANKS`` or
+  ``PMI_LOCAL_RANK``/``PMI_LOCAL_SIZE``), with ``MASTER_ADDR`` and ``MASTER_PORT`` (loopback and 29500
+  when every rank runs on this node). The local rank comes only from the local variables; without
+  them every rank is taken to run here, and a ``MASTER_ADDR`` of another host is refused. MPI names
+  no node index, so the node rank stays unknown. MPI's variables win over SLURM's (mpirun inside an
+  sbatch job starts its daemons with srun), but for ``srun --mpi=pmi2``, whose ``PMI_RANK`` is the
+  task's ``SLURM_PROCID``.
 
 The parent side (``multigpu launch``) asks :func:`launcher_defaults`: torchrun's ``PET_*`` variables
-(what Kubeflow's PyTorchJob sets) and, inside a SLURM step, the nodes and this node's rank.
+(what Kubeflow's PyTorchJob sets), under mpirun (one launcher per node) MPI's size and rank, and,
+inside a SLURM step, the nodes and this node's rank.
 Inconsistent variables raise a :class:`~multigpu.errors.LaunchError` naming them and the fix.
 
 Example:
@@ -71,7 +77,7 @@ class SchedulerWorld:
         local_rank: its rank on its node.
         world_size: processes in the run.
         local_world_size: processes on this node.
-        node_rank: this node's rank.
+        node_rank: this node's rank; None when the variables do not say it (MPI on several nodes).
         master_addr: where rank 0's store listens.
         master_port: its port.
     """
@@ -81,7 +87,7 @@ class SchedulerWorld:
     local_rank: int
     world_size: int
     local_world_size: int
-    node_rank: int
+    node_rank: int | None
     master_addr: str
     master_port: int
 
@@ -112,12 +118,13 @@ def detect_worker(env: Mapping[str, str]) -> SchedulerWorld | None:
     Raises:
         LaunchError: the variables contradict each other (the message names them and the fix).
     """
+    # MPI's variables before SLURM's: mpirun inside an sbatch job starts its daemons with srun, so the
+    # SLURM variables its ranks inherit describe the daemons (one per node), not the ranks
+    mpi = _mpi_flavour(env)
+    if mpi is not None and not _srun_started_pmi(env, mpi):
+        return _mpi_worker(env, mpi)
     if "SLURM_PROCID" in env and _in_srun_step(env):
         return _slurm_worker(env)
-    if "OMPI_COMM_WORLD_RANK" in env:
-        return _mpi_worker(env, "openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL")
-    if "PMI_RANK" in env and "PMI_SIZE" in env:
-        return _mpi_worker(env, "mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCAL")
     return None
 
 
@@ -234,36 +241,133 @@ def _slurm_master(counts: _SlurmCounts) -> str:
     )
 
 
-def _mpi_worker(env: Mapping[str, str], name: str, rank_var: str, size_var: str, local: str) -> SchedulerWorld:
-    fix = "start the processes with mpirun (e.g. 'mpirun -np 2 -x MASTER_ADDR -x MASTER_PORT python train.py')"
-    rank, world = _ints(env, [rank_var, size_var], fix)
-    local_rank_var, local_size_var = (
-        (f"{local}_RANK", f"{local}_SIZE") if name == "openmpi" else (f"{local}RANKID", f"{local}NRANKS")
-    )
-    local_rank, local_world = (
-        _ints(env, [local_rank_var, local_size_var], fix) if local_rank_var in env else (rank, world)
-    )
+@dataclass(frozen=True)
+class _Mpi:
+    """One MPI's variable names: rank and size, and the pairs that mean the rank and size on this node."""
+
+    name: str
+    rank_var: str
+    size_var: str
+    local_vars: tuple[tuple[str, str], ...]
+    one_per_node: str  # how this MPI starts one process per node
+
+
+_OPEN_MPI = _Mpi(
+    "openmpi",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    (("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),),
+    "mpirun --map-by ppr:1:node",
+)
+# MPICH's Hydra and Intel MPI set MPI_LOCALRANKID/MPI_LOCALNRANKS; Cray's PMI sets PMI_LOCAL_RANK/_SIZE
+_MPICH = _Mpi(
+    "mpich",
+    "PMI_RANK",
+    "PMI_SIZE",
+    (("MPI_LOCALRANKID", "MPI_LOCALNRANKS"), ("PMI_LOCAL_RANK", "PMI_LOCAL_SIZE")),
+    "mpiexec -ppn 1 (Open MPI: mpirun --map-by ppr:1:node)",
+)
+_MPI_FIX = "start the processes with mpirun (e.g. 'mpirun -np 2 -x MASTER_ADDR -x MASTER_PORT python train.py')"
+_LOOPBACK = {"localhost", "127.0.0.1", "::1"}
+
+
+def _mpi_flavour(env: Mapping[str, str]) -> _Mpi | None:
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return _OPEN_MPI
+    if "PMI_RANK" in env and "PMI_SIZE" in env:
+        return _MPICH
+    return None
+
+
+def _srun_started_pmi(env: Mapping[str, str], mpi: _Mpi) -> bool:
+    """``srun --mpi=pmi2 python train.py``: SLURM's PMI gives each task its own SLURM_PROCID as PMI_RANK,
+    and only SLURM's variables say the local rank; then SLURM's world is the one."""
+    if mpi is not _MPICH or any(rank_var in env for rank_var, _ in mpi.local_vars):
+        return False
+    return "SLURM_PROCID" in env and _in_srun_step(env) and env.get("SLURM_PROCID") == env.get("PMI_RANK")
+
+
+def _mpi_local(env: Mapping[str, str], mpi: _Mpi) -> tuple[str, str, int, int] | None:
+    """``(local rank variable, local size variable, local rank, local size)`` when the MPI set them."""
+    for rank_var, size_var in mpi.local_vars:
+        if rank_var in env:
+            local_rank, local_world = _ints(env, [rank_var, size_var], _MPI_FIX)
+            return rank_var, size_var, local_rank, local_world
+    return None
+
+
+def _local_names(mpi: _Mpi) -> str:
+    return " or ".join(f"{rank_var} and {size_var}" for rank_var, size_var in mpi.local_vars)
+
+
+def _is_loopback(addr: str) -> bool:
+    return addr.strip("[]").lower() in _LOOPBACK or addr.startswith("127.")
+
+
+def _mpi_worker(env: Mapping[str, str], mpi: _Mpi) -> SchedulerWorld:
+    rank, world = _ints(env, [mpi.rank_var, mpi.size_var], _MPI_FIX)
     if not 0 <= rank < world:
-        raise LaunchError(f"{rank_var}={rank} lies outside {size_var}={world} processes; {fix}")
+        raise LaunchError(f"{mpi.rank_var}={rank} lies outside {mpi.size_var}={world} processes; {_MPI_FIX}")
+    local = _mpi_local(env, mpi)
+    addr = env.get("MASTER_ADDR")
+    if local is None:
+        if addr and not _is_loopback(addr):
+            raise LaunchError(
+                f"{mpi.name} started {mpi.size_var}={world} processes with MASTER_ADDR={addr!r}, another host, but "
+                f"without {_local_names(mpi)}: which rank runs where (the GPU each takes) is unknown; start them "
+                "with an mpirun that sets these (Open MPI, MPICH's Hydra, Intel MPI), or set MASTER_ADDR=127.0.0.1 "
+                "when every rank runs on this node"
+            )
+        local = ("", "", rank, world)  # every rank on this node (the master is here)
+    local_rank_var, local_size_var, local_rank, local_world = local
     if not 0 <= local_rank < local_world <= world:
         raise LaunchError(
-            f"{local_rank_var}={local_rank} and {local_size_var}={local_world} do not fit {size_var}={world}; {fix}"
+            f"{local_rank_var}={local_rank} and {local_size_var}={local_world} do not fit {mpi.size_var}={world}; "
+            f"{_MPI_FIX}"
         )
-    if "MASTER_ADDR" not in env and local_world < world:
+    if addr is None and local_world < world:
         raise LaunchError(
-            f"{name} started {world} processes on several nodes ({local_size_var}={local_world}) but MASTER_ADDR "
+            f"{mpi.name} started {world} processes on several nodes ({local_size_var}={local_world}) but MASTER_ADDR "
             "is not set: export MASTER_ADDR (rank 0's host) and MASTER_PORT and pass them with mpirun -x"
         )
     return SchedulerWorld(
-        scheduler=name,
+        scheduler=mpi.name,
         global_rank=rank,
         local_rank=local_rank,
         world_size=world,
         local_world_size=local_world,
-        node_rank=rank // local_world if local_world else 0,
-        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        # MPI says no node index (OMPI_COMM_WORLD_NODE_RANK is a local rank, and rank // local size is
+        # wrong under --map-by node): unknown, unless every rank runs on this one node
+        node_rank=0 if local_world == world else None,
+        master_addr=addr or "127.0.0.1",
         master_port=_port(env),
     )
+
+
+def _mpi_launcher(env: Mapping[str, str], mpi: _Mpi) -> dict[str, str]:
+    """``multigpu launch`` under mpirun: one launcher per node, MPI's size and rank as the nodes and node rank."""
+    rank, world = _ints(env, [mpi.rank_var, mpi.size_var], _MPI_FIX)
+    if world == 1:
+        return {"nnodes": "1", "node-rank": "0"}
+    local = _mpi_local(env, mpi)
+    if local is None or local[3] != 1:
+        said = f"{local[1]}={local[3]}" if local else f"without {_local_names(mpi)}"
+        raise LaunchError(
+            f"multigpu launch runs once per node and starts the processes itself, but {mpi.name} started "
+            f"{mpi.size_var}={world} launchers ({said}); start one per node: '{mpi.one_per_node} -np <nodes> "
+            "-x MASTER_ADDR -x MASTER_PORT multigpu launch ...'"
+        )
+    if "MASTER_ADDR" not in env:
+        raise LaunchError(
+            f"multigpu launch under {mpi.name} on {world} nodes needs rank 0's host, but MASTER_ADDR is not set: "
+            "export MASTER_ADDR and MASTER_PORT and pass them with mpirun -x MASTER_ADDR -x MASTER_PORT"
+        )
+    return {
+        "nnodes": str(world),
+        "node-rank": str(rank),
+        "master-addr": env["MASTER_ADDR"],
+        "master-port": str(_port(env)),
+    }
 
 
 def _port(env: Mapping[str, str]) -> int:
@@ -298,12 +402,15 @@ def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str
     """What the scheduler says ``multigpu launch`` on this node should use, by long flag name.
 
     Returns:
-        ``(scheduler, values)``: ``("torchrun", ...)`` from ``PET_*``, ``("slurm", ...)`` from a task
-        of an srun step (nodes, node rank, master address and port), or ``(None, {})``. Flags given
-        on the command line or in a config file win over these.
+        ``(scheduler, values)``: ``("torchrun", ...)`` from ``PET_*``; ``("openmpi", ...)`` or
+        ``("mpich", ...)`` from one launcher per node started by mpirun (MPI's size and rank as the
+        nodes and node rank); ``("slurm", ...)`` from a task of an srun step (nodes, node rank, master
+        address and port); or ``(None, {})``. Flags given on the command line or in a config file win
+        over these.
 
     Raises:
-        LaunchError: an srun step that starts more than one launcher per node.
+        LaunchError: an srun step or an mpirun that starts more than one launcher per node, or
+            mpirun on several nodes without ``MASTER_ADDR``.
     """
     pet = {flag: env[name] for flag, name in _PET_FLAGS.items() if env.get(name)}
     if pet.get("nproc-per-node") in _NPROC_WORDS:  # a PyTorchJob's nprocPerNode: auto, gpu, cpu or a count
@@ -314,6 +421,9 @@ def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str
             if flag not in pet and env.get(name):
                 pet[flag] = env[name]
         return TORCHRUN, pet
+    mpi = _mpi_flavour(env)
+    if mpi is not None and not _srun_started_pmi(env, mpi):  # MPI's before SLURM's, as for the workers
+        return mpi.name, _mpi_launcher(env, mpi)
     if "SLURM_PROCID" not in env or not _in_srun_step(env):
         return None, {}
     counts = _slurm_counts(env)
