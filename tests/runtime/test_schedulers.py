@@ -355,6 +355,46 @@ def test_launcher_defaults() -> None:
     assert launcher_defaults({"PET_NPROC_PER_NODE": "cpu"})[1] == {"nproc-per-node": str(os.cpu_count())}
 
 
+_POD = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "train-master-0", "MASTER_PORT": "23456"}
+
+
+@pytest.mark.parametrize(
+    "operator",
+    [
+        {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "1"},
+        {"KUBERNETES_SERVICE_HOST": "10.96.0.1"},  # an operator that sets no PET_* at all
+    ],
+)
+def test_a_pytorchjob_pod_started_directly_is_local_rank_0_of_1(
+    monkeypatch: pytest.MonkeyPatch, operator: dict[str, str]
+) -> None:
+    """A PyTorchJob whose container runs ``python train.py``: one process per pod, no LOCAL_RANK."""
+    env = read_launch_env({**_POD, **operator})
+    assert env is not None
+    assert (env.scheduler, env.global_rank, env.world_size, env.local_rank, env.local_world_size) == (
+        "pytorchjob",
+        1,
+        2,
+        0,
+        1,
+    )
+    from multigpu.runtime import world
+
+    monkeypatch.setattr(world, "accelerator_type", lambda: "cuda")
+    monkeypatch.setattr(world, "device_count", lambda kind: 1)
+    assert world.process_device(env) == torch.device("cuda", 0)  # the pod's one GPU, not cuda:1
+    # under torchrun (LOCAL_RANK set) nothing changes, nor for RANK/WORLD_SIZE outside a pod
+    torchrun = read_launch_env({**_POD, **operator, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert torchrun is not None and (torchrun.scheduler, torchrun.local_rank) == (TORCHRUN, 1)
+    plain = read_launch_env(_POD)
+    assert plain is not None and (plain.scheduler, plain.local_rank, plain.local_world_size) == (TORCHRUN, 1, 2)
+
+
+def test_a_pytorchjob_pod_expecting_several_processes_refuses_one_started_directly() -> None:
+    with pytest.raises(LaunchError, match=r"PET_NPROC_PER_NODE=2.*multigpu launch --strategy ddp"):
+        read_launch_env({**_POD, "WORLD_SIZE": "4", "PET_NNODES": "2", "PET_NPROC_PER_NODE": "2"})
+
+
 def test_a_task_bound_to_one_gpu_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """``srun --gpus-per-task=1``: each task sees one GPU (index 0) whatever its SLURM_LOCALID."""
     from multigpu.runtime import world

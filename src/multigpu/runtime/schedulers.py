@@ -13,6 +13,8 @@ train.py`` form the same world as ``multigpu launch``:
   the port is ``MASTER_PORT``, else derived from ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``
   (:func:`slurm_port`) so every task computes the same one and two steps of one job differ. The
   batch, extern and interactive steps (python run directly in the batch script) are no srun step.
+- **A PyTorchJob pod** whose container runs the script itself: ``RANK``/``WORLD_SIZE`` without
+  ``LOCAL_RANK`` (:func:`pytorchjob_pod`): local rank 0 of 1.
 - **Open MPI** (``OMPI_COMM_WORLD_RANK``/``_SIZE``/``_LOCAL_RANK``/``_LOCAL_SIZE``) and **MPICH / Intel
   MPI / Cray** (``PMI_RANK``/``PMI_SIZE``, ``MPI_LOCALRANKID``/``MPI_LOCALNRANKS`` or
   ``PMI_LOCAL_RANK``/``PMI_LOCAL_SIZE``), with ``MASTER_ADDR`` and ``MASTER_PORT`` (loopback and 29500
@@ -44,6 +46,7 @@ from multigpu.runtime.slurm_lists import expand_hostlist, expand_tasks_per_node
 
 __all__ = [
     "DEFAULT_PORT",
+    "PYTORCHJOB",
     "TORCHRUN",
     "SchedulerWorld",
     "detect_worker",
@@ -51,6 +54,7 @@ __all__ = [
     "expand_tasks_per_node",
     "launcher_defaults",
     "not_started_reason",
+    "pytorchjob_pod",
     "slurm_job_id",
     "slurm_port",
 ]
@@ -126,6 +130,36 @@ def detect_worker(env: Mapping[str, str]) -> SchedulerWorld | None:
     if "SLURM_PROCID" in env and _in_srun_step(env):
         return _slurm_worker(env)
     return None
+
+
+PYTORCHJOB = "pytorchjob"  # the scheduler name of a PyTorchJob pod whose container runs the script directly
+
+
+def pytorchjob_pod(env: Mapping[str, str]) -> bool:
+    """Whether ``RANK``/``WORLD_SIZE`` without ``LOCAL_RANK`` are a PyTorchJob pod's: one process per pod.
+
+    Kubeflow's training operator sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` on
+    every pod (and, newer ones, ``PET_NNODES``/``PET_NODE_RANK``/``PET_NPROC_PER_NODE``); torchrun would
+    add ``LOCAL_RANK``. A container that runs ``python train.py`` itself is local rank 0 of 1.
+
+    Raises:
+        LaunchError: ``PET_NPROC_PER_NODE`` asks for several processes per pod, which only a launcher in
+            the pod starts.
+    """
+    if "LOCAL_RANK" in env or "RANK" not in env or "MASTER_ADDR" not in env:
+        return False
+    if not any(
+        name in env for name in ("PET_NNODES", "PET_NODE_RANK", "PET_NPROC_PER_NODE", "KUBERNETES_SERVICE_HOST")
+    ):
+        return False
+    nproc = env.get("PET_NPROC_PER_NODE", "1")
+    if nproc != "1":
+        raise LaunchError(
+            f"this PyTorchJob pod expects PET_NPROC_PER_NODE={nproc} processes (nprocPerNode), but this one was "
+            "started directly, without LOCAL_RANK: make the container's command 'multigpu launch --strategy ddp "
+            "train.py' (it starts them, as torchrun would), or set nprocPerNode: 1"
+        )
+    return True
 
 
 def not_started_reason(env: Mapping[str, str]) -> str | None:
