@@ -80,7 +80,8 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | Non
 
     Returns:
         A :class:`LaunchEnv` when ``RANK`` and ``WORLD_SIZE`` are set, else the world SLURM's or
-        MPI's variables describe (:func:`multigpu.runtime.schedulers.detect_worker`), else None.
+        MPI's variables describe (:func:`multigpu.runtime.schedulers.detect_worker`), else None
+        (also in the one process of ``multigpu launch --strategy single|dp``, which inherits them).
 
     Raises:
         LaunchError: the variables are present but inconsistent (e.g. ``RANK`` >= ``WORLD_SIZE``).
@@ -91,6 +92,8 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | Non
     """
     env = os.environ if environ is None else environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
+        if env.get("MULTIGPU_STRATEGY"):  # the one process of a multigpu launch (single, dp): the launcher
+            return None  # was the scheduler's task; SLURM's or MPI's variables it inherited are not its world
         found = schedulers.detect_worker(env)
         if found is None:
             return None
