@@ -395,6 +395,20 @@ def test_a_pytorchjob_pod_expecting_several_processes_refuses_one_started_direct
         read_launch_env({**_POD, "WORLD_SIZE": "4", "PET_NNODES": "2", "PET_NPROC_PER_NODE": "2"})
 
 
+def test_multigpu_launch_in_an_old_operators_pod_takes_its_nodes_from_rank_and_world_size() -> None:
+    """Operators before PET_*: each pod gets RANK (its index) and WORLD_SIZE (the pods), one launcher each."""
+    pod = {**_POD, "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+    assert launcher_defaults(pod) == (
+        "pytorchjob",
+        {"nnodes": "2", "node-rank": "1", "master-addr": "train-master-0", "master-port": "23456"},
+    )
+    assert launcher_defaults({**pod, "RANK": "0", "WORLD_SIZE": "1"}) == (
+        "pytorchjob",
+        {"nnodes": "1", "node-rank": "0"},
+    )
+    assert launcher_defaults(_POD) == (None, {})  # RANK/WORLD_SIZE outside a pod: not a PyTorchJob's
+
+
 def test_a_task_bound_to_one_gpu_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """``srun --gpus-per-task=1``: each task sees one GPU (index 0) whatever its SLURM_LOCALID."""
     from multigpu.runtime import world

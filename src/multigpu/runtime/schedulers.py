@@ -436,11 +436,12 @@ def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str
     """What the scheduler says ``multigpu launch`` on this node should use, by long flag name.
 
     Returns:
-        ``(scheduler, values)``: ``("torchrun", ...)`` from ``PET_*``; ``("openmpi", ...)`` or
-        ``("mpich", ...)`` from one launcher per node started by mpirun (MPI's size and rank as the
-        nodes and node rank); ``("slurm", ...)`` from a task of an srun step (nodes, node rank, master
-        address and port); or ``(None, {})``. Flags given on the command line or in a config file win
-        over these.
+        ``(scheduler, values)``: ``("torchrun", ...)`` from ``PET_*``; ``("pytorchjob", ...)`` from a
+        pod of an operator older than ``PET_*`` (``RANK``/``WORLD_SIZE`` as node rank and nodes);
+        ``("openmpi", ...)`` or ``("mpich", ...)`` from one launcher per node started by mpirun (MPI's
+        size and rank as the nodes and node rank); ``("slurm", ...)`` from a task of an srun step
+        (nodes, node rank, master address and port); or ``(None, {})``. Flags given on the command
+        line or in a config file win over these.
 
     Raises:
         LaunchError: an srun step or an mpirun that starts more than one launcher per node, or
@@ -458,6 +459,8 @@ def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str
     mpi = _mpi_flavour(env)
     if mpi is not None and not _srun_started_pmi(env, mpi):  # MPI's before SLURM's, as for the workers
         return mpi.name, _mpi_launcher(env, mpi)
+    if "WORLD_SIZE" in env and pytorchjob_pod(env):  # an operator older than PET_*: RANK is the pod's index
+        return PYTORCHJOB, _pod_launcher(env)
     if "SLURM_PROCID" not in env or not _in_srun_step(env):
         return None, {}
     counts = _slurm_counts(env)
@@ -478,6 +481,22 @@ def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str
         "master-port": str(worker.master_port),
     }
     return "slurm", values
+
+
+def _pod_launcher(env: Mapping[str, str]) -> dict[str, str]:
+    """``multigpu launch`` in a pod of an operator that sets no ``PET_*``: the pods are the nodes."""
+    fix = "a PyTorchJob's operator sets RANK (the pod's index) and WORLD_SIZE (the pods); set --nnodes/--node-rank"
+    rank, pods = _ints(env, ["RANK", "WORLD_SIZE"], fix)
+    if not 0 <= rank < pods:
+        raise LaunchError(f"RANK={rank} lies outside WORLD_SIZE={pods} pods; {fix}")
+    if pods == 1:
+        return {"nnodes": "1", "node-rank": "0"}
+    return {
+        "nnodes": str(pods),
+        "node-rank": str(rank),
+        "master-addr": env["MASTER_ADDR"],
+        "master-port": str(_port(env)),
+    }
 
 
 def slurm_job_id(env: Mapping[str, str]) -> str | None:
