@@ -15,14 +15,10 @@ train.py`` form the same world as ``multigpu launch``:
   batch, extern and interactive steps (python run directly in the batch script) are no srun step.
 - **A PyTorchJob pod** whose container runs the script itself: ``RANK``/``WORLD_SIZE`` without
   ``LOCAL_RANK`` (:func:`pytorchjob_pod`): local rank 0 of 1.
-- **Open MPI** (``OMPI_COMM_WORLD_RANK``/``_SIZE``/``_LOCAL_RANK``/``_LOCAL_SIZE``) and **MPICH / Intel
-  MPI / Cray** (``PMI_RANK``/``PMI_SIZE``, ``MPI_LOCALRANKID``/``MPI_LOCALNRANKS`` or
-  ``PMI_LOCAL_RANK``/``PMI_LOCAL_SIZE``), with ``MASTER_ADDR`` and ``MASTER_PORT`` (loopback and 29500
-  when every rank runs on this node). The local rank comes only from the local variables; without
-  them every rank is taken to run here, and a ``MASTER_ADDR`` of another host is refused. MPI names
-  no node index, so the node rank stays unknown. MPI's variables win over SLURM's (mpirun inside an
-  sbatch job starts its daemons with srun), but for ``srun --mpi=pmi2``, whose ``PMI_RANK`` is the
-  task's ``SLURM_PROCID``.
+- **Open MPI**, **MPICH / Intel MPI / Cray** (:mod:`multigpu.runtime.mpi_env`), with ``MASTER_ADDR``
+  and ``MASTER_PORT`` (loopback and 29500 when every rank runs on this node). MPI's variables win
+  over SLURM's (mpirun inside an sbatch job starts its daemons with srun), but for ``srun
+  --mpi=pmi2``, whose ``PMI_RANK`` is the task's ``SLURM_PROCID``.
 
 The parent side (``multigpu launch``) asks :func:`launcher_defaults`: torchrun's ``PET_*`` variables
 (what Kubeflow's PyTorchJob sets), under mpirun (one launcher per node) MPI's size and rank, and,
@@ -42,6 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from multigpu.errors import LaunchError
+from multigpu.runtime.mpi_env import MPICH, Mpi, mpi_flavour, mpi_launcher, mpi_worker
+from multigpu.runtime.scheduler_world import DEFAULT_PORT, SchedulerWorld, read_ints, read_port
 from multigpu.runtime.slurm_lists import expand_hostlist, expand_tasks_per_node
 
 __all__ = [
@@ -59,7 +57,6 @@ __all__ = [
     "slurm_port",
 ]
 
-DEFAULT_PORT = 29500
 TORCHRUN = "torchrun"  # the scheduler name of RANK/WORLD_SIZE (torchrun, multigpu launch) and of PET_*
 _PORT_BASE, _PORT_SPAN = 20000, 20000  # job-derived ports: 20000..39999, below Linux's ephemeral range
 _PORT_STEP = 1000  # apart per step of one job
@@ -69,31 +66,6 @@ _PORT_STEP = 1000  # apart per step of one job
 _MAX_NORMAL_STEP_ID = 0xFFFFFFF0
 _SPECIAL_STEPS = {"batch", "extern", "interactive", "pending", "tbd"}
 _SLURM_FIX = "start one task per process with srun (e.g. 'srun --ntasks-per-node=2 python train.py')"
-
-
-@dataclass(frozen=True)
-class SchedulerWorld:
-    """The world a scheduler's variables describe, for one process (or, for the launcher, one node).
-
-    Attributes:
-        scheduler: ``slurm``, ``openmpi``, ``mpich`` or ``torchrun``.
-        global_rank: this process's rank among all.
-        local_rank: its rank on its node.
-        world_size: processes in the run.
-        local_world_size: processes on this node.
-        node_rank: this node's rank; None when the variables do not say it (MPI on several nodes).
-        master_addr: where rank 0's store listens.
-        master_port: its port.
-    """
-
-    scheduler: str
-    global_rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    node_rank: int | None
-    master_addr: str
-    master_port: int
 
 
 def slurm_port(job_id: str, step_id: str = "0") -> int:
@@ -124,9 +96,9 @@ def detect_worker(env: Mapping[str, str]) -> SchedulerWorld | None:
     """
     # MPI's variables before SLURM's: mpirun inside an sbatch job starts its daemons with srun, so the
     # SLURM variables its ranks inherit describe the daemons (one per node), not the ranks
-    mpi = _mpi_flavour(env)
+    mpi = mpi_flavour(env)
     if mpi is not None and not _srun_started_pmi(env, mpi):
-        return _mpi_worker(env, mpi)
+        return mpi_worker(env, mpi)
     if "SLURM_PROCID" in env and _in_srun_step(env):
         return _slurm_worker(env)
     return None
@@ -162,6 +134,14 @@ def pytorchjob_pod(env: Mapping[str, str]) -> bool:
     return True
 
 
+def _srun_started_pmi(env: Mapping[str, str], mpi: Mpi) -> bool:
+    """``srun --mpi=pmi2 python train.py``: SLURM's PMI gives each task its own SLURM_PROCID as PMI_RANK,
+    and only SLURM's variables say the local rank; then SLURM's world is the one."""
+    if mpi is not MPICH or any(rank_var in env for rank_var, _ in mpi.local_vars):
+        return False
+    return "SLURM_PROCID" in env and _in_srun_step(env) and env.get("SLURM_PROCID") == env.get("PMI_RANK")
+
+
 def not_started_reason(env: Mapping[str, str]) -> str | None:
     """Why a process inside a SLURM allocation that expects several tasks is not one of them, if it is so.
 
@@ -190,16 +170,6 @@ def _in_srun_step(env: Mapping[str, str]) -> bool:
     return not step.isdigit() or int(step) < _MAX_NORMAL_STEP_ID
 
 
-def _ints(env: Mapping[str, str], names: list[str], fix: str) -> list[int]:
-    values = []
-    for name in names:
-        value = env.get(name, "")
-        if not value.strip().isdigit():
-            raise LaunchError(f"{name}={value!r} is not a count or index; {fix}")
-        values.append(int(value))
-    return values
-
-
 @dataclass(frozen=True)
 class _SlurmCounts:
     """One consistent set of SLURM's counts: the step's (``SLURM_STEP_*``) or the job's, never a mix."""
@@ -224,8 +194,8 @@ def _slurm_counts(env: Mapping[str, str]) -> _SlurmCounts:
         nodelist_var = "SLURM_JOB_NODELIST" if "SLURM_JOB_NODELIST" in env else "SLURM_NODELIST"
         names = (tasks_var, nodes_var, "SLURM_TASKS_PER_NODE", nodelist_var)
     tasks_var, nodes_var, per_node_var, nodelist_var = names
-    (tasks,) = _ints(env, [tasks_var], _SLURM_FIX)
-    nodes = _ints(env, [nodes_var], _SLURM_FIX)[0] if env.get(nodes_var) else None
+    (tasks,) = read_ints(env, [tasks_var], _SLURM_FIX)
+    nodes = read_ints(env, [nodes_var], _SLURM_FIX)[0] if env.get(nodes_var) else None
     per_node = expand_tasks_per_node(env[per_node_var], name=per_node_var) if env.get(per_node_var) else [tasks]
     if sum(per_node) != tasks:
         raise LaunchError(
@@ -244,7 +214,7 @@ def _slurm_counts(env: Mapping[str, str]) -> _SlurmCounts:
 
 def _slurm_worker(env: Mapping[str, str]) -> SchedulerWorld:
     counts = _slurm_counts(env)
-    rank, local_rank, node = _ints(env, ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"], _SLURM_FIX)
+    rank, local_rank, node = read_ints(env, ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"], _SLURM_FIX)
     world, per_node = counts.tasks, counts.per_node
     if not 0 <= rank < world:
         raise LaunchError(f"SLURM_PROCID={rank} lies outside {counts.tasks_var}={world} tasks; {_SLURM_FIX}")
@@ -262,7 +232,7 @@ def _slurm_worker(env: Mapping[str, str]) -> SchedulerWorld:
         local_world_size=per_node[node],
         node_rank=node,
         master_addr=env.get("MASTER_ADDR") or _slurm_master(counts),
-        master_port=_port(env) if "MASTER_PORT" in env else slurm_port(env.get("SLURM_JOB_ID", "0"), step),
+        master_port=read_port(env) if "MASTER_PORT" in env else slurm_port(env.get("SLURM_JOB_ID", "0"), step),
     )
 
 
@@ -273,142 +243,6 @@ def _slurm_master(counts: _SlurmCounts) -> str:
         f"a SLURM task without {counts.nodelist_var}: set MASTER_ADDR to rank 0's host "
         "(e.g. MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1))"
     )
-
-
-@dataclass(frozen=True)
-class _Mpi:
-    """One MPI's variable names: rank and size, and the pairs that mean the rank and size on this node."""
-
-    name: str
-    rank_var: str
-    size_var: str
-    local_vars: tuple[tuple[str, str], ...]
-    one_per_node: str  # how this MPI starts one process per node
-
-
-_OPEN_MPI = _Mpi(
-    "openmpi",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    (("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),),
-    "mpirun --map-by ppr:1:node",
-)
-# MPICH's Hydra and Intel MPI set MPI_LOCALRANKID/MPI_LOCALNRANKS; Cray's PMI sets PMI_LOCAL_RANK/_SIZE
-_MPICH = _Mpi(
-    "mpich",
-    "PMI_RANK",
-    "PMI_SIZE",
-    (("MPI_LOCALRANKID", "MPI_LOCALNRANKS"), ("PMI_LOCAL_RANK", "PMI_LOCAL_SIZE")),
-    "mpiexec -ppn 1 (Open MPI: mpirun --map-by ppr:1:node)",
-)
-_MPI_FIX = "start the processes with mpirun (e.g. 'mpirun -np 2 -x MASTER_ADDR -x MASTER_PORT python train.py')"
-_LOOPBACK = {"localhost", "127.0.0.1", "::1"}
-
-
-def _mpi_flavour(env: Mapping[str, str]) -> _Mpi | None:
-    if "OMPI_COMM_WORLD_RANK" in env:
-        return _OPEN_MPI
-    if "PMI_RANK" in env and "PMI_SIZE" in env:
-        return _MPICH
-    return None
-
-
-def _srun_started_pmi(env: Mapping[str, str], mpi: _Mpi) -> bool:
-    """``srun --mpi=pmi2 python train.py``: SLURM's PMI gives each task its own SLURM_PROCID as PMI_RANK,
-    and only SLURM's variables say the local rank; then SLURM's world is the one."""
-    if mpi is not _MPICH or any(rank_var in env for rank_var, _ in mpi.local_vars):
-        return False
-    return "SLURM_PROCID" in env and _in_srun_step(env) and env.get("SLURM_PROCID") == env.get("PMI_RANK")
-
-
-def _mpi_local(env: Mapping[str, str], mpi: _Mpi) -> tuple[str, str, int, int] | None:
-    """``(local rank variable, local size variable, local rank, local size)`` when the MPI set them."""
-    for rank_var, size_var in mpi.local_vars:
-        if rank_var in env:
-            local_rank, local_world = _ints(env, [rank_var, size_var], _MPI_FIX)
-            return rank_var, size_var, local_rank, local_world
-    return None
-
-
-def _local_names(mpi: _Mpi) -> str:
-    return " or ".join(f"{rank_var} and {size_var}" for rank_var, size_var in mpi.local_vars)
-
-
-def _is_loopback(addr: str) -> bool:
-    return addr.strip("[]").lower() in _LOOPBACK or addr.startswith("127.")
-
-
-def _mpi_worker(env: Mapping[str, str], mpi: _Mpi) -> SchedulerWorld:
-    rank, world = _ints(env, [mpi.rank_var, mpi.size_var], _MPI_FIX)
-    if not 0 <= rank < world:
-        raise LaunchError(f"{mpi.rank_var}={rank} lies outside {mpi.size_var}={world} processes; {_MPI_FIX}")
-    local = _mpi_local(env, mpi)
-    addr = env.get("MASTER_ADDR")
-    if local is None:
-        if addr and not _is_loopback(addr):
-            raise LaunchError(
-                f"{mpi.name} started {mpi.size_var}={world} processes with MASTER_ADDR={addr!r}, another host, but "
-                f"without {_local_names(mpi)}: which rank runs where (the GPU each takes) is unknown; start them "
-                "with an mpirun that sets these (Open MPI, MPICH's Hydra, Intel MPI), or set MASTER_ADDR=127.0.0.1 "
-                "when every rank runs on this node"
-            )
-        local = ("", "", rank, world)  # every rank on this node (the master is here)
-    local_rank_var, local_size_var, local_rank, local_world = local
-    if not 0 <= local_rank < local_world <= world:
-        raise LaunchError(
-            f"{local_rank_var}={local_rank} and {local_size_var}={local_world} do not fit {mpi.size_var}={world}; "
-            f"{_MPI_FIX}"
-        )
-    if addr is None and local_world < world:
-        raise LaunchError(
-            f"{mpi.name} started {world} processes on several nodes ({local_size_var}={local_world}) but MASTER_ADDR "
-            "is not set: export MASTER_ADDR (rank 0's host) and MASTER_PORT and pass them with mpirun -x"
-        )
-    return SchedulerWorld(
-        scheduler=mpi.name,
-        global_rank=rank,
-        local_rank=local_rank,
-        world_size=world,
-        local_world_size=local_world,
-        # MPI says no node index (OMPI_COMM_WORLD_NODE_RANK is a local rank, and rank // local size is
-        # wrong under --map-by node): unknown, unless every rank runs on this one node
-        node_rank=0 if local_world == world else None,
-        master_addr=addr or "127.0.0.1",
-        master_port=_port(env),
-    )
-
-
-def _mpi_launcher(env: Mapping[str, str], mpi: _Mpi) -> dict[str, str]:
-    """``multigpu launch`` under mpirun: one launcher per node, MPI's size and rank as the nodes and node rank."""
-    rank, world = _ints(env, [mpi.rank_var, mpi.size_var], _MPI_FIX)
-    if world == 1:
-        return {"nnodes": "1", "node-rank": "0"}
-    local = _mpi_local(env, mpi)
-    if local is None or local[3] != 1:
-        said = f"{local[1]}={local[3]}" if local else f"without {_local_names(mpi)}"
-        raise LaunchError(
-            f"multigpu launch runs once per node and starts the processes itself, but {mpi.name} started "
-            f"{mpi.size_var}={world} launchers ({said}); start one per node: '{mpi.one_per_node} -np <nodes> "
-            "-x MASTER_ADDR -x MASTER_PORT multigpu launch ...'"
-        )
-    if "MASTER_ADDR" not in env:
-        raise LaunchError(
-            f"multigpu launch under {mpi.name} on {world} nodes needs rank 0's host, but MASTER_ADDR is not set: "
-            "export MASTER_ADDR and MASTER_PORT and pass them with mpirun -x MASTER_ADDR -x MASTER_PORT"
-        )
-    return {
-        "nnodes": str(world),
-        "node-rank": str(rank),
-        "master-addr": env["MASTER_ADDR"],
-        "master-port": str(_port(env)),
-    }
-
-
-def _port(env: Mapping[str, str]) -> int:
-    value = env.get("MASTER_PORT", str(DEFAULT_PORT))
-    if not value.isdigit() or not 0 < int(value) < 65536:
-        raise LaunchError(f"MASTER_PORT={value!r} is not a TCP port; set it to one in 1..65535 on every process")
-    return int(value)
 
 
 # -- the launcher's side ---------------------------------------------------------------------------
@@ -456,9 +290,9 @@ def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str
             if flag not in pet and env.get(name):
                 pet[flag] = env[name]
         return TORCHRUN, pet
-    mpi = _mpi_flavour(env)
+    mpi = mpi_flavour(env)
     if mpi is not None and not _srun_started_pmi(env, mpi):  # MPI's before SLURM's, as for the workers
-        return mpi.name, _mpi_launcher(env, mpi)
+        return mpi.name, mpi_launcher(env, mpi)
     if "WORLD_SIZE" in env and pytorchjob_pod(env):  # an operator older than PET_*: RANK is the pod's index
         return PYTORCHJOB, _pod_launcher(env)
     if "SLURM_PROCID" not in env or not _in_srun_step(env):
@@ -486,7 +320,7 @@ def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str
 def _pod_launcher(env: Mapping[str, str]) -> dict[str, str]:
     """``multigpu launch`` in a pod of an operator that sets no ``PET_*``: the pods are the nodes."""
     fix = "a PyTorchJob's operator sets RANK (the pod's index) and WORLD_SIZE (the pods); set --nnodes/--node-rank"
-    rank, pods = _ints(env, ["RANK", "WORLD_SIZE"], fix)
+    rank, pods = read_ints(env, ["RANK", "WORLD_SIZE"], fix)
     if not 0 <= rank < pods:
         raise LaunchError(f"RANK={rank} lies outside WORLD_SIZE={pods} pods; {fix}")
     if pods == 1:
@@ -495,7 +329,7 @@ def _pod_launcher(env: Mapping[str, str]) -> dict[str, str]:
         "nnodes": str(pods),
         "node-rank": str(rank),
         "master-addr": env["MASTER_ADDR"],
-        "master-port": str(_port(env)),
+        "master-port": str(read_port(env)),
     }
 
 
