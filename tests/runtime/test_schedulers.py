@@ -445,3 +445,34 @@ def test_multigpu_env_says_which_scheduler_and_the_world(
     assert start["multigpu launch here"].startswith("refused: multigpu launch runs once per node")
     assert main(["env"]) == 0
     assert "start (scheduler):\n  scheduler: slurm\n  world: rank 3 of 4" in capsys.readouterr().out
+
+
+def _only(monkeypatch: pytest.MonkeyPatch, variables: dict[str, str]) -> None:
+    """This process's environment holds ``variables`` and none of any scheduler's or launcher's own."""
+    prefixes = ("SLURM_", "PET_", "OMPI_", "PMI_", "MPI_", "KUBERNETES_", "MULTIGPU_")
+    for key in [k for k in os.environ if k.startswith(prefixes)]:
+        monkeypatch.delenv(key)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in variables.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_multigpu_env_shows_each_start_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    _only(monkeypatch, {**_POD, "KUBERNETES_SERVICE_HOST": "10.96.0.1"})
+    report = scheduler_report()
+    assert (report["scheduler"], report["world"]) == (
+        "pytorchjob",
+        "rank 1 of 2 (local rank 0 of 1), master train-master-0:23456",
+    )
+    assert report["multigpu launch here"] == (
+        "pytorchjob: --nnodes 2 --node-rank 1 --master-addr train-master-0 --master-port 23456"
+    )
+    _only(monkeypatch, _MPIRUN_IN_SBATCH)
+    report = scheduler_report()
+    assert (report["scheduler"], report["world"]) == ("openmpi", "rank 2 of 4 (local rank 0 of 2), master gpu07:29500")
+    assert report["multigpu launch here"].startswith("refused: multigpu launch runs once per node")
+    assert "--map-by ppr:1:node" in report["multigpu launch here"]
+    _only(monkeypatch, {**_STEP_OF_A_BIGGER_JOB, "SLURM_STEP_ID": "batch"})
+    assert scheduler_report()["scheduler"].startswith("none: this process runs inside SLURM job 4242")
+    assert "SLURM_STEP_ID=batch, not an srun step" in scheduler_report()["scheduler"]
