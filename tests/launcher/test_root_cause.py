@@ -218,3 +218,16 @@ def test_a_signal_after_another_ranks_error_or_timeout_is_the_launchers(
         reported = from_torch({0: _stopped(0), 2: _stopped(2)})
         cause = root_cause(merge(reported, records.read(folder, attempt=0)))
         assert (cause.rank, cause.message) == (1, f"{type(first).__name__}: {first}")
+
+
+def test_a_rank_that_lost_a_peer_on_another_node_before_the_signal_keeps_the_blame_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rank 2 failed on the other node; here rank 0 lost it as a peer, then the agent stopped rank 1
+    _record_as(monkeypatch, tmp_path, 0, PeerExitedError("lost a peer"))
+    _signal_record(monkeypatch, tmp_path, 1, signal.SIGTERM)
+    failures = merge(from_torch({0: _stopped(0), 1: _stopped(1)}), records.read(tmp_path, attempt=0))
+    assert root_cause(failures).rank == 0
+    summary = format_summary("t.py", failures)
+    assert "not sent by the launcher" not in summary
+    assert "look at that node's launcher" in summary

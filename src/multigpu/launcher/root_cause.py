@@ -176,11 +176,13 @@ def signalled_first(failures: Sequence[WorkerFailure]) -> WorkerFailure | None:
     """The rank a signal stopped before anything else went wrong, if one did: a signal the launcher did not send.
 
     The launcher's agent sends its SIGTERM (and, after the grace period, SIGKILL) only once it saw a
-    failure, so a signal that ended a rank before any rank raised an error or timed out came from
-    outside (``kill``, a scheduler, the kernel's out-of-memory killer). The ranks that lost it as a peer
-    are its consequences and do not count; a rank that timed out does (the launcher stops the rank that
-    hung after the timeout). A SIGTERM the worker did not record (its script replaced the witness's
-    handler) looks like the launcher's own and is not taken for one from outside.
+    failure, so a signal that ended a rank before any other rank failed in any way came from outside
+    (``kill``, a scheduler, the kernel's out-of-memory killer); the ranks that failed after it are its
+    consequences. A rank that lost a peer *before* the signal keeps the blame elsewhere (the cause ran
+    on another node). A SIGTERM the worker did not record (its script replaced the witness's handler)
+    looks like the launcher's own and is not taken for one from outside; a signal death it could not
+    record (SIGKILL) has only the agent's whole-second timestamp, so failures in that second count as
+    after it.
     """
     signalled = [
         f
@@ -190,8 +192,9 @@ def signalled_first(failures: Sequence[WorkerFailure]) -> WorkerFailure | None:
     if not signalled:
         return None
     first = min(signalled, key=lambda f: (f.when_ns, f.rank))
-    before = [f for f in failures if not f.ended_by_signal and (f.timed_out or not f.is_consequence)]
-    return first if all(first.when_ns < f.when_ns for f in before) else None
+    slack = 0 if first.signal else 1_000_000_000
+    others = [f for f in failures if f is not first and not f.ended_by_signal]
+    return first if all(first.when_ns < f.when_ns + slack for f in others) else None
 
 
 def format_summary(script: str, failures: Sequence[WorkerFailure], evidence: Evidence | None = None) -> str:
