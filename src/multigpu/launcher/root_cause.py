@@ -10,6 +10,9 @@ not in its report at all. :func:`merge` adds each worker's own record of its fir
 (:mod:`multigpu.runtime.failure_records`, written before its process group closed), and
 :func:`root_cause` picks:
 
+0. a rank a signal stopped before any other rank failed (:func:`signalled_first`: ``kill -TERM`` of its
+   pid while the others waited), as its worker recorded the signal's arrival
+   (:mod:`multigpu.launcher.signal_witness`); the summary names the signal;
 1. among the failures that are not consequences of another rank's, the earliest by the worker's
    record (else the error file's modification time; nanoseconds), so two failures within one
    second keep their order;
