@@ -191,7 +191,11 @@ def _slurm_counts(env: Mapping[str, str]) -> _SlurmCounts:
     else:
         tasks_var = "SLURM_NTASKS" if "SLURM_NTASKS" in env else "SLURM_NPROCS"
         nodes_var = "SLURM_JOB_NUM_NODES" if "SLURM_JOB_NUM_NODES" in env else "SLURM_NNODES"
-        nodelist_var = "SLURM_JOB_NODELIST" if "SLURM_JOB_NODELIST" in env else "SLURM_NODELIST"
+        # the job's hosts; a srun that sets no SLURM_STEP_NUM_TASKS (older SLURM) may still set the step's
+        nodelist_var = next(
+            (n for n in ("SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_NODELIST") if n in env),
+            "SLURM_JOB_NODELIST",
+        )
         names = (tasks_var, nodes_var, "SLURM_TASKS_PER_NODE", nodelist_var)
     tasks_var, nodes_var, per_node_var, nodelist_var = names
     (tasks,) = read_ints(env, [tasks_var], _SLURM_FIX)
