@@ -91,8 +91,8 @@ def _watch(read_fd: int) -> None:
             return
         if not data:
             return
-        for signum in data:
-            if signal.getsignal(signum) is _handler:  # the script put its own handler there: not ours to act on
+        for signum in data:  # every signal with a Python handler writes here: act only where ours still is
+            if signal.getsignal(signum) is _handler:
                 _die(signum)
 
 
