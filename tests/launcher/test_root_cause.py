@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -172,3 +173,61 @@ def test_unreadable_records_are_skipped_and_recording_outside_a_launch_writes_no
     monkeypatch.delenv("MULTIGPU_FAILURE_DIR", raising=False)
     records.record(ValueError("not launched"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["attempt-0-rank-0.json", "attempt-0-rank-1.json"]
+
+
+def _signal_record(monkeypatch: pytest.MonkeyPatch, folder: Path, rank: int, signum: int) -> None:
+    """``records.record_signal`` as the signal witness of a worker of rank ``rank`` calls it."""
+    monkeypatch.setenv("MULTIGPU_FAILURE_DIR", str(folder))
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    records.record_signal(signum)
+
+
+def _stopped(rank: int) -> ProcessFailure:
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=-15, error_file="/nonexistent/error.json")
+
+
+def test_the_rank_a_signal_stopped_first_is_the_cause_and_the_rest_its_consequences(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # kill -TERM of rank 1 alone; the agent then stopped ranks 0 and 2 with its own SIGTERM: all three -15
+    _signal_record(monkeypatch, tmp_path, 1, signal.SIGTERM)
+    _signal_record(monkeypatch, tmp_path, 0, signal.SIGTERM)
+    _signal_record(monkeypatch, tmp_path, 2, signal.SIGTERM)
+    failures = merge(from_torch({r: _stopped(r) for r in (0, 1, 2)}), records.read(tmp_path, attempt=0))
+    assert root_cause(failures).rank == 1
+    summary = format_summary("t.py", failures)
+    assert summary.startswith(
+        "multigpu launch: t.py failed on rank 1 (local_rank 1, exit code -15): stopped by SIGTERM: SIGTERM was not "
+        "sent by the launcher"
+    ), summary
+    assert "  rank 0 (local_rank 0, exit code -15): stopped by SIGTERM (stopped by the launcher)" in summary
+    assert "lost a peer or timed out" not in summary
+
+
+def test_a_signal_after_another_ranks_error_or_timeout_is_the_launchers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for first in (ValueError("the cause"), CollectiveTimeoutError("reduce timed out")):
+        folder = tmp_path / type(first).__name__
+        folder.mkdir()
+        _record_as(monkeypatch, folder, 1, first)  # the cause (world of 2 in _record_as: ranks 0 and 1)
+        _signal_record(monkeypatch, folder, 2, signal.SIGTERM)  # the agent stopping the others, after
+        _signal_record(monkeypatch, folder, 0, signal.SIGTERM)
+        reported = from_torch({0: _stopped(0), 2: _stopped(2)})
+        cause = root_cause(merge(reported, records.read(folder, attempt=0)))
+        assert (cause.rank, cause.message) == (1, f"{type(first).__name__}: {first}")
+
+
+def test_a_rank_that_lost_a_peer_on_another_node_before_the_signal_keeps_the_blame_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rank 2 failed on the other node; here rank 0 lost it as a peer, then the agent stopped rank 1
+    _record_as(monkeypatch, tmp_path, 0, PeerExitedError("lost a peer"))
+    _signal_record(monkeypatch, tmp_path, 1, signal.SIGTERM)
+    failures = merge(from_torch({0: _stopped(0), 1: _stopped(1)}), records.read(tmp_path, attempt=0))
+    assert root_cause(failures).rank == 0
+    summary = format_summary("t.py", failures)
+    assert "not sent by the launcher" not in summary
+    assert "look at that node's launcher" in summary

@@ -10,7 +10,9 @@ of the node's cores (:mod:`multigpu.launcher.affinity`), before the script start
 also gets ready to write its stacks on request and its ledger of collectives
 (:func:`multigpu.runtime.tracking.setup_worker`), which the failure summary of a hang reads, and,
 unless the user asked for torchrun's log files, copies its stderr into the failure folder through
-``tee`` (what gloo or NCCL print from C++ before they abort the process, for the summary).
+``tee`` (what gloo or NCCL print from C++ before they abort the process, for the summary). A SIGTERM
+or SIGHUP that ends it is recorded with its time (:mod:`multigpu.launcher.signal_witness`), so the
+summary can tell a rank a signal stopped first from the ones the launcher stopped after.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from multigpu.core.script import run_as_main
+from multigpu.launcher import signal_witness
 from multigpu.launcher.affinity import bind_to_core_share
 from multigpu.runtime import failure_records, tracking, world
 
@@ -36,6 +39,8 @@ def main() -> None:
         bind_to_core_share(env.local_rank, env.local_world_size)
     tracking.setup_worker()
     folder = world.failure_dir()
+    if folder is not None:  # a SIGTERM/SIGHUP that ends this rank is recorded with its time, for the summary
+        signal_witness.install(failure_records.record_signal)
     if folder is not None and world.stderr_copy_requested():
         _copy_stderr(tracking.stderr_copy_path(folder, attempt=world.restart_count(), rank=world.global_rank()))
     try:

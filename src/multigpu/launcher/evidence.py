@@ -201,18 +201,29 @@ def main_thread_stack(text: str, entry: Entry) -> list[Frame]:
 
 
 def _frames_after(text: str, marker: str) -> list[Frame]:
-    """The first thread's frames (innermost first) of the faulthandler dump that follows ``marker``."""
+    """The crashing thread's frames (innermost first) of the faulthandler dump that follows ``marker``.
+
+    faulthandler lists every thread, the newest first, and marks the one that crashed ``Current thread``.
+    A crash on a thread Python does not know (gloo's, NCCL's) has no such mark: then the first thread
+    that was in the user's code (the witness thread of :mod:`multigpu.launcher.signal_witness` is newer
+    than the main thread, so it comes first), else the first thread.
+    """
     at = text.rfind(marker)
     if at < 0:
         return []
-    frames: list[Frame] = []
+    blocks: list[tuple[bool, list[Frame]]] = []
     for line in text[at:].splitlines()[1:]:
+        if _THREAD.match(line):
+            blocks.append((line.startswith("Current thread"), []))
+            continue
         found = _FRAME.match(line)
-        if found:
-            frames.append(Frame(file=found["file"], line=int(found["line"]), function=found["func"].strip()))
-        elif frames and not line.strip():
-            break
-    return frames
+        if found and blocks:
+            blocks[-1][1].append(Frame(file=found["file"], line=int(found["line"]), function=found["func"].strip()))
+    for wanted in (lambda current, frames: current, lambda current, frames: any(f.is_user for f in frames)):
+        for current, frames in blocks:
+            if wanted(current, frames):
+                return frames
+    return blocks[0][1] if blocks else []
 
 
 def _stderr_tails(log_dir: str | Path | None, attempt: int, keep: int = 16_000) -> dict[int, str]:

@@ -148,6 +148,11 @@ class LaunchConfig:
                     else ""
                 )
             )
+        if one_process and self.multi_node:  # e.g. srun --nodes=2 multigpu launch: the scheduler's nnodes
+            raise ConfigError(
+                f"--strategy {self.strategy} runs one process, but nnodes={self.nnodes!r} asks for several nodes "
+                "(each would train alone); use --strategy ddp across nodes, or start one launcher on one node"
+            )
         if self.devices is not None and not (chosen is not None and chosen.launch_devices):
             raise ConfigError(
                 f"--devices {self.devices} applies to --strategy dp (thread replicas); for ddp choose GPUs with "

@@ -10,6 +10,9 @@ not in its report at all. :func:`merge` adds each worker's own record of its fir
 (:mod:`multigpu.runtime.failure_records`, written before its process group closed), and
 :func:`root_cause` picks:
 
+0. a rank a signal stopped before any other rank failed (:func:`signalled_first`: ``kill -TERM`` of its
+   pid while the others waited), as its worker recorded the signal's arrival
+   (:mod:`multigpu.launcher.signal_witness`); the summary names the signal;
 1. among the failures that are not consequences of another rank's, the earliest by the worker's
    record (else the error file's modification time; nanoseconds), so two failures within one
    second keep their order;
@@ -53,6 +56,9 @@ _CONSEQUENCE = re.compile(
 )
 
 
+# signals that come from outside the process (kill, a scheduler, the OOM killer), not from its own crash
+_SENT_SIGNALS = {"SIGTERM", "SIGKILL", "SIGHUP", "SIGINT", "SIGQUIT"}
+
 _TIMED_OUT = re.compile(r"timed? ?out waiting", re.IGNORECASE)
 
 
@@ -69,6 +75,8 @@ class WorkerFailure:
         message: ``"Type: message"`` from its error file, or the signal that ended it.
         traceback: its Python traceback (empty when it wrote no error file).
         when_ns: when it failed: the error file's modification time, else the agent's timestamp.
+        signal: the signal that ended it, as the worker itself recorded it when it arrived
+            (:mod:`multigpu.launcher.signal_witness`); empty when it recorded none.
     """
 
     rank: int
@@ -78,6 +86,7 @@ class WorkerFailure:
     message: str
     traceback: str
     when_ns: int = 0
+    signal: str = ""
 
     @property
     def is_consequence(self) -> bool:
@@ -92,7 +101,21 @@ class WorkerFailure:
     @property
     def stopped_by_launcher(self) -> bool:
         """Ended by SIGTERM without an error: how the agent stops the other workers after a failure."""
-        return self.exitcode == -signal.SIGTERM and not self.traceback
+        return (self.signal == "SIGTERM" or self.exitcode == -signal.SIGTERM) and not self.traceback
+
+    @property
+    def ended_by_signal(self) -> str | None:
+        """The signal that ended it without an error (``"SIGTERM"``), if one did."""
+        if self.traceback:
+            return None
+        if self.signal:
+            return self.signal
+        if self.exitcode is not None and self.exitcode < 0:
+            try:
+                return signal.Signals(-self.exitcode).name
+            except ValueError:
+                return f"signal {-self.exitcode}"
+        return None
 
     @property
     def _tier(self) -> int:
@@ -142,13 +165,39 @@ def merge(reported: Sequence[WorkerFailure], recorded: Mapping[int, Record]) -> 
             message=rec.message,
             traceback=rec.traceback,
             when_ns=rec.when_ns,
+            signal=rec.signal,
         )
     return sorted(by_rank.values(), key=lambda f: f.rank)
 
 
 def root_cause(failures: Sequence[WorkerFailure]) -> WorkerFailure:
     """The failure that caused the others (see the module docstring). ``failures`` must not be empty."""
-    return min(failures, key=lambda f: (f._tier, f.when_ns, f.rank))
+    return signalled_first(failures) or min(failures, key=lambda f: (f._tier, f.when_ns, f.rank))
+
+
+def signalled_first(failures: Sequence[WorkerFailure]) -> WorkerFailure | None:
+    """The rank a signal stopped before anything else went wrong, if one did: a signal the launcher did not send.
+
+    The launcher's agent sends its SIGTERM (and, after the grace period, SIGKILL) only once it saw a
+    failure, so a signal that ended a rank before any other rank failed in any way came from outside
+    (``kill``, a scheduler, the kernel's out-of-memory killer); the ranks that failed after it are its
+    consequences. A rank that lost a peer *before* the signal keeps the blame elsewhere (the cause ran
+    on another node). A SIGTERM the worker did not record (its script replaced the witness's handler)
+    looks like the launcher's own and is not taken for one from outside; a signal death it could not
+    record (SIGKILL) has only the agent's whole-second timestamp, so failures in that second count as
+    after it.
+    """
+    signalled = [
+        f
+        for f in failures
+        if f.ended_by_signal in _SENT_SIGNALS and (f.signal or not f.stopped_by_launcher)  # not a crash (SIGABRT)
+    ]
+    if not signalled:
+        return None
+    first = min(signalled, key=lambda f: (f.when_ns, f.rank))
+    slack = 0 if first.signal else 1_000_000_000
+    others = [f for f in failures if f is not first and not f.ended_by_signal]
+    return first if all(first.when_ns < f.when_ns + slack for f in others) else None
 
 
 def format_summary(script: str, failures: Sequence[WorkerFailure], evidence: Evidence | None = None) -> str:
@@ -165,11 +214,18 @@ def format_summary(script: str, failures: Sequence[WorkerFailure], evidence: Evi
     if diverged is not None:
         return _diverged_summary(script, failures, diverged)
     cause = root_cause(failures)
+    stopped_by = cause.ended_by_signal if cause is signalled_first(failures) else None
+    said_first = _first_line(cause.message)
+    if stopped_by:
+        said_first += (
+            f": {stopped_by} was not sent by the launcher (a signal to this rank alone: kill, a scheduler, the "
+            "kernel's out-of-memory killer); the other ranks failed because it left"
+        )
     head = (
         f"multigpu launch: {script} failed on rank {cause.rank} (local_rank {cause.local_rank}, "
-        f"{_ending(cause)}): {_first_line(cause.message)}"
+        f"{_ending(cause)}): {said_first}"
     )
-    if cause.is_consequence or cause.stopped_by_launcher:
+    if not stopped_by and (cause.is_consequence or cause.stopped_by_launcher):
         head += (
             "\n  (this rank lost a peer or timed out waiting for one: the cause is a rank that hung, was killed "
             "without an error, or ran on another node; look at that node's launcher)"

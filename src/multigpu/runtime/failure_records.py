@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class Record:
         message: ``"Type: message"``.
         traceback: the formatted Python traceback.
         when_ns: when it was recorded (``time.time_ns()``), before its process group closed.
+        signal: the signal that ended it (``"SIGTERM"``), when a signal did and not an exception.
     """
 
     rank: int
@@ -48,6 +50,7 @@ class Record:
     message: str
     traceback: str
     when_ns: int
+    signal: str = ""
 
 
 def record(exc: BaseException) -> None:
@@ -55,6 +58,23 @@ def record(exc: BaseException) -> None:
 
     Call it before the process group closes: every rank may call it; it adds no communication.
     """
+    _write(
+        message=f"{type(exc).__name__}: {exc}",
+        trace="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    )
+
+
+def record_signal(signum: int) -> None:
+    """Record that signal ``signum`` is ending this worker, and when (only the first failure counts).
+
+    Called from :mod:`multigpu.launcher.signal_witness` as the signal arrives, wherever the main
+    thread is; adds no communication; a no-op outside ``multigpu launch``.
+    """
+    name = signal.Signals(signum).name
+    _write(message=f"stopped by {name}", trace="", signal_name=name)
+
+
+def _write(*, message: str, trace: str, signal_name: str = "") -> None:
     folder, env = world.failure_dir(), world.read_launch_env()
     if folder is None or env is None:
         return
@@ -64,9 +84,10 @@ def record(exc: BaseException) -> None:
     data = {
         "rank": env.global_rank,
         "local_rank": env.local_rank,
-        "message": f"{type(exc).__name__}: {exc}",
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "message": message,
+        "traceback": trace,
         "when_ns": time.time_ns(),
+        "signal": signal_name,
     }
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     with contextlib.suppress(OSError):  # a record is a courtesy to the summary; never fail the worker over it
@@ -86,6 +107,7 @@ def read(folder: str | Path, *, attempt: int) -> dict[int, Record]:
                 message=str(data["message"]),
                 traceback=str(data["traceback"]),
                 when_ns=int(data["when_ns"]),
+                signal=str(data.get("signal", "")),
             )
         except (OSError, ValueError, KeyError, TypeError):
             continue

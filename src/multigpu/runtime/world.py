@@ -56,8 +56,9 @@ class LaunchEnv:
         local_world_size: how many processes run on this node.
         master_addr: address of the rank-0 store every process connects to.
         master_port: port of that store.
-        scheduler: who set the variables: ``torchrun`` (also ``multigpu launch``), ``slurm``,
-            ``openmpi`` or ``mpich`` (:mod:`multigpu.runtime.schedulers`).
+        scheduler: who set the variables: ``torchrun`` (also ``multigpu launch``), ``pytorchjob`` (a
+            pod that runs the script directly), ``slurm``, ``openmpi`` or ``mpich``
+            (:mod:`multigpu.runtime.schedulers`).
     """
 
     global_rank: int
@@ -81,7 +82,8 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | Non
 
     Returns:
         A :class:`LaunchEnv` when ``RANK`` and ``WORLD_SIZE`` are set, else the world SLURM's or
-        MPI's variables describe (:func:`multigpu.runtime.schedulers.detect_worker`), else None.
+        MPI's variables describe (:func:`multigpu.runtime.schedulers.detect_worker`), else None
+        (also in the one process of ``multigpu launch --strategy single|dp``, which inherits them).
 
     Raises:
         LaunchError: the variables are present but inconsistent (e.g. ``RANK`` >= ``WORLD_SIZE``).
@@ -92,6 +94,8 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | Non
     """
     env = os.environ if environ is None else environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
+        if env.get("MULTIGPU_STRATEGY"):  # the one process of a multigpu launch (single, dp): the launcher
+            return None  # was the scheduler's task; SLURM's or MPI's variables it inherited are not its world
         found = schedulers.detect_worker(env)
         if found is None:
             return None
@@ -104,10 +108,11 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | Non
             master_port=found.master_port,
             scheduler=found.scheduler,
         )
+    pod = schedulers.pytorchjob_pod(env)  # one process per PyTorchJob pod, started without torchrun
     try:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_rank = int(env.get("LOCAL_RANK", rank))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        local_rank = 0 if pod else int(env.get("LOCAL_RANK", rank))
+        local_world = 1 if pod else int(env.get("LOCAL_WORLD_SIZE", world))
         port = int(env.get("MASTER_PORT", "29500"))
     except ValueError as exc:
         raise LaunchError(f"launcher variables do not parse as integers ({exc}); {_LAUNCH_HINT}") from exc
@@ -120,6 +125,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | Non
         local_world_size=local_world,
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=port,
+        scheduler=schedulers.PYTORCHJOB if pod else schedulers.TORCHRUN,
     )
 
 
