@@ -381,8 +381,9 @@ def test_a_pytorchjob_pod_started_directly_is_local_rank_0_of_1(
     )
     from multigpu.runtime import world
 
-    monkeypatch.setattr(world, "accelerator_type", lambda: "cuda")
-    monkeypatch.setattr(world, "device_count", lambda kind: 1)
+    cuda = get_device_type("cuda")
+    monkeypatch.setattr(cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(world, "process_device_type", lambda: cuda)  # a GPU machine's workers compute on CUDA
     assert world.process_device(env) == torch.device("cuda", 0)  # the pod's one GPU, not cuda:1
     # under torchrun (LOCAL_RANK set) nothing changes, nor for RANK/WORLD_SIZE outside a pod
     torchrun = read_launch_env({**_POD, **operator, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
