@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
 from multigpu.checkpoint.atomic import ASIDE_MARKER, atomic_write_file, remove_tree
+from multigpu.checkpoint.regular_files import open_regular
 from multigpu.checkpoint.safetensors_file import read_header
 from multigpu.errors import CheckpointError, ConfigError
 
@@ -238,8 +239,11 @@ class Manifest:
 
 
 def is_sharded_folder(folder: Path) -> bool:
-    """Whether ``folder`` holds a manifest, i.e. is (meant to be) a sharded checkpoint."""
-    return (folder / MANIFEST_FILE).is_file()
+    """Whether ``folder`` holds a manifest, i.e. is (meant to be) a sharded checkpoint.
+
+    Any entry of that name counts (a pipe, a folder, a dangling link): reading it then says what is wrong.
+    """
+    return os.path.lexists(folder / MANIFEST_FILE)
 
 
 def files_digest(files: dict[str, FileRecord]) -> str:
@@ -251,7 +255,7 @@ def files_digest(files: dict[str, FileRecord]) -> str:
 def file_crc32(path: Path) -> FileRecord:
     """Size and CRC-32 of the file at ``path``, read in 4 MiB pieces."""
     crc, nbytes = 0, 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while piece := f.read(_CHUNK):
             crc = zlib.crc32(piece, crc)
             nbytes += len(piece)
@@ -292,7 +296,7 @@ def read_manifest(folder: Path) -> Manifest:
     """
     path = folder / MANIFEST_FILE
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             raw = f.read(_MAX_MANIFEST_BYTES + 1)
     except OSError as exc:
         raise CheckpointError(f"cannot read {str(path)!r}: {exc.strerror or exc}. {FIX}") from exc
