@@ -201,6 +201,36 @@ def recover_asides(folder: Path) -> list[Path]:
     return restored
 
 
+def check_replaceable(target: Path) -> None:
+    """Refuse to save over ``target`` (a ``step-N`` path) unless it is absent or a checkpoint of step N a Checkpointer wrote.
+
+    A re-save replaces the step's folder whole; a folder of that name that a Checkpointer did not
+    write (someone's files, a foreign or incomplete checkpoint), a file or a link would be lost.
+
+    Raises:
+        CheckpointError: naming the entry, what it is, and the fix.
+    """
+    step = parse_step(target.name)
+    try:
+        mode = os.lstat(target).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode) and is_complete(target) and recorded_step_of(target) == step:
+        return
+    if stat.S_ISLNK(mode):
+        what = "a symbolic link"
+    elif not stat.S_ISDIR(mode):
+        what = "not a folder"
+    elif is_complete(target):
+        what = "a checkpoint no Checkpointer wrote for this step (its files do not record it)"
+    else:
+        what = "a folder without a complete checkpoint"
+    raise CheckpointError(
+        f"cannot save step {step}: {str(target)!r} exists and is {what}; saving would replace it and lose what "
+        "it holds. Move it away (or delete it if it is not needed), or save into another folder."
+    )
+
+
 def _is_aside_of(path: Path, step: int) -> bool:
     # Hidden entries are ours only if complete and their weights record the step (a cheap header read).
     return is_complete(path) and recorded_step_of(path) == step
