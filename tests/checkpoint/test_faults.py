@@ -180,3 +180,12 @@ def test_unwritable_folder_raises_and_keeps_the_previous_checkpoint() -> None:
 def test_missing_folder_is_named(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"folder '.*nowhere' does not exist"):
         ckpt.save(nn.Linear(2, 2), tmp_path / "nowhere" / "w.safetensors")
+
+
+@pytest.mark.parametrize("name", ["w.safetensors", "w.pt"])
+def test_saving_onto_a_folder_is_named_with_the_fix(tmp_path: Path, name: str) -> None:
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=rf"{name}': it is an existing folder\. Give the path of a file"):
+        ckpt.save(nn.Linear(2, 2), tmp_path / name)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted([name, "keep.txt"])  # no temporary left

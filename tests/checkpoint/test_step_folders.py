@@ -1,8 +1,9 @@
-"""Step folders are parsed strictly; keep-last-N deletes only older checkpoints this library wrote."""
+"""Step folders are parsed strictly; keep-last-N deletes, and a re-save replaces, only checkpoints this library wrote."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 import multigpu.checkpoint as ckpt
+from multigpu.errors import CheckpointError
 from tests.checkpoint._models import filled
 
 
@@ -90,3 +92,70 @@ def test_large_steps_round_trip(tmp_path: Path) -> None:
     assert checkpointer.steps() == [99_999_999, 100_000_000, 2**63 - 1]
     resumed = checkpointer.resume(model=nn.Linear(3, 2))
     assert resumed is not None and resumed.step == 2**63 - 1
+
+
+def _foreign_folder(path: Path) -> None:
+    path.mkdir()
+    (path / "notes.txt").write_text("mine")
+
+
+def _foreign_checkpoint(path: Path) -> None:  # complete, but its weights record no step
+    path.mkdir()
+    ckpt.save(filled(7.0), path / "model.safetensors")
+    torch.save({"mine": True}, path / "state.pt")
+
+
+def _file(path: Path) -> None:
+    path.write_text("mine")
+
+
+def _link(path: Path) -> None:
+    outside = path.parent.parent / "outside"
+    _foreign_folder(outside)
+    path.symlink_to(outside, target_is_directory=True)
+
+
+@pytest.mark.parametrize(
+    ("occupy", "what"),
+    [
+        (_foreign_folder, "a folder without a complete checkpoint"),
+        (_foreign_checkpoint, "a checkpoint no Checkpointer wrote for this step"),
+        (_file, "not a folder"),
+        (_link, "a symbolic link"),
+    ],
+    ids=["someone's folder", "foreign checkpoint", "file", "link"],
+)
+def test_saving_a_step_whose_name_is_taken_by_something_else_loses_nothing(
+    tmp_path: Path, occupy: Callable[[Path], None], what: str
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    taken = run / "step-00000005"
+    occupy(taken)
+    before = {
+        p.relative_to(tmp_path): p.read_bytes()
+        for p in sorted(tmp_path.rglob("*"))
+        if p.is_file() and p.name != ".multigpu.lock"
+    }
+    checkpointer = ckpt.Checkpointer(folder=run)
+    with pytest.raises(
+        CheckpointError, match=rf"cannot save step 5: .*step-00000005' exists and is {what}.*Move it away"
+    ):
+        checkpointer.save(step=5, model=filled(1.0))
+    after = {
+        p.relative_to(tmp_path): p.read_bytes()
+        for p in sorted(tmp_path.rglob("*"))
+        if p.is_file() and p.name != ".multigpu.lock"
+    }
+    assert after == before  # nothing replaced, no temporary left
+    assert sorted(p.name for p in run.iterdir()) == [".multigpu.lock", "step-00000005"]
+    assert checkpointer.save(step=6, model=filled(1.0)).is_dir()  # the folder stays usable
+
+
+def test_a_lock_that_is_not_a_file_is_named_with_the_fix(tmp_path: Path) -> None:
+    (tmp_path / ".multigpu.lock").mkdir()
+    with pytest.raises(
+        CheckpointError, match=r"cannot take the lock .*\.multigpu\.lock.*remove what sits under that name"
+    ):
+        ckpt.Checkpointer(folder=tmp_path, lock_timeout_s=5).save(step=1, model=filled(1.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".multigpu.lock"]

@@ -219,6 +219,11 @@ def _explain(exc: OSError, final: Path) -> str:
             f"({exc.strerror}). The previous checkpoint is unchanged. Fix the folder's permissions "
             "or save to a folder this process may write to."
         )
+    if exc.errno == errno.EISDIR and os.fspath(final) in (exc.filename, exc.filename2) and final.is_dir():
+        return (
+            f"could not write checkpoint {str(final)!r}: it is an existing folder. Give the path of a file "
+            f"(e.g. {str(final / 'model.safetensors')!r}), or move the folder away. Nothing was changed."
+        )
     if exc.errno == errno.ENOENT and not folder.exists():
         return (
             f"could not write checkpoint {str(final)!r}: the folder {str(folder)!r} does not exist. "
@@ -249,6 +254,14 @@ def folder_lock(folder: Path, *, timeout_s: float) -> Iterator[None]:
             f"{timeout_s:g} s ({_holder(path)}). Two runs are writing one folder: give each "
             "run its own folder, or raise Checkpointer(lock_timeout_s=...) if saves are slow."
         ) from None
+    except OSError as exc:
+        if exc.errno in _SPACE_ERRNOS | _PERMISSION_ERRNOS | {errno.ENOENT}:
+            raise  # the folder's own problem: explain_os_errors says it
+        raise CheckpointError(
+            f"cannot take the lock {str(path)!r} of {str(folder)!r}: {exc.strerror or exc}. It must be a "
+            "regular file (or absent); remove what sits under that name (no save can hold it: none could open "
+            "it), or save into another folder."
+        ) from exc
     try:
         yield
     finally:

@@ -42,6 +42,7 @@ from multigpu.checkpoint.folders import (
     read_manifest,
 )
 from multigpu.checkpoint.formats import check_total
+from multigpu.checkpoint.regular_files import open_regular
 from multigpu.errors import CheckpointError
 
 MAX_METADATA_BYTES = 256 << 20  # an index of millions of tensors stays far below
@@ -102,10 +103,11 @@ def read_metadata(folder: Path) -> dcp_metadata.Metadata:
     """
     path = folder / METADATA_FILE
     try:
-        size = os.stat(path).st_size
-        if size > MAX_METADATA_BYTES:
-            bad(path, "its size", size, f"at most {MAX_METADATA_BYTES} bytes")
-        raw = path.read_bytes()
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_METADATA_BYTES:
+                bad(path, "its size", size, f"at most {MAX_METADATA_BYTES} bytes")
+            raw = f.read()
     except OSError as exc:
         raise CheckpointError(
             f"{str(path)!r}, DCP's index of the checkpoint, is missing or unreadable ({exc.strerror or exc}): "

@@ -205,10 +205,11 @@ class Sharded:
         state_file = folder / STATE_FILE
         try:
             return folder, load_torch_file(state_file, allow_unsafe_pickle=allow_unsafe_pickle)
-        except FileNotFoundError as exc:
+        except OSError as exc:  # missing, a folder, a pipe, unreadable
             raise CheckpointError(
-                f"{str(state_file)!r} is missing: {str(folder)!r} is not a complete checkpoint folder. Resume from "
-                "another step (Checkpointer.resume(path=...)), or without path= to use the latest."
+                f"{str(state_file)!r} is missing or unreadable ({exc.strerror or exc}): {str(folder)!r} is not a "
+                "complete checkpoint folder. Resume from another step (Checkpointer.resume(path=...)), or without "
+                "path= to use the latest."
             ) from exc
 
     def check(self, folder: Path, checked: TrainingState) -> bool:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
 from multigpu.checkpoint.atomic import ASIDE_MARKER, atomic_write_file, remove_tree
+from multigpu.checkpoint.regular_files import open_regular
 from multigpu.checkpoint.safetensors_file import read_header
 from multigpu.errors import CheckpointError, ConfigError
 
@@ -200,6 +201,36 @@ def recover_asides(folder: Path) -> list[Path]:
     return restored
 
 
+def check_replaceable(target: Path) -> None:
+    """Refuse to save over ``target`` (a ``step-N`` path) unless it is absent or a checkpoint of step N a Checkpointer wrote.
+
+    A re-save replaces the step's folder whole; a folder of that name that a Checkpointer did not
+    write (someone's files, a foreign or incomplete checkpoint), a file or a link would be lost.
+
+    Raises:
+        CheckpointError: naming the entry, what it is, and the fix.
+    """
+    step = parse_step(target.name)
+    try:
+        mode = os.lstat(target).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode) and is_complete(target) and recorded_step_of(target) == step:
+        return
+    if stat.S_ISLNK(mode):
+        what = "a symbolic link"
+    elif not stat.S_ISDIR(mode):
+        what = "not a folder"
+    elif is_complete(target):
+        what = "a checkpoint no Checkpointer wrote for this step (its files do not record it)"
+    else:
+        what = "a folder without a complete checkpoint"
+    raise CheckpointError(
+        f"cannot save step {step}: {str(target)!r} exists and is {what}; saving would replace it and lose what "
+        "it holds. Move it away (or delete it if it is not needed), or save into another folder."
+    )
+
+
 def _is_aside_of(path: Path, step: int) -> bool:
     # Hidden entries are ours only if complete and their weights record the step (a cheap header read).
     return is_complete(path) and recorded_step_of(path) == step
@@ -238,8 +269,11 @@ class Manifest:
 
 
 def is_sharded_folder(folder: Path) -> bool:
-    """Whether ``folder`` holds a manifest, i.e. is (meant to be) a sharded checkpoint."""
-    return (folder / MANIFEST_FILE).is_file()
+    """Whether ``folder`` holds a manifest, i.e. is (meant to be) a sharded checkpoint.
+
+    Any entry of that name counts (a pipe, a folder, a dangling link): reading it then says what is wrong.
+    """
+    return os.path.lexists(folder / MANIFEST_FILE)
 
 
 def files_digest(files: dict[str, FileRecord]) -> str:
@@ -251,7 +285,7 @@ def files_digest(files: dict[str, FileRecord]) -> str:
 def file_crc32(path: Path) -> FileRecord:
     """Size and CRC-32 of the file at ``path``, read in 4 MiB pieces."""
     crc, nbytes = 0, 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while piece := f.read(_CHUNK):
             crc = zlib.crc32(piece, crc)
             nbytes += len(piece)
@@ -292,7 +326,7 @@ def read_manifest(folder: Path) -> Manifest:
     """
     path = folder / MANIFEST_FILE
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             raw = f.read(_MAX_MANIFEST_BYTES + 1)
     except OSError as exc:
         raise CheckpointError(f"cannot read {str(path)!r}: {exc.strerror or exc}. {FIX}") from exc

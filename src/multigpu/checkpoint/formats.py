@@ -28,6 +28,7 @@ import safetensors.torch
 import torch
 
 from multigpu.checkpoint.atomic import atomic_write_file, atomic_write_path
+from multigpu.checkpoint.regular_files import open_regular
 from multigpu.checkpoint.safetensors_file import (
     CHECKSUM_KEY,
     DTYPES,
@@ -85,7 +86,7 @@ def format_for(path: str | os.PathLike[str], format: Format | None = None) -> Fo
 
 def detect_format(path: str | os.PathLike[str]) -> Format:
     """The format of an existing file, from its first bytes (the suffix may lie)."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         head = f.read(9)
     # torch: a zip archive (PK) or a legacy pickle (protocol byte 0x80). safetensors: an 8-byte
     # little-endian header length followed by the JSON header's '{'.
@@ -228,7 +229,7 @@ def checked_safetensors_header(path: str | os.PathLike[str], f: BinaryIO | None 
     With ``f`` (the file, open), everything is read from it.
     """
     if f is None:
-        with open(path, "rb") as opened:
+        with open_regular(path) as opened:
             return checked_safetensors_header(path, opened)
     header = read_header_from(f, path)
     verify_header(path, [(e.key, e.dtype, e.shape) for e in header.entries], header.metadata)
@@ -247,7 +248,7 @@ def _read_safetensors(path: str | os.PathLike[str]) -> tuple[OrderedDict[str, to
     # The tensors are views of a private (copy-on-write) mapping of that file, as the safetensors
     # library itself reads: no copy until they are used.
     tensors: OrderedDict[str, torch.Tensor] = OrderedDict()
-    with open(path, "rb") as f, ThreadPoolExecutor(THREADS) as pool:
+    with open_regular(path) as f, ThreadPoolExecutor(THREADS) as pool:
         header = checked_safetensors_header(path, f)
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if header.file_size else None
         pending = {}

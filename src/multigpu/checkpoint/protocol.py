@@ -44,7 +44,14 @@ from multigpu.checkpoint.atomic import (
     remove_tree,
     temporary_name,
 )
-from multigpu.checkpoint.folders import MODEL_FILE, STATE_FILE, parse_aside, parse_step, recover_asides
+from multigpu.checkpoint.folders import (
+    MODEL_FILE,
+    STATE_FILE,
+    check_replaceable,
+    parse_aside,
+    parse_step,
+    recover_asides,
+)
 from multigpu.checkpoint.formats import read_tensors, write_tensors
 from multigpu.checkpoint.ranks import capture_rng, gather_on_main, restore_rng, run_on_main, shared_from_main
 from multigpu.checkpoint.safetensors_file import CHECKSUM_KEY, read_header
@@ -160,6 +167,7 @@ def _prepare(folder: Path, target: Path, lock_timeout_s: float, held: contextlib
     with explain_os_errors(target):
         held.enter_context(folder_lock(folder, timeout_s=lock_timeout_s))
         recover_asides(folder)
+        check_replaceable(target)
         remove_stale_temporaries(folder)
         tmp = temporary_name(target)
         tmp.mkdir()

@@ -31,6 +31,7 @@ from typing import Any, BinaryIO, NoReturn
 import numpy as np
 import torch
 
+from multigpu.checkpoint.regular_files import open_regular
 from multigpu.errors import CheckpointError
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
@@ -103,7 +104,7 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         >>> [(e.key, e.shape, e.nbytes) for e in read_header(p).entries]
         [('w', (2, 3), 24)]
     """
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         return read_header_from(f, path)
 
 

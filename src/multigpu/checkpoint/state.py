@@ -39,6 +39,7 @@ from torch import nn
 from multigpu.checkpoint.atomic import remove_tree
 from multigpu.checkpoint.dcp_storage import Sharded, is_sharded_model
 from multigpu.checkpoint.folders import (
+    METADATA_FILE,
     MODEL_FILE,
     STATE_FILE,
     check_count,
@@ -232,7 +233,10 @@ class Checkpointer:
         parts = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
         first = locate()
         storage: Storage
-        if first is not None and is_sharded_folder(first):
+        # A sharded model and a DCP index without its manifest: the manifest's absence is the fault to name.
+        if first is not None and (
+            is_sharded_folder(first) or (is_sharded_model(model) and os.path.lexists(first / METADATA_FILE))
+        ):
             storage, locate = Sharded(model, optimizer, folder=first), lambda: first
         elif first is not None and is_sharded_model(model):
             raise CheckpointError(_UNSHARDED_INTO_SHARDED.format(folder=str(first)))

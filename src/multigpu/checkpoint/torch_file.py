@@ -27,6 +27,7 @@ from typing import Any, BinaryIO, NoReturn
 
 import torch
 
+from multigpu.checkpoint.regular_files import open_regular
 from multigpu.errors import CheckpointError
 
 _CHUNK = 16 << 20  # zip records are read in pieces of this size
@@ -319,7 +320,7 @@ def load_torch_file(
             is off, or it is on and the file needs a class that cannot be imported here.
     """
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             if not allow_unsafe_pickle:
                 check_torch_file(f, path, verify_records=map_location != "meta")
                 f.seek(0)
