@@ -102,7 +102,9 @@ def test_with_debug_collectives_in_another_order_fail_at_once_on_every_rank() ->
     summary, _ = _launch("--debug", str(WORKER), "order")
     assert f"rank 0: reduce (mean) shape () float64 at forensics_worker.py:{_line('# MISMATCH: reduce')}" in summary
     assert f"rank 1: barrier at forensics_worker.py:{_line('# MISMATCH: barrier')}" in summary
-    assert re.search(r"rank 1 \(local_rank 1, exit code 1\): CollectiveMismatchError", summary), summary
+    # every rank raises its own error; whether rank 1 exits (code 1) before the launcher's SIGTERM for rank 0's
+    # failure reaches it (-15) is timing, and its own recorded error is named either way
+    assert re.search(r"rank 1 \(local_rank 1, exit code (1|-15)\): CollectiveMismatchError", summary), summary
 
 
 @pytest.mark.multiprocess

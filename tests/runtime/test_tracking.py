@@ -115,6 +115,16 @@ def test_ranks_waiting_in_different_operations_at_one_count_have_diverged() -> N
     assert Evidence(ledgers={0: _entry(0, 2), 1: _entry(1, 2)}).diverged([0, 1]) is None
 
 
+def test_a_divergence_is_read_from_the_ledgers_when_only_one_rank_timed_out() -> None:
+    # the first rank to time out exits, and the launcher stops the other (SIGTERM) before its own timeout
+    # fires, or it loses its peer first: its ledger still shows the other collective it waited in
+    found = Evidence(ledgers={0: _entry(0, 2), 1: _entry(1, 2, "barrier", "train.py:44"), 2: _entry(2, 2)})
+    assert found.diverged([0]) == found.ledgers
+    assert found.diverged([1]) == found.ledgers
+    assert found.diverged([]) is None  # nothing timed out: no hang to explain
+    assert Evidence(ledgers={0: _entry(0, 2), 1: _entry(1, 2)}).diverged([1]) is None  # the same call: no divergence
+
+
 def test_the_backend_s_abort_text_and_the_failing_line_are_kept() -> None:
     stderr = (
         "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"

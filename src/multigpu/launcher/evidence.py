@@ -149,14 +149,18 @@ class Evidence:
         )
 
     def diverged(self, timed_out: list[int]) -> dict[int, Entry] | None:
-        """The ranks that timed out in the *same* collective number but different operations, if any.
+        """The ranks at the collective number ``timed_out`` waited in, if they issued different operations there.
 
         Without ``--debug`` a collective issued in a different order on different ranks (a reduce on rank 0
-        where rank 1 calls a barrier) leaves both waiting; their ledgers name both calls.
+        where rank 1 calls a barrier) leaves both waiting; their ledgers name both calls. Only one of them
+        need have timed out: the first to time out exits, and the launcher stops the others (or they lose
+        their peer) before their own timeout fires, but their ledgers still show where they waited.
         """
-        entries = {r: self.ledgers[r] for r in sorted(timed_out) if r in self.ledgers}
-        if len(entries) < 2 or len({e.seq for e in entries.values()}) != 1:
+        waited = [self.ledgers[r] for r in timed_out if r in self.ledgers]
+        if not waited:
             return None
+        seq = max(e.seq for e in waited)
+        entries = {r: e for r, e in sorted(self.ledgers.items()) if e.seq == seq}
         return entries if len({e.operation for e in entries.values()}) > 1 else None
 
     def abort_text(self, rank: int, local_rank: int) -> list[str]:
