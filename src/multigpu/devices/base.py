@@ -129,6 +129,14 @@ class DeviceType:
         enter = getattr(self.module, "stream", None)
         return enter(stream) if enter is not None and stream is not None else contextlib.nullcontext()
 
+    def replica_intra_op_threads(self, replicas: int) -> int | None:
+        """Intra-op threads each of ``replicas`` replica threads of this type should compute with.
+
+        Asked on the calling thread before a step's replicas run; None (the default) leaves every
+        thread's setting alone. A type whose replicas share the caller's cores divides them.
+        """
+        return None
+
     # memory -------------------------------------------------------------------------------
     def has_allocator_stats(self) -> bool:
         """Whether the allocator reports bytes allocated and their peak for this type, in this torch."""

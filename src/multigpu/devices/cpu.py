@@ -54,6 +54,16 @@ class CpuDevice(DeviceType):
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
+    def replica_intra_op_threads(self, replicas: int) -> int | None:
+        """The caller's intra-op threads divided among the replicas (at least one each).
+
+        CPU replicas compute on the same cores as the caller: two replica threads that each opened
+        an OpenMP team of the caller's size would run 2x as many threads as cores. The count is
+        per thread (``torch.set_num_threads`` sets the OpenMP and MKL counts of the thread calling
+        it), so each replica thread can be given its share (:mod:`multigpu.parallel.threads`).
+        """
+        return max(1, torch.get_num_threads() // max(1, replicas))
+
     def sharded_process_env(self, environ: Mapping[str, str]) -> dict[str, str]:
         """glibc's malloc with a fixed mmap threshold, on huge pages, unless the user configured malloc.
 

@@ -4,9 +4,14 @@ Threads start with default thread-local state: grad mode on, autocast off, each 
 stream. Each task re-enters the caller's grad mode and autocast (enabled flag *and* dtype) for its
 device type, so ``torch.no_grad()`` and ``torch.autocast(..., dtype=torch.bfloat16)`` around the
 model call reach every replica, and the caller's current stream of its device (where the caller
-queued the copies of its inputs), as torch's ``parallel_apply`` does. Replica 0 runs on the calling thread; the others on the worker threads of a
-:class:`ReplicaThreads` pool that the caller owns (each DataParallel owns one; starting threads
-every step would cost more than small models compute).
+queued the copies of its inputs), as torch's ``parallel_apply`` does. Replica 0 runs on the calling
+thread and the others on the worker threads of a :class:`ReplicaThreads` pool that the caller owns
+(each DataParallel owns one; starting threads every step would cost more than small models compute).
+
+Where the device type divides the caller's intra-op threads among its replicas
+(``DeviceType.replica_intra_op_threads``: the CPU's replicas share its cores), every replica runs on
+a worker that computes with its share, and the caller only waits; under ``torch.profiler`` replica 0
+still runs on the caller, the thread the profiler records.
 
 The pool never makes a task wait for a free worker: when every worker is busy it starts another.
 That is what lets a DataParallel run inside a replica of another one (a teacher model called in the
@@ -108,6 +113,7 @@ class ReplicaThreads:
 
 def _work(inbox: queue.SimpleQueue[_Task | None], pool: weakref.ref[ReplicaThreads]) -> None:
     # Holds the pool weakly: an owner that is garbage-collected without close() still frees it.
+    _local.replica = True
     while True:
         task = inbox.get()
         if task is None:
@@ -187,28 +193,73 @@ def run_replicas(
             with _replica_scope(listeners, device):
                 return fn(i)
 
-    # CPU replicas share the process's intra-op pool (torch.set_num_threads is process-wide).
-    # Re-dividing it per step was measured slower than leaving it alone: resizing the pool
-    # costs more than the brief oversubscription (benchmarks/step_time.py).
-    futures = [threads.submit(_bind(task, i, devices[i], what)) for i in range(1, len(devices))]
+    counts = _intra_op_threads(devices)
+    # Where the replicas' intra-op threads are divided (CPU), every replica runs on a worker that keeps
+    # its share from step to step, and the caller only waits: replica 0 on the caller would have to
+    # change the caller's own count and back every step. Under torch.profiler replica 0 stays on the
+    # caller, whose ops the trace records (it records the thread that started it).
+    first = 1 if all(c is None for c in counts) or torch.autograd._profiler_enabled() else 0
+    caller_threads = torch.get_num_threads()
+    futures = [threads.submit(_bind(task, i, devices[i], what, counts[i])) for i in range(first, len(devices))]
     results: list[Any] = [None] * len(devices)
     first_error: BaseException | None = None
     try:
-        results[0] = _run_named(task, 0, devices[0], what)
+        if first == 1:
+            results[0] = _run_named(task, 0, devices[0], what)
     except BaseException as exc:  # still wait for the other replicas: no thread is left running
         first_error = exc
-    for i, future in enumerate(futures, start=1):
+    for i, future in enumerate(futures, start=first):
         try:
             results[i] = future.result()
         except BaseException as exc:
             first_error = first_error or exc
+    _restore_process_threads(caller_threads)
     if first_error is not None:
         raise first_error
     return results
 
 
-def _bind(task: Callable[[int], T], i: int, device: ReplicaDevice, what: str) -> Callable[[], T]:
-    return lambda: _run_named(task, i, device, what)
+def _bind(task: Callable[[int], T], i: int, device: ReplicaDevice, what: str, intra_op: int | None) -> Callable[[], T]:
+    def run() -> T:
+        if intra_op is not None:
+            _use_intra_op_threads(intra_op)
+        return _run_named(task, i, device, what)
+
+    return run
+
+
+def _intra_op_threads(devices: Sequence[ReplicaDevice]) -> list[int | None]:
+    """Each replica's intra-op thread count, from its device type (None: leave the thread alone)."""
+    per_type = {kind: sum(d.type == kind for d in devices) for kind in dict.fromkeys(d.type for d in devices)}
+    counts = {kind: get_device_type(kind).replica_intra_op_threads(n) for kind, n in per_type.items()}
+    return [counts[d.type] for d in devices]
+
+
+# Intra-op thread counts. torch.set_num_threads(n) sets the OpenMP and MKL counts of the calling thread
+# only, and also the process's figure that a thread takes on its first parallel op: a worker setting
+# its share changes what new threads start with, until the outermost caller (no replica worker itself)
+# puts its own count back after the step. A worker sets its count once, not every step: setting it also
+# resizes torch's pthreadpool, which costs more than small models compute.
+_local = threading.local()  # .intra_op: the count this thread set; .replica: it is a replica worker
+_process_figure_changed = threading.Event()
+
+
+def _use_intra_op_threads(count: int) -> None:
+    if getattr(_local, "intra_op", None) == count:
+        return
+    torch.get_num_threads()  # the thread's first parallel op would reset its count: take that reset first
+    torch.set_num_threads(count)
+    _local.intra_op = count
+    _process_figure_changed.set()
+
+
+def _restore_process_threads(caller_threads: int) -> None:
+    """Put the outermost caller's count back as the process's figure, where a worker changed it."""
+    if getattr(_local, "replica", False) or not _process_figure_changed.is_set():
+        return
+    _process_figure_changed.clear()
+    torch.set_num_threads(caller_threads)
+    _local.intra_op = caller_threads
 
 
 def _run_named(task: Callable[[int], T], i: int, device: ReplicaDevice, what: str) -> T:
