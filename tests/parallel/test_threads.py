@@ -8,7 +8,9 @@ caller, and on a thread started after the step.
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -160,3 +162,25 @@ def test_under_the_profiler_replica_zero_runs_on_the_caller_and_the_trace_record
     ops = [e for e in prof.events() if e.name == "aten::addmm"]
     assert ops  # replica 0's linear layer, on the thread the profiler records
     model.close()
+
+
+def test_while_cpu_replica_workers_live_idle_openmp_threads_sleep_instead_of_spinning() -> None:
+    # libgomp spins its idle team threads 300,000 pauses (milliseconds of a core) unless the process
+    # has more OpenMP threads than cores; the replica workers make it so, while they live.
+    cores = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    torch.set_num_threads(cores)  # the caller's team fills the cores, as the default does
+    model = multigpu.DataParallel(mlp(), devices="cpu:2")
+    try:
+        model(torch.randn(8, 8)).sum().backward()
+        big = torch.ones(cores << 16)  # a chunk of 65,536 per thread: parallel
+        spun = []
+        for _ in range(3):
+            big.add_(1)  # a parallel op on the caller: its team's threads go idle after it
+            began = time.process_time()
+            time.sleep(0.05)
+            spun.append(time.process_time() - began)
+        assert min(spun) < 1e-3, f"CPU seconds used while idle: {spun}"
+    finally:
+        model.close()
+        torch.set_num_threads(before)

@@ -222,7 +222,7 @@ def run_replicas(
 def _bind(task: Callable[[int], T], i: int, device: ReplicaDevice, what: str, intra_op: int | None) -> Callable[[], T]:
     def run() -> T:
         if intra_op is not None:
-            _use_intra_op_threads(intra_op)
+            _use_intra_op_threads(device.type, intra_op)
         return _run_named(task, i, device, what)
 
     return run
@@ -244,11 +244,10 @@ _local = threading.local()  # .intra_op: the count this thread set; .replica: it
 _process_figure_changed = threading.Event()
 
 
-def _use_intra_op_threads(count: int) -> None:
+def _use_intra_op_threads(kind: str, count: int) -> None:
     if getattr(_local, "intra_op", None) == count:
         return
-    torch.get_num_threads()  # the thread's first parallel op would reset its count: take that reset first
-    torch.set_num_threads(count)
+    get_device_type(kind).enter_replica_thread(count)
     _local.intra_op = count
     _process_figure_changed.set()
 
