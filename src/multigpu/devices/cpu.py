@@ -78,8 +78,9 @@ class CpuDevice(DeviceType):
         libgomp in its short spin; when they end, the default returns. The environment variables
         that set the spin (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``) are read once, when torch loads.
         """
-        torch.get_num_threads()  # the thread's first parallel op would reset its count: take it now
-        if not getattr(_replica_thread, "team_parked", False):
+        # The thread's first parallel op would reset its count from the process's figure: take that now.
+        # A process of one intra-op thread has no team threads to spin: nothing to park then.
+        if torch.get_num_threads() > 1 and not getattr(_replica_thread, "team_parked", False):
             torch.set_num_threads(2)
             torch.ones(_TWO_CHUNKS).add_(1)  # one parallel op of 2 threads: its helper stays parked
             _replica_thread.team_parked = True
