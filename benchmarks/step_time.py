@@ -13,6 +13,10 @@ MSE loss, backward, SGD) on the same global batch. Ratios, each measured side by
   alternating blocks of steps (target <= 1.01), once before each round's ``cpu:2`` run and once right
   after it (``after cpu:2``: the replica thread's OpenMP team has just run);
 - ``cpu:2 / DDP``: against torch DDP over gloo, 2 spawned processes of one thread each (target <= 0.85);
+- ``raw halves / 2 threads (bound)``: two plain threads of one intra-op thread, each a half batch
+  on a model of its own, no engine (no split, replicas or gradient sum), against the bare module:
+  the least two replicas on two cores can cost; ``cpu:2 / raw halves (engine)``: what the engine
+  adds to it (both paired as the one-device rows are);
 - ``bare / bare (noise floor)``: two bare models of the same kind, paired the same way: how far
   from 1.00 a pair strays on this machine at this load (a ratio target finer than it is not resolved).
 
@@ -33,6 +37,7 @@ import os
 import socket
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -110,6 +115,49 @@ def paired_ratio(first: Step, second: Step, steps: int, block: int = 3) -> float
     return statistics.median(ratios)
 
 
+class RawHalves:
+    """The bound without an engine: two plain threads of one intra-op thread each, each a half batch's
+    forward, loss and backward on a model of its own, started and joined by the caller, then one
+    optimizer step (the gradients are not summed: what two replicas on two cores cost at least)."""
+
+    def __init__(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        half = len(x) // 2
+        self.models = [build(name), build(name)]
+        self.parts = [(x[:half], y[:half]), (x[half:], y[half:])]
+        self.optimizer = torch.optim.SGD(self.models[0].parameters(), lr=1e-3)
+        self.go = [threading.Event(), threading.Event()]
+        self.done = [threading.Event(), threading.Event()]
+        self.stop = False
+        for i in range(2):
+            threading.Thread(target=self._work, args=(i,), daemon=True, name=f"raw-half-{i}").start()
+
+    def _work(self, i: int) -> None:
+        torch.get_num_threads()  # its first parallel op would reset the count: take that first
+        torch.set_num_threads(1)
+        model, (x, y) = self.models[i], self.parts[i]
+        while True:
+            self.go[i].wait()
+            self.go[i].clear()
+            if self.stop:
+                return
+            model.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            self.done[i].set()
+
+    def __call__(self) -> None:
+        for event in self.go:
+            event.set()
+        for event in self.done:
+            event.wait()
+            event.clear()
+        self.optimizer.step()
+
+    def close(self) -> None:
+        self.stop = True
+        for event in self.go:
+            event.set()
+
+
 class Configs:
     """The in-process configurations of one model, built once (as a training loop would)."""
 
@@ -123,6 +171,7 @@ class Configs:
         self.dp2_model = multigpu.DataParallel(two, devices="cpu:2")
         self.dp2 = make_step(self.dp2_model, two, x, y)
         self.x, self.y, self.dp2_params = x, y, two
+        self.halves = RawHalves(name, x, y)
 
 
 def round_of(c: Configs, steps: int) -> dict[str, float]:
@@ -133,6 +182,8 @@ def round_of(c: Configs, steps: int) -> dict[str, float]:
     dp2_ms = median_ms(c.dp2, steps)
     out["1-dev DP / bare, after cpu:2"] = paired_ratio(c.one_device, c.bare, steps)
     out["cpu:2 / 2 threads"] = dp2_ms / bare_ms
+    out["raw halves / 2 threads (bound)"] = paired_ratio(c.halves, c.bare, steps)
+    out["cpu:2 / raw halves (engine)"] = paired_ratio(c.dp2, c.halves, steps)
     out["bare ms"], out["cpu:2 ms"] = bare_ms, dp2_ms
     return out
 
@@ -280,6 +331,8 @@ def main() -> None:
         )
         if args.trace:
             console.print(f"traces: {', '.join(map(str, trace(configs[name], args.trace)))}")
+    for config in configs.values():
+        config.halves.close()
     console.print(f"loadavg after: {loadavg()}")
 
 
