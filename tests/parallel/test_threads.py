@@ -184,3 +184,25 @@ def test_while_cpu_replica_workers_live_idle_openmp_threads_sleep_instead_of_spi
     finally:
         model.close()
         torch.set_num_threads(before)
+
+
+def test_each_replica_runs_on_the_same_worker_every_step() -> None:
+    threads_by_chunk: dict[int, set[threading.Thread]] = {}
+
+    class Spy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            threads_by_chunk.setdefault(x.shape[0], set()).add(threading.current_thread())
+            return self.lin(x)
+
+    model = multigpu.DataParallel(Spy(), devices="cpu:2")
+    try:
+        for _ in range(6):
+            model(torch.randn(5, 8)).sum().backward()  # chunks of 3 (replica 0) and 2 (replica 1)
+    finally:
+        model.close()
+    assert [len(threads_by_chunk[n]) for n in (3, 2)] == [1, 1]
+    assert threads_by_chunk[3] != threads_by_chunk[2]

@@ -62,19 +62,26 @@ class ReplicaThreads:
     def __init__(self, name: str = "multigpu-replica") -> None:
         self.name = name
         self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue[_Task | None]] = []
+        self._idle: list[tuple[int, queue.SimpleQueue[_Task | None]]] = []  # (home slot, inbox)
         self._threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._closed = False
 
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        """Run ``fn`` on an idle worker, or on a new one when none is idle."""
+    def submit(self, fn: Callable[[], T], slot: int = 0) -> Future[T]:
+        """Run ``fn`` on an idle worker, or on a new one when none is idle.
+
+        ``slot`` (a replica's index) prefers the idle worker that first ran that slot, so a steady
+        loop runs each replica on the same thread every step (its intra-op count, its caches).
+        """
         future: Future[T] = Future()
         with self._lock:
-            inbox = self._idle.pop() if self._idle else None
+            inbox = self._take_idle(slot)
         if inbox is None:
             inbox = queue.SimpleQueue()
             thread = threading.Thread(
-                target=_work, args=(inbox, weakref.ref(self)), name=f"{self.name}-{len(self._threads)}", daemon=True
+                target=_work,
+                args=(inbox, slot, weakref.ref(self)),
+                name=f"{self.name}-{len(self._threads)}",
+                daemon=True,
             )
             self._threads.add(thread)
             thread.start()
@@ -90,18 +97,25 @@ class ReplicaThreads:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-        for inbox in idle:
+        for _, inbox in idle:
             inbox.put(None)
         for thread in self.threads():
             if thread is not threading.current_thread():
                 thread.join(timeout_s)
 
-    def _take_back(self, inbox: queue.SimpleQueue[_Task | None]) -> bool:
+    def _take_idle(self, slot: int) -> queue.SimpleQueue[_Task | None] | None:
+        """The idle worker whose home is ``slot``, else the last idle one, else None (under the lock)."""
+        for k, (home, _) in enumerate(self._idle):
+            if home == slot:
+                return self._idle.pop(k)[1]
+        return self._idle.pop()[1] if self._idle else None
+
+    def _take_back(self, inbox: queue.SimpleQueue[_Task | None], slot: int) -> bool:
         """A worker finished its task: keep it idle (True) or let it end (False, after close)."""
         with self._lock:
             if self._closed:
                 return False
-            self._idle.append(inbox)
+            self._idle.append((slot, inbox))
             return True
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ReplicaThreads:
@@ -111,7 +125,7 @@ class ReplicaThreads:
         return (ReplicaThreads, (self.name,))
 
 
-def _work(inbox: queue.SimpleQueue[_Task | None], pool: weakref.ref[ReplicaThreads]) -> None:
+def _work(inbox: queue.SimpleQueue[_Task | None], slot: int, pool: weakref.ref[ReplicaThreads]) -> None:
     # Holds the pool weakly: an owner that is garbage-collected without close() still frees it.
     _local.replica = True
     while True:
@@ -127,7 +141,7 @@ def _work(inbox: queue.SimpleQueue[_Task | None], pool: weakref.ref[ReplicaThrea
                 future.set_exception(exc)
         del fn, future  # drop the result and the task's references before waiting again
         owner = pool()
-        if owner is None or not owner._take_back(inbox):
+        if owner is None or not owner._take_back(inbox, slot):
             return
         del owner
 
@@ -200,7 +214,7 @@ def run_replicas(
     # caller, whose ops the trace records (it records the thread that started it).
     first = 1 if all(c is None for c in counts) or torch.autograd._profiler_enabled() else 0
     caller_threads = torch.get_num_threads()
-    futures = [threads.submit(_bind(task, i, devices[i], what, counts[i])) for i in range(first, len(devices))]
+    futures = [threads.submit(_bind(task, i, devices[i], what, counts[i]), slot=i) for i in range(first, len(devices))]
     results: list[Any] = [None] * len(devices)
     first_error: BaseException | None = None
     try:
