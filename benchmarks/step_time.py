@@ -1,6 +1,6 @@
 """Training-step time of the DataParallel engine against its limits, every ratio of issue 24 in one run.
 
-    python benchmarks/step_time.py [--steps 20] [--rounds 5] [--models mlp,cnn] [--no-ddp] [--trace DIR]
+    python benchmarks/step_time.py [--steps 20] [--rounds 5] [--models mlp,cnn] [--no-ddp] [--trace DIR] [--thread-cpu]
 
 Two models: the ~2.1M-parameter MLP (global batch 512: large GEMMs, where intra-op threading is
 good) and the demo's small CNN (``multigpu.demo.model.build_cnn``, 8x8 images, global batch 256:
@@ -25,7 +25,8 @@ shared machine hits them alike; each figure is the median over rounds of the per
 After the rounds, a per-phase breakdown of one ``cpu:2`` step (the project's step profiler:
 scatter, replicate, forward per replica, gather, backward, reduce, optimizer) beside the bare
 step's forward, loss, backward and optimizer; ``--trace DIR`` also writes torch.profiler Chrome
-traces of both. ``cat /proc/loadavg`` is printed before and after: the figures are only as quiet as
+traces of both, and ``--thread-cpu`` the CPU time of every thread of the process over ``cpu:2``
+steps. ``cat /proc/loadavg`` is printed before and after: the figures are only as quiet as
 the machine was.
 """
 
@@ -278,6 +279,35 @@ def trace(c: Configs, folder: Path) -> list[Path]:
     return written
 
 
+def thread_cpu_ms(step: Step, steps: int) -> list[tuple[str, float]]:
+    """CPU ms per step of each thread of this process over ``steps`` steps (Linux ``/proc``), largest first:
+    who burns the cores (an OpenMP team thread spinning while its leader waits shows up here)."""
+
+    def now() -> dict[str, int]:
+        ticks = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+            except FileNotFoundError:  # the thread ended
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            ticks[tid] = int(fields[11]) + int(fields[12])  # utime + stime
+        return ticks
+
+    step()
+    before = now()
+    for _ in range(steps):
+        step()
+    after = now()
+    ms_per_tick = 1e3 / os.sysconf("SC_CLK_TCK")
+    main = str(threading.get_native_id())
+    rows = [
+        ("caller" if tid == main else tid, (ticks - before.get(tid, 0)) * ms_per_tick / steps)
+        for tid, ticks in after.items()
+    ]
+    return sorted((row for row in rows if row[1] > 0.05), key=lambda row: -row[1])
+
+
 def loadavg() -> str:
     return Path("/proc/loadavg").read_text().strip() if Path("/proc/loadavg").exists() else "n/a"
 
@@ -289,6 +319,7 @@ def main() -> None:
     parser.add_argument("--models", default="mlp,cnn", help="comma-separated: mlp, cnn")
     parser.add_argument("--no-ddp", action="store_true", help="skip the DDP processes (the slowest part)")
     parser.add_argument("--trace", type=Path, help="write torch.profiler Chrome traces here")
+    parser.add_argument("--thread-cpu", action="store_true", help="CPU ms per thread of a cpu:2 step (Linux)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     console = Console()
@@ -329,6 +360,9 @@ def main() -> None:
             f"{name}: cpu:2 step by phase (ms): " + ", ".join(f"{p}{'@' + d if d else ''} {v:.2f}" for p, d, v in rows),
             soft_wrap=True,
         )
+        if args.thread_cpu:
+            cpu = thread_cpu_ms(configs[name].dp2, args.steps)
+            console.print(f"{name}: cpu:2 step, CPU ms per thread: " + ", ".join(f"{t} {v:.2f}" for t, v in cpu))
         if args.trace:
             console.print(f"traces: {', '.join(map(str, trace(configs[name], args.trace)))}")
     for config in configs.values():
