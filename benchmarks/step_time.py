@@ -1,6 +1,6 @@
 """Training-step time of the DataParallel engine against its limits, every ratio of issue 24 in one run.
 
-    python benchmarks/step_time.py [--steps 20] [--rounds 5] [--models mlp,cnn] [--no-ddp] [--trace DIR]
+    python benchmarks/step_time.py [--steps 20] [--rounds 5] [--models mlp,cnn] [--no-ddp] [--trace DIR] [--thread-cpu]
 
 Two models: the ~2.1M-parameter MLP (global batch 512: large GEMMs, where intra-op threading is
 good) and the demo's small CNN (``multigpu.demo.model.build_cnn``, 8x8 images, global batch 256:
@@ -13,6 +13,10 @@ MSE loss, backward, SGD) on the same global batch. Ratios, each measured side by
   alternating blocks of steps (target <= 1.01), once before each round's ``cpu:2`` run and once right
   after it (``after cpu:2``: the replica thread's OpenMP team has just run);
 - ``cpu:2 / DDP``: against torch DDP over gloo, 2 spawned processes of one thread each (target <= 0.85);
+- ``raw halves / 2 threads (bound)``: two plain threads of one intra-op thread, each a half batch
+  on a model of its own, no engine (no split, replicas or gradient sum), against the bare module:
+  the least two replicas on two cores can cost; ``cpu:2 / raw halves (engine)``: what the engine
+  adds to it (both paired as the one-device rows are);
 - ``bare / bare (noise floor)``: two bare models of the same kind, paired the same way: how far
   from 1.00 a pair strays on this machine at this load (a ratio target finer than it is not resolved).
 
@@ -21,7 +25,8 @@ shared machine hits them alike; each figure is the median over rounds of the per
 After the rounds, a per-phase breakdown of one ``cpu:2`` step (the project's step profiler:
 scatter, replicate, forward per replica, gather, backward, reduce, optimizer) beside the bare
 step's forward, loss, backward and optimizer; ``--trace DIR`` also writes torch.profiler Chrome
-traces of both. ``cat /proc/loadavg`` is printed before and after: the figures are only as quiet as
+traces of both, and ``--thread-cpu`` the CPU time of every thread of the process over ``cpu:2``
+steps. ``cat /proc/loadavg`` is printed before and after: the figures are only as quiet as
 the machine was.
 """
 
@@ -33,6 +38,7 @@ import os
 import socket
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -110,6 +116,49 @@ def paired_ratio(first: Step, second: Step, steps: int, block: int = 3) -> float
     return statistics.median(ratios)
 
 
+class RawHalves:
+    """The bound without an engine: two plain threads of one intra-op thread each, each a half batch's
+    forward, loss and backward on a model of its own, started and joined by the caller, then one
+    optimizer step (the gradients are not summed: what two replicas on two cores cost at least)."""
+
+    def __init__(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        half = len(x) // 2
+        self.models = [build(name), build(name)]
+        self.parts = [(x[:half], y[:half]), (x[half:], y[half:])]
+        self.optimizer = torch.optim.SGD(self.models[0].parameters(), lr=1e-3)
+        self.go = [threading.Event(), threading.Event()]
+        self.done = [threading.Event(), threading.Event()]
+        self.stop = False
+        for i in range(2):
+            threading.Thread(target=self._work, args=(i,), daemon=True, name=f"raw-half-{i}").start()
+
+    def _work(self, i: int) -> None:
+        torch.get_num_threads()  # its first parallel op would reset the count: take that first
+        torch.set_num_threads(1)
+        model, (x, y) = self.models[i], self.parts[i]
+        while True:
+            self.go[i].wait()
+            self.go[i].clear()
+            if self.stop:
+                return
+            model.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            self.done[i].set()
+
+    def __call__(self) -> None:
+        for event in self.go:
+            event.set()
+        for event in self.done:
+            event.wait()
+            event.clear()
+        self.optimizer.step()
+
+    def close(self) -> None:
+        self.stop = True
+        for event in self.go:
+            event.set()
+
+
 class Configs:
     """The in-process configurations of one model, built once (as a training loop would)."""
 
@@ -123,6 +172,7 @@ class Configs:
         self.dp2_model = multigpu.DataParallel(two, devices="cpu:2")
         self.dp2 = make_step(self.dp2_model, two, x, y)
         self.x, self.y, self.dp2_params = x, y, two
+        self.halves = RawHalves(name, x, y)
 
 
 def round_of(c: Configs, steps: int) -> dict[str, float]:
@@ -133,6 +183,8 @@ def round_of(c: Configs, steps: int) -> dict[str, float]:
     dp2_ms = median_ms(c.dp2, steps)
     out["1-dev DP / bare, after cpu:2"] = paired_ratio(c.one_device, c.bare, steps)
     out["cpu:2 / 2 threads"] = dp2_ms / bare_ms
+    out["raw halves / 2 threads (bound)"] = paired_ratio(c.halves, c.bare, steps)
+    out["cpu:2 / raw halves (engine)"] = paired_ratio(c.dp2, c.halves, steps)
     out["bare ms"], out["cpu:2 ms"] = bare_ms, dp2_ms
     return out
 
@@ -227,6 +279,35 @@ def trace(c: Configs, folder: Path) -> list[Path]:
     return written
 
 
+def thread_cpu_ms(step: Step, steps: int) -> list[tuple[str, float]]:
+    """CPU ms per step of each thread of this process over ``steps`` steps (Linux ``/proc``), largest first:
+    who burns the cores (an OpenMP team thread spinning while its leader waits shows up here)."""
+
+    def now() -> dict[str, int]:
+        ticks = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+            except FileNotFoundError:  # the thread ended
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            ticks[tid] = int(fields[11]) + int(fields[12])  # utime + stime
+        return ticks
+
+    step()
+    before = now()
+    for _ in range(steps):
+        step()
+    after = now()
+    ms_per_tick = 1e3 / os.sysconf("SC_CLK_TCK")
+    main = str(threading.get_native_id())
+    rows = [
+        ("caller" if tid == main else tid, (ticks - before.get(tid, 0)) * ms_per_tick / steps)
+        for tid, ticks in after.items()
+    ]
+    return sorted((row for row in rows if row[1] > 0.05), key=lambda row: -row[1])
+
+
 def loadavg() -> str:
     return Path("/proc/loadavg").read_text().strip() if Path("/proc/loadavg").exists() else "n/a"
 
@@ -238,6 +319,7 @@ def main() -> None:
     parser.add_argument("--models", default="mlp,cnn", help="comma-separated: mlp, cnn")
     parser.add_argument("--no-ddp", action="store_true", help="skip the DDP processes (the slowest part)")
     parser.add_argument("--trace", type=Path, help="write torch.profiler Chrome traces here")
+    parser.add_argument("--thread-cpu", action="store_true", help="CPU ms per thread of a cpu:2 step (Linux)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     console = Console()
@@ -278,8 +360,13 @@ def main() -> None:
             f"{name}: cpu:2 step by phase (ms): " + ", ".join(f"{p}{'@' + d if d else ''} {v:.2f}" for p, d, v in rows),
             soft_wrap=True,
         )
+        if args.thread_cpu:
+            cpu = thread_cpu_ms(configs[name].dp2, args.steps)
+            console.print(f"{name}: cpu:2 step, CPU ms per thread: " + ", ".join(f"{t} {v:.2f}" for t, v in cpu))
         if args.trace:
             console.print(f"traces: {', '.join(map(str, trace(configs[name], args.trace)))}")
+    for config in configs.values():
+        config.halves.close()
     console.print(f"loadavg after: {loadavg()}")
 
 

@@ -129,6 +129,24 @@ class DeviceType:
         enter = getattr(self.module, "stream", None)
         return enter(stream) if enter is not None and stream is not None else contextlib.nullcontext()
 
+    def replica_intra_op_threads(self, replicas: int) -> int | None:
+        """Intra-op threads each of ``replicas`` replica threads of this type should compute with.
+
+        Asked on the calling thread before a step's replicas run; None (the default) leaves every
+        thread's setting alone. A type whose replicas share the caller's cores divides them.
+        """
+        return None
+
+    def enter_replica_thread(self, intra_op: int) -> None:
+        """Make the calling replica thread compute with ``intra_op`` intra-op threads from now on.
+
+        Called on a replica worker when its count changes, so once per worker in a steady loop.
+        ``torch.set_num_threads`` sets the calling thread's count; a thread's first parallel op
+        would reset it from the process's figure, so that reset is taken first.
+        """
+        torch.get_num_threads()
+        torch.set_num_threads(intra_op)
+
     # memory -------------------------------------------------------------------------------
     def has_allocator_stats(self) -> bool:
         """Whether the allocator reports bytes allocated and their peak for this type, in this torch."""

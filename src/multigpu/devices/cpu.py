@@ -11,6 +11,7 @@ has no per-device generators of its own.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -54,6 +55,37 @@ class CpuDevice(DeviceType):
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
+    def replica_intra_op_threads(self, replicas: int) -> int | None:
+        """The caller's intra-op threads divided among the replicas (at least one each).
+
+        CPU replicas compute on the same cores as the caller: two replica threads that each opened
+        an OpenMP team of the caller's size would run 2x as many threads as cores. The count is
+        per thread (``torch.set_num_threads`` sets the OpenMP and MKL counts of the thread calling
+        it), so each replica thread can be given its share (:mod:`multigpu.parallel.threads`).
+        """
+        return max(1, torch.get_num_threads() // max(1, replicas))
+
+    def enter_replica_thread(self, intra_op: int) -> None:
+        """Set the replica thread's count; the first time, park one OpenMP team thread in it.
+
+        Why: after a parallel region libgomp's idle team threads spin (GOMP_SPINCOUNT, 300,000
+        pauses: 4-8 ms of a core here) before they sleep, unless the process has more OpenMP
+        threads than cores, when they spin 100 pauses. While the replicas compute, the caller
+        waits, and its own team's thread would spin on a core a replica needs, after every
+        parallel op the caller ran (the loss, the gradient of the gathered outputs, the optimizer).
+        Leading one 2-thread team from each replica thread keeps one more idle OpenMP thread in
+        the process for as long as the replica thread lives (the model's workers), which puts
+        libgomp in its short spin; when they end, the default returns. The environment variables
+        that set the spin (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``) are read once, when torch loads.
+        """
+        # The thread's first parallel op would reset its count from the process's figure: take that now.
+        # A process of one intra-op thread has no team threads to spin: nothing to park then.
+        if torch.get_num_threads() > 1 and not getattr(_replica_thread, "team_parked", False):
+            torch.set_num_threads(2)
+            torch.ones(_TWO_CHUNKS).add_(1)  # one parallel op of 2 threads: its helper stays parked
+            _replica_thread.team_parked = True
+        torch.set_num_threads(intra_op)
+
     def sharded_process_env(self, environ: Mapping[str, str]) -> dict[str, str]:
         """glibc's malloc with a fixed mmap threshold, on huge pages, unless the user configured malloc.
 
@@ -81,6 +113,9 @@ class CpuDevice(DeviceType):
     def describe(self, index: int) -> str:
         return "cpu"
 
+
+_replica_thread = threading.local()
+_TWO_CHUNKS = 2 * 32768  # at::internal::GRAIN_SIZE: an elementwise op of this size splits in two
 
 # glibc tunables (glibc >= 2.35 for hugetlb; an older glibc ignores what it does not know).
 _RETURN_FREED_BUFFERS = ("glibc.malloc.mmap_threshold=131072", "glibc.malloc.hugetlb=1")

@@ -4,9 +4,14 @@ Threads start with default thread-local state: grad mode on, autocast off, each 
 stream. Each task re-enters the caller's grad mode and autocast (enabled flag *and* dtype) for its
 device type, so ``torch.no_grad()`` and ``torch.autocast(..., dtype=torch.bfloat16)`` around the
 model call reach every replica, and the caller's current stream of its device (where the caller
-queued the copies of its inputs), as torch's ``parallel_apply`` does. Replica 0 runs on the calling thread; the others on the worker threads of a
-:class:`ReplicaThreads` pool that the caller owns (each DataParallel owns one; starting threads
-every step would cost more than small models compute).
+queued the copies of its inputs), as torch's ``parallel_apply`` does. Replica 0 runs on the calling
+thread and the others on the worker threads of a :class:`ReplicaThreads` pool that the caller owns
+(each DataParallel owns one; starting threads every step would cost more than small models compute).
+
+Where the device type divides the caller's intra-op threads among its replicas
+(``DeviceType.replica_intra_op_threads``: the CPU's replicas share its cores), every replica runs on
+a worker that computes with its share, and the caller only waits; under ``torch.profiler`` replica 0
+still runs on the caller, the thread the profiler records.
 
 The pool never makes a task wait for a free worker: when every worker is busy it starts another.
 That is what lets a DataParallel run inside a replica of another one (a teacher model called in the
@@ -57,19 +62,26 @@ class ReplicaThreads:
     def __init__(self, name: str = "multigpu-replica") -> None:
         self.name = name
         self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue[_Task | None]] = []
+        self._idle: list[tuple[int, queue.SimpleQueue[_Task | None]]] = []  # (home slot, inbox)
         self._threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._closed = False
 
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        """Run ``fn`` on an idle worker, or on a new one when none is idle."""
+    def submit(self, fn: Callable[[], T], slot: int = 0) -> Future[T]:
+        """Run ``fn`` on an idle worker, or on a new one when none is idle.
+
+        ``slot`` (a replica's index) prefers the idle worker that first ran that slot, so a steady
+        loop runs each replica on the same thread every step (its intra-op count, its caches).
+        """
         future: Future[T] = Future()
         with self._lock:
-            inbox = self._idle.pop() if self._idle else None
+            inbox = self._take_idle(slot)
         if inbox is None:
             inbox = queue.SimpleQueue()
             thread = threading.Thread(
-                target=_work, args=(inbox, weakref.ref(self)), name=f"{self.name}-{len(self._threads)}", daemon=True
+                target=_work,
+                args=(inbox, slot, weakref.ref(self)),
+                name=f"{self.name}-{len(self._threads)}",
+                daemon=True,
             )
             self._threads.add(thread)
             thread.start()
@@ -85,18 +97,25 @@ class ReplicaThreads:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-        for inbox in idle:
+        for _, inbox in idle:
             inbox.put(None)
         for thread in self.threads():
             if thread is not threading.current_thread():
                 thread.join(timeout_s)
 
-    def _take_back(self, inbox: queue.SimpleQueue[_Task | None]) -> bool:
+    def _take_idle(self, slot: int) -> queue.SimpleQueue[_Task | None] | None:
+        """The idle worker whose home is ``slot``, else the last idle one, else None (under the lock)."""
+        for k, (home, _) in enumerate(self._idle):
+            if home == slot:
+                return self._idle.pop(k)[1]
+        return self._idle.pop()[1] if self._idle else None
+
+    def _take_back(self, inbox: queue.SimpleQueue[_Task | None], slot: int) -> bool:
         """A worker finished its task: keep it idle (True) or let it end (False, after close)."""
         with self._lock:
             if self._closed:
                 return False
-            self._idle.append(inbox)
+            self._idle.append((slot, inbox))
             return True
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ReplicaThreads:
@@ -106,8 +125,9 @@ class ReplicaThreads:
         return (ReplicaThreads, (self.name,))
 
 
-def _work(inbox: queue.SimpleQueue[_Task | None], pool: weakref.ref[ReplicaThreads]) -> None:
+def _work(inbox: queue.SimpleQueue[_Task | None], slot: int, pool: weakref.ref[ReplicaThreads]) -> None:
     # Holds the pool weakly: an owner that is garbage-collected without close() still frees it.
+    _local.replica = True
     while True:
         task = inbox.get()
         if task is None:
@@ -121,7 +141,7 @@ def _work(inbox: queue.SimpleQueue[_Task | None], pool: weakref.ref[ReplicaThrea
                 future.set_exception(exc)
         del fn, future  # drop the result and the task's references before waiting again
         owner = pool()
-        if owner is None or not owner._take_back(inbox):
+        if owner is None or not owner._take_back(inbox, slot):
             return
         del owner
 
@@ -187,28 +207,72 @@ def run_replicas(
             with _replica_scope(listeners, device):
                 return fn(i)
 
-    # CPU replicas share the process's intra-op pool (torch.set_num_threads is process-wide).
-    # Re-dividing it per step was measured slower than leaving it alone: resizing the pool
-    # costs more than the brief oversubscription (benchmarks/step_time.py).
-    futures = [threads.submit(_bind(task, i, devices[i], what)) for i in range(1, len(devices))]
+    counts = _intra_op_threads(devices)
+    # Where the replicas' intra-op threads are divided (CPU), every replica runs on a worker that keeps
+    # its share from step to step, and the caller only waits: replica 0 on the caller would have to
+    # change the caller's own count and back every step. Under torch.profiler replica 0 stays on the
+    # caller, whose ops the trace records (it records the thread that started it).
+    first = 1 if all(c is None for c in counts) or torch.autograd._profiler_enabled() else 0
+    caller_threads = torch.get_num_threads()
+    futures = [threads.submit(_bind(task, i, devices[i], what, counts[i]), slot=i) for i in range(first, len(devices))]
     results: list[Any] = [None] * len(devices)
     first_error: BaseException | None = None
     try:
-        results[0] = _run_named(task, 0, devices[0], what)
+        if first == 1:
+            results[0] = _run_named(task, 0, devices[0], what)
     except BaseException as exc:  # still wait for the other replicas: no thread is left running
         first_error = exc
-    for i, future in enumerate(futures, start=1):
+    for i, future in enumerate(futures, start=first):
         try:
             results[i] = future.result()
         except BaseException as exc:
             first_error = first_error or exc
+    _restore_process_threads(caller_threads)
     if first_error is not None:
         raise first_error
     return results
 
 
-def _bind(task: Callable[[int], T], i: int, device: ReplicaDevice, what: str) -> Callable[[], T]:
-    return lambda: _run_named(task, i, device, what)
+def _bind(task: Callable[[int], T], i: int, device: ReplicaDevice, what: str, intra_op: int | None) -> Callable[[], T]:
+    def run() -> T:
+        if intra_op is not None:
+            _use_intra_op_threads(device.type, intra_op)
+        return _run_named(task, i, device, what)
+
+    return run
+
+
+def _intra_op_threads(devices: Sequence[ReplicaDevice]) -> list[int | None]:
+    """Each replica's intra-op thread count, from its device type (None: leave the thread alone)."""
+    per_type = {kind: sum(d.type == kind for d in devices) for kind in dict.fromkeys(d.type for d in devices)}
+    counts = {kind: get_device_type(kind).replica_intra_op_threads(n) for kind, n in per_type.items()}
+    return [counts[d.type] for d in devices]
+
+
+# Intra-op thread counts. torch.set_num_threads(n) sets the OpenMP and MKL counts of the calling thread
+# only, and also the process's figure that a thread takes on its first parallel op: a worker setting
+# its share changes what new threads start with, until the outermost caller (no replica worker itself)
+# puts its own count back after the step. A worker sets its count once, not every step: setting it also
+# resizes torch's pthreadpool, which costs more than small models compute.
+_local = threading.local()  # .intra_op: the count this thread set; .replica: it is a replica worker
+_process_figure_changed = threading.Event()
+
+
+def _use_intra_op_threads(kind: str, count: int) -> None:
+    if getattr(_local, "intra_op", None) == count:
+        return
+    get_device_type(kind).enter_replica_thread(count)
+    _local.intra_op = count
+    _process_figure_changed.set()
+
+
+def _restore_process_threads(caller_threads: int) -> None:
+    """Put the outermost caller's count back as the process's figure, where a worker changed it."""
+    if getattr(_local, "replica", False) or not _process_figure_changed.is_set():
+        return
+    _process_figure_changed.clear()
+    torch.set_num_threads(caller_threads)
+    _local.intra_op = caller_threads
 
 
 def _run_named(task: Callable[[int], T], i: int, device: ReplicaDevice, what: str) -> T:
