@@ -164,8 +164,18 @@ class MemoryTracker:
             finally:
                 tracker.category = previous
             return
-        with _Tracker(self.ledgers.setdefault(label, _Ledger()), "activations", device):
+        with _Tracker(self._ledger(label), "activations", device):
             yield
+
+    def _ledger(self, label: str) -> _Ledger:
+        """Replica ``label``'s ledger; the primary's is the caller's, which also holds what the caller gathers.
+
+        CPU replicas (every replica, replica 0 too, on a worker thread of its own) reach here; devices
+        learnt as they run (``multigpu profile``) have the primary labelled ``cpu:0`` (``cpu`` alone), as
+        :func:`multigpu.devices.parse_devices` numbers CPU replicas in order.
+        """
+        primary = label in ("cpu", "cpu:0") and not self.devices
+        return self.ledgers.setdefault(label, self.caller_ledger if primary else _Ledger())
 
     def results(self) -> list[DeviceMemory]:
         """One :class:`DeviceMemory` per device, the primary first."""
