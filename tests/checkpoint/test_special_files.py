@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 from torch import nn
 
 import multigpu.checkpoint as ckpt
@@ -59,16 +58,7 @@ def test_a_one_file_step_whose_state_is_a_pipe_is_skipped_for_the_previous_step(
 
 
 @pytest.fixture
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
-def sharded_steps(group: None, tmp_path: Path) -> Path:
+def sharded_steps(one_rank_group: None, tmp_path: Path) -> Path:
     """A folder with sharded checkpoints of steps 1 and 2."""
     tr.seed_everything(100)
     run = sh.build_run(sh.sharded_model())

@@ -8,15 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from multigpu import Checkpointer
 from multigpu.errors import ConfigError
 from multigpu.runtime import exchange
 from multigpu.session import Session
 from tests.launching import launch_workers
+from tests.session.toolkit_worker import resume_and_train
 
 BIG = 2**60 + 1  # not a float64: an integer reduced through float64 comes back as 2**60
 
@@ -88,21 +87,7 @@ def _train_with_dropout(folder: Path, stop_at: int | None, **session_args: Any) 
         gen = torch.Generator().manual_seed(3)
         data = TensorDataset(torch.randn(48, 5, generator=gen), torch.randint(0, 3, (48,), generator=gen))
         loader = session.setup_dataloader(DataLoader(data, batch_size=12, shuffle=True))
-        checkpointer = Checkpointer(folder=folder)
-        resumed = checkpointer.resume(model=model, optimizer=optimizer, loader=loader)
-        step = resumed.step if resumed else 0
-        while step < 14:
-            for x, y in session.batches(loader):
-                with session.micro_step(model):
-                    session.backward(F.cross_entropy(model(x), y))
-                session.step(optimizer)
-                step += 1
-                if step == stop_at:
-                    checkpointer.save(step=step, model=model, optimizer=optimizer, loader=loader)
-                    return None
-                if step == 14:
-                    break
-        return {k: v.detach().clone() for k, v in session.unwrap(model).state_dict().items()}
+        return resume_and_train(session, model, optimizer, loader, folder, stop_at=stop_at)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -239,21 +240,36 @@ def train_with_dropout(folder: Path, *, stop_at: int | None) -> dict[str, torch.
         gen, n = torch.Generator().manual_seed(3), 12 * session.world_size
         data = TensorDataset(torch.randn(n, 5, generator=gen), torch.randint(0, 3, (n,), generator=gen))
         loader = session.build_loader(data, batch_size=2 * session.world_size)  # 6 steps per epoch
-        checkpointer = Checkpointer(folder=folder)
-        resumed = checkpointer.resume(model=model, optimizer=optimizer, loader=loader)
-        step = resumed.step if resumed else 0
-        while step < 14:
-            for x, y in session.batches(loader):
-                with session.micro_step(model):
-                    session.backward(F.cross_entropy(model(x), y))
-                session.step(optimizer)
-                step += 1
-                if step == stop_at:
-                    checkpointer.save(step=step, model=model, optimizer=optimizer, loader=loader)
-                    return None
-                if step == 14:
-                    break
-        return {k: v.detach().cpu().clone() for k, v in session.unwrap(model).state_dict().items()}
+        return resume_and_train(session, model, optimizer, loader, folder, stop_at=stop_at)
+
+
+def resume_and_train(
+    session: Session,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: Any,
+    folder: Path,
+    *,
+    stop_at: int | None,
+    steps: int = 14,
+) -> dict[str, torch.Tensor] | None:
+    """Resume from ``folder`` (if it holds a step) and train to ``steps``: None after saving at ``stop_at``,
+    else the final weights on the CPU (the mid-epoch resume checks, here and in test_accelerate_semantics)."""
+    checkpointer = Checkpointer(folder=folder)
+    resumed = checkpointer.resume(model=model, optimizer=optimizer, loader=loader)
+    step = resumed.step if resumed else 0
+    while step < steps:
+        for x, y in session.batches(loader):
+            with session.micro_step(model):
+                session.backward(F.cross_entropy(model(x), y))
+            session.step(optimizer)
+            step += 1
+            if step == stop_at:
+                checkpointer.save(step=step, model=model, optimizer=optimizer, loader=loader)
+                return None
+            if step == steps:
+                break
+    return {k: v.detach().cpu().clone() for k, v in session.unwrap(model).state_dict().items()}
 
 
 def check_resume(session: Session) -> None:
