@@ -128,15 +128,45 @@ def test_a_model_reports_only_to_its_own_listeners() -> None:
     assert len(recorder.heard) == count
 
 
+class _InScope(_Scopes):
+    """Also says, on each thread, which replica's scope it is in (a replica's forward reads it)."""
+
+    here = threading.local()
+
+    @contextlib.contextmanager
+    def replica_scope(self, label: str, device: torch.device) -> Iterator[None]:
+        with super().replica_scope(label, device):
+            _InScope.here.label = label
+            try:
+                yield
+            finally:
+                _InScope.here.label = None
+
+
+class _Where(nn.Module):
+    """Records, for each forward, the replica scope it ran in and its thread."""
+
+    def __init__(self, seen: list[tuple[str | None, int]]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((getattr(_InScope.here, "label", None), threading.get_ident()))
+        return x
+
+
 def test_replica_scopes_are_entered_on_each_replicas_own_thread() -> None:
-    model = multigpu.DataParallel(_net(), devices="cpu:3")
-    scopes = _Scopes()
+    seen: list[tuple[str | None, int]] = []
+    model = multigpu.DataParallel(nn.Sequential(_net(), _Where(seen)), devices="cpu:3")
+    scopes = _InScope()
     with model.add_listener(scopes), torch.no_grad():  # one forward: each replica enters its scope once
         model(torch.randn(9, 8))
     assert set(scopes.threads) == {"cpu:0", "cpu:1", "cpu:2"}
+    # each replica's forward ran inside its own scope, on the thread that entered it
+    assert sorted(label for label, _ in seen) == ["cpu:0", "cpu:1", "cpu:2"]
+    assert all(scopes.threads[label] == {ident} for label, ident in seen if label is not None)
     # CPU replicas each compute on a worker with their share of the threads, replica 0 too: the caller waits
-    assert threading.get_ident() not in scopes.threads["cpu:0"] | scopes.threads["cpu:1"] | scopes.threads["cpu:2"]
-    assert len(scopes.threads["cpu:1"] | scopes.threads["cpu:2"] | scopes.threads["cpu:0"]) == 3
+    assert threading.get_ident() not in {ident for _, ident in seen}
     model.close()
 
 

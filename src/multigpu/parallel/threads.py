@@ -67,10 +67,10 @@ class ReplicaThreads:
         self._closed = False
 
     def submit(self, fn: Callable[[], T], slot: int = 0) -> Future[T]:
-        """Run ``fn`` on an idle worker, or on a new one when none is idle.
+        """Run ``fn`` on an idle worker of ``slot``, or on a new one when none is idle.
 
-        ``slot`` (a replica's index) prefers the idle worker that first ran that slot, so a steady
-        loop runs each replica on the same thread every step (its intra-op count, its caches).
+        ``slot`` (a replica's index) is the worker's home: a worker runs only its own slot's tasks, so
+        a loop runs each replica on the same thread every step (its intra-op count, its caches).
         """
         future: Future[T] = Future()
         with self._lock:
@@ -104,11 +104,15 @@ class ReplicaThreads:
                 thread.join(timeout_s)
 
     def _take_idle(self, slot: int) -> queue.SimpleQueue[_Task | None] | None:
-        """The idle worker whose home is ``slot``, else the last idle one, else None (under the lock)."""
+        """An idle worker whose home is ``slot``, else None: a new one (under the lock).
+
+        Never another slot's worker: replica 0's worker, done with a small step before replica 2 was
+        submitted, would otherwise run replica 2 too, and a replica would change threads between steps.
+        """
         for k, (home, _) in enumerate(self._idle):
             if home == slot:
                 return self._idle.pop(k)[1]
-        return self._idle.pop()[1] if self._idle else None
+        return None
 
     def _take_back(self, inbox: queue.SimpleQueue[_Task | None], slot: int) -> bool:
         """A worker finished its task: keep it idle (True) or let it end (False, after close)."""
