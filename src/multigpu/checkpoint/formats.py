@@ -28,6 +28,7 @@ import safetensors.torch
 import torch
 
 from multigpu.checkpoint.atomic import atomic_write_file, atomic_write_path
+from multigpu.checkpoint.file_kinds import kind_of
 from multigpu.checkpoint.regular_files import open_regular
 from multigpu.checkpoint.safetensors_file import (
     CHECKSUM_KEY,
@@ -85,19 +86,13 @@ def format_for(path: str | os.PathLike[str], format: Format | None = None) -> Fo
 
 
 def detect_format(path: str | os.PathLike[str]) -> Format:
-    """The format of an existing file, from its first bytes (the suffix may lie)."""
+    """The format of an existing file, from its structure (the suffix may lie; see :mod:`file_kinds`).
+
+    Raises:
+        CheckpointError: the file is neither a safetensors nor a torch file.
+    """
     with open_regular(path) as f:
-        head = f.read(9)
-    # torch: a zip archive (PK) or a legacy pickle (protocol byte 0x80). safetensors: an 8-byte
-    # little-endian header length followed by the JSON header's '{'.
-    if head[:2] == b"PK" or head[:1] == b"\x80":
-        return "torch"
-    if len(head) == 9 and head[8:9] == b"{":
-        return "safetensors"
-    raise CheckpointError(
-        f"{str(path)!r} is neither a safetensors nor a torch file (first bytes {head!r}); "
-        "check the path, or whether the file was truncated."
-    )
+        return "safetensors" if kind_of(f, path) == "safetensors" else "torch"
 
 
 def read_tensors(

@@ -27,13 +27,13 @@ from typing import Any, BinaryIO, NoReturn
 
 import torch
 
+from multigpu.checkpoint.file_kinds import ZIP_LOCAL_SIGNATURE, kind_of
 from multigpu.checkpoint.regular_files import open_regular
 from multigpu.errors import CheckpointError
 
 _CHUNK = 16 << 20  # zip records are read in pieces of this size
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, 30 bytes
-_LOCAL_SIGNATURE = b"PK\x03\x04"
 
 # What torch.save writes for state dicts, optimizer states and plain containers; nothing that
 # allocates from a number in the file (bytearray) or builds tensors other than dense ones.
@@ -79,13 +79,8 @@ def check_torch_file(f: BinaryIO, path: str | os.PathLike[str], *, verify_record
             beyond plain tensors and containers; the message names the file and the problem.
     """
     f.seek(0)
-    if f.read(4) != _LOCAL_SIGNATURE:
-        _fail(
-            path,
-            "it is a legacy (pre-1.6) or non-zip torch file, which cannot be checked before loading. "
-            "If you trust it, load it with allow_unsafe_pickle=True (CLI: --allow-unsafe-pickle) "
-            "and re-save it",
-        )
+    if f.read(4) != ZIP_LOCAL_SIGNATURE:
+        _fail(path, _not_a_zip_at_0(f, path))
     size = os.fstat(f.fileno()).st_size
     try:
         with zipfile.ZipFile(f) as archive:  # given a file object, closing the archive leaves it open
@@ -106,6 +101,22 @@ def check_torch_file(f: BinaryIO, path: str | os.PathLike[str], *, verify_record
         raise
     except Exception as exc:  # zipfile raises many types for broken archives
         _fail(path, f"it is not a readable zip archive ({type(exc).__name__}: {str(exc)[:200]})")
+
+
+def _not_a_zip_at_0(f: BinaryIO, path: str | os.PathLike[str]) -> str:
+    # What the file is instead, by its structure (file_kinds), so the message names the right fix.
+    try:
+        kind = kind_of(f, path)
+    except CheckpointError:
+        return "it is neither a zip archive (torch.save since 1.6) nor a legacy torch pickle"
+    if kind == "legacy torch":
+        return (
+            "it is a legacy (pre-1.6) torch file, which cannot be checked before loading. If you trust "
+            "it, load it with allow_unsafe_pickle=True (CLI: --allow-unsafe-pickle) and re-save it"
+        )
+    if kind == "torch zip":
+        return "the archive does not start at byte 0 (data was prepended to it)"
+    return "it is a safetensors file (read it with multigpu.load, or give the torch file it should be)"
 
 
 def _check_storages(path: str | os.PathLike[str], data: bytes, sizes: dict[str, int], root: str) -> None:
@@ -274,7 +285,7 @@ def _check_layout(
             _fail(path, f"member {info.filename[:200]!r} is compressed or encrypted; torch.save stores records as is")
         fp.seek(info.header_offset)
         raw = fp.read(_LOCAL_HEADER.size)
-        if len(raw) != _LOCAL_HEADER.size or raw[:4] != _LOCAL_SIGNATURE:
+        if len(raw) != _LOCAL_HEADER.size or raw[:4] != ZIP_LOCAL_SIGNATURE:
             _fail(path, f"member {info.filename[:200]!r} has no local header at byte {info.header_offset}")
         fields = _LOCAL_HEADER.unpack(raw)
         data_end = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1] + info.compress_size
