@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -86,31 +85,36 @@ def _assert_previous_intact(folder: Path, checkpointer: ckpt.Checkpointer, small
     assert not [p for p in folder.iterdir() if is_temporary(p)]
 
 
-@contextlib.contextmanager
-def _file_size_limit(limit: int) -> Iterator[None]:
-    # The kernel refuses writes past `limit` bytes with EFBIG, exactly where a full disk refuses
-    # them with ENOSPC: half-way through the file. (Python ignores SIGXFSZ, so write() fails.)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+SIZE_LIMIT_WORKER = Path(__file__).parent / "workers" / "save_past_size_limit.py"
+
+
+@pytest.mark.multiprocess
+def test_a_file_size_limit_is_named_as_one_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    # The kernel refuses writes past RLIMIT_FSIZE with EFBIG half-way through the file, where a
+    # full disk refuses them with ENOSPC; the limit is set in a child process of its own.
+    child = start_python(str(SIZE_LIMIT_WORKER), str(tmp_path), str(2 << 20))
     try:
-        yield
+        out, err = child.communicate(timeout=120)
     finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-
-
-def test_size_limit_hit_mid_save_raises_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
-    checkpointer, small = _previous_then_big(tmp_path)
-    big = nn.Linear(512, 4096)  # 8 MiB
-    with _file_size_limit(2 << 20):
-        with pytest.raises(
-            CheckpointError, match=r"is full or a file-size/quota limit was hit.*previous checkpoint is unchanged"
-        ):
-            checkpointer.save(step=2, model=big)
-        with pytest.raises(CheckpointError, match=r"weights\.safetensors.*full or a file-size"):
-            ckpt.save(big, tmp_path / "weights.safetensors")
-        with pytest.raises(CheckpointError, match=r"weights\.pt.*full or a file-size"):
-            ckpt.save(big, tmp_path / "weights.pt")
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+    assert child.returncode == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("refused: ") for line in lines), out
+    for line, name in zip(lines, ("step-00000002", "weights.safetensors", "weights.pt")):
+        assert name in line
+        assert "File too large (errno 27): a file-size limit was hit, not a full disk" in line
+        assert f"may write files of at most {2 << 20} bytes (RLIMIT_FSIZE, ulimit -f)" in line
+        assert "previous checkpoint is unchanged. Raise the limit where the run starts (ulimit -f" in line
+        assert "is full" not in line
+    small = nn.Linear(512, 512)
+    small.weight.data.fill_(1.0)
+    checkpointer = ckpt.Checkpointer(folder=tmp_path, keep_last=2)
     _assert_previous_intact(tmp_path, checkpointer, small)
+    again = nn.Linear(512, 512)
+    ckpt.load(again, tmp_path / "weights.pt")
+    assert bool((again.weight == 1.0).all())
 
 
 @pytest.fixture

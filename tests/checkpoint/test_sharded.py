@@ -298,7 +298,7 @@ def test_an_unsharded_checkpoint_is_refused_by_a_sharded_model_with_the_fix(grou
         ckpt.Checkpointer(folder=tmp_path).resume(model=run.model, optimizer=run.optimizer)
 
 
-def test_a_full_disk_during_the_shard_write_leaves_the_previous_checkpoint_and_no_temporary(
+def test_a_size_limit_during_the_shard_write_leaves_the_previous_checkpoint_and_no_temporary(
     group: None, tmp_path: Path
 ) -> None:
     folder = _saved(tmp_path)
@@ -309,8 +309,8 @@ def test_a_full_disk_during_the_shard_write_leaves_the_previous_checkpoint_and_n
     try:
         with pytest.raises(
             CheckpointError,
-            match=r"could not write checkpoint .*step-00000003'?: File too large \(errno 27\)\. The disk holding .* is full "
-            r"or a file-size/quota limit was hit\. The previous checkpoint is unchanged",
+            match=r"could not write checkpoint .*step-00000003'?: File too large \(errno 27\): a file-size limit was hit, "
+            r"not a full disk: .* at most 8192 bytes \(RLIMIT_FSIZE, ulimit -f\)\. The previous checkpoint is unchanged",
         ):
             ckpt.Checkpointer(folder=tmp_path).save(step=3, model=run.model, optimizer=run.optimizer)
     finally:

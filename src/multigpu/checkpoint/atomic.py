@@ -79,7 +79,7 @@ def atomic_write_file(final: str | os.PathLike[str], write: Callable[[BinaryIO],
         The final path.
 
     Raises:
-        CheckpointError: the disk is full, a size limit was hit, or the folder is not writable;
+        CheckpointError: the disk is full, a quota or file-size limit was hit, or the folder is not writable;
             the previous file under ``final`` is unchanged.
 
     Example:
@@ -207,11 +207,24 @@ def _os_error_in_chain(exc: BaseException | None) -> OSError | None:
 
 def _explain(exc: OSError, final: Path) -> str:
     folder = final.parent
+    if exc.errno == errno.EFBIG:
+        return (
+            f"could not write checkpoint {str(final)!r}: {exc.strerror} (errno {exc.errno}): a file-size limit "
+            f"was hit, not a full disk: {_file_size_limit()}. The previous checkpoint is unchanged. Raise the "
+            "limit where the run starts (ulimit -f unlimited, or the job scheduler's file-size limit), or save "
+            "to a file system that allows larger files."
+        )
+    if exc.errno == errno.EDQUOT:
+        return (
+            f"could not write checkpoint {str(final)!r}: {exc.strerror} (errno {exc.errno}): the disk quota of "
+            f"this user on {str(folder)!r} is used up. The previous checkpoint is unchanged. Free space within "
+            "the quota, lower keep_last, or save to another folder."
+        )
     if exc.errno in _SPACE_ERRNOS:
         return (
             f"could not write checkpoint {str(final)!r}: {exc.strerror} (errno {exc.errno}). The disk "
-            f"holding {str(folder)!r} is full or a file-size/quota limit was hit. The previous "
-            "checkpoint is unchanged. Free space there, lower keep_last, or save to another folder."
+            f"holding {str(folder)!r} is full. The previous checkpoint is unchanged. Free space there, "
+            "lower keep_last, or save to another folder."
         )
     if exc.errno in _PERMISSION_ERRNOS:
         return (
@@ -230,6 +243,20 @@ def _explain(exc: OSError, final: Path) -> str:
             "Create it first (mkdir -p) or pick an existing folder."
         )
     return f"could not write checkpoint {str(final)!r}: {exc}. The previous checkpoint is unchanged."
+
+
+def _file_size_limit() -> str:
+    # EFBIG: this process's RLIMIT_FSIZE (ulimit -f), or the file system's largest file when there is none.
+    try:
+        import resource  # POSIX only
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        limited = soft != resource.RLIM_INFINITY
+    except (ImportError, OSError, ValueError):
+        soft, limited = 0, False
+    if limited:
+        return f"this process may write files of at most {soft} bytes (RLIMIT_FSIZE, ulimit -f)"
+    return "this process has no file-size limit (RLIMIT_FSIZE), so the file system's largest file size was reached"
 
 
 @contextlib.contextmanager
