@@ -118,13 +118,17 @@ def test_a_loader_state_resumes_the_same_batches(world: int, n: int, per_rank: i
             assert [b[0].tolist() for b in resumed] == epochs[1]  # the epoch after is whole
 
 
+# what a batch position of the loader below counts in (saved with it, refused when the loader differs)
+_DATA_OF_12 = {"global_batch": 3, "dataset_length": 12, "shuffle": False, "seed": 0, "drop_last": True}
+
+
 def test_loader_state_counts_what_session_batches_handed_out(tmp_path: Path) -> None:
     with Session(strategy="single") as session:
         loader = session.build_loader(TensorDataset(torch.arange(12)), batch_size=3, shuffle=False)
         for i, _ in enumerate(session.batches(loader)):  # it reads one batch ahead; the state must not count it
             if i == 1:
-                assert loader.state_dict() == {"epoch": 0, "batch": 2}
-        assert loader.state_dict() == {"epoch": 1, "batch": 0}
+                assert loader.state_dict() == {"epoch": 0, "batch": 2, "data": _DATA_OF_12}
+        assert loader.state_dict() == {"epoch": 1, "batch": 0, "data": _DATA_OF_12}
         skipped = session.skip_first_batches(loader, 3)
         assert [b[0].tolist() for b in session.batches(skipped)] == [[9, 10, 11]]
         padded = session.build_loader(TensorDataset(torch.arange(10)), batch_size=4, shuffle=False, drop_last=False)

@@ -244,12 +244,23 @@ class Checkpointer:
             storage = OneFile(model, optimizer)
 
         def holds_loader(folder: Path, checked: TrainingState) -> None:
-            if loader is not None and _LOADER_KEY not in checked.data_position:
+            if loader is None:
+                return
+            if _LOADER_KEY not in checked.data_position:
                 raise CheckpointError(
                     f"{str(folder)!r} holds no loader state (it was saved without loader=); nothing was "
                     "loaded: resume without loader= and position the loader yourself (loader.set_epoch, "
                     "skip_first_batches)"
                 )
+            check = getattr(loader, "check_state_dict", None)  # a session loader checks before anything changes
+            if callable(check):
+                try:
+                    check(checked.data_position[_LOADER_KEY])
+                except ConfigError as exc:
+                    raise CheckpointError(
+                        f"{str(folder / STATE_FILE)!r}: entry 'data_position'['loader'] does not fit the loader "
+                        f"passed to resume; nothing was loaded. {exc}"
+                    ) from exc
 
         found = resume_step(storage, locate, parts, allow_unsafe_pickle=allow_unsafe_pickle, also_check=holds_loader)
         if found is None:

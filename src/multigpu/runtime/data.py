@@ -141,6 +141,8 @@ class EpochLoader(Generic[T]):
         rank: this process's rank (the workers of each rank get seeds of their own).
         dataset: the dataset the caller built the loader over, which :attr:`dataset` answers
             (default: ``loader``'s, which may be this rank's stride of it).
+        world_size: the processes that each load part of a global batch (default: the sampler's
+            ``num_replicas``, or 1 without a sampler).
 
     Example:
         >>> data = torch.utils.data.TensorDataset(torch.arange(8.0))
@@ -157,9 +159,12 @@ class EpochLoader(Generic[T]):
         seed: int = 0,
         rank: int = 0,
         dataset: Any = None,
+        world_size: int | None = None,
     ) -> None:
         self.loader = loader
         self.sampler = sampler
+        # the ranks that share each global batch: the sampler's, or the caller's for an iterable dataset
+        self._world = world_size if world_size is not None else (sampler.num_replicas if sampler is not None else 1)
         self._dataset = loader.dataset if dataset is None else dataset
         self.epoch = 0  # the epoch the next iteration will use
         self.lookahead = 0  # batches taken from the iterator that the loop has not received (session.batches)
@@ -222,29 +227,137 @@ class EpochLoader(Generic[T]):
         return max(0, len(self.loader) - self._skip)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the loop stands: ``{"epoch", "batch"}`` (plus the loader's own generator's state, if it has one).
+        """Where the loop stands: ``{"epoch", "batch", "data"}`` (plus the loader's own generator's state, if it has one).
 
         ``batch`` counts the batches the loop has received of the epoch in flight (0 between epochs).
+        ``data`` says what that position counts in (:meth:`data_identity`), so that a loader over other
+        data, or with another global batch, refuses it instead of skipping the wrong samples.
         """
         taken, length = self._taken - self.lookahead, known_len(self.loader)
         in_flight = self._in_flight is not None and (length is None or taken < length)
         epoch, batch = (self._in_flight, taken) if in_flight else (self.epoch, self._skip)
-        state: dict[str, Any] = {"epoch": epoch, "batch": batch}
+        state: dict[str, Any] = {"epoch": epoch, "batch": batch, "data": self.data_identity()}
         if self._users_generator is not None:
             state["generator"] = self._generator_state if in_flight else self._users_generator.get_state()
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue where :meth:`state_dict` stood: the next iteration is that epoch, from that batch."""
-        epoch, batch = state.get("epoch"), state.get("batch")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, batch)):
+    def data_identity(self) -> dict[str, Any]:
+        """What a batch position means for this loader: the same values give the same batches in the same order.
+
+        ``global_batch`` (samples per step over all processes; the world size may change),
+        ``dataset_length`` (``None`` for a dataset without one), ``shuffle``, ``seed`` and ``drop_last``.
+        """
+        batch = self.loader.batch_size
+        return {
+            "global_batch": None if batch is None else batch * self._world,
+            "dataset_length": _length(self._dataset),
+            "shuffle": bool(self.sampler.shuffle) if self.sampler is not None else False,
+            "seed": self._seed,
+            "drop_last": bool(self.loader.drop_last),
+        }
+
+    def check_state_dict(self, state: Any) -> None:
+        """Refuse a state :meth:`load_state_dict` cannot continue from exactly; changes nothing.
+
+        A state from another loader setup (global batch, dataset length, shuffle, seed or drop_last
+        differ) is refused naming each value saved and here. A state saved before these were recorded
+        (no ``data`` entry) is taken as it is, but its batch must lie inside this loader's epoch.
+
+        Raises:
+            ConfigError: naming the entry, both values and the fix.
+        """
+        if not isinstance(state, Mapping):
             raise ConfigError(
-                f"a loader state needs ints 'epoch' and 'batch' >= 0, got {dict(state)!r}; pass what "
+                f"a loader state is a mapping with 'epoch' and 'batch', got {_short(state)}; pass what "
                 "loader.state_dict() returned"
             )
-        self.epoch, self._skip, self._in_flight = epoch, batch, None  # type: ignore[assignment]
+        epoch, batch = state.get("epoch"), state.get("batch")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 for v in (epoch, batch)):
+            raise ConfigError(
+                f"a loader state needs ints 'epoch' and 'batch' >= 0, got {_short(dict(state))}; pass what "
+                "loader.state_dict() returned"
+            )
+        saved = state.get("data")
+        if saved is not None:
+            self._check_same_data(saved)
+        length = known_len(self.loader)
+        if length is not None and batch > length:  # type: ignore[operator]
+            raise ConfigError(
+                f"the loader state is at batch {batch} of epoch {epoch}, but an epoch of this loader has {length} "
+                "batches: it was saved over other data or another batch size. Build the loader as the saved run "
+                "did, or resume without loader= and start the next epoch (loader.set_epoch(epoch + 1))"
+            )
+        generator = state.get("generator")
+        if self._users_generator is not None and generator is not None:
+            try:
+                torch.Generator(device=self._users_generator.device).set_state(generator)
+            except Exception:  # whatever torch says, it is not a state of this generator
+                raise ConfigError(
+                    f"the loader state's 'generator' is {_short(generator)}, not a state of the loader's "
+                    f"{self._users_generator.device} generator; pass what loader.state_dict() returned"
+                ) from None
+
+    def _check_same_data(self, saved: Any) -> None:
+        live = self.data_identity()
+        if not isinstance(saved, Mapping) or not set(saved) <= set(live):
+            raise ConfigError(
+                f"the loader state's 'data' is {_short(saved)}; expected a mapping of {sorted(live)}, as "
+                "loader.state_dict() returns"
+            )
+        differ = [
+            (name, saved[name], live[name]) for name in live if name in saved and not _same(saved[name], live[name])
+        ]
+        if not differ:
+            return
+        saved_text = ", ".join(f"{name}={_short(was)}" for name, was, _ in differ)
+        live_text = ", ".join(f"{name}={_short(now)}" for name, _, now in differ)
+        raise ConfigError(
+            f"the loader state was saved for {saved_text}, but this loader has {live_text}: its batch position "
+            f"would count other batches (or none of the rest of the epoch). Build the loader as the saved run did "
+            f"({_fix(differ)}), or resume without loader= and start the next epoch yourself "
+            "(loader.set_epoch(epoch + 1))"
+        )
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue where :meth:`state_dict` stood: the next iteration is that epoch, from that batch.
+
+        Raises:
+            ConfigError: the state does not fit this loader (:meth:`check_state_dict`); nothing changed.
+        """
+        self.check_state_dict(state)
+        self.epoch, self._skip, self._in_flight = state["epoch"], state["batch"], None
         if self._users_generator is not None and state.get("generator") is not None:
             self._users_generator.set_state(state["generator"])
+
+
+_FIXES = {
+    "global_batch": "batch_size={} (the global batch)",
+    "dataset_length": "the same dataset, of {} samples",
+    "shuffle": "shuffle={}",
+    "seed": "seed={}",
+    "drop_last": "drop_last={}",
+}
+
+
+def _fix(differ: list[tuple[str, Any, Any]]) -> str:
+    return ", ".join(_FIXES[name].format(_short(was)) for name, was, _ in differ)
+
+
+def _length(dataset: Any) -> int | None:
+    try:
+        return len(dataset) if isinstance(dataset, Sized) else None
+    except TypeError:  # a Sized type whose len() raises (an iterable dataset without one)
+        return None
+
+
+def _same(saved: Any, live: Any) -> bool:
+    # Of one type first: a crafted value may be a tensor, whose == is not a bool.
+    return type(saved) is type(live) and bool(saved == live)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def build_epoch_loader(

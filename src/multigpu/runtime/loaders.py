@@ -117,7 +117,9 @@ def shard_dataloader(loader: DataLoader, shard: ShardSpec, *, seed: int) -> Epoc
         per_process = per_process_batch(batch_size, shard)
         dataset = StridedIterable(loader.dataset, shard) if shard.world_size > 1 else loader.dataset
         rebuilt = DataLoader(dataset, batch_size=per_process, drop_last=drop_last, **kept)
-        return EpochLoader(rebuilt, None, seed=seed, rank=shard.rank, dataset=loader.dataset)
+        return EpochLoader(
+            rebuilt, None, seed=seed, rank=shard.rank, dataset=loader.dataset, world_size=shard.world_size
+        )
     return build_epoch_loader(
         loader.dataset,
         global_batch=batch_size,
