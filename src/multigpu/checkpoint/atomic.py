@@ -34,6 +34,7 @@ TEMP_MARKER = ".tmp-"
 LOCK_NAME = ".multigpu.lock"
 ASIDE_MARKER = ".prev-"
 
+_MAX_PID = 1 << 22  # Linux's PID_MAX_LIMIT
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _PERMISSION_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
 
@@ -152,8 +153,8 @@ def remove_stale_temporaries(folder: Path, *, name: str | None = None) -> list[P
             continue
         # Name: .<final name>.tmp-<host>-<pid>-<random>; the host may itself contain dashes.
         parts = entry.name.split(TEMP_MARKER, 1)[1].rsplit("-", 2)
-        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
-            continue
+        if len(parts) != 3 or parts[0] != host or not (parts[1].isdigit() and 0 < int(parts[1]) <= _MAX_PID):
+            continue  # not a name this module wrote (os.kill would overflow on a pid of 20 digits)
         if _pid_alive(int(parts[1])):
             continue
         _remove_quietly(entry)

@@ -137,6 +137,8 @@ def _check_metadata(path: Path, md: Any) -> None:
             _check_tensor_entry(path, key, entry)
         elif type(entry) is not dcp_metadata.BytesStorageMetadata:
             bad(path, f"the entry of {key!r}", type(entry).__name__, "tensor or bytes storage metadata")
+    if md.storage_meta is not None and type(md.storage_meta) is not dcp_metadata.StorageMeta:
+        bad(path, "'storage_meta'", type(md.storage_meta).__name__, "None or a StorageMeta")
     storage = md.storage_data
     if not isinstance(storage, dict):
         bad(path, "'storage_data'", type(storage).__name__, "a dict from each item to its place in a file")
@@ -166,6 +168,16 @@ def _check_tensor_entry(path: Path, key: str, entry: Any) -> None:
         )
         if not ok or any(o < 0 or n < 0 or o + n > dim for o, n, dim in zip(chunk.offsets, chunk.sizes, size)):
             bad(path, f"a slice of {key!r}", chunk, f"a slice inside its shape {tuple(size)}")
+    # DCP stores every element once: slices that do not add up to the tensor leave part of it unread
+    # (it would load as uninitialised memory), or declare a shape far beyond the files' bytes.
+    stored = sum(math.prod(chunk.sizes) for chunk in entry.chunks)
+    if stored != math.prod(size):
+        bad(
+            path,
+            f"the slices of {key!r}",
+            f"{len(entry.chunks)} slices of {stored} elements",
+            f"slices covering its {math.prod(size)} elements (shape {tuple(size)})",
+        )
 
 
 # --- the files themselves -----------------------------------------------------------------------
@@ -268,7 +280,14 @@ def read_model_tensors(folder: Path, metadata: Metadata) -> OrderedDict[str, tor
     """
     entries = model_entries(metadata)
     # Keyed as in the index: DCP matches a flat key with dots to the same key in the file.
-    plain = {fqn: torch.empty(tuple(e.size), dtype=e.properties.dtype) for fqn, e in entries.values()}
+    try:
+        plain = {fqn: torch.empty(tuple(e.size), dtype=e.properties.dtype) for fqn, e in entries.values()}
+    except RuntimeError as exc:  # the allocator's refusal of shapes beyond this machine's memory
+        raise CheckpointError(
+            f"the tensors of {str(folder)!r} do not fit in memory here ({str(exc)[:200]}); its index declares "
+            f"{sum(math.prod(e.size) * e.properties.dtype.itemsize for _, e in entries.values())} bytes. Read it "
+            "on a machine with that much memory, or check that it is the checkpoint you meant."
+        ) from exc
     try:
         dcp_load(folder, plain, metadata, no_dist=True)
     except CheckpointError:

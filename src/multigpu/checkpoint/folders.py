@@ -173,7 +173,7 @@ def recorded_step_of(folder: Path) -> int | None:
         text = read_header(folder / MODEL_FILE).metadata.get("step")
     except (CheckpointError, OSError):
         return None
-    if text is None or not (text.isascii() and text.isdigit()) or str(int(text)) != text:
+    if text is None or not (text.isascii() and text.isdigit()) or len(text) > 19 or str(int(text)) != text:
         return None
     return int(text)
 
@@ -333,8 +333,10 @@ def read_manifest(folder: Path) -> Manifest:
     if len(raw) > _MAX_MANIFEST_BYTES:
         bad(path, "its size", f"more than {_MAX_MANIFEST_BYTES} bytes", "a small JSON file")
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        # UTF-8 as written (json.loads would also take UTF-16 and -32); ValueError covers a number of
+        # more digits than Python converts (4300), RecursionError a deep nesting.
+        body = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"{str(path)!r} is not valid JSON ({exc}); the checkpoint is damaged. {FIX}") from exc
     if not isinstance(body, dict):
         bad(path, "the manifest", body, "a JSON object")

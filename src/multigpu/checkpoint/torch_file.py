@@ -18,6 +18,7 @@ import math
 import os
 import pickle
 import pkgutil
+import re
 import struct
 import warnings
 import zipfile
@@ -339,7 +340,7 @@ def load_torch_file(
     except pickle.UnpicklingError as exc:
         if allow_unsafe_pickle:
             raise CheckpointError(f"{str(path)!r} is not a readable torch file: {exc}") from exc
-        raise CheckpointError(_unsafe_message(path)) from exc
+        raise CheckpointError(_unsafe_message(path, exc)) from exc
     except (CheckpointError, OSError):
         raise
     except (ImportError, AttributeError) as exc:  # unpickling's find_class: no such module, or no such name
@@ -385,5 +386,15 @@ def _missing_class_message(path: str | os.PathLike[str], missing: list[str], exc
     )
 
 
-def _unsafe_message(path: str | os.PathLike[str]) -> str:
-    return unsafe_message(path, _pickled_globals(path) or ["unknown objects"])
+def _unsafe_message(path: str | os.PathLike[str], exc: BaseException) -> str:
+    wanted = _pickled_globals(path)
+    if wanted:
+        return unsafe_message(path, wanted)
+    # No global beyond plain data: an opcode torch's weights-only reader does not read (an int of
+    # more than 255 bytes, ...), which torch.save never writes for a state dict.
+    found = re.search(r"WeightsUnpickler error:\s*(.+)", str(exc))
+    return (
+        f"{str(Path(path))!r} is a damaged torch file: its pickle holds what torch's weights-only reader does "
+        f"not read ({found.group(1).strip()[:200] if found else type(exc).__name__}). Use another checkpoint, "
+        "or re-save this one from its source."
+    )
