@@ -291,3 +291,30 @@ def test_multigpu_env_answers_at_once_for_a_huge_node_list() -> None:
     done = run_command([sys.executable, "-m", "multigpu", "env"], env=contradicting, timeout_s=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused: SLURM_JOB_NODELIST='node[1-100000000]' names 100000000 nodes but SLURM_NNODES=2" in done.stdout
+
+
+@pytest.mark.multiprocess  # the stand-in scontrol runs once, for the job id that is one
+@pytest.mark.parametrize("job", ["--help", "-v", "123 456", "٣", "9" * 5000], ids=range(5))
+def test_requeue_never_hands_scontrol_a_value_that_is_no_job_id(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Any, job: str
+) -> None:
+    """``--requeue`` passes SLURM_JOB_ID to ``scontrol requeue``: '--help' would be read as its option."""
+    import os
+    import signal
+
+    from multigpu.launcher.launch import LaunchConfig
+    from multigpu.launcher.preemption import maybe_requeue
+
+    tool = tmp_path / "scontrol"
+    tool.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "args"}\n')
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", job)
+    stopped = 128 + signal.SIGTERM
+    assert maybe_requeue(LaunchConfig(requeue=True), stopped) == stopped
+    assert not (tmp_path / "args").exists()
+    err = capsys.readouterr().err
+    assert "--requeue: SLURM_JOB_ID=" in err and "is not a SLURM job id" in err and "scontrol requeue <job id>" in err
+    monkeypatch.setenv("SLURM_JOB_ID", "31337")
+    assert maybe_requeue(LaunchConfig(requeue=True), stopped) == stopped
+    assert (tmp_path / "args").read_text().split() == ["requeue", "31337"]

@@ -423,5 +423,16 @@ def _pod_launcher(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def slurm_job_id(env: Mapping[str, str]) -> str | None:
-    """The SLURM job this process belongs to (``SLURM_JOB_ID``), if any: what ``--requeue`` requeues."""
-    return env.get("SLURM_JOB_ID") or None
+    """The SLURM job this process belongs to (``SLURM_JOB_ID``), if any: what ``--requeue`` requeues.
+
+    Raises:
+        LaunchError: a value that is no job id (SLURM writes digits): it would reach ``scontrol`` as an
+            argument (``--help``, ``-v``, another job's name).
+    """
+    job = env.get("SLURM_JOB_ID") or None
+    if job is not None and re.fullmatch(r"[0-9]{1,20}", job) is None:
+        raise LaunchError(
+            f"{shown('SLURM_JOB_ID', job)} is not a SLURM job id (SLURM sets digits, e.g. 123456); requeue the "
+            "job by hand with 'scontrol requeue <job id>'"
+        )
+    return job
