@@ -156,6 +156,15 @@ def test_a_long_value_is_shown_cut_short() -> None:
     assert "(5006 characters)" in str(caught.value) and len(str(caught.value)) < 400
 
 
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(1, 5), st.booleans()), min_size=1, max_size=6))
+def test_tasks_per_node_agree_with_a_full_expansion(groups: list[tuple[int, int, bool]]) -> None:
+    text = ",".join(f"{tasks}(x{repeat})" if repeat > 1 or spelled else str(tasks) for tasks, repeat, spelled in groups)
+    expected = [tasks for tasks, repeat, _ in groups for _ in range(repeat)]
+    counts = TasksPerNode(text)
+    assert (counts.nodes, counts.total) == (len(expected), sum(expected))
+    assert [counts.on_node(node) for node in range(counts.nodes)] == expected == expand_tasks_per_node(text)
+
+
 def test_tasks_per_node() -> None:
     assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
     counts = TasksPerNode("2(x3),1")
