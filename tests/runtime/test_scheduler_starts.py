@@ -49,7 +49,8 @@ def _check_one_world(done: list, folder: Path, scheduler: str) -> None:
         torch.testing.assert_close(final[key], expected[key], rtol=1e-5, atol=1e-6)
 
 
-def test_slurm_variables_on_two_processes_form_one_world(tmp_path: Path) -> None:
+@pytest.mark.parametrize("nodes", [1, 2], ids=["one-node", "two-nodes-compressed-list"])
+def test_slurm_variables_on_two_processes_form_one_world(tmp_path: Path, nodes: int) -> None:
     port = free_port(20000, 40000)
     job = str(port - 20000)
     assert slurm_port(job) == port  # no MASTER_PORT: both tasks derive this one from the job id
@@ -57,12 +58,14 @@ def test_slurm_variables_on_two_processes_form_one_world(tmp_path: Path) -> None
         "SLURM_JOB_ID": job,
         "SLURM_STEP_ID": "0",
         "SLURM_NTASKS": "2",
-        "SLURM_NODEID": "0",
         "SLURM_TASKS_PER_NODE": "2",
         "SLURM_JOB_NODELIST": "127.0.0.1",
         "OMP_NUM_THREADS": "1",
     }
-    envs = [{**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)} for r in range(2)]
+    envs = [{**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_NODEID": "0"} for r in range(2)]
+    if nodes == 2:  # one task on each of two 'nodes' (both loopback addresses): the master is the list's first
+        base |= {"SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_NODELIST": "127.0.0.[1-2]"}
+        envs = [{**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": "0", "SLURM_NODEID": str(r)} for r in range(2)]
     argv = [sys.executable, WORKER, str(tmp_path), str(STEPS)]
     done = run_together([argv, argv], envs=envs, timeout_s=120)
     _check_one_world(done, tmp_path, "slurm")

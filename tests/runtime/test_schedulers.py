@@ -1,5 +1,6 @@
-"""Scheduler detection (runtime/schedulers.py): SLURM hostlists against a plain oracle, each scheduler's
-world, and inconsistent variables refused by name. In-process: the multi-process starts are in
+"""Scheduler detection (runtime/schedulers.py): each scheduler's world, and inconsistent variables refused
+by name. In-process: SLURM's lists are in tests/runtime/test_slurm_lists.py, hostile values of every
+variable in tests/runtime/test_scheduler_variables.py, the multi-process starts in
 tests/runtime/test_scheduler_starts.py."""
 
 from __future__ import annotations
@@ -8,70 +9,17 @@ import os
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from multigpu.devices import get_device_type
 from multigpu.errors import DeviceError, LaunchError
 from multigpu.runtime.schedulers import (
     TORCHRUN,
     detect_worker,
-    expand_hostlist,
-    expand_tasks_per_node,
     launcher_defaults,
     not_started_reason,
     slurm_port,
 )
 from multigpu.runtime.world import read_launch_env, scheduler_report
-
-# -- hostlists: generated as (prefix, ranges) so the oracle is the generation itself ---------------------
-
-_prefix = st.text(alphabet="abcdefghijklmnopqrstuvwxyz-", min_size=1, max_size=6).filter(lambda p: not p[-1].isdigit())
-_range = st.tuples(st.integers(0, 120), st.integers(0, 4), st.integers(1, 3))  # start, extra hosts, pad width
-
-
-def _group(draw_prefix: str, ranges: list[tuple[int, int, int]]) -> tuple[str, list[str]]:
-    """The compressed text SLURM would write for these ranges, and the hosts a person would list."""
-    items, hosts = [], []
-    for start, extra, width in ranges:
-        low, high = str(start).zfill(width), str(start + extra).zfill(width)
-        items.append(low if extra == 0 else f"{low}-{high}")
-        hosts += [draw_prefix + str(n).zfill(width) for n in range(start, start + extra + 1)]
-    return f"{draw_prefix}[{','.join(items)}]", hosts
-
-
-@given(st.lists(st.tuples(_prefix, st.lists(_range, min_size=1, max_size=3)), min_size=1, max_size=3))
-def test_hostlists_expand_as_written(groups: list[tuple[str, list[tuple[int, int, int]]]]) -> None:
-    texts, expected = [], []
-    for prefix, ranges in groups:
-        text, hosts = _group(prefix, ranges)
-        texts.append(text)
-        expected += hosts
-    assert expand_hostlist(",".join(texts)) == expected
-
-
-def test_hostlist_forms_slurm_writes() -> None:
-    assert expand_hostlist("node[01-03,07],gpu[1-2]") == ["node01", "node02", "node03", "node07", "gpu1", "gpu2"]
-    assert expand_hostlist("n[08-10]") == ["n08", "n09", "n10"]
-    assert expand_hostlist("single") == ["single"]
-    assert expand_hostlist("r[1-2]n[1-2]") == ["r1n1", "r1n2", "r2n1", "r2n2"]
-    assert expand_hostlist("a,b[3]") == ["a", "b3"]
-
-
-@pytest.mark.parametrize(
-    ("text", "message"),
-    [("node[1-3", "unclosed"), ("node[3-1]", "runs backwards"), ("node[a-b]", "not a number"), ("n[[1]]", "nested")],
-)
-def test_bad_hostlists_are_refused(text: str, message: str) -> None:
-    with pytest.raises(LaunchError, match=message):
-        expand_hostlist(text)
-
-
-def test_tasks_per_node() -> None:
-    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
-    with pytest.raises(LaunchError, match="SLURM_TASKS_PER_NODE='two'"):
-        expand_tasks_per_node("two")
-
 
 # -- each scheduler's world ----------------------------------------------------------------------------
 
@@ -393,7 +341,7 @@ def test_a_pytorchjob_pod_started_directly_is_local_rank_0_of_1(
 
 
 def test_a_pytorchjob_pod_expecting_several_processes_refuses_one_started_directly() -> None:
-    with pytest.raises(LaunchError, match=r"PET_NPROC_PER_NODE=2.*multigpu launch --strategy ddp"):
+    with pytest.raises(LaunchError, match=r"PET_NPROC_PER_NODE='2'.*multigpu launch --strategy ddp"):
         read_launch_env({**_POD, "WORLD_SIZE": "4", "PET_NNODES": "2", "PET_NPROC_PER_NODE": "2"})
 
 

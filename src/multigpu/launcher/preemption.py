@@ -18,6 +18,7 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING
 
+from multigpu.errors import LaunchError
 from multigpu.runtime.world import slurm_job_id
 
 if TYPE_CHECKING:
@@ -39,7 +40,11 @@ def maybe_requeue(config: LaunchConfig, code: int) -> int:
     """
     if not config.requeue or not stopped_by_preemption(code) or config.node_rank != 0:
         return code
-    job = slurm_job_id()
+    try:
+        job = slurm_job_id()
+    except LaunchError as exc:  # reported, not raised: the launch's own exit code stays the answer
+        print(f"multigpu launch: --requeue: {exc}", file=sys.stderr, flush=True)
+        return code
     if job is None:
         print(
             "multigpu launch: --requeue: not inside a SLURM job (no SLURM_JOB_ID); nothing to requeue", file=sys.stderr

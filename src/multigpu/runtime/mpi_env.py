@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from multigpu.errors import LaunchError
-from multigpu.runtime.scheduler_world import SchedulerWorld, read_ints, read_port
+from multigpu.runtime.scheduler_world import SchedulerWorld, read_addr, read_ints, read_port
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def mpi_worker(env: Mapping[str, str], mpi: Mpi) -> SchedulerWorld:
     if not 0 <= rank < world:
         raise LaunchError(f"{mpi.rank_var}={rank} lies outside {mpi.size_var}={world} processes; {_MPI_FIX}")
     local = mpi_local(env, mpi)
-    addr = env.get("MASTER_ADDR")
+    addr = read_addr(env)
     if local is None:
         if addr and not _is_loopback(addr):
             raise LaunchError(
@@ -129,6 +129,8 @@ def mpi_worker(env: Mapping[str, str], mpi: Mpi) -> SchedulerWorld:
 def mpi_launcher(env: Mapping[str, str], mpi: Mpi) -> dict[str, str]:
     """``multigpu launch`` under mpirun: one launcher per node, MPI's size and rank as the nodes and node rank."""
     rank, world = read_ints(env, [mpi.rank_var, mpi.size_var], _MPI_FIX)
+    if not 0 <= rank < world:
+        raise LaunchError(f"{mpi.rank_var}={rank} lies outside {mpi.size_var}={world} launchers; {_MPI_FIX}")
     if world == 1:
         return {"nnodes": "1", "node-rank": "0"}
     local = mpi_local(env, mpi)
@@ -139,7 +141,8 @@ def mpi_launcher(env: Mapping[str, str], mpi: Mpi) -> dict[str, str]:
             f"{mpi.size_var}={world} launchers ({said}); start one per node: '{mpi.one_per_node} -np <nodes> "
             "-x MASTER_ADDR -x MASTER_PORT multigpu launch ...'"
         )
-    if "MASTER_ADDR" not in env:
+    addr = read_addr(env)
+    if addr is None:
         raise LaunchError(
             f"multigpu launch under {mpi.name} on {world} nodes needs rank 0's host, but MASTER_ADDR is not set: "
             "export MASTER_ADDR and MASTER_PORT and pass them with mpirun -x MASTER_ADDR -x MASTER_PORT"
@@ -147,6 +150,6 @@ def mpi_launcher(env: Mapping[str, str], mpi: Mpi) -> dict[str, str]:
     return {
         "nnodes": str(world),
         "node-rank": str(rank),
-        "master-addr": env["MASTER_ADDR"],
+        "master-addr": addr,
         "master-port": str(read_port(env)),
     }

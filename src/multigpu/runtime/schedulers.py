@@ -9,7 +9,8 @@ train.py`` form the same world as ``multigpu launch``:
   (``SLURM_STEP_NUM_TASKS``, ``SLURM_STEP_NUM_NODES``, ``SLURM_STEP_TASKS_PER_NODE``,
   ``SLURM_STEP_NODELIST``) when srun set them, else from the job's (``SLURM_NTASKS``, ``SLURM_NNODES``,
   ``SLURM_TASKS_PER_NODE``, ``SLURM_JOB_NODELIST``), never a mix: a step may be smaller than its job.
-  Compressed lists are expanded by :mod:`multigpu.runtime.slurm_lists`. The master is the first host;
+  Compressed lists are read by :mod:`multigpu.runtime.slurm_lists` (never expanded: the count and the
+  first host are computed), and the node count, the hosts and the tasks per node must agree. The master is the first host;
   the port is ``MASTER_PORT``, else derived from ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``
   (:func:`slurm_port`) so every task computes the same one and two steps of one job differ. The
   batch, extern and interactive steps (python run directly in the batch script) are no srun step.
@@ -21,9 +22,11 @@ train.py`` form the same world as ``multigpu launch``:
   --mpi=pmi2``, whose ``PMI_RANK`` is the task's ``SLURM_PROCID``.
 
 The parent side (``multigpu launch``) asks :func:`launcher_defaults`: torchrun's ``PET_*`` variables
-(what Kubeflow's PyTorchJob sets), under mpirun (one launcher per node) MPI's size and rank, and,
+(what Kubeflow's PyTorchJob sets; :mod:`multigpu.runtime.pet_env`), under mpirun (one launcher per node) MPI's size and rank, and,
 inside a SLURM step, the nodes and this node's rank.
-Inconsistent variables raise a :class:`~multigpu.errors.LaunchError` naming them and the fix.
+Inconsistent variables raise a :class:`~multigpu.errors.LaunchError` naming them and the fix; so does a
+variable that does not parse (a count that is not ASCII digits or is above torch's C int, a port outside
+1..65535, a host with spaces), showing its value cut short, at once: no world is waited for that cannot form.
 
 Example:
     >>> detect_worker({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}).global_rank
@@ -32,15 +35,23 @@ Example:
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from multigpu.errors import LaunchError
 from multigpu.runtime.mpi_env import MPICH, Mpi, mpi_flavour, mpi_launcher, mpi_worker
-from multigpu.runtime.scheduler_world import DEFAULT_PORT, SchedulerWorld, read_ints, read_port
-from multigpu.runtime.slurm_lists import expand_hostlist, expand_tasks_per_node
+from multigpu.runtime.pet_env import pet_launcher
+from multigpu.runtime.scheduler_world import (
+    DEFAULT_PORT,
+    SchedulerWorld,
+    parse_count,
+    read_addr,
+    read_ints,
+    read_port,
+    shown,
+)
+from multigpu.runtime.slurm_lists import Hostlist, TasksPerNode, expand_hostlist, expand_tasks_per_node
 
 __all__ = [
     "DEFAULT_PORT",
@@ -55,6 +66,7 @@ __all__ = [
     "pytorchjob_pod",
     "slurm_job_id",
     "slurm_port",
+    "torchrun_worker",
 ]
 
 TORCHRUN = "torchrun"  # the scheduler name of RANK/WORLD_SIZE (torchrun, multigpu launch) and of PET_*
@@ -80,8 +92,10 @@ def slurm_port(job_id: str, step_id: str = "0") -> int:
         >>> slurm_port("123456", "1")
         24456
     """
-    job = int(re.sub(r"\D", "", job_id) or "0")  # array jobs: '123_4'
-    step = int(step_id) if step_id.isdigit() else 0
+    # array jobs: '123_4'; only the last 9 digits count (10**9 is a multiple of the span), so a job id of
+    # any length (and only ASCII digits: int() would take other scripts' too) derives a port alike
+    job = int(re.sub(r"[^0-9]", "", job_id)[-9:] or "0")
+    step = int(step_id[-9:]) if re.fullmatch(r"[0-9]+", step_id) else 0
     return _PORT_BASE + (job + _PORT_STEP * step) % _PORT_SPAN
 
 
@@ -127,11 +141,68 @@ def pytorchjob_pod(env: Mapping[str, str]) -> bool:
     nproc = env.get("PET_NPROC_PER_NODE", "1")
     if nproc != "1":
         raise LaunchError(
-            f"this PyTorchJob pod expects PET_NPROC_PER_NODE={nproc} processes (nprocPerNode), but this one was "
+            f"this PyTorchJob pod expects {shown('PET_NPROC_PER_NODE', nproc)} processes (nprocPerNode), but this one was "
             "started directly, without LOCAL_RANK: make the container's command 'multigpu launch --strategy ddp "
             "train.py' (it starts them, as torchrun would), or set nprocPerNode: 1"
         )
     return True
+
+
+_LAUNCH_FIX = (
+    "start the script with a launcher, e.g. 'multigpu launch --strategy ddp --nproc-per-node 2 script.py' "
+    "(or torchrun), which sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE alike on every process"
+)
+
+
+def torchrun_worker(env: Mapping[str, str]) -> SchedulerWorld:
+    """The world torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` describe (a
+    PyTorchJob pod's, local rank 0 of 1, when :func:`pytorchjob_pod`), with ``MASTER_ADDR``/``MASTER_PORT``.
+
+    Raises:
+        LaunchError: a variable that is not a count, a rank outside the world, a local rank outside the
+            node's processes or more of them than the world, a pod whose ``RANK``/``WORLD_SIZE`` contradict
+            its ``PET_NODE_RANK``/``PET_NNODES``, or a master address or port that is not one.
+    """
+    pod = pytorchjob_pod(env)  # one process per PyTorchJob pod, started without torchrun
+    rank, world = read_ints(env, ["RANK", "WORLD_SIZE"], _LAUNCH_FIX)
+    if not 0 <= rank < world:
+        raise LaunchError(f"RANK={rank} must lie in [0, WORLD_SIZE={world}); {_LAUNCH_FIX}")
+    if pod:
+        _check_pod_against_pet(env, rank, world)
+        local_rank, local_world = 0, 1
+    else:
+        local_rank, local_world = (
+            read_ints(env, [name], _LAUNCH_FIX)[0] if name in env else default
+            for name, default in (("LOCAL_RANK", rank), ("LOCAL_WORLD_SIZE", world))
+        )
+        if not 0 <= local_rank < local_world <= world:
+            raise LaunchError(
+                f"LOCAL_RANK={local_rank} and LOCAL_WORLD_SIZE={local_world} do not fit WORLD_SIZE={world} "
+                f"(0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= WORLD_SIZE); {_LAUNCH_FIX}"
+            )
+    return SchedulerWorld(
+        scheduler=PYTORCHJOB if pod else TORCHRUN,
+        global_rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=rank if pod else None,
+        master_addr=read_addr(env) or "127.0.0.1",
+        master_port=read_port(env),
+    )
+
+
+def _check_pod_against_pet(env: Mapping[str, str], rank: int, world: int) -> None:
+    """A pod of one process: its ``RANK``/``WORLD_SIZE`` are its ``PET_NODE_RANK``/``PET_NNODES`` (where a
+    plain count; ``1:4`` is elastic), or the pods would wait for a world that cannot form."""
+    for name, value in (("PET_NODE_RANK", rank), ("PET_NNODES", world)):
+        said = env.get(name, "")
+        if re.fullmatch(r"[0-9]{1,10}", said) and int(said) != value:
+            other = "RANK" if name == "PET_NODE_RANK" else "WORLD_SIZE"
+            raise LaunchError(
+                f"this PyTorchJob pod runs one process, so {other}={value} must equal {name}={said}; fix the "
+                "PyTorchJob's spec (or unset the variable set by hand)"
+            )
 
 
 def _srun_started_pmi(env: Mapping[str, str], mpi: Mpi) -> bool:
@@ -149,13 +220,14 @@ def not_started_reason(env: Mapping[str, str]) -> str | None:
     ``srun`` (the batch step, ``SLURM_STEP_ID=batch``), sees ``SLURM_NTASKS`` > 1 but is no task of a
     step: it would wait forever for the others, so the world's caller refuses it with this reason.
     """
-    tasks = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS")
-    if "SLURM_JOB_ID" not in env or _in_srun_step(env) or not tasks or not tasks.isdigit() or int(tasks) <= 1:
+    tasks = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS") or ""
+    several = re.fullmatch(r"0*([2-9]|[1-9][0-9]+)", tasks) is not None  # without int(): it may be 5000 digits
+    if "SLURM_JOB_ID" not in env or _in_srun_step(env) or not several:
         return None
     step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
     how = f"it runs in SLURM_STEP_ID={step}, not an srun step" if step else "no SLURM_STEP_ID"
     return (
-        f"this process runs inside SLURM job {env['SLURM_JOB_ID']}, which expects SLURM_NTASKS={tasks} tasks, "
+        f"this process runs inside SLURM job {env['SLURM_JOB_ID'][:40]}, which expects SLURM_NTASKS={tasks if len(tasks) <= 20 else tasks[:20] + '...'} tasks, "
         f"but it was not started by srun ({how}); {_SLURM_FIX}"
     )
 
@@ -167,25 +239,45 @@ def _in_srun_step(env: Mapping[str, str]) -> bool:
     step = (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "").strip()
     if not step or step.lower() in _SPECIAL_STEPS:
         return False
-    return not step.isdigit() or int(step) < _MAX_NORMAL_STEP_ID
+    if re.fullmatch(r"[0-9]+", step) is None:
+        return True
+    digits = step.lstrip("0")
+    return len(digits) < 10 and int(digits or "0") < _MAX_NORMAL_STEP_ID  # not int() of thousands of digits
 
 
 @dataclass(frozen=True)
 class _SlurmCounts:
-    """One consistent set of SLURM's counts: the step's (``SLURM_STEP_*``) or the job's, never a mix."""
+    """One consistent set of SLURM's counts: the step's (``SLURM_STEP_*``) or the job's, never a mix.
+
+    ``nodes`` is the one node count ``nodes_var``, ``per_node_var`` and ``nodelist_var`` agree on (each
+    where set); ``per_node`` None means every task on one node; ``hosts`` None means no host list.
+    """
 
     tasks_var: str
     tasks: int
     nodes_var: str
-    nodes: int | None
+    nodes: int
     per_node_var: str
-    per_node: list[int]
+    per_node: TasksPerNode | None
     nodelist_var: str
-    nodelist: str
+    hosts: Hostlist | None
+
+    def on_node(self, node: int) -> int:
+        return self.per_node.on_node(node) if self.per_node is not None else self.tasks
+
+
+_SLURM_COUNTS_FIX = (
+    "request consistent counts (e.g. --nodes=2 --ntasks-per-node=2, no --ntasks); were some set by hand?"
+)
 
 
 def _slurm_counts(env: Mapping[str, str]) -> _SlurmCounts:
-    """The step's counts when srun set them (a step may be smaller than its job), else the job's."""
+    """The step's counts when srun set them (a step may be smaller than its job), else the job's.
+
+    Raises:
+        LaunchError: a count, list or host list that does not parse, or two of them that disagree (the
+            tasks per node against the tasks, the node count, the hosts listed): such a world never forms.
+    """
     if "SLURM_STEP_NUM_TASKS" in env:
         names = ("SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NODELIST")
     else:
@@ -199,33 +291,50 @@ def _slurm_counts(env: Mapping[str, str]) -> _SlurmCounts:
         names = (tasks_var, nodes_var, "SLURM_TASKS_PER_NODE", nodelist_var)
     tasks_var, nodes_var, per_node_var, nodelist_var = names
     (tasks,) = read_ints(env, [tasks_var], _SLURM_FIX)
-    nodes = read_ints(env, [nodes_var], _SLURM_FIX)[0] if env.get(nodes_var) else None
-    per_node = expand_tasks_per_node(env[per_node_var], name=per_node_var) if env.get(per_node_var) else [tasks]
-    if sum(per_node) != tasks:
+    per_node = TasksPerNode(env[per_node_var], per_node_var) if per_node_var in env else None
+    hosts = Hostlist(env[nodelist_var], nodelist_var) if nodelist_var in env else None
+    if per_node is not None and per_node.total != tasks:
         raise LaunchError(
-            f"{per_node_var}={env[per_node_var]!r} adds up to {sum(per_node)} tasks but {tasks_var}={tasks}; "
-            "request consistent counts (e.g. --nodes=2 --ntasks-per-node=2, no --ntasks)"
+            f"{shown(per_node_var, env[per_node_var])} adds up to {per_node.total} tasks but {tasks_var}={tasks}; "
+            f"{_SLURM_COUNTS_FIX}"
         )
-    if nodes is not None and env.get(per_node_var) and len(per_node) != nodes:
+    # every source of the node count that is set must say the same one
+    said = [(nodes_var, parse_count(nodes_var, env[nodes_var], _SLURM_FIX))] if nodes_var in env else []
+    if per_node is not None:
+        said.append((per_node_var, per_node.nodes))
+    if hosts is not None:
+        said.append((nodelist_var, len(hosts)))
+    nodes = said[0][1] if said else 1
+
+    def says(var: str, count: int) -> str:
+        return f"{var}={count}" if var == nodes_var else f"{shown(var, env[var])} names {count} nodes"
+
+    for var, count in said[1:]:
+        if count != nodes:
+            raise LaunchError(
+                f"{says(var, count)} but {says(*said[0])}; SLURM writes them alike for one step: {_SLURM_COUNTS_FIX}"
+            )
+    if nodes == 0:
+        raise LaunchError(f"{nodes_var}=0: a SLURM step runs on at least one node; {_SLURM_FIX}")
+    if per_node is None and nodes > 1:
         raise LaunchError(
-            f"{per_node_var}={env[per_node_var]!r} names {len(per_node)} nodes but {nodes_var}={nodes}; "
-            "SLURM writes both for one step: were some of them set by hand?"
+            f"{nodes_var if nodes_var in env else nodelist_var} names {nodes} nodes but {per_node_var} is not set: "
+            f"how many of the {tasks_var}={tasks} tasks run on each node is unknown; {_SLURM_FIX}"
         )
-    return _SlurmCounts(
-        tasks_var, tasks, nodes_var, nodes, per_node_var, per_node, nodelist_var, env.get(nodelist_var, "")
-    )
+    return _SlurmCounts(tasks_var, tasks, nodes_var, nodes, per_node_var, per_node, nodelist_var, hosts)
 
 
 def _slurm_worker(env: Mapping[str, str]) -> SchedulerWorld:
     counts = _slurm_counts(env)
     rank, local_rank, node = read_ints(env, ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"], _SLURM_FIX)
-    world, per_node = counts.tasks, counts.per_node
+    world = counts.tasks
     if not 0 <= rank < world:
         raise LaunchError(f"SLURM_PROCID={rank} lies outside {counts.tasks_var}={world} tasks; {_SLURM_FIX}")
-    if not node < len(per_node) or not local_rank < per_node[node]:
+    if not node < counts.nodes or not local_rank < counts.on_node(node):
         raise LaunchError(
-            f"SLURM_LOCALID={local_rank} on SLURM_NODEID={node} does not fit {counts.per_node_var}="
-            f"{env.get(counts.per_node_var, str(world))!r}; {_SLURM_FIX}"
+            f"SLURM_LOCALID={local_rank} on SLURM_NODEID={node} does not fit "
+            f"{shown(counts.per_node_var, env.get(counts.per_node_var, str(world)))} on {counts.nodes} node(s); "
+            f"{_SLURM_FIX}"
         )
     step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "0"
     return SchedulerWorld(
@@ -233,16 +342,16 @@ def _slurm_worker(env: Mapping[str, str]) -> SchedulerWorld:
         global_rank=rank,
         local_rank=local_rank,
         world_size=world,
-        local_world_size=per_node[node],
+        local_world_size=counts.on_node(node),
         node_rank=node,
-        master_addr=env.get("MASTER_ADDR") or _slurm_master(counts),
+        master_addr=read_addr(env) or _slurm_master(counts),
         master_port=read_port(env) if "MASTER_PORT" in env else slurm_port(env.get("SLURM_JOB_ID", "0"), step),
     )
 
 
 def _slurm_master(counts: _SlurmCounts) -> str:
-    if counts.nodelist:
-        return expand_hostlist(counts.nodelist)[0]
+    if counts.hosts is not None:
+        return counts.hosts.host(0)  # the first host, computed: the list is never expanded
     raise LaunchError(
         f"a SLURM task without {counts.nodelist_var}: set MASTER_ADDR to rank 0's host "
         "(e.g. MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1))"
@@ -250,24 +359,6 @@ def _slurm_master(counts: _SlurmCounts) -> str:
 
 
 # -- the launcher's side ---------------------------------------------------------------------------
-
-# torchrun's own variables (its arguments' env fallbacks), by multigpu launch's long flag name
-_PET_FLAGS = {
-    "nnodes": "PET_NNODES",
-    "node-rank": "PET_NODE_RANK",
-    "nproc-per-node": "PET_NPROC_PER_NODE",
-    "master-addr": "PET_MASTER_ADDR",
-    "master-port": "PET_MASTER_PORT",
-    "rdzv-backend": "PET_RDZV_BACKEND",
-    "rdzv-endpoint": "PET_RDZV_ENDPOINT",
-    "rdzv-id": "PET_RDZV_ID",
-    "rdzv-conf": "PET_RDZV_CONF",
-    "max-restarts": "PET_MAX_RESTARTS",
-}
-
-
-# torchrun's words for --nproc-per-node, as multigpu launch reads them: one per GPU, or one per core
-_NPROC_WORDS = {"gpu": lambda: "auto", "cpu": lambda: str(os.cpu_count() or 1)}
 
 
 def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str]]:
@@ -285,14 +376,8 @@ def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str
         LaunchError: an srun step or an mpirun that starts more than one launcher per node, or
             mpirun on several nodes without ``MASTER_ADDR``.
     """
-    pet = {flag: env[name] for flag, name in _PET_FLAGS.items() if env.get(name)}
-    if pet.get("nproc-per-node") in _NPROC_WORDS:  # a PyTorchJob's nprocPerNode: auto, gpu, cpu or a count
-        pet["nproc-per-node"] = _NPROC_WORDS[pet["nproc-per-node"]]()
+    pet = pet_launcher(env)
     if pet:
-        # a PyTorchJob also sets MASTER_ADDR/MASTER_PORT (older operators set no PET_MASTER_*): rank 0's pod
-        for flag, name in (("master-addr", "MASTER_ADDR"), ("master-port", "MASTER_PORT")):
-            if flag not in pet and env.get(name):
-                pet[flag] = env[name]
         return TORCHRUN, pet
     mpi = mpi_flavour(env)
     if mpi is not None and not _srun_started_pmi(env, mpi):  # MPI's before SLURM's, as for the workers
@@ -302,7 +387,7 @@ def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str
     if "SLURM_PROCID" not in env or not _in_srun_step(env):
         return None, {}
     counts = _slurm_counts(env)
-    nodes = counts.nodes if counts.nodes is not None else len(counts.per_node)
+    nodes = counts.nodes
     if counts.tasks != nodes:
         raise LaunchError(
             f"multigpu launch runs once per node and starts the processes itself, but this srun step runs "
@@ -332,11 +417,22 @@ def _pod_launcher(env: Mapping[str, str]) -> dict[str, str]:
     return {
         "nnodes": str(pods),
         "node-rank": str(rank),
-        "master-addr": env["MASTER_ADDR"],
+        "master-addr": read_addr(env) or "",  # pytorchjob_pod checked MASTER_ADDR is set
         "master-port": str(read_port(env)),
     }
 
 
 def slurm_job_id(env: Mapping[str, str]) -> str | None:
-    """The SLURM job this process belongs to (``SLURM_JOB_ID``), if any: what ``--requeue`` requeues."""
-    return env.get("SLURM_JOB_ID") or None
+    """The SLURM job this process belongs to (``SLURM_JOB_ID``), if any: what ``--requeue`` requeues.
+
+    Raises:
+        LaunchError: a value that is no job id (SLURM writes digits): it would reach ``scontrol`` as an
+            argument (``--help``, ``-v``, another job's name).
+    """
+    job = env.get("SLURM_JOB_ID") or None
+    if job is not None and re.fullmatch(r"[0-9]{1,20}", job) is None:
+        raise LaunchError(
+            f"{shown('SLURM_JOB_ID', job)} is not a SLURM job id (SLURM sets digits, e.g. 123456); requeue the "
+            "job by hand with 'scontrol requeue <job id>'"
+        )
+    return job

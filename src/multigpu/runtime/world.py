@@ -22,7 +22,9 @@ One process's life under ``multigpu launch`` (or torchrun)::
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,8 +35,10 @@ import torch.distributed as dist
 from multigpu.devices import device_type_names, get_device_type, process_device_type
 from multigpu.errors import DeviceError, LaunchError
 from multigpu.runtime import schedulers
+from multigpu.runtime.scheduler_world import parse_count, shown
 
 DEFAULT_TIMEOUT_S = 600.0
+_MAX_TIMEOUT_S = 1e9  # ~31 years: a timedelta, and torch's milliseconds, hold it
 
 _torch_debug = False  # enable_torch_debug was called: setup_process_group sets the level for its backend
 
@@ -93,39 +97,22 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | Non
         1
     """
     env = os.environ if environ is None else environ
-    if "RANK" not in env or "WORLD_SIZE" not in env:
-        if env.get("MULTIGPU_STRATEGY"):  # the one process of a multigpu launch (single, dp): the launcher
-            return None  # was the scheduler's task; SLURM's or MPI's variables it inherited are not its world
+    if "RANK" in env and "WORLD_SIZE" in env:
+        found: schedulers.SchedulerWorld | None = schedulers.torchrun_worker(env)
+    elif env.get("MULTIGPU_STRATEGY"):  # the one process of a multigpu launch (single, dp): the launcher
+        return None  # was the scheduler's task; SLURM's or MPI's variables it inherited are not its world
+    else:
         found = schedulers.detect_worker(env)
-        if found is None:
-            return None
-        return LaunchEnv(
-            global_rank=found.global_rank,
-            local_rank=found.local_rank,
-            world_size=found.world_size,
-            local_world_size=found.local_world_size,
-            master_addr=found.master_addr,
-            master_port=found.master_port,
-            scheduler=found.scheduler,
-        )
-    pod = schedulers.pytorchjob_pod(env)  # one process per PyTorchJob pod, started without torchrun
-    try:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_rank = 0 if pod else int(env.get("LOCAL_RANK", rank))
-        local_world = 1 if pod else int(env.get("LOCAL_WORLD_SIZE", world))
-        port = int(env.get("MASTER_PORT", "29500"))
-    except ValueError as exc:
-        raise LaunchError(f"launcher variables do not parse as integers ({exc}); {_LAUNCH_HINT}") from exc
-    if not 0 <= rank < world:
-        raise LaunchError(f"RANK={rank} must lie in [0, WORLD_SIZE={world}); {_LAUNCH_HINT}")
+    if found is None:
+        return None
     return LaunchEnv(
-        global_rank=rank,
-        local_rank=local_rank,
-        world_size=world,
-        local_world_size=local_world,
-        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=port,
-        scheduler=schedulers.PYTORCHJOB if pod else schedulers.TORCHRUN,
+        global_rank=found.global_rank,
+        local_rank=found.local_rank,
+        world_size=found.world_size,
+        local_world_size=found.local_world_size,
+        master_addr=found.master_addr,
+        master_port=found.master_port,
+        scheduler=found.scheduler,
     )
 
 
@@ -196,10 +183,18 @@ def bind_cores_requested() -> bool:
 def collective_timeout_s() -> float:
     """Seconds a collective waits for a missing rank (``multigpu launch --collective-timeout``, else 600)."""
     value = os.environ.get("MULTIGPU_COLLECTIVE_TIMEOUT", "")
-    try:
-        return float(value) if float(value) > 0 else DEFAULT_TIMEOUT_S
-    except ValueError:
+    if not value:
         return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value) if value.isascii() else math.nan
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= _MAX_TIMEOUT_S:  # nan, 0, or beyond what a timedelta holds
+        raise LaunchError(
+            f"{shown('MULTIGPU_COLLECTIVE_TIMEOUT', value)} is not a number of seconds in "
+            f"(0, {_MAX_TIMEOUT_S:.0f}]; pass multigpu launch --collective-timeout SECONDS (e.g. 600)"
+        )
+    return seconds
 
 
 def failure_dir() -> str | None:
@@ -256,13 +251,16 @@ def _apply_torch_debug(backend: str) -> None:
 def restart_count() -> int:
     """How often torch elastic has restarted this run's workers (``TORCHELASTIC_RESTART_COUNT``; 0 if unset)."""
     value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return int(value) if value.isdigit() else 0
+    return parse_count(
+        "TORCHELASTIC_RESTART_COUNT", value, "torchrun sets it (0, 1, ... per restart); unset it if set by hand"
+    )
 
 
 def configured_threads() -> int | None:
     """The per-process thread count the user set (``OMP_NUM_THREADS``), if any."""
     value = os.environ.get("OMP_NUM_THREADS", "")
-    return int(value) if value.isdigit() and int(value) > 0 else None
+    # ASCII digits, few enough for int(): OpenMP's own forms ('4,2') and the rest are left to OpenMP
+    return int(value) if re.fullmatch(r"0*[1-9][0-9]{0,5}", value) else None
 
 
 def choose_backend(device_type: str) -> str:
