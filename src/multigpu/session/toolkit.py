@@ -68,11 +68,11 @@ class Toolkit:
             >>> with session.main_process_first():  # doctest: +SKIP
             ...     dataset = datasets.MNIST("data", download=True)
         """
-        return main_first(self.is_main_process)
+        return main_first(self.is_main_process, "main_process_first")
 
     def local_main_process_first(self) -> AbstractContextManager[None]:
         """A block each node's first process runs before the others of its node (e.g. a per-node cache). Every rank must enter it."""
-        return main_first(self.is_local_main_process)
+        return main_first(self.is_local_main_process, "local_main_process_first")
 
     # -- moving data between ranks ---------------------------------------------------------------
 
