@@ -24,6 +24,8 @@ import torch
 
 from multigpu.runtime import exchange
 from multigpu.runtime.collectives import gather_by_index
+from multigpu.runtime.data import even_batches
+from multigpu.runtime.preemption import StopAgreement
 from multigpu.session import Session
 
 
@@ -61,7 +63,19 @@ def cases(session: Session) -> dict[str, Callable[[], Any]]:
             [np.int64(rank), torch.ones(1, dtype=torch.int64 if first else torch.float32)], "max"
         ),
         "main_first_raises": lambda: _main_first_raises(session),
+        "even_batches_kinds": lambda: list(even_batches([1, 2, 3] if first else iter([1, 2, 3]))),
+        "trigger_or_reduce": lambda: session.check_trigger() if first else session.reduce(0.0, "max"),
+        "stop_flag_meets_another": lambda: _stop_flag_meets_another(first),
     }
+
+
+def _stop_flag_meets_another(first: bool) -> None:
+    if first:
+        agreement = StopAgreement()
+        agreement.poll(False)
+        agreement.finish()
+    else:  # a collective of the user's own where rank 0 polls
+        torch.distributed.all_reduce(torch.tensor([5.0]), op=torch.distributed.ReduceOp.MAX)
 
 
 def _main_first_raises(session: Session) -> None:

@@ -58,6 +58,11 @@ EXPECTED: dict[str, tuple[str, Callable[[int], list[str]]]] = {
     "gather_or_reduce": (MISMATCH, _ranks("gather", "reduce (mean)")),
     "gather_by_index_dtype": (MISMATCH, _ranks("int32 (2, 3)", "float32 (2, 3)")),
     "split_reduce_dtype": (MISMATCH, _ranks("int64 (1,)", "float32 (1,), sent as float64")),
+    "even_batches_kinds": (
+        MISMATCH,
+        _ranks("reduce (min) of the batch count (every rank has a len())", "reduce (min) of the next-batch flag"),
+    ),
+    "trigger_or_reduce": (MISMATCH, _ranks("reduce (max) of the trigger", "reduce (max)")),
 }
 
 
@@ -91,6 +96,15 @@ def test_a_main_process_that_raises_first_releases_the_others(records: list[dict
         got = record["main_first_raises"]
         assert got["type"] == "PeerExitedError" and "raised inside main_process_first()" in got["message"], got
         assert got["seconds"] < 10 and got["in_step"], got
+
+
+@pytest.mark.multiprocess
+def test_a_stop_flag_that_meets_another_collective_is_refused(records: list[dict[str, Any]]) -> None:
+    got = records[0]["stop_flag_meets_another"]  # rank 0 polled while rank 1 all-reduced a 5 of its own
+    assert (
+        got["type"] == MISMATCH
+        and "the stop flag's all-reduce on rank 0 came back as 5.0, not 0 or 1" in got["message"]
+    )
 
 
 def test_descriptions_agree_on_what_each_collective_needs() -> None:

@@ -71,12 +71,14 @@ def barrier() -> None:
             dist.barrier()
 
 
-def reduce_value(value: float | torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+def reduce_value(value: float | torch.Tensor, op: ReduceOp = "mean", *, what: str = "") -> torch.Tensor:
     """Reduce a metric across every process (mean, sum, max or min). Every rank must call it.
 
     Args:
         value: a number or tensor (any device); tensors are reduced elementwise.
         op: ``"mean"`` (the default: average over processes), ``"sum"``, ``"max"`` or ``"min"``.
+        what: what the value is ("the end-of-data flag"), for the ledger and for the agreement: ranks
+            that reduce different things at the same point are refused by name instead of mixing them.
 
     Returns:
         The reduced value as a float64 tensor on the CPU, identical on every rank (a 0-dim tensor
@@ -92,7 +94,8 @@ def reduce_value(value: float | torch.Tensor, op: ReduceOp = "mean") -> torch.Te
         2.5
     """
     leaf = describe("", value, wire=wire_dtype(value, op)) if isinstance(value, torch.Tensor) else number("", value)
-    (reduced,) = reduce_tensors([torch.as_tensor(value)], op, Call(f"reduce ({op})", (leaf,)))
+    operation = f"reduce ({op}) of {what}" if what else f"reduce ({op})"
+    (reduced,) = reduce_tensors([torch.as_tensor(value)], op, Call(operation, (leaf,)))
     return reduced
 
 
@@ -131,7 +134,7 @@ def reduce_tensors(tensors: Sequence[torch.Tensor], op: ReduceOp, call: Call) ->
     out = []
     for tensor in work:
         device_copy = tensor.to(_collective_device())
-        with issuing(f"reduce ({op})", [device_copy]):
+        with issuing(call.operation, [device_copy]):
             dist.all_reduce(device_copy, op=getattr(dist.ReduceOp, _OPS[op]))  # note: a sync point across ranks
         if op == "mean":
             device_copy /= world_size()
@@ -162,12 +165,12 @@ def _refuse_complex(tensors: Sequence[torch.Tensor], call: Call) -> None:
             )
 
 
-def all_agree_min(count: int) -> int:
+def all_agree_min(count: int, what: str = "a count") -> int:
     """The smallest ``count`` over every process (the number of steps all ranks can take).
 
     Every rank must call it. Outside a process group returns ``count``.
     """
-    return int(reduce_value(count, "min").item())
+    return int(reduce_value(count, "min", what=what).item())
 
 
 def gather_by_index(values: torch.Tensor, indices: torch.Tensor, total: int) -> torch.Tensor:

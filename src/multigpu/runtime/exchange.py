@@ -1,15 +1,18 @@
 """Moving tensors, nested structures and Python objects between ranks: gather, broadcast, reduce, pad, split.
 
-The toolkit a training loop written for Accelerate reaches for, built on the two primitives of
-:mod:`multigpu.runtime.collectives` (:func:`~multigpu.runtime.collectives.gather_rows`, which
-all-gathers rows whose count differs per rank, and :func:`~multigpu.runtime.collectives.reduce_value`)
-plus its ``broadcast_tensor``, so every collective here goes through that module. Objects travel
+The toolkit a training loop written for Accelerate reaches for, built on the primitives of
+:mod:`multigpu.runtime.collectives` (``agree``, ``gather_agreed_rows``, which all-gathers rows whose
+count differs per rank, ``reduce_tensors`` and ``broadcast_tensors``), so every collective here goes
+through that module. Objects travel
 pickled, as bytes in a uint8 tensor. Outside a process group each function returns what one
 process would (the value itself, or a list of one).
 
 Inside a process group **every rank must call each of them**, in the same order, with the same
-structure (the same containers and keys; tensors of one dtype and trailing shape per leaf).
-:func:`split_between_processes` is the exception: it communicates nothing.
+structure (the same containers and keys; tensors of one dtype and trailing shape per leaf). That is
+checked, not trusted: each first agrees on a digest of its structure, dtypes and shapes with the sizes
+it exchanges anyway (:func:`~multigpu.runtime.collectives.agree`), and ranks that differ all raise
+:class:`~multigpu.errors.CollectiveMismatchError` naming each rank's side. :func:`split_between_processes`
+is the exception: it communicates nothing.
 
 Example:
     >>> gather({"n": torch.tensor([1, 2])})   # one process: the structure, rows concatenated

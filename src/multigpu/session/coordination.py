@@ -85,7 +85,7 @@ def main_first(is_first: bool, kind: str = "main_process_first") -> Iterator[Non
 
 def _first_failed(failed: bool = False) -> bool:
     """Whether any first process failed inside the block: one all-reduce (max) every rank joins."""
-    return bool(reduce_value(1 if failed else 0, "max").item())
+    return bool(reduce_value(1 if failed else 0, "max", what="the main process's end of its block").item())
 
 
 class Trigger:
@@ -101,7 +101,7 @@ class Trigger:
     def check(self) -> bool:
         """Whether any rank raised the flag since the last check (then lowered everywhere). Every rank must call it."""
         # note: a sync point, one all-reduce of a number
-        raised = bool(reduce_value(1 if self._raised else 0, "max").item())
+        raised = bool(reduce_value(1 if self._raised else 0, "max", what="the trigger").item())
         if raised:
             self._raised = False
         return raised
