@@ -156,6 +156,14 @@ def test_what_cannot_be_reduced_is_refused_by_name(one_rank_group: None, op: str
         exchange.reduce(torch.ones(2, dtype=torch.complex64), op)
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_reduce_value_sends_every_number_as_float64(one_rank_group: None, op: str) -> None:
+    # the header's digest says "a number, float64": an int sent as int64 bits would meet a float's on another rank
+    for value in (3, 2.5, True, np.int64(4)):
+        got = collectives.reduce_value(value, op)  # type: ignore[arg-type]
+        assert got.dtype == torch.float64 and got.item() == float(value)
+
+
 def test_a_session_reduce_of_a_numpy_scalar_or_0_dim_value_is_a_float() -> None:
     with Session(strategy="single") as session:
         for value in (np.float32(2.5), np.int64(3), 4, 2.5, torch.tensor(2.5), np.array(1.5), True):

@@ -93,9 +93,12 @@ def reduce_value(value: float | torch.Tensor, op: ReduceOp = "mean", *, what: st
         >>> float(reduce_value(2.5))   # one process: unchanged
         2.5
     """
-    leaf = describe("", value, wire=wire_dtype(value, op)) if isinstance(value, torch.Tensor) else number("", value)
+    if isinstance(value, torch.Tensor):
+        tensor, leaf = value, describe("", value, wire=wire_dtype(value, op))
+    else:  # a number travels as float64 whatever its type: one rank's int 0 meets another's 0.5
+        tensor, leaf = torch.tensor(float(value), dtype=torch.float64), number("", value)
     operation = f"reduce ({op}) of {what}" if what else f"reduce ({op})"
-    (reduced,) = reduce_tensors([torch.as_tensor(value)], op, Call(operation, (leaf,)))
+    (reduced,) = reduce_tensors([tensor], op, Call(operation, (leaf,)))
     return reduced
 
 
