@@ -65,6 +65,7 @@ def cases(session: Session) -> dict[str, Callable[[], Any]]:
         "main_first_raises": lambda: _main_first_raises(session),
         "even_batches_kinds": lambda: list(even_batches([1, 2, 3] if first else iter([1, 2, 3]))),
         "trigger_or_reduce": lambda: session.check_trigger() if first else session.reduce(0.0, "max"),
+        "gather_by_index_rows": lambda: gather_by_index(torch.ones(2 if first else 3), torch.tensor([rank, rank]), 9),
         "stop_flag_meets_another": lambda: _stop_flag_meets_another(first),
     }
 

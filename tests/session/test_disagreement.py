@@ -63,6 +63,7 @@ EXPECTED: dict[str, tuple[str, Callable[[int], list[str]]]] = {
         _ranks("reduce (min) of the batch count (every rank has a len())", "reduce (min) of the next-batch flag"),
     ),
     "trigger_or_reduce": (MISMATCH, _ranks("reduce (max) of the trigger", "reduce (max)")),
+    "gather_by_index_rows": ("ConfigError", lambda world: ["rank 1's values has 3 rows but indices has 2"]),
 }
 
 

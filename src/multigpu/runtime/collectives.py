@@ -192,23 +192,34 @@ def gather_by_index(values: torch.Tensor, indices: torch.Tensor, total: int) -> 
         ``[total, ...]`` on the CPU, the same on every rank.
 
     Raises:
-        ConfigError: ``values`` and ``indices`` disagree in length, or some index in
-            ``[0, total)`` was evaluated by no rank.
+        ConfigError: on every rank, some rank's ``values`` and ``indices`` disagree in length, an index
+            is outside ``[0, total)``, or some index in ``[0, total)`` was evaluated by no rank.
+        CollectiveMismatchError: on every rank, the ranks' values differ in dtype or trailing shape, or
+            their ``total`` differs.
 
     Example:
         >>> gather_by_index(torch.tensor([5., 6.]), torch.tensor([1, 0]), 2)
         tensor([6., 5.])
     """
-    if values.shape[0] != indices.shape[0]:
-        raise ConfigError(
-            f"values has {values.shape[0]} rows but indices has {indices.shape[0]}; pass one index per result row"
-        )
     values, indices = values.detach(), indices.detach().long()
     operation = f"gather_by_index of {total} results"
     call = Call.of(operation, [("values", values), ("indices", indices)], match="trailing")
     sizes = agree(call, [values.shape[0], indices.shape[0]])
+    # checked after the agreement, from every rank's counts and indices: every rank refuses alike
+    for rank, (rows, count) in enumerate(sizes.tolist()):
+        if rows != count:
+            raise ConfigError(
+                f"rank {rank}'s values has {rows} rows but indices has {count}; pass one index per result row"
+            )
     all_values = gather_agreed_rows(values, sizes[:, 0].tolist())
     all_indices = gather_agreed_rows(indices, sizes[:, 1].tolist())
+    for rank, idx in enumerate(all_indices):
+        outside = idx[(idx < 0) | (idx >= total)]
+        if len(outside):  # a negative index would wrap around and overwrite another sample's result
+            raise ConfigError(
+                f"rank {rank} passed dataset indices {outside[:5].tolist()} outside [0, {total}); pass each "
+                "result's index in the dataset (build_eval_sampler's), and total=len(dataset)"
+            )
     out = torch.empty((total, *values.shape[1:]), dtype=values.dtype)
     seen = torch.zeros(total, dtype=torch.bool)
     for vals, idx in zip(all_values, all_indices):
