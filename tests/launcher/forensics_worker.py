@@ -3,7 +3,8 @@
     multigpu launch --strategy ddp --nproc-per-node 2 --collective-timeout 4 forensics_worker.py sleep 1
 
 Modes: ``sleep``, ``busy``, ``native`` (rank R is stuck before the second reduce: in time.sleep, in a
-Python loop, in a C call); ``shape`` (rank 0 reduces 3 values, rank 1 five); ``order`` (rank 0
+Python loop, in a C call); ``shape`` (rank 0 reduces 3 values, rank 1 five: the session refuses it);
+``raw_shape`` (the same through torch.distributed itself, which gloo aborts); ``order`` (rank 0
 reduces where rank 1 waits at a barrier); ``unused`` (a parameter gets no gradient under ddp);
 ``print`` (each rank prints one line to stdout and one to stderr).
 """
@@ -60,6 +61,8 @@ def main(mode: str, stuck_rank: int) -> None:
         elif mode == "shape":
             session.reduce(torch.ones(3 if rank == 0 else 5).sum(), "sum")  # sanity: same shape, fine
             session.reduce(torch.ones(3 if rank == 0 else 5))  # MISMATCH: shape
+        elif mode == "raw_shape":
+            torch.distributed.all_reduce(torch.ones(3 if rank == 0 else 5))  # MISMATCH: raw shape
         elif mode == "order":
             if rank == 0:
                 session.reduce(2.0)  # MISMATCH: reduce

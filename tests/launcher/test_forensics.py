@@ -69,11 +69,19 @@ def test_a_hang_names_the_rank_that_never_arrived_with_its_stack(kind: str, stuc
 
 @pytest.mark.multiprocess
 def test_a_shape_mismatch_carries_the_backend_s_words_and_the_debug_hint() -> None:
-    summary, _ = _launch(str(WORKER), "shape")
+    summary, _ = _launch(str(WORKER), "raw_shape")  # a collective of the user's own: gloo aborts
     assert "Signal 6 (SIGABRT)" in summary.splitlines()[0]
     assert "Is there a distributed collective mismatch in your code?" in summary
-    assert f"Python was at forensics_worker.py:{_line('# MISMATCH: shape')} in main" in summary
+    assert f"Python was at forensics_worker.py:{_line('# MISMATCH: raw shape')} in main" in summary
     assert "rerun with 'multigpu launch --debug' (or Session(debug=True))" in summary
+
+
+@pytest.mark.multiprocess
+def test_without_debug_the_session_refuses_a_shape_mismatch_on_every_rank() -> None:
+    summary, stderr = _launch(str(WORKER), "shape")  # the session's reduce agrees on shapes first
+    assert "CollectiveMismatchError: reduce (mean) got tensors that do not fit together" in summary
+    assert "rank 0: float32 (3,), sent as float64" in summary and "rank 1: float32 (5,), sent as float64" in summary
+    assert "SIGABRT" not in stderr and stderr.count("CollectiveMismatchError") >= 2  # both ranks raised it
 
 
 @pytest.mark.multiprocess

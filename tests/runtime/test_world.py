@@ -85,6 +85,9 @@ def test_collective_bad_input_names_the_fix() -> None:
         collectives.gather_by_index(torch.zeros(2), torch.tensor([0]), 2)
     with pytest.raises(ConfigError, match=r"no rank produced results for dataset indices \[2\]"):
         collectives.gather_by_index(torch.zeros(2), torch.tensor([0, 1]), 3)
+    # a negative index wrapped around and overwrote the last sample's result (and "covered" it)
+    with pytest.raises(ConfigError, match=r"rank 0 passed dataset indices \[-1\] outside \[0, 2\); pass each"):
+        collectives.gather_by_index(torch.tensor([5.0, 6.0]), torch.tensor([0, -1]), 2)
 
 
 def test_rank_world_size_and_main_process_have_one_answer_before_the_group(monkeypatch: pytest.MonkeyPatch) -> None:

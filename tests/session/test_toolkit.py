@@ -170,8 +170,11 @@ def test_one_process_answers() -> None:
         assert torch.equal(session.pad_across_processes(torch.ones(2, 3), dim=1), torch.ones(2, 3))
         with session.split_between_processes([1, 2, 3]) as mine:
             assert mine == [1, 2, 3]
-        with session.main_process_first(), session.local_main_process_first():
+        with session.main_process_first(), session.main_process_first():  # nested: one block
             assert session.is_local_main_process
+        with session.local_main_process_first(), pytest.raises(ConfigError, match=r"cannot nest"):
+            with session.main_process_first():
+                pass
         session.set_trigger()
         assert session.check_trigger() and not session.check_trigger()
         model = session.setup_model(nn.Linear(2, 1))

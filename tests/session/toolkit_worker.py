@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from hypothesis import Phase, given, settings
@@ -83,6 +84,26 @@ def check_collectives(session: Session) -> None:
         torch.equal(session.reduce(torch.tensor([rank, 1]), "max"), torch.tensor([world - 1, 1])), "reduce max", session
     )
     agree(session.reduce(float(rank)) == total / world, "reduce scalar", session)
+    # numpy's numbers and arrays were returned unreduced; 0-dim tensors and bools reduce like numbers
+    numpy_like = session.reduce({"f32": np.float32(rank), "i64": np.int64(rank), "flag": rank == 0}, "sum")
+    ok = numpy_like == {"f32": float(total), "i64": float(total), "flag": 1.0}
+    array = session.reduce(np.arange(3, dtype=np.int32) * rank, "sum")
+    ok = ok and isinstance(array, np.ndarray) and array.dtype == np.int32 and array.tolist() == [0, total, 2 * total]
+    ok = ok and session.reduce(np.float32(rank), "max") == world - 1 and session.reduce(torch.tensor(rank), "min") == 0
+    agree(ok, f"reduce numpy and 0-dim ({numpy_like}, {array})", session)
+    # past the header's payload: the header, then an all-reduce; 35 tensors: sizes in two headers
+    big = session.reduce({"f": torch.arange(100.0) * rank, "i": torch.full((40,), 2**60 + rank)}, "sum")
+    ok = torch.equal(big["f"], torch.arange(100.0) * total) and big["i"].tolist() == [world * 2**60 + total] * 40
+    many = session.gather([torch.full((rank + 1,), i) for i in range(35)])
+    ok = ok and all(torch.equal(m, torch.full((world * (world + 1) // 2,), i)) for i, m in enumerate(many))
+    padded_many = session.pad_across_processes([torch.ones(rank + 1) for _ in range(35)])
+    agree(ok and all(p.shape == (world,) for p in padded_many), "reduce, gather and pad past the header", session)
+    # dtypes gloo has no all-gather of its own travel as bytes
+    odd = session.gather({"i16": torch.full((rank + 1, 2), rank, dtype=torch.int16), "c": torch.tensor([1j * rank])})
+    want16 = torch.cat([torch.full((r + 1, 2), r, dtype=torch.int16) for r in range(world)])
+    ok = torch.equal(odd["i16"], want16) and torch.equal(odd["c"], torch.tensor([1j * r for r in range(world)]))
+    sent16 = session.broadcast(torch.full((2,), rank, dtype=torch.int16), src=world - 1)
+    agree(ok and sent16.tolist() == [world - 1] * 2, "gather and broadcast of int16 and complex", session)
     padded = session.pad_across_processes(torch.ones(rank + 1, 2), dim=0, pad_index=-1)
     ok = padded.shape == (world, 2) and bool((padded[rank + 1 :] == -1).all()) and bool((padded[: rank + 1] == 1).all())
     first = session.pad_across_processes(torch.ones(2, rank + 1), dim=1, pad_first=True)
@@ -180,6 +201,17 @@ def check_process_order(session: Session) -> None:
             local.write_text("done")
         seen = local.exists()
     agree(seen and session.is_local_main_process == (session.local_rank == 0), "local_main_process_first", session)
+    # nested: one block; the others enter the outer block after the main process has left it (they entered
+    # it when rank 0 left the inner one, and ran its start while rank 0 was still inside)
+    outer = Path(ARGS.out) / "outer-block-done"
+    with session.main_process_first():
+        with session.main_process_first():
+            pass
+        if session.is_main_process:
+            time.sleep(0.3)
+            outer.write_text("done")
+        seen = outer.exists()
+    agree(seen, "nested main_process_first", session)
     passed(session, "process_order")
 
 

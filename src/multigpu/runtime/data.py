@@ -426,7 +426,7 @@ def even_batches(batches: Iterable[T]) -> Iterator[T]:
         return
     length = known_len(batches)
     if length is not None:
-        steps = all_agree_min(length)
+        steps = all_agree_min(length, "the batch count (every rank has a len())")
         for step, batch in enumerate(batches):
             if step >= steps:
                 return
@@ -436,7 +436,7 @@ def even_batches(batches: Iterable[T]) -> Iterator[T]:
     while True:
         batch = next(iterator, _END)
         # note: one sync point per batch; every rank stops at the first rank's end
-        if int(reduce_value(0 if batch is _END else 1, "min").item()) == 0:
+        if int(reduce_value(0 if batch is _END else 1, "min", what="the next-batch flag (no len())").item()) == 0:
             return
         yield batch  # type: ignore[misc]
 

@@ -37,8 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from multigpu.errors import CollectiveMismatchError
 from multigpu.runtime.collectives import reduce_value
-from multigpu.runtime.world import in_process_group
+from multigpu.runtime.world import global_rank, in_process_group
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -86,7 +87,7 @@ def agree(local_stop: bool) -> bool:
     """
     if not in_process_group():
         return local_stop
-    return bool(reduce_value(1.0 if local_stop else 0.0, "max").item() > 0)  # note: a sync point
+    return bool(reduce_value(1.0 if local_stop else 0.0, "max", what="the stop flag").item() > 0)  # note: a sync point
 
 
 class StopAgreement:
@@ -135,4 +136,11 @@ class StopAgreement:
         flag, work = self._pending
         self._pending = None
         work.wait()  # note: done long ago in a training loop; a sync point otherwise
-        return bool(flag.item() > 0)
+        value = flag.item()
+        if value not in (0.0, 1.0):  # a max of 0/1 flags: anything else came from another collective
+            raise CollectiveMismatchError(
+                f"the stop flag's all-reduce on rank {global_rank()} came back as {value!r}, not 0 or 1: another "
+                "rank issued a different collective at that point. Fix: every rank must read session.should_stop "
+                "(or take a session.batches step) the same number of times"
+            )
+        return bool(value > 0)

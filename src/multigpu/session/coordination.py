@@ -29,27 +29,63 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
-from multigpu.core.structure import map_leaves
-from multigpu.errors import ConfigError
-from multigpu.runtime import collectives, world
+from multigpu.errors import CollectiveTimeoutError, ConfigError, PeerExitedError
+from multigpu.runtime import world
 from multigpu.runtime.collectives import reduce_value
 from multigpu.runtime.data import EpochLoader
-from multigpu.runtime.exchange import gather_per_rank, interleave
+from multigpu.runtime.exchange import gather_pieces, interleave
+
+_open_blocks: list[str] = []  # the main_first blocks this process is inside, outermost first
 
 
 @contextmanager
-def main_first(is_first: bool) -> Iterator[None]:
+def main_first(is_first: bool, kind: str = "main_process_first") -> Iterator[None]:
     """The block runs on the processes with ``is_first`` before the others start it. Every rank must enter it.
 
-    The others wait at a barrier until the first ones have finished the block (and reached the
-    same barrier); an exception inside the block on a first process leaves the others waiting
-    until the collective timeout, which then names the cause.
+    The others wait in one small all-reduce until the first ones have finished the block. When a first
+    process raises inside it, it still joins that all-reduce, saying so: the others raise
+    :class:`~multigpu.errors.PeerExitedError` instead of running the block without it (or waiting
+    until the collective timeout). A block nested inside one of the same ``kind`` is part of the outer
+    one (the outer block already runs the first processes before the others: no collective); one of
+    the other kind is refused, since the ranks inside the outer block at once are not the ones it orders.
+
+    Raises:
+        ConfigError: a block of the other kind is nested inside this one.
+        PeerExitedError: on the others, a first process raised inside the block.
     """
-    if not is_first:
-        collectives.barrier()  # note: a sync point; the first processes reach it after the block
-    yield
+    if _open_blocks:
+        if _open_blocks[0] != kind:
+            raise ConfigError(
+                f"{kind}() inside {_open_blocks[0]}(): the two order different ranks, so they cannot nest. Fix: "
+                f"use one of them for the whole block, or put the {kind}() block after the other one"
+            )
+        _open_blocks.append(kind)
+        try:
+            yield  # nested: the outer block orders the ranks
+        finally:
+            _open_blocks.pop()
+        return
+    if not is_first and _first_failed():  # note: a sync point; the first processes reach it after the block
+        raise PeerExitedError(
+            f"the main process raised inside {kind}(), so this rank does not run the block without it; "
+            "that error, on the main process, is the cause (this one is a consequence)"
+        )
+    _open_blocks.append(kind)
+    try:
+        yield
+    except Exception as exc:
+        if is_first and not isinstance(exc, (CollectiveTimeoutError, PeerExitedError)):
+            _first_failed(True)  # releases the others with the news (a broken group could not carry it)
+        raise
+    finally:
+        _open_blocks.pop()
     if is_first:
-        collectives.barrier()
+        _first_failed(False)
+
+
+def _first_failed(failed: bool = False) -> bool:
+    """Whether any first process failed inside the block: one all-reduce (max) every rank joins."""
+    return bool(reduce_value(1 if failed else 0, "max", what="the main process's end of its block").item())
 
 
 class Trigger:
@@ -65,7 +101,7 @@ class Trigger:
     def check(self) -> bool:
         """Whether any rank raised the flag since the last check (then lowered everywhere). Every rank must call it."""
         # note: a sync point, one all-reduce of a number
-        raised = bool(reduce_value(1 if self._raised else 0, "max").item())
+        raised = bool(reduce_value(1 if self._raised else 0, "max", what="the trigger").item())
         if raised:
             self._raised = False
         return raised
@@ -95,19 +131,17 @@ class MetricsPosition:
         self.batch_rows = 0
 
     def gather(self, obj: Any) -> Any:
-        """``obj``'s tensors from every rank, in one-device order, less the repeats past the epoch's end."""
-        rows = [0]
+        """``obj``'s tensors from every rank, in one-device order, less the repeats past the epoch's end.
 
-        def gather_leaf(leaf: Any, _: str) -> Any:
-            if not torch.is_tensor(leaf):
-                return leaf
-            pieces = gather_per_rank(leaf)
-            rows.append(sum(len(p) for p in pieces))
-            return self.arrange(pieces)
-
-        gathered = map_leaves(gather_leaf, obj)
-        keep = self.keep(max(rows))
-        return map_leaves(lambda leaf, _: leaf[:keep] if torch.is_tensor(leaf) else leaf, gathered)
+        Raises:
+            CollectiveMismatchError: on every rank, the ranks' structures, dtypes or trailing shapes differ.
+        """
+        flat, pieces = gather_pieces(obj, "gather_for_metrics")
+        rows = max([sum(len(p) for p in got) for got in pieces if got is not None], default=0)
+        keep = self.keep(rows)
+        return flat.rebuild(
+            [leaf if got is None else self.arrange(got)[:keep] for leaf, got in zip(flat.leaves, pieces)]
+        )
 
     def arrange(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """Every rank's rows of one batch in the one-device order (strided positions), or in rank order."""

@@ -29,6 +29,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -403,14 +404,16 @@ class Session(Toolkit):
     def reduce(self, value: Any, op: ReduceOp = "mean") -> Any:
         """``value`` reduced over every process (mean by default). Every rank must call it.
 
-        A number or a 0-dim tensor comes back as a float; a larger tensor as a tensor of its shape,
-        reduced elementwise; a nested structure (lists, tuples, dicts) with each leaf so reduced
-        (:func:`multigpu.runtime.exchange.reduce`).
+        A number (Python's or numpy's), a 0-dim tensor or a 0-dim numpy array comes back as a float; a
+        larger tensor or array as one of its shape, reduced elementwise; a nested structure (lists,
+        tuples, dicts) with each leaf so reduced (:func:`multigpu.runtime.exchange.reduce`, which
+        refuses leaves that cannot be reduced and ranks whose shapes disagree, on every rank).
         """
         with explain_collective_failures(f"reduce ({op}) of a metric"):
-            if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
-                return float(collectives.reduce_value(value, op).item())
-            return exchange.reduce(value, op)
+            reduced = exchange.reduce(value, op)
+        if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0:
+            return float(reduced.item())
+        return reduced
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""

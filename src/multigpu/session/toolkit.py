@@ -13,7 +13,9 @@ Accelerate's names map one to one (``docs/distributed.md`` has the table)::
 
 Every method that communicates must be called by every rank, in the same order (as any
 collective); :meth:`Toolkit.split_between_processes` and :meth:`Toolkit.set_trigger` communicate
-nothing.
+nothing. What the ranks pass is checked before any data moves: ranks whose structures, dtypes or
+shapes do not fit together all raise :class:`~multigpu.errors.CollectiveMismatchError` naming each
+rank's (:mod:`multigpu.runtime.agreement`).
 """
 
 from __future__ import annotations
@@ -64,15 +66,19 @@ class Toolkit:
     def main_process_first(self) -> AbstractContextManager[None]:
         """A block the main process runs before every other (e.g. download the data once). Every rank must enter it.
 
+        Nested in another ``main_process_first`` block it is part of that one; inside a
+        :meth:`local_main_process_first` block it is refused (``ConfigError``). When the main process
+        raises inside, the others raise ``PeerExitedError`` instead of running the block.
+
         Example:
             >>> with session.main_process_first():  # doctest: +SKIP
             ...     dataset = datasets.MNIST("data", download=True)
         """
-        return main_first(self.is_main_process)
+        return main_first(self.is_main_process, "main_process_first")
 
     def local_main_process_first(self) -> AbstractContextManager[None]:
         """A block each node's first process runs before the others of its node (e.g. a per-node cache). Every rank must enter it."""
-        return main_first(self.is_local_main_process)
+        return main_first(self.is_local_main_process, "local_main_process_first")
 
     # -- moving data between ranks ---------------------------------------------------------------
 
@@ -81,6 +87,9 @@ class Toolkit:
 
         Rank order; the first dimension may differ per rank; a 0-dim tensor gathers into
         ``[world_size]``. Every rank must call it.
+
+        Raises:
+            CollectiveMismatchError: on every rank, when the structures, a dtype or the sizes after dim 0 differ.
         """
         with explain_collective_failures("gather"):
             return exchange.gather(obj)
@@ -91,7 +100,11 @@ class Toolkit:
             return exchange.gather_object(obj)
 
     def broadcast(self, obj: T, src: int = 0) -> T:
-        """``obj``'s tensors replaced by rank ``src``'s (same shapes and dtypes on every rank). Every rank must call it."""
+        """``obj``'s tensors replaced by rank ``src``'s (same shapes and dtypes on every rank). Every rank must call it.
+
+        Raises:
+            CollectiveMismatchError: on every rank, when the structures, a dtype, a shape or ``src`` differ.
+        """
         with explain_collective_failures(f"broadcast from rank {src}"):
             return exchange.broadcast(obj, src)
 
@@ -105,6 +118,9 @@ class Toolkit:
 
         Use it before :meth:`gather` for tensors whose other dimensions differ (e.g. generated
         sequences of different lengths).
+
+        Raises:
+            CollectiveMismatchError: on every rank, when the structures or a tensor's number of dimensions differ.
         """
         with explain_collective_failures("pad_across_processes"):
             return exchange.pad_across_processes(obj, dim, pad_index, pad_first)
