@@ -76,3 +76,14 @@ def test_subcommands() -> None:
     found = subcommands()
     assert set(found) == COMMANDS
     assert all(module.HELP and module.__doc__ for module in found.values())
+
+
+def test_session_token_weighting_surface() -> None:
+    import inspect
+
+    from multigpu.session import Session
+
+    backward = inspect.signature(Session.backward).parameters
+    assert list(backward) == ["self", "loss", "num_items"]
+    assert backward["num_items"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert isinstance(Session.window_loss, property)
