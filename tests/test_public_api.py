@@ -87,3 +87,12 @@ def test_session_token_weighting_surface() -> None:
     assert list(backward) == ["self", "loss", "num_items"]
     assert backward["num_items"].kind is inspect.Parameter.KEYWORD_ONLY
     assert isinstance(Session.window_loss, property)
+
+
+def test_session_activation_checkpointing_surface() -> None:
+    from dataclasses import fields
+
+    from multigpu.session import SessionConfig
+
+    assert "activation_checkpointing" in {f.name for f in fields(SessionConfig)}
+    assert SessionConfig().activation_checkpointing is None

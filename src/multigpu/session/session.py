@@ -49,6 +49,7 @@ from multigpu.session.metrics import MetricsLog
 from multigpu.session.progress import with_progress
 from multigpu.session.toolkit import Toolkit
 from multigpu.strategies import Precision, Strategy, build_strategy
+from multigpu.strategies.activation_checkpointing import apply_activation_checkpointing
 
 T = TypeVar("T")
 
@@ -182,11 +183,18 @@ class Session(Toolkit):
         """``model`` moved to the device(s) and wrapped for the strategy. Every rank must call it.
 
         Build the optimizer afterwards, from the returned model's parameters (under fsdp they are
-        new, sharded parameters; an optimizer built before fails at the first :meth:`step`).
+        new, sharded parameters; an optimizer built before fails at the first :meth:`step`). In
+        order: sync BatchNorm, activation checkpointing, the strategy's wrapper, ``compile``.
+
+        Raises:
+            ConfigError: ``activation_checkpointing`` matches no module, the model itself, or
+                modules nested inside each other.
         """
         strategy = self._started()[0]
         if self.config.sync_batchnorm:
             model = strategy.apply_sync_batchnorm(model)
+        if self.config.activation_checkpointing is not None:  # before DDP/FSDP wrap the blocks, before compile
+            model = apply_activation_checkpointing(model, self.config.activation_checkpointing)  # type: ignore[arg-type]
         wrapped = strategy.wrap_model(model)
         if self.config.seed_per_rank and strategy.shard.world_size > 1 and not self._rank_streams:
             # the model is built (identical on every rank); from here each rank draws its own masks
