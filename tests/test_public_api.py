@@ -76,3 +76,23 @@ def test_subcommands() -> None:
     found = subcommands()
     assert set(found) == COMMANDS
     assert all(module.HELP and module.__doc__ for module in found.values())
+
+
+def test_session_token_weighting_surface() -> None:
+    import inspect
+
+    from multigpu.session import Session
+
+    backward = inspect.signature(Session.backward).parameters
+    assert list(backward) == ["self", "loss", "num_items"]
+    assert backward["num_items"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert isinstance(Session.window_loss, property)
+
+
+def test_session_activation_checkpointing_surface() -> None:
+    from dataclasses import fields
+
+    from multigpu.session import SessionConfig
+
+    assert "activation_checkpointing" in {f.name for f in fields(SessionConfig)}
+    assert SessionConfig().activation_checkpointing is None

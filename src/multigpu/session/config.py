@@ -21,6 +21,7 @@ from typing import Any
 from multigpu.devices import DeviceSpec
 from multigpu.errors import ConfigError
 from multigpu.strategies import PRECISIONS, STRATEGIES, DDPOptions, FSDPOptions
+from multigpu.strategies.activation_checkpointing import CheckpointChoice, normalize_choice
 
 _MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes up to 64 bits; the loader adds the epoch
 
@@ -46,6 +47,11 @@ class SessionConfig:
         sync_batchnorm: BatchNorm statistics over the global batch under ddp/fsdp (a no-op,
             with a warning, in one process, whose BatchNorm already sees the whole batch).
         compile: ``torch.compile`` the wrapped model (:meth:`multigpu.strategies.Strategy.apply_compile`).
+        activation_checkpointing: the module classes (the model's repeated block, e.g. a transformer
+            layer) or a predicate ``module -> bool`` whose modules recompute their activations in
+            backward instead of storing them (torch's non-reentrant checkpoint; same gradients, dropout
+            included); applied before the strategy wraps the model and before ``compile``
+            (:mod:`multigpu.strategies.activation_checkpointing`). None: store everything.
         seed_per_rank: with several processes, once ``setup_model`` has built the model (the same
             initial weights everywhere), reseed each rank's torch generator with a seed of its own,
             so ranks draw independent dropout masks as one device does over the global batch
@@ -71,6 +77,7 @@ class SessionConfig:
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
     sync_batchnorm: bool = False
     compile: bool = False
+    activation_checkpointing: CheckpointChoice | None = None
     seed_per_rank: bool = True
     deterministic: bool = False
     debug: bool = False
@@ -100,6 +107,7 @@ class SessionConfig:
                 raise ConfigError(
                     f"{name}={getattr(self, name)!r} must be a {kind.__name__}; use e.g. {name}={kind.__name__}()"
                 )
+        object.__setattr__(self, "activation_checkpointing", normalize_choice(self.activation_checkpointing))
         for name in ("sync_batchnorm", "compile", "seed_per_rank", "deterministic", "debug"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")

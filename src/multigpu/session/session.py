@@ -45,10 +45,12 @@ from multigpu.session import determinism
 from multigpu.session.config import SessionConfig
 from multigpu.session.coordination import MetricsPosition, seed_rank_streams
 from multigpu.session.evaluation import per_sample_result
+from multigpu.session.items import ItemWindow
 from multigpu.session.metrics import MetricsLog
 from multigpu.session.progress import with_progress
 from multigpu.session.toolkit import Toolkit
 from multigpu.strategies import Precision, Strategy, build_strategy
+from multigpu.strategies.activation_checkpointing import apply_activation_checkpointing
 
 T = TypeVar("T")
 
@@ -76,6 +78,7 @@ class Session(Toolkit):
         self.strategy: Strategy | None = None
         self.precision: Precision | None = None
         self._micro = 0  # micro-steps since the last optimizer step
+        self._items = ItemWindow()  # backward(loss, num_items=n): the window's loss sum and item count
         self._last_batch = False  # the batch in flight is the last of session.batches(...)
         self._metrics: MetricsLog | None = None  # created by the first log()
         self._rank_streams = False  # each rank's torch generator reseeded (seed_per_rank)
@@ -181,11 +184,18 @@ class Session(Toolkit):
         """``model`` moved to the device(s) and wrapped for the strategy. Every rank must call it.
 
         Build the optimizer afterwards, from the returned model's parameters (under fsdp they are
-        new, sharded parameters; an optimizer built before fails at the first :meth:`step`).
+        new, sharded parameters; an optimizer built before fails at the first :meth:`step`). In
+        order: sync BatchNorm, activation checkpointing, the strategy's wrapper, ``compile``.
+
+        Raises:
+            ConfigError: ``activation_checkpointing`` matches no module, the model itself, or
+                modules nested inside each other.
         """
         strategy = self._started()[0]
         if self.config.sync_batchnorm:
             model = strategy.apply_sync_batchnorm(model)
+        if self.config.activation_checkpointing is not None:  # before DDP/FSDP wrap the blocks, before compile
+            model = apply_activation_checkpointing(model, self.config.activation_checkpointing)  # type: ignore[arg-type]
         wrapped = strategy.wrap_model(model)
         if self.config.seed_per_rank and strategy.shard.world_size > 1 and not self._rank_streams:
             # the model is built (identical on every rank); from here each rank draws its own masks
@@ -327,10 +337,39 @@ class Session(Toolkit):
             return precision.autocast()
         return _both(strategy.no_sync(model), precision.autocast())
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss`` averaged over the accumulation window (scaled for fp16)."""
+    def backward(self, loss: torch.Tensor, *, num_items: int | torch.Tensor | None = None) -> None:
+        """Backward of ``loss``, weighted so that the optimizer step sees the global batch's gradient.
+
+        Without ``num_items``, ``loss`` is this micro-batch's mean and the step follows the mean of
+        the window's micro-batch means (each rank and micro-batch weighs the same). With it,
+        ``loss`` is the SUM of this micro-batch's per-item losses (tokens, samples) and
+        ``num_items`` their count: the step follows the gradient of (all item losses of the window
+        on every rank) / (all their items), as one device over the whole global batch does,
+        however ragged the micro-batches (:mod:`multigpu.session.items`). It costs one all-reduce
+        of two numbers at the step; :attr:`window_loss` is then the window's per-item mean.
+
+        Args:
+            loss: the micro-batch's loss (mean; or sum with ``num_items``), one number.
+            num_items: the micro-batch's item count: an int >= 0 or a 0-dim tensor (no sync until
+                the step), e.g. ``(labels != -100).sum()``; 0 for a micro-batch without items.
+
+        Example:
+            >>> loss = F.cross_entropy(logits, labels, reduction="sum", ignore_index=-100)  # doctest: +SKIP
+            >>> session.backward(loss, num_items=(labels != -100).sum())  # doctest: +SKIP
+
+        Raises:
+            ConfigError: calls with and without ``num_items`` in one accumulation window; a
+                ``num_items`` that is not a count; ``num_items`` inside :meth:`join` with several processes.
+        """
         _, precision = self._started()
-        if self.config.accumulate > 1:
+        if num_items is not None and self._joined and self.world_size > 1:
+            raise ConfigError(
+                "session.backward(loss, num_items=...) inside 'with session.join(model):' with several processes: "
+                "the step all-reduces the item count, which a rank that ran out of batches never joins; "
+                "use session.backward(loss) with the per-batch mean under join"
+            )
+        self._items.record(loss, num_items)
+        if num_items is None and self.config.accumulate > 1:
             loss = loss / self.config.accumulate
         scaled = precision.scale_loss(loss)
         # DDP all-reduces the gradients inside backward: a rank that stopped turns into an
@@ -344,12 +383,25 @@ class Session(Toolkit):
             with torch.autocast(self.device.type, enabled=False):
                 scaled.backward()
 
+    @property
+    def window_loss(self) -> float | None:
+        """The per-item mean loss of the last stepped window over every rank (``session.backward(..., num_items=)``).
+
+        The window's summed losses over its summed items on all ranks, as one device computes the
+        mean over the global batch; the same on every rank, with no extra communication (it rides
+        on the step's all-reduce of the item count). None before such a step, or after a window
+        without items. Log it: ``session.log({"loss": session.window_loss}, step)``.
+        """
+        return self._items.mean_loss
+
     def step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None) -> bool:
         """Step and zero the gradients at the end of an accumulation window.
 
         A window cut short by the end of :meth:`batches` (``k`` of ``accumulate`` micro-steps)
         steps on the mean gradient of its ``k`` micro-batches, as one device would on their
-        combined batch.
+        combined batch. A window whose backwards were given ``num_items`` steps on the gradient of
+        its summed item losses over its summed items on every rank (one all-reduce of two numbers,
+        here, on every rank); clipping sees that gradient.
 
         Args:
             optimizer: the optimizer of the model's parameters.
@@ -358,7 +410,8 @@ class Session(Toolkit):
         Returns:
             Whether the parameters were updated: False inside a window; False when the window
             ran no backward (no parameter has a gradient: the optimizer is not called, so
-            momentum and weight decay do not move them either); and under fp16 when the scaler
+            momentum and weight decay do not move them either); False when a ``num_items`` window
+            held no item on any rank (its gradients are dropped); and under fp16 when the scaler
             skipped a step whose gradients overflowed (step a scheduler only on True).
 
         Raises:
@@ -376,16 +429,25 @@ class Session(Toolkit):
             raise ConfigError(f"max_grad_norm={max_grad_norm!r} must be a finite number > 0 (or None: no clipping)")
         if not self.should_step:
             return False
+        factor: float | None = None  # what the gradients are multiplied by before clipping and stepping
+        if self._items.weighted:  # every rank's window was weighted alike, so every rank all-reduces here
+            factor = self._items.settle(strategy.shard.world_size)
+            if factor is None:  # no item on any rank: no mean to step on (one device would get 0/0)
+                optimizer.zero_grad(set_to_none=True)
+                self._micro = 0
+                return False
+        elif self._micro < self.config.accumulate:  # backward divided by `accumulate`; this window was short
+            factor = self.config.accumulate / self._micro
+        self._items.reset()
         if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
             self._micro = 0  # a window with no backward (e.g. every batch skipped): nothing to apply
             return False
-        short = self._micro < self.config.accumulate
-        if short or max_grad_norm is not None:
+        if factor is not None or max_grad_norm is not None:
             precision.unscale(optimizer)
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            if short:  # backward divided by `accumulate`; this window had fewer micro-steps
+            if factor is not None:
                 for param in params:
-                    param.grad.mul_(self.config.accumulate / self._micro)  # type: ignore[union-attr]
+                    param.grad.mul_(factor)  # type: ignore[union-attr]
             if max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         stepped = precision.step(optimizer)

@@ -6,6 +6,7 @@
 - :mod:`~multigpu.strategies.fsdp`: as ddp, with parameters, gradients and optimizer state sharded (FSDP2).
 - :mod:`~multigpu.strategies.precision`: fp32, bf16, fp16 as small objects (fsdp adapts them).
 - :mod:`~multigpu.strategies.sync_batchnorm`: BatchNorm over the global batch under ddp/fsdp.
+- :mod:`~multigpu.strategies.activation_checkpointing`: chosen blocks recompute their activations in backward.
 - :mod:`~multigpu.strategies.base`: what a strategy is and the facts it owns;
   :mod:`~multigpu.strategies.registry`: the strategies by name.
 
