@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from multigpu.launcher import evidence
+from multigpu.launcher import allreduce_probe, evidence, measure
 from multigpu.launcher.root_cause import format_summary, merge
 from multigpu.runtime import failure_records
 from tests.core.test_run_files import KINDS, hostile, within
@@ -136,3 +136,50 @@ def test_a_launch_whose_worker_planted_garbage_still_names_the_cause(tmp_path: P
     assert "failed on rank 0" in summary and "ValueError: the real cause" in summary, summary
     for name, why in [("7", "named pipe"), ("8", "character device"), ("9", "1e999 is not finite")]:
         assert f"attempt-0-rank-{name}.json: " in summary and why in summary, summary
+
+
+# -- the measuring commands read their workers' reports the same way --------------------------------------
+
+
+_REPORT = {"rank": 0, "step_s": [0.1, 0.3], "samples": [8, 8], "peak_bytes": [1]}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_hostile_measurement_report_fails_the_run_by_name(tmp_path: Path, kind: str) -> None:
+    (tmp_path / "rank0.json").write_text(json.dumps(_REPORT))
+    path = hostile(kind, tmp_path / "rank1.json")
+    hostile(kind, tmp_path / "output.txt") if kind in ("fifo", "dev-zero", "huge") else None
+    run = measure.MeasureRun(strategy="ddp", devices=2)
+    found = within(10, lambda: measure._outcome(run, 1.0, 0, tmp_path))
+    assert (found.status, found.reason.split(": ")[0]) == ("failed", f"unreadable report {path}"), found
+
+
+@pytest.mark.parametrize(
+    "report", [{"step_s": "fast"}, {"samples": [None, 1]}, {"peak_bytes": {"a": 1}}, {"step_s": None}]
+)
+def test_a_measurement_report_of_another_shape_fails_the_run(tmp_path: Path, report: dict[str, object]) -> None:
+    (tmp_path / "rank0.json").write_text(json.dumps({**_REPORT, **report}))
+    found = measure._outcome(measure.MeasureRun(strategy="single", devices=1), 1.0, 0, tmp_path)
+    assert found.status == "failed" and found.reason.startswith("a worker's report is not what it writes"), found
+
+
+def test_a_sound_measurement_report_is_combined(tmp_path: Path) -> None:
+    (tmp_path / "rank0.json").write_text(json.dumps(_REPORT))
+    found = measure._outcome(measure.MeasureRun(strategy="single", devices=1), 1.0, 0, tmp_path)
+    assert found.status == "ok" and found.step_s == pytest.approx(0.2), found
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "strings", "short"])
+def test_a_hostile_all_reduce_timing_file_names_itself(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "rank1.json"
+    if kind == "strings":
+        path.write_text('["0.1", "0.2"]')
+    elif kind == "short":
+        path.write_text("[0.1]")
+    else:
+        hostile(kind, path)
+    with pytest.raises(RuntimeError, match=f"all-reduce probe: {path}: .*rerun the probe"):
+        within(10, lambda: allreduce_probe._seconds(path, 2))
+    path.unlink() if not path.is_dir() else path.rmdir()
+    path.write_text("[0.1, 2]")
+    assert allreduce_probe._seconds(path, 2) == [0.1, 2.0]

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from multigpu.launcher import measure
 from multigpu.runtime import peers, tracking
 from tests.launching import finished_pid, kill_tree, read_lines_until, start_python
 
@@ -123,3 +124,48 @@ def test_no_pid_but_a_proven_worker_s_is_signalled(launched: Path, pid: int) -> 
     start = peers.start_time()
     assert not peers.signal_peer(pid, tracking.STACK_SIGNAL, rank=0, start=start, run_dir=str(launched))
     assert not peers.signal_peer(os.getpid(), tracking.STACK_SIGNAL, rank=1, start=start, run_dir=str(launched))
+
+
+# -- a measurement's workers, ended by their process group (multigpu.launcher.measure) ------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("record", ["stale", "forged"])
+def test_a_pid_file_naming_a_live_group_that_is_not_the_worker_kills_nothing(tmp_path: Path, record: str) -> None:
+    spec = tmp_path / "spec.json"
+    bystander = start_python("-c", _SLEEPER, "another-run/spec.json")  # a session leader, as a worker is
+    try:
+        read_lines_until(bystander, "ready", 1, timeout_s=60)
+        start = peers.start_time(bystander.pid)
+        (tmp_path / "pid0").write_text(f"{bystander.pid} {start - 100 if record == 'stale' else start}")
+        measure._kill_workers(tmp_path, spec)
+        time.sleep(0.3)
+        assert bystander.poll() is None, f"the bystander was killed (exit {bystander.returncode})"
+    finally:
+        kill_tree(bystander)
+
+
+@pytest.mark.multiprocess
+def test_a_measurement_s_own_worker_is_killed_with_its_group(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.json"
+    worker = start_python("-c", _SLEEPER, str(spec))
+    try:
+        read_lines_until(worker, "ready", 1, timeout_s=60)
+        (tmp_path / "pid0").write_text(f"{worker.pid} {peers.start_time(worker.pid)}")
+        measure._kill_workers(tmp_path, spec)
+        assert worker.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        kill_tree(worker)
+
+
+@pytest.mark.parametrize("text", ["0 5", "1 5", "-1 5", "-4242 5", f"{2**40} 5", "12", "x y", "", "\xff"])
+def test_a_pid_file_of_garbage_kills_nothing(tmp_path: Path, text: str) -> None:
+    (tmp_path / "pid0").write_text(text, errors="surrogateescape")
+    measure._kill_workers(tmp_path, tmp_path / "spec.json")  # the test's own process is still here to assert
+
+
+@pytest.mark.parametrize("pgid", [0, 1, -1, -4242, 2**40])
+def test_no_group_but_a_proven_worker_s_is_signalled(tmp_path: Path, pgid: int) -> None:
+    # signal 0 only checks: were the guard gone, killpg(1, 0) would succeed where kill(-1, SIGKILL) kills all
+    assert not peers.signal_group(pgid, 0, start=peers.start_time(), argument=str(tmp_path))
+    assert not peers.signal_group(os.getpgrp(), 0, start=peers.start_time(), argument=sys.argv[0])

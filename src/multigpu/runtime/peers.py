@@ -70,6 +70,50 @@ def signal_peer(pid: int, signum: int, *, rank: int, start: int, run_dir: str) -
             os.close(pinned)
 
 
+def signal_group(pgid: int, signum: int, *, start: int, argument: str) -> bool:
+    """Send ``signum`` to the process group ``pgid`` if it is provably the one a worker of ours leads.
+
+    The worker recorded its pid (its group's id: it leads a session of its own) and :func:`start_time`;
+    ``argument`` is one its command line holds (a path unique to the run). The group is ours when its
+    leader still runs with that start time and argument, or, the leader gone, when a member still runs
+    with that argument (a group's id is not given to another process while any member lives). Returns
+    whether the signal was sent; pid 0, 1, -1, negative numbers and this process's own group never are.
+    """
+    if not isinstance(pgid, int) or isinstance(pgid, bool) or not 1 < pgid < 2**31 or pgid == os.getpgrp():
+        return False
+    leader = start > 0 and start_time(pgid) == start and argument in _arguments(pgid)
+    if not leader and not any(argument in _arguments(pid) for pid in _members(pgid)):
+        return False
+    try:
+        os.killpg(pgid, signum)
+    except OSError:  # gone meanwhile
+        return False
+    return True
+
+
+def _arguments(pid: int) -> list[str]:
+    try:
+        raw = read_bytes(f"/proc/{pid}/cmdline", limit=_ENVIRON_BYTES)
+    except UnreadableFile:
+        return []
+    return raw.decode(errors="replace").split("\0")
+
+
+def _members(pgid: int) -> list[int]:
+    """The running processes of group ``pgid`` ([] without ``/proc``)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(UnreadableFile, IndexError, ValueError):
+                fields = read_bytes(f"/proc/{entry.name}/stat", limit=4096).decode(errors="replace").rsplit(")", 1)[1]
+                state, _, group = fields.split()[:3]
+                if int(group) == pgid and state != "Z":
+                    found.append(int(entry.name))
+    return found
+
+
 def _is_worker(pid: int, *, rank: int, start: int, run_dir: str) -> bool:
     if start_time(pid) != start:
         return False
