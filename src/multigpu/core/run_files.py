@@ -145,6 +145,47 @@ def modified_ns(path: Path) -> int:
         return 0
 
 
+def write_replacing(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all, never through what is already at the partial's name.
+
+    The partial file is created exclusively (``O_EXCL``: a FIFO, a link or a stale file left there is
+    removed first and never opened, so the writer cannot block on a pipe or write through a link), then
+    renamed over ``path``.
+
+    Raises:
+        OSError: it could not be written (``path`` is left as it was).
+    """
+    target = Path(path)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    partial.unlink(missing_ok=True)
+    try:
+        with open(partial, "x", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def open_appending(path: str | os.PathLike[str]) -> int:
+    """A descriptor appending to the regular file ``path`` (created when missing); never a pipe, device or link.
+
+    Raises:
+        OSError: ``path`` is something else (a FIFO planted there would block the writer), or cannot be opened.
+    """
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags, 0o644)  # O_NONBLOCK: a FIFO without a reader fails at once (ENXIO)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(f"{path} is {_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}")
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _read_at_most(fd: int, count: int) -> bytes:
     chunks: list[bytes] = []
     while count > 0:

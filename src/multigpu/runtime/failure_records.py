@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from multigpu.core.run_files import UnreadableFile, entries, field, read_json
+from multigpu.core.run_files import UnreadableFile, entries, field, read_json, write_replacing
 from multigpu.runtime import world
 
 # what a record may hold: the writer cuts to these, the reader refuses a file larger than the whole
@@ -95,10 +94,8 @@ def _write(*, message: str, trace: str, signal_name: str = "") -> None:
         "when_ns": time.time_ns(),
         "signal": signal_name,
     }
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
     with contextlib.suppress(OSError):  # a record is a courtesy to the summary; never fail the worker over it
-        partial.write_text(json.dumps(data))
-        os.replace(partial, path)
+        write_replacing(path, json.dumps(data))
 
 
 def read(folder: str | Path, *, attempt: int, skipped: list[str] | None = None) -> dict[int, Record]:

@@ -31,6 +31,7 @@ import json
 import mmap
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -41,7 +42,17 @@ from typing import IO, Any
 
 import torch
 
-from multigpu.core.run_files import UnreadableFile, entries, field, modified_ns, parse_json, read_bytes, read_json
+from multigpu.core.run_files import (
+    UnreadableFile,
+    entries,
+    field,
+    modified_ns,
+    open_appending,
+    parse_json,
+    read_bytes,
+    read_json,
+    write_replacing,
+)
 from multigpu.errors import CollectiveMismatchError
 from multigpu.runtime import peers, world
 
@@ -113,10 +124,17 @@ class _Ledger:
         if path is None:
             return
         with contextlib.suppress(OSError):  # a ledger is a courtesy to the summary; never fail the worker
-            with open(path, "w+b") as file:
-                file.write(_BLANK)
-                file.flush()
-                self._map = mmap.mmap(file.fileno(), _LEDGER_BYTES)
+            # a regular file of its own only: never through a link planted there (it would truncate the target)
+            flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+            fd = os.open(path, flags, 0o644)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return
+                os.ftruncate(fd, 0)
+                os.write(fd, _BLANK)
+                self._map = mmap.mmap(fd, _LEDGER_BYTES)
+            finally:
+                os.close(fd)
             base = {
                 "rank": world.global_rank(),
                 "pid": os.getpid(),
@@ -223,8 +241,8 @@ def setup_worker() -> None:
     path = _stack_path(world.global_rank())
     if path is None or _stack_file is not None:
         return
-    try:
-        _stack_file = open(path, "a")  # noqa: SIM115 (kept open for the process's life)
+    try:  # a regular file only: a FIFO planted there would block this worker's start
+        _stack_file = os.fdopen(open_appending(path), "a")  # kept open for the process's life
     except OSError:
         return
     faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
@@ -334,10 +352,8 @@ def read_snapshot(folder: str | Path, *, attempt: int, skipped: list[str] | None
 
 def _write_snapshot(folder: Path, me: int, ledgers: dict[int, Entry]) -> None:
     path = folder / f"attempt-{world.restart_count()}-snapshot-by-rank-{me}.json"
-    partial = path.with_suffix(".tmp")
     with contextlib.suppress(OSError):
-        partial.write_text(json.dumps({rank: entry.__dict__ for rank, entry in ledgers.items()}))
-        os.replace(partial, path)
+        write_replacing(path, json.dumps({rank: entry.__dict__ for rank, entry in ledgers.items()}))
 
 
 def read_stack(folder: str | Path, *, attempt: int, rank: int, skipped: list[str] | None = None) -> str:
