@@ -13,6 +13,9 @@ Rank 0 writes its results to a file that :func:`run_ddp` reads back.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +30,8 @@ from multigpu.demo.model import build_cnn
 from multigpu.demo.train import RunResult, TrainConfig
 from multigpu.errors import LaunchError
 from multigpu.session import Session
+
+_GRACE_S = 5  # seconds the workers get to exit once the demo stops its launch
 
 
 def run_ddp(config: TrainConfig, *, nproc_per_node: int | str = "auto", timeout_s: float = 300.0) -> RunResult:
@@ -62,12 +67,20 @@ def run_ddp(config: TrainConfig, *, nproc_per_node: int | str = "auto", timeout_
             "--warmup-steps",
             str(config.warmup_steps),
         ]
+        argv[argv.index("--nproc-per-node") : argv.index("--nproc-per-node")] = ["--grace-period", str(_GRACE_S)]
+        launcher = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+            _, err = launcher.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired as exc:
+            _stop(launcher)
             raise LaunchError(f"the demo's DDP run took longer than timeout_s={timeout_s}; raise it") from exc
-        if done.returncode != 0 or not out.exists():
-            raise LaunchError(f"the demo's DDP run failed (exit code {done.returncode}):\n{done.stderr[-4000:]}")
+        finally:
+            if launcher.poll() is None:  # an error here (Ctrl-C): the run must not outlive the demo
+                _stop(launcher)
+        if launcher.returncode != 0 or not out.exists():
+            raise LaunchError(f"the demo's DDP run failed (exit code {launcher.returncode}):\n{err[-4000:]}")
         saved = torch.load(out)
     world_size = saved["world_size"]
     result = RunResult(f"DDP, {world_size} process{'' if world_size == 1 else 'es'}")  # one on a 1-GPU machine
@@ -75,6 +88,18 @@ def run_ddp(config: TrainConfig, *, nproc_per_node: int | str = "auto", timeout_
     result.samples_per_s, result.state = saved["samples_per_s"], saved["state"]
     result.first_state = saved["first_state"]
     return result
+
+
+def _stop(launcher: subprocess.Popen[str]) -> None:
+    """End the launch and its workers: SIGTERM to the launcher, whose agent stops the workers (each in a
+    session of its own, which a signal to the launcher's group does not reach) within the grace period;
+    SIGKILL to its group after that."""
+    for signum, wait_s in ((signal.SIGTERM, _GRACE_S + 10.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(launcher.pid, signum)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            launcher.communicate(timeout=wait_s)
+            return
 
 
 def _train(args: argparse.Namespace) -> None:

@@ -23,6 +23,7 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from multigpu.core.run_files import open_appending
 from multigpu.core.script import run_as_main
 from multigpu.launcher import signal_witness
 from multigpu.launcher.affinity import bind_to_core_share
@@ -63,6 +64,7 @@ def _copy_stderr(path: os.PathLike[str]) -> None:
     """
     sys.stderr.flush()
     try:
+        os.close(open_appending(path))  # a regular file: tee would block on a FIFO planted there, and this rank with it
         copier = subprocess.Popen(["tee", "-a", os.fspath(path)], stdin=subprocess.PIPE, start_new_session=True)
     except OSError:  # no tee on this system: the console keeps stderr, the summary goes without it
         return

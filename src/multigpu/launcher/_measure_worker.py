@@ -40,7 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from multigpu.core.script import importable_from, run_as_main
 from multigpu.core.structure import iter_tensors
-from multigpu.runtime import world
+from multigpu.runtime import peers, world
 from multigpu.runtime.collectives import reduce_value
 
 WARMUP_STEPS = 2
@@ -271,8 +271,9 @@ def main(argv: list[str]) -> None:
     spec = json.loads(Path(argv[0]).read_text())
     env = world.read_launch_env()
     rank = env.global_rank if env is not None else 0
-    # torch elastic starts each worker in a session of its own: the parent ends it by this pid
-    (Path(spec["folder"]) / f"pid{rank}").write_text(str(os.getpid()))
+    # torch elastic starts each worker in a session of its own: the parent ends it by this pid, once it
+    # proved the process is still this worker (its start time; runtime.peers.signal_group)
+    (Path(spec["folder"]) / f"pid{rank}").write_text(f"{os.getpid()} {peers.start_time()}")
     out = Path(spec["folder"]) / f"rank{rank}.json"
     if spec.get("factory"):
         out.write_text(json.dumps({"rank": rank, **run_factory(spec)}))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from multigpu.core.run_files import UnreadableFile, read_json
 from multigpu.devices import backend_device_type, get_device_type, process_device_type
 from multigpu.errors import ConfigError, DeviceError
 from multigpu.launcher.launch import LaunchConfig, launch
@@ -88,7 +89,7 @@ def probe_all_reduce(
             raise RuntimeError(
                 f"all-reduce probe failed in a worker (exit code {code}); the launcher's summary above names the rank"
             )
-        per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+        per_rank = [_seconds(out / f"rank{r}.json", len(sizes)) for r in range(world_size)]
     label = f"all-reduce {backend} x{world_size}"
     return [
         BandwidthPoint(
@@ -96,6 +97,19 @@ def probe_all_reduce(
         )
         for i, size in enumerate(sizes)
     ]
+
+
+def _seconds(path: Path, count: int) -> list[float]:
+    """A rank's timings as its worker writes them: ``count`` finite seconds (RuntimeError naming the file else)."""
+    try:
+        data = read_json(path, limit=64 * count + 1024)
+        if not isinstance(data, list) or len(data) != count:
+            raise UnreadableFile(f"it holds {type(data).__name__} where the worker writes {count} timings")
+        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0 for t in data):
+            raise UnreadableFile("it holds something other than seconds")
+    except UnreadableFile as exc:
+        raise RuntimeError(f"all-reduce probe: {path}: {exc}; rerun the probe") from None
+    return [float(t) for t in data]
 
 
 def _launch_workers(world_size: int, timeout_s: float, out: Path) -> int:

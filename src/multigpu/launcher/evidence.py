@@ -20,24 +20,28 @@ Example::
 
 from __future__ import annotations
 
+import os
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from multigpu.core.run_files import UnreadableFile, entries, modified_ns, read_bytes
 from multigpu.runtime.tracking import Entry, read_ledgers, read_snapshot, read_stack, stderr_copy_path
 
 # the docs section a summary points to (tests/test_docs.py checks the heading exists)
 GUIDE = "docs/distributed.md, section 'When a run hangs or a collective fails'"
 
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):")
-_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+)$')
+_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>[0-9]{1,9}) in (?P<func>.+)$')
 _ABORT = re.compile(
     r"what\(\):|collective mismatch|enforce fail|terminate called|NCCL (?:error|WARN)|ncclInvalidUsage"
-    r"|ProcessGroup\w*(?:Wrapper)?.*(?:mismatch|detected)|Fatal Python error",
+    r"|Fatal Python error",
     re.IGNORECASE,
 )
 _LIBRARY = ("site-packages", "dist-packages", "<frozen", "/multigpu/")
+_KEEP = 16_000  # bytes of a rank's stderr kept: its last words
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +134,7 @@ class Evidence:
     stack_text: dict[int, str] = field(default_factory=dict)
     stderr: dict[int, str] = field(default_factory=dict)  # by global rank: the end of its stderr (worker's copy)
     stderr_local: dict[int, str] = field(default_factory=dict)  # by local rank: from torchrun's log files
+    unreadable: list[str] = field(default_factory=list)  # "path: why" of each file left out as garbage
 
     def hang(self, timed_out: list[int]) -> Hang | None:
         """The hang that ``timed_out`` (ranks whose collective timed out) waited on, if the ledgers show one."""
@@ -166,7 +171,7 @@ class Evidence:
     def abort_text(self, rank: int, local_rank: int) -> list[str]:
         """What a rank printed about its abort (gloo's or NCCL's words, the failing line), else []."""
         text = self.stderr.get(rank) or self.stderr_local.get(local_rank, "")
-        said = [line.strip() for line in text.splitlines() if _ABORT.search(line)]
+        said = [line.strip() for line in text.splitlines() if _is_abort(line)]
         said = [line for line in dict.fromkeys(said) if not line.startswith("Fatal Python error")]
         frames = [f for f in _frames_after(text, "Fatal Python error") if f.is_user]
         if frames:
@@ -174,18 +179,42 @@ class Evidence:
         return said[:4]
 
 
-def read(folder: str | Path, *, attempt: int, log_dir: str | Path | None) -> Evidence:
-    """What the workers of ``attempt`` left in the failure ``folder`` and in torchrun's ``log_dir``."""
+def read(folder: str | Path, *, attempt: int, log_dir: str | Path | None, skipped: Sequence[str] = ()) -> Evidence:
+    """What the workers of ``attempt`` left in the failure ``folder`` and in torchrun's ``log_dir``.
+
+    Every file is read bounded and only if it is a regular file (:mod:`multigpu.core.run_files`): one that
+    is garbage is left out and named in :attr:`Evidence.unreadable`, after ``skipped`` (the failure
+    records' own, :func:`multigpu.runtime.failure_records.read`).
+    """
+    unreadable = list(skipped)
     # the ledgers as the first rank that timed out saw them, else as the workers left them
-    ledgers = read_snapshot(folder, attempt=attempt) or read_ledgers(folder, attempt=attempt)
-    stacks = {rank: text for rank in ledgers if (text := read_stack(folder, attempt=attempt, rank=rank))}
-    copies = {rank: _tail(stderr_copy_path(folder, attempt=attempt, rank=rank)) for rank in ledgers}
+    ledgers = read_snapshot(folder, attempt=attempt, skipped=unreadable) or read_ledgers(
+        folder, attempt=attempt, skipped=unreadable
+    )
+    stacks = {
+        rank: text for rank in ledgers if (text := read_stack(folder, attempt=attempt, rank=rank, skipped=unreadable))
+    }
+    copies = {rank: _tail(stderr_copy_path(folder, attempt=attempt, rank=rank), unreadable) for rank in ledgers}
     return Evidence(
         ledgers=ledgers,
         stack_text=stacks,
         stderr={rank: text for rank, text in copies.items() if text},
-        stderr_local=_stderr_tails(log_dir, attempt),
+        stderr_local=_stderr_tails(log_dir, attempt, unreadable),
+        unreadable=unreadable,
     )
+
+
+def _is_abort(line: str) -> bool:
+    """Whether ``line`` is the backend's word on an abort (ProcessGroupWrapper's "mismatch ... detected" too).
+
+    The ProcessGroup case is two substring searches, not a pattern with two open-ended parts: such a
+    pattern takes cubic time on a long line of repeats, and any worker can print one.
+    """
+    if _ABORT.search(line):
+        return True
+    lower = line.lower()
+    at = lower.find("processgroup")
+    return at >= 0 and ("mismatch" in lower[at + 12 :] or "detected" in lower[at + 12 :])
 
 
 def main_thread_stack(text: str, entry: Entry) -> list[Frame]:
@@ -230,21 +259,25 @@ def _frames_after(text: str, marker: str) -> list[Frame]:
     return blocks[0][1] if blocks else []
 
 
-def _stderr_tails(log_dir: str | Path | None, attempt: int, keep: int = 16_000) -> dict[int, str]:
+def _stderr_tails(log_dir: str | Path | None, attempt: int, unreadable: list[str]) -> dict[int, str]:
     """The end of each local rank's stderr in torchrun's newest run folder under ``log_dir``."""
     if log_dir is None:
         return {}
-    runs = sorted(Path(log_dir).glob(f"*/attempt_{attempt}"), key=lambda p: p.stat().st_mtime)
+    runs = sorted(entries(log_dir, f"*/attempt_{attempt}"), key=modified_ns)
     if not runs:
         return {}
-    return {int(p.parent.name): _tail(p, keep) for p in runs[-1].glob("*/stderr.log") if p.parent.name.isdigit()}
+    return {
+        int(p.parent.name): _tail(p, unreadable)
+        for p in entries(runs[-1], "*/stderr.log")
+        if p.parent.name.isascii() and p.parent.name.isdigit()
+    }
 
 
-def _tail(path: Path, keep: int = 16_000) -> str:
-    """The last ``keep`` bytes of ``path`` as text ("" when unreadable)."""
+def _tail(path: Path, unreadable: list[str]) -> str:
+    """The end of the text file ``path`` ("" when it is missing; named in ``unreadable`` when it is garbage)."""
     try:
-        with open(path, "rb") as file:
-            file.seek(max(0, path.stat().st_size - keep))
-            return file.read().decode(errors="replace")
-    except OSError:
+        return read_bytes(path, limit=_KEEP, tail=True).decode(errors="replace")
+    except UnreadableFile as exc:
+        if os.path.lexists(path):
+            unreadable.append(f"{path}: {exc}")
         return ""

@@ -35,15 +35,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from multigpu.core.run_files import UnreadableFile, entries, read_bytes, read_json, read_tail
 from multigpu.errors import ConfigError
 from multigpu.launcher import _measure_worker
 from multigpu.launcher.launch import LaunchConfig, worker_env
 from multigpu.planning.measured import Measurement
+from multigpu.runtime import peers
 from multigpu.strategies import get_strategy
 
 MAX_STEPS = 20  # timed steps at most per strategy: a median of 20 is steady enough
 _TIMING_SHARE = 0.8  # of a run's share of the budget, spent before its worker stops timing
 _KILL_GRACE_S = 5.0
+_LOG_BYTES = 1 << 20  # of a run's output: the end, where the error is
+_REPORT_BYTES = 16 << 20  # a worker's report: per-step times and samples, a few KiB per thousand steps
 _OOM = re.compile(r"out of memory|OutOfMemoryError|MemoryError|Cannot allocate memory", re.IGNORECASE)
 _ERROR_LINE = re.compile(r"^\s*([\w.]*(Error|Exception|Interrupt)\b.*)$")
 
@@ -164,18 +168,43 @@ def _measure_one(
             finally:  # Ctrl-C here (its own session does not get the terminal's signal) or any error: end it
                 if proc.poll() is None:
                     _kill_group(proc)
-                _kill_workers(Path(folder))  # in sessions of their own (torch elastic): not in proc's group
+                _kill_workers(Path(folder), spec_path)  # in sessions of their own (torch elastic): not in proc's group
         wall = time.monotonic() - started
         if progress is not None:
             progress(run, wall, share)
-        text = log.read_text(errors="replace")
-        ranks = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("rank*.json"))]
         if timed_out:
             reason = f"did not finish within its {limit:.0f} s of the budget (raise --budget)"
             return _failed(run, wall, "timed out", reason)
-        if proc.returncode != 0 or not ranks:
-            return _failed(run, wall, _failure_kind(proc.returncode, text), _reason(proc.returncode, text))
+        return _outcome(run, wall, proc.returncode, Path(folder))
+
+
+def _outcome(run: MeasureRun, wall: float, returncode: int, folder: Path) -> Measurement:
+    """What a finished run's output and its workers' reports in ``folder`` say (garbage there: failed, by name)."""
+    text = read_tail(folder / "output.txt", keep=_LOG_BYTES)  # the output may be endless: its end says why
+    ranks, unreadable = _reports(folder)
+    if returncode != 0 or not ranks:
+        return _failed(run, wall, _failure_kind(returncode, text), _reason(returncode, text))
+    if unreadable:
+        return _failed(run, wall, "failed", f"unreadable report {unreadable[0]}")
+    try:
         return _combine(run, wall, ranks)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:  # not what the worker writes
+        return _failed(run, wall, "failed", f"a worker's report is not what it writes ({type(exc).__name__}: {exc})")
+
+
+def _reports(folder: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The workers' reports in ``folder`` (bounded, regular files, mappings), and ``"path: why"`` of the others."""
+    ranks: list[dict[str, Any]] = []
+    unreadable: list[str] = []
+    for path in entries(folder, "rank*.json"):
+        try:
+            data = read_json(path, limit=_REPORT_BYTES)
+            if not isinstance(data, dict):
+                raise UnreadableFile(f"it holds a {type(data).__name__} where the worker writes a mapping")
+            ranks.append(data)
+        except UnreadableFile as exc:
+            unreadable.append(f"{path}: {exc}")
+    return ranks, unreadable
 
 
 def _failed(run: MeasureRun, wall: float, status: str, reason: str) -> Measurement:
@@ -220,12 +249,18 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _kill_workers(folder: Path) -> None:
+def _kill_workers(folder: Path, spec_path: Path) -> None:
     """SIGKILL the session of every worker that wrote its pid into ``folder`` and still runs (a worker
-    that ignored SIGTERM outlives its launcher: torch elastic starts workers in sessions of their own)."""
-    for record in folder.glob("pid*"):
-        with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
-            os.killpg(int(record.read_text()), signal.SIGKILL)
+    that ignored SIGTERM outlives its launcher: torch elastic starts workers in sessions of their own).
+
+    Only a group that proves to be one of this measurement's workers (``spec_path`` in its command line,
+    the recorded start time: :func:`multigpu.runtime.peers.signal_group`): a pid file is a file, and a
+    pid of 0, 1 or -1 there would have killed this process's group or every process on the machine.
+    """
+    for record in entries(folder, "pid*"):
+        with contextlib.suppress(UnreadableFile, ValueError):
+            pid, start = (int(part) for part in read_bytes(record, limit=64).split())
+            peers.signal_group(pid, signal.SIGKILL, start=start, argument=str(spec_path))
 
 
 def _failure_kind(returncode: int | None, text: str) -> str:

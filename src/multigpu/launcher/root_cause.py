@@ -206,6 +206,11 @@ def format_summary(script: str, failures: Sequence[WorkerFailure], evidence: Evi
     With ``evidence`` (what the workers left: :mod:`multigpu.launcher.evidence`), a hang names the rank that
     never arrived and shows its stack, and a worker killed by a signal shows what the backend said.
     """
+    unreadable = _unreadable(evidence.unreadable) if evidence is not None else ""
+    return _summary(script, failures, evidence) + unreadable
+
+
+def _summary(script: str, failures: Sequence[WorkerFailure], evidence: Evidence | None) -> str:
     timed_out = [f.rank for f in failures if f.timed_out]
     hang = evidence.hang(timed_out) if evidence is not None else None
     if hang is not None:
@@ -279,6 +284,15 @@ def _diverged_summary(script: str, failures: Sequence[WorkerFailure], entries: d
         "Ranks that failed:",
     ]
     lines += [f"  rank {f.rank} (local_rank {f.local_rank}, {_ending(f)}): {_outcome(f)}" for f in failures]
+    return "\n".join(lines)
+
+
+def _unreadable(files: Sequence[str]) -> str:
+    """The summary's last lines: the run's files it left out because they are not what a worker writes."""
+    if not files:
+        return ""
+    lines = ["", "Unreadable records left out of this summary (not what a worker writes; the summary may miss a rank):"]
+    lines += [f"  {line}" for line in files]
     return "\n".join(lines)
 
 

@@ -182,9 +182,10 @@ def run_torchrun(config: LaunchConfig, args: list[str], env: dict[str, str], scr
             # and the agent reports only the ranks that had exited by then: add the workers' own records
             # (of the last attempt: the agent gives up once its restarts are spent)
             folder = env["MULTIGPU_FAILURE_DIR"]
-            recorded = failure_records.read(folder, attempt=config.max_restarts)
+            skipped: list[str] = []  # garbage in the run folder: named in the summary, never a crash or a hang
+            recorded = failure_records.read(folder, attempt=config.max_restarts, skipped=skipped)
             failures = merge(from_torch(exc.failures), recorded)
-            found = evidence.read(folder, attempt=config.max_restarts, log_dir=_log_dir_of(args))
+            found = evidence.read(folder, attempt=config.max_restarts, log_dir=_log_dir_of(args), skipped=skipped)
             print(format_summary(script, failures, found), file=sys.stderr, flush=True)
             return 1
     return 0

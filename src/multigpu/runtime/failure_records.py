@@ -22,14 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from multigpu.core.run_files import UnreadableFile, entries, field, read_json, write_replacing
 from multigpu.runtime import world
+
+# what a record may hold: the writer cuts to these, the reader refuses a file larger than the whole
+_MESSAGE_CHARS = 64_000
+_TRACEBACK_CHARS = 1_000_000  # its end: the innermost frames and the error
+RECORD_BYTES = 8 * (_MESSAGE_CHARS + _TRACEBACK_CHARS)  # JSON escapes may take six bytes a character
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,31 +89,38 @@ def _write(*, message: str, trace: str, signal_name: str = "") -> None:
     data = {
         "rank": env.global_rank,
         "local_rank": env.local_rank,
-        "message": message,
-        "traceback": trace,
+        "message": message[:_MESSAGE_CHARS],
+        "traceback": trace[-_TRACEBACK_CHARS:],
         "when_ns": time.time_ns(),
         "signal": signal_name,
     }
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
     with contextlib.suppress(OSError):  # a record is a courtesy to the summary; never fail the worker over it
-        partial.write_text(json.dumps(data))
-        os.replace(partial, path)
+        write_replacing(path, json.dumps(data))
 
 
-def read(folder: str | Path, *, attempt: int) -> dict[int, Record]:
-    """The records of ``attempt`` in ``folder``, by global rank (unreadable files are skipped)."""
+def read(folder: str | Path, *, attempt: int, skipped: list[str] | None = None) -> dict[int, Record]:
+    """The records of ``attempt`` in ``folder``, by global rank.
+
+    A file that is not a record as :func:`record` writes it (cut short, garbage, a pipe, a link to a
+    device, too large) is left out, in bounded time; ``skipped`` gets ``"path: why"`` for each, for the
+    summary to name.
+    """
     found: dict[int, Record] = {}
-    for path in Path(folder).glob(f"attempt-{attempt}-rank-*.json"):
+    for path in entries(folder, f"attempt-{attempt}-rank-*.json"):
         try:
-            data = json.loads(path.read_text())
-            found[int(data["rank"])] = Record(
-                rank=int(data["rank"]),
-                local_rank=int(data["local_rank"]),
-                message=str(data["message"]),
-                traceback=str(data["traceback"]),
-                when_ns=int(data["when_ns"]),
-                signal=str(data.get("signal", "")),
+            data = read_json(path, limit=RECORD_BYTES)
+            rank = field(data, "rank", int)
+            if rank < 0:
+                raise UnreadableFile(f"its rank is {rank}")
+            found[rank] = Record(
+                rank=rank,
+                local_rank=field(data, "local_rank", int),
+                message=field(data, "message", str),
+                traceback=field(data, "traceback", str),
+                when_ns=field(data, "when_ns", int),
+                signal=field(data, "signal", str, ""),
             )
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+        except UnreadableFile as exc:
+            if skipped is not None:
+                skipped.append(f"{path}: {exc}")
     return found

@@ -31,6 +31,7 @@ import json
 import mmap
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -41,14 +42,27 @@ from typing import IO, Any
 
 import torch
 
+from multigpu.core.run_files import (
+    UnreadableFile,
+    entries,
+    field,
+    modified_ns,
+    open_appending,
+    parse_json,
+    read_bytes,
+    read_json,
+    write_replacing,
+)
 from multigpu.errors import CollectiveMismatchError
-from multigpu.runtime import world
+from multigpu.runtime import peers, world
 
 # The signal that asks a worker for its stacks: a real-time signal nobody else uses (SIGUSR1/2 are
 # taken by schedulers for requeue and by user code); SIGUSR2 where real-time signals do not exist.
 STACK_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 
 _LEDGER_BYTES = 1024  # one entry: a JSON object padded with spaces
+_SNAPSHOT_BYTES = 4 * _LEDGER_BYTES * 1024  # every rank of a node's ledger entry, for up to 1024 ranks
+_STACK_BYTES = 1 << 20  # the end of a stack file (the newest dumps; each is a few KiB per thread)
 _BLANK = b" " * (_LEDGER_BYTES - 1) + b"\n"
 _PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # .../multigpu/
 _SKIPPED = (_PACKAGE, str(Path(torch.__file__).resolve().parent) + os.sep, contextlib.__file__)
@@ -66,6 +80,8 @@ class Entry:
         operation: what the collective does ("reduce (mean)", "barrier"), "" before the first.
         site: where the user's script called it (``train.py:41``), "" when unknown.
         since: when it entered it (seconds since the epoch).
+        start: when its process started (clock ticks after boot, :func:`multigpu.runtime.peers.start_time`;
+            0 when unknown): what proves a live pid is still this rank's (:mod:`multigpu.runtime.peers`).
     """
 
     rank: int
@@ -75,6 +91,7 @@ class Entry:
     operation: str
     site: str
     since: float
+    start: int = 0
 
 
 class _Ledger:
@@ -107,11 +124,23 @@ class _Ledger:
         if path is None:
             return
         with contextlib.suppress(OSError):  # a ledger is a courtesy to the summary; never fail the worker
-            with open(path, "w+b") as file:
-                file.write(_BLANK)
-                file.flush()
-                self._map = mmap.mmap(file.fileno(), _LEDGER_BYTES)
-            base = {"rank": world.global_rank(), "pid": os.getpid(), "main_thread": threading.main_thread().ident}
+            # a regular file of its own only: never through a link planted there (it would truncate the target)
+            flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+            fd = os.open(path, flags, 0o644)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return
+                os.ftruncate(fd, 0)
+                os.write(fd, _BLANK)
+                self._map = mmap.mmap(fd, _LEDGER_BYTES)
+            finally:
+                os.close(fd)
+            base = {
+                "rank": world.global_rank(),
+                "pid": os.getpid(),
+                "start": peers.start_time(),
+                "main_thread": threading.main_thread().ident,
+            }
             self._prefix = json.dumps(base)[:-1] + ", "  # the fixed part of every entry, written once
             # entry #0: the rank is known (and can be asked for its stack) before its first collective
             self._store(f'{self._prefix}"seq": 0, ')
@@ -212,8 +241,8 @@ def setup_worker() -> None:
     path = _stack_path(world.global_rank())
     if path is None or _stack_file is not None:
         return
-    try:
-        _stack_file = open(path, "a")  # noqa: SIM115 (kept open for the process's life)
+    try:  # a regular file only: a FIFO planted there would block this worker's start
+        _stack_file = os.fdopen(open_appending(path), "a")  # kept open for the process's life
     except OSError:
         return
     faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
@@ -236,35 +265,31 @@ def request_peer_stacks(*, wait_s: float = 3.0) -> None:
         if entry.rank == me:
             continue
         stack = _stack_path(entry.rank)
-        size = stack.stat().st_size if stack is not None and stack.exists() else 0
-        try:
-            os.kill(entry.pid, STACK_SIGNAL)
-        except OSError:  # gone already, or not ours
+        size = _size(stack) if stack is not None else 0
+        # only a process that proves to be this rank's worker of this run: a ledger may name anyone's pid
+        if not peers.signal_peer(entry.pid, STACK_SIGNAL, rank=entry.rank, start=entry.start, run_dir=folder):
             continue
         if stack is not None:
             pending[stack] = size
     deadline = time.monotonic() + wait_s
     while pending and time.monotonic() < deadline:
         time.sleep(0.05)
-        pending = {p: s for p, s in pending.items() if not p.exists() or p.stat().st_size <= s}
+        pending = {p: s for p, s in pending.items() if _size(p) <= s}
 
 
-def read_ledgers(folder: str | Path, *, attempt: int) -> dict[int, Entry]:
-    """Every rank's last entered collective recorded in ``folder`` for ``attempt``, by rank (unreadable: skipped)."""
+def read_ledgers(folder: str | Path, *, attempt: int, skipped: list[str] | None = None) -> dict[int, Entry]:
+    """Every rank's last entered collective recorded in ``folder`` for ``attempt``, by rank.
+
+    A file that is not a ledger as a worker writes it is left out, in bounded time; ``skipped`` gets
+    ``"path: why"`` for each.
+    """
     found: dict[int, Entry] = {}
-    for path in Path(folder).glob(f"attempt-{attempt}-rank-*.ledger"):
+    for path in entries(folder, f"attempt-{attempt}-rank-*.ledger"):
         try:
-            data = _read_entry(path)
-            entry = Entry(
-                rank=int(data["rank"]),
-                pid=int(data["pid"]),
-                main_thread=int(data["main_thread"]),
-                seq=int(data.get("seq", 0)),
-                operation=str(data.get("operation", "")),
-                site=str(data.get("site", "")),
-                since=float(data.get("since", 0.0)),
-            )
-        except (OSError, ValueError, KeyError, TypeError):
+            entry = _entry(_read_entry(path))
+        except UnreadableFile as exc:
+            if skipped is not None:
+                skipped.append(f"{path}: {exc}")
             continue
         found[entry.rank] = entry
     return found
@@ -273,46 +298,89 @@ def read_ledgers(folder: str | Path, *, attempt: int) -> dict[int, Entry]:
 def _read_entry(path: Path, tries: int = 3) -> Any:
     """The ledger's JSON; read again when caught while its rank rewrites it (one memory copy, not atomic)."""
     for _ in range(tries - 1):
-        with contextlib.suppress(ValueError):
-            return json.loads(path.read_bytes().strip() or b"{}")
+        with contextlib.suppress(UnreadableFile):
+            return _parse_entry(read_bytes(path, limit=_LEDGER_BYTES))
         time.sleep(0.01)
-    return json.loads(path.read_bytes().strip() or b"{}")
+    return _parse_entry(read_bytes(path, limit=_LEDGER_BYTES))
 
 
-def read_snapshot(folder: str | Path, *, attempt: int) -> dict[int, Entry]:
+def _parse_entry(data: bytes) -> Any:
+    return parse_json(data.strip() or b"{}")
+
+
+def _entry(data: Any) -> Entry:
+    """A ledger entry from its JSON, every field of its type and in range (raises :class:`UnreadableFile`)."""
+    entry = Entry(
+        rank=field(data, "rank", int),
+        pid=field(data, "pid", int),
+        main_thread=field(data, "main_thread", int),
+        seq=field(data, "seq", int, 0),
+        operation=field(data, "operation", str, ""),
+        site=field(data, "site", str, ""),
+        since=field(data, "since", float, 0.0),
+        start=field(data, "start", int, 0),
+    )
+    if entry.rank < 0 or not 1 < entry.pid < 2**31 or entry.seq < 0 or entry.start < 0:
+        raise UnreadableFile(f"its rank {entry.rank}, pid {entry.pid} or count {entry.seq} is not one a worker has")
+    if not 0 <= entry.since < 1e11:  # seconds since the epoch: a time.localtime() must take it
+        raise UnreadableFile(f"its time {entry.since} is not a time a worker wrote")
+    return entry
+
+
+def read_snapshot(folder: str | Path, *, attempt: int, skipped: list[str] | None = None) -> dict[int, Entry]:
     """Every rank's ledger as the first rank that timed out saw it at that moment ({} when none did).
 
     The moment that matters: a rank woken afterwards (a signal ending its native wait, the others exiting)
-    may enter more collectives before the launcher reads the ledgers.
+    may enter more collectives before the launcher reads the ledgers. An unreadable snapshot is left out
+    (``skipped`` gets ``"path: why"``) and the next one is read.
     """
-    snapshots = sorted(Path(folder).glob(f"attempt-{attempt}-snapshot-by-rank-*.json"), key=lambda p: p.stat().st_mtime)
+    snapshots = sorted(entries(folder, f"attempt-{attempt}-snapshot-by-rank-*.json"), key=modified_ns)
     for path in snapshots:
         try:
-            return {int(rank): Entry(**data) for rank, data in json.loads(path.read_text()).items()}
-        except (OSError, ValueError, TypeError):
-            continue
+            data = read_json(path, limit=_SNAPSHOT_BYTES)
+            if not isinstance(data, dict):
+                raise UnreadableFile(f"it holds a {type(data).__name__} where its writer writes a mapping")
+            found = {rank: _entry(entry) for rank, entry in data.items()}
+            if any(str(entry.rank) != rank for rank, entry in found.items()):
+                raise UnreadableFile("its ranks do not match their entries")
+            return {entry.rank: entry for entry in found.values()}
+        except UnreadableFile as exc:
+            if skipped is not None:
+                skipped.append(f"{path}: {exc}")
     return {}
 
 
 def _write_snapshot(folder: Path, me: int, ledgers: dict[int, Entry]) -> None:
     path = folder / f"attempt-{world.restart_count()}-snapshot-by-rank-{me}.json"
-    partial = path.with_suffix(".tmp")
     with contextlib.suppress(OSError):
-        partial.write_text(json.dumps({rank: entry.__dict__ for rank, entry in ledgers.items()}))
-        os.replace(partial, path)
+        write_replacing(path, json.dumps({rank: entry.__dict__ for rank, entry in ledgers.items()}))
 
 
-def read_stack(folder: str | Path, *, attempt: int, rank: int) -> str:
-    """Every stack dump ``rank`` wrote into ``folder`` (faulthandler's text, one block per thread), or ""."""
+def read_stack(folder: str | Path, *, attempt: int, rank: int, skipped: list[str] | None = None) -> str:
+    """The stack dumps ``rank`` wrote into ``folder`` (faulthandler's text, one block per thread), or "".
+
+    Only the end of the file (the newest dumps) is read; a file that is not a regular file is left out
+    (``skipped`` gets ``"path: why"``).
+    """
+    path = Path(folder) / f"attempt-{attempt}-rank-{rank}.stacks"
     try:
-        return (Path(folder) / f"attempt-{attempt}-rank-{rank}.stacks").read_text(errors="replace")
-    except OSError:
+        return read_bytes(path, limit=_STACK_BYTES, tail=True).decode(errors="replace")
+    except UnreadableFile as exc:
+        if skipped is not None and os.path.lexists(path):
+            skipped.append(f"{path}: {exc}")
         return ""
 
 
 def stderr_copy_path(folder: str | Path, *, attempt: int, rank: int) -> Path:
     """Where a worker copies its stderr for the launcher's summary (what gloo or NCCL print before an abort)."""
     return Path(folder) / f"attempt-{attempt}-rank-{rank}.stderr"
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _ledger_path() -> Path | None:
