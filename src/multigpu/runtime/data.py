@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from multigpu.errors import ConfigError
 from multigpu.runtime.collectives import all_agree_min, reduce_value
-from multigpu.runtime.resumable import epoch_seed, skip_first_batches
+from multigpu.runtime.resumable import check_same_data, epoch_seed, skip_first_batches
 from multigpu.runtime.world import in_process_group
 
 T = TypeVar("T")
@@ -279,7 +279,7 @@ class EpochLoader(Generic[T]):
             )
         saved = state.get("data")
         if saved is not None:
-            self._check_same_data(saved)
+            check_same_data(saved, self.data_identity())
         length = known_len(self.loader)
         if length is not None and batch > length:  # type: ignore[operator]
             raise ConfigError(
@@ -297,27 +297,6 @@ class EpochLoader(Generic[T]):
                     f"{self._users_generator.device} generator; pass what loader.state_dict() returned"
                 ) from None
 
-    def _check_same_data(self, saved: Any) -> None:
-        live = self.data_identity()
-        if not isinstance(saved, Mapping) or not set(saved) <= set(live):
-            raise ConfigError(
-                f"the loader state's 'data' is {_short(saved)}; expected a mapping of {sorted(live)}, as "
-                "loader.state_dict() returns"
-            )
-        differ = [
-            (name, saved[name], live[name]) for name in live if name in saved and not _same(saved[name], live[name])
-        ]
-        if not differ:
-            return
-        saved_text = ", ".join(f"{name}={_short(was)}" for name, was, _ in differ)
-        live_text = ", ".join(f"{name}={_short(now)}" for name, _, now in differ)
-        raise ConfigError(
-            f"the loader state was saved for {saved_text}, but this loader has {live_text}: its batch position "
-            f"would count other batches (or none of the rest of the epoch). Build the loader as the saved run did "
-            f"({_fix(differ)}), or resume without loader= and start the next epoch yourself "
-            "(loader.set_epoch(epoch + 1))"
-        )
-
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue where :meth:`state_dict` stood: the next iteration is that epoch, from that batch.
 
@@ -330,29 +309,11 @@ class EpochLoader(Generic[T]):
             self._users_generator.set_state(state["generator"])
 
 
-_FIXES = {
-    "global_batch": "batch_size={} (the global batch)",
-    "dataset_length": "the same dataset, of {} samples",
-    "shuffle": "shuffle={}",
-    "seed": "seed={}",
-    "drop_last": "drop_last={}",
-}
-
-
-def _fix(differ: list[tuple[str, Any, Any]]) -> str:
-    return ", ".join(_FIXES[name].format(_short(was)) for name, was, _ in differ)
-
-
 def _length(dataset: Any) -> int | None:
     try:
         return len(dataset) if isinstance(dataset, Sized) else None
     except TypeError:  # a Sized type whose len() raises (an iterable dataset without one)
         return None
-
-
-def _same(saved: Any, live: Any) -> bool:
-    # Of one type first: a crafted value may be a tensor, whose == is not a bool.
-    return type(saved) is type(live) and bool(saved == live)
 
 
 def _short(value: Any) -> str:

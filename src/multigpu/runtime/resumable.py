@@ -13,6 +13,8 @@ the uninterrupted one bit for bit:
   :class:`SkipBatches` skips at the level of the batch sampler's indices instead, so nothing is
   loaded. DataLoader workers seed their own generators per epoch, so augmentations drawn *inside
   workers* for the remaining batches differ from the uninterrupted run's (as in Accelerate).
+- **A position counts batches of one setup.** Batch 17 of an epoch is other samples under another
+  global batch, dataset, shuffle, seed or drop_last; :func:`check_same_data` refuses such a state.
 
 Example:
     >>> loader = DataLoader(list(range(10)), batch_size=3)
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
@@ -121,3 +123,48 @@ class _Dropped:
 
     def __iter__(self) -> Iterator[Any]:
         return itertools.islice(iter(self.loader), self.count, None)
+
+
+# --- what a saved position counts in ---
+
+_FIXES = {
+    "global_batch": "batch_size={} (the global batch)",
+    "dataset_length": "the same dataset, of {} samples",
+    "shuffle": "shuffle={}",
+    "seed": "seed={}",
+    "drop_last": "drop_last={}",
+}
+
+
+def check_same_data(saved: Any, live: Mapping[str, Any]) -> None:
+    """Refuse a loader state's ``data`` (what its batch position counts in) that differs from ``live``'s.
+
+    Raises:
+        ConfigError: naming each value saved and here, and the fix.
+    """
+    if not isinstance(saved, Mapping) or not set(saved) <= set(live):
+        raise ConfigError(
+            f"the loader state's 'data' is {_short(saved)}; expected a mapping of {sorted(live)}, as "
+            "loader.state_dict() returns"
+        )
+    differ = [(name, saved[name], live[name]) for name in live if name in saved and not _same(saved[name], live[name])]
+    if not differ:
+        return
+    saved_text = ", ".join(f"{name}={_short(was)}" for name, was, _ in differ)
+    live_text = ", ".join(f"{name}={_short(now)}" for name, _, now in differ)
+    fix = ", ".join(_FIXES[name].format(_short(was)) for name, was, _ in differ)
+    raise ConfigError(
+        f"the loader state was saved for {saved_text}, but this loader has {live_text}: its batch position "
+        f"would count other batches (or none of the rest of the epoch). Build the loader as the saved run did "
+        f"({fix}), or resume without loader= and start the next epoch yourself (loader.set_epoch(epoch + 1))"
+    )
+
+
+def _same(saved: Any, live: Any) -> bool:
+    # Of one type first: a crafted value may be a tensor, whose == is not a bool.
+    return type(saved) is type(live) and bool(saved == live)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
