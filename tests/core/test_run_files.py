@@ -118,6 +118,7 @@ def test_a_file_that_grows_past_the_limit_is_refused(tmp_path: Path) -> None:
         ({"rank": True}, int, "'rank' is a bool, not a int"),
         ({"rank": 2**80}, int, "out of range"),
         ({}, int, "'rank' is missing"),
+        ({"rank": None}, int, "'rank' is a NoneType"),
         ({"rank": [0]}, int, "'rank' is a list"),
         ({"rank": {"a": 1}}, str, "'rank' is a dict, not a str"),
     ],

@@ -82,6 +82,15 @@ def test_a_hostile_file_in_the_run_folder_is_named_and_the_summary_comes(
         assert "rank 1 never reached collective #2, barrier at train.py:9" in summary, summary
 
 
+def test_many_unreadable_files_are_counted_past_the_first_ten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _healthy_run(tmp_path, monkeypatch)
+    for rank in range(10, 110):
+        (tmp_path / f"attempt-0-rank-{rank}.json").write_text("[]")
+    lines = within(10, lambda: _summary(tmp_path)).splitlines()
+    named = [line for line in lines if line.startswith(f"  {tmp_path}/attempt-0-rank-")]
+    assert len(named) == 10 and lines[-1] == "  ... and 90 more", lines[-12:]
+
+
 @pytest.mark.parametrize(
     "entry",
     [

@@ -94,8 +94,7 @@ def test_a_real_worker_of_the_run_is_asked_and_writes_its_stack(launched: Path) 
     worker = start_python(
         "-c",
         "import time\nfrom multigpu.runtime import tracking\ntracking.setup_worker()\n"
-        "print('ready', flush=True)\n"
-        "def waiting_for_its_peer():\n    time.sleep(120)\n"
+        "def waiting_for_its_peer():\n    print('ready', flush=True)\n    time.sleep(120)\n"  # ready: in it
         "waiting_for_its_peer()\n",
         env={"MULTIGPU_FAILURE_DIR": str(launched), "RANK": "0", "WORLD_SIZE": "2"},
     )

@@ -119,14 +119,11 @@ def field(data: Any, name: str, kind: type, default: Any = None) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise UnreadableFile(f"its field {name!r} is {_shown(value)}, not a {kind.__name__}")
+        shown = "missing" if name not in data else f"a {type(value).__name__}"
+        raise UnreadableFile(f"its field {name!r} is {shown}, not a {kind.__name__}")
     if isinstance(value, int) and not -(2**63) <= value < 2**64:  # what C's integers hold (a thread id is unsigned)
-        raise UnreadableFile(f"its field {name!r} is {_shown(value)}, out of range")
+        raise UnreadableFile(f"its field {name!r} is a number out of range ({len(str(value))} digits)")
     return value
-
-
-def _shown(value: Any) -> str:
-    return "missing" if value is None else f"a {type(value).__name__}"
 
 
 def entries(folder: str | os.PathLike[str], pattern: str) -> list[Path]:

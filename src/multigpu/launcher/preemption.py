@@ -7,7 +7,9 @@ process) and gives them ``--grace-period`` seconds; it then exits ``128 + N`` fo
 (143 for SIGTERM, 138 for SIGUSR1), so a job script can tell a pre-emption from success (0) and
 failure (1). With ``--requeue`` inside a SLURM job, node rank 0's launcher then runs
 ``scontrol requeue $SLURM_JOB_ID``: SLURM starts the batch script again, and the script resumes
-from the checkpoint the workers just wrote.
+from the checkpoint the workers just wrote. ``scontrol`` gets :data:`REQUEUE_TIMEOUT_S`; whatever it does
+(hangs, cannot start, fails, prints garbage) is reported on stderr and the exit code stays the
+pre-emption's.
 """
 
 from __future__ import annotations

@@ -59,6 +59,8 @@ _CONSEQUENCE = re.compile(
 # signals that come from outside the process (kill, a scheduler, the OOM killer), not from its own crash
 _SENT_SIGNALS = {"SIGTERM", "SIGKILL", "SIGHUP", "SIGINT", "SIGQUIT"}
 
+_SHOWN_UNREADABLE = 10  # unreadable files named in the summary; the rest are counted
+
 _TIMED_OUT = re.compile(r"timed? ?out waiting", re.IGNORECASE)
 
 
@@ -292,7 +294,9 @@ def _unreadable(files: Sequence[str]) -> str:
     if not files:
         return ""
     lines = ["", "Unreadable records left out of this summary (not what a worker writes; the summary may miss a rank):"]
-    lines += [f"  {line}" for line in files]
+    lines += [f"  {line}" for line in files[:_SHOWN_UNREADABLE]]
+    if len(files) > _SHOWN_UNREADABLE:
+        lines.append(f"  ... and {len(files) - _SHOWN_UNREADABLE} more")
     return "\n".join(lines)
 
 
