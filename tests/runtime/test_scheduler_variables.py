@@ -206,11 +206,15 @@ def test_variables_that_contradict_each_other_are_refused_at_once(env: dict[str,
     _refused_quickly(read_launch_env, env, pattern)
 
 
-def test_the_mpi_launcher_refuses_a_rank_outside_its_launchers() -> None:
+def test_the_mpi_launcher_refuses_a_rank_outside_its_launchers_or_node() -> None:
     one_per_node = {**_OMPI, "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}
     assert launcher_defaults(one_per_node)[1]["node-rank"] == "1"
     _refused_quickly(
         launcher_defaults, {**one_per_node, "OMPI_COMM_WORLD_RANK": "4"}, r"RANK=4 lies outside .*=4 launchers"
+    )
+    bad_local = {**one_per_node, "OMPI_COMM_WORLD_LOCAL_RANK": "5"}  # a node's one launcher is its local rank 0
+    _refused_quickly(
+        launcher_defaults, bad_local, r"OMPI_COMM_WORLD_LOCAL_RANK=5 and OMPI_COMM_WORLD_LOCAL_SIZE=1 do not"
     )
 
 
