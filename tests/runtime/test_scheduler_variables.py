@@ -13,7 +13,7 @@ import pytest
 
 from multigpu.errors import LaunchError
 from multigpu.runtime import world
-from multigpu.runtime.schedulers import detect_worker, launcher_defaults, not_started_reason, slurm_port
+from multigpu.runtime.schedulers import TORCHRUN, detect_worker, launcher_defaults, not_started_reason, slurm_port
 from multigpu.runtime.world import read_launch_env
 
 _SLURM = {  # a task of 'srun --nodes=2 --ntasks-per-node=2'
@@ -102,7 +102,7 @@ def test_each_base_environment_forms_its_world(
 @pytest.mark.parametrize(
     "env",
     [_SLURM, _STEP, _OMPI, _MPICH, _TORCHRUN, {**_POD, "KUBERNETES_SERVICE_HOST": "k"}],
-    ids=["slurm", "slurm-step", "openmpi", "mpich", "torchrun", "pod"],
+    ids=["slurm", "slurm-step", "openmpi", "mpich", "torchrun-variables", "pod"],
 )
 @pytest.mark.parametrize("port", ["0", "65536", "99999", "-1", "", " 80", "٣", "9" * 5000, "80.0"])
 def test_a_master_port_that_is_not_one_is_refused(env: Mapping[str, str], port: str) -> None:
@@ -114,7 +114,7 @@ def test_a_master_port_that_is_not_one_is_refused(env: Mapping[str, str], port: 
 @pytest.mark.parametrize(
     "env",
     [_SLURM, _OMPI, _MPICH, _TORCHRUN, {**_POD, "KUBERNETES_SERVICE_HOST": "k"}],
-    ids=["slurm", "openmpi", "mpich", "torchrun", "pod"],
+    ids=["slurm", "openmpi", "mpich", "torchrun-variables", "pod"],
 )
 @pytest.mark.parametrize("addr", ["", " ", "node 1", "nöde", "h\x00", "h\n", "x" * 300])
 def test_a_master_address_that_is_not_one_is_refused(env: Mapping[str, str], addr: str) -> None:
@@ -150,7 +150,7 @@ def test_pet_variables_that_cannot_form_a_world_are_refused(env: dict[str, str],
 
 def test_pet_variables_that_can() -> None:
     assert launcher_defaults({**_PET, "PET_NNODES": "1:4", "PET_NODE_RANK": "3", "PET_NPROC_PER_NODE": "auto"}) == (
-        "torchrun",
+        TORCHRUN,
         {"nnodes": "1:4", "node-rank": "3", "nproc-per-node": "auto", "max-restarts": "3"},
     )
     assert launcher_defaults({"PET_NNODES": "", "PET_NODE_RANK": ""}) == (None, {})  # empty: unset, as torchrun
@@ -206,11 +206,15 @@ def test_variables_that_contradict_each_other_are_refused_at_once(env: dict[str,
     _refused_quickly(read_launch_env, env, pattern)
 
 
-def test_the_mpi_launcher_refuses_a_rank_outside_its_launchers() -> None:
+def test_the_mpi_launcher_refuses_a_rank_outside_its_launchers_or_node() -> None:
     one_per_node = {**_OMPI, "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}
     assert launcher_defaults(one_per_node)[1]["node-rank"] == "1"
     _refused_quickly(
         launcher_defaults, {**one_per_node, "OMPI_COMM_WORLD_RANK": "4"}, r"RANK=4 lies outside .*=4 launchers"
+    )
+    bad_local = {**one_per_node, "OMPI_COMM_WORLD_LOCAL_RANK": "5"}  # a node's one launcher is its local rank 0
+    _refused_quickly(
+        launcher_defaults, bad_local, r"OMPI_COMM_WORLD_LOCAL_RANK=5 and OMPI_COMM_WORLD_LOCAL_SIZE=1 do not"
     )
 
 

@@ -63,11 +63,20 @@ def mpi_flavour(env: Mapping[str, str]) -> Mpi | None:
     return None
 
 
-def mpi_local(env: Mapping[str, str], mpi: Mpi) -> tuple[str, str, int, int] | None:
-    """``(local rank variable, local size variable, local rank, local size)`` when the MPI set them."""
+def mpi_local(env: Mapping[str, str], mpi: Mpi, world: int) -> tuple[str, str, int, int] | None:
+    """``(local rank variable, local size variable, local rank, local size)`` when the MPI set them.
+
+    Raises:
+        LaunchError: a local rank outside the local size, or a local size above ``world``.
+    """
     for rank_var, size_var in mpi.local_vars:
         if rank_var in env:
             local_rank, local_world = read_ints(env, [rank_var, size_var], _MPI_FIX)
+            if not 0 <= local_rank < local_world <= world:
+                raise LaunchError(
+                    f"{rank_var}={local_rank} and {size_var}={local_world} do not fit {mpi.size_var}={world}; "
+                    f"{_MPI_FIX}"
+                )
             return rank_var, size_var, local_rank, local_world
     return None
 
@@ -90,7 +99,7 @@ def mpi_worker(env: Mapping[str, str], mpi: Mpi) -> SchedulerWorld:
     rank, world = read_ints(env, [mpi.rank_var, mpi.size_var], _MPI_FIX)
     if not 0 <= rank < world:
         raise LaunchError(f"{mpi.rank_var}={rank} lies outside {mpi.size_var}={world} processes; {_MPI_FIX}")
-    local = mpi_local(env, mpi)
+    local = mpi_local(env, mpi, world)
     addr = read_addr(env)
     if local is None:
         if addr and not _is_loopback(addr):
@@ -133,7 +142,7 @@ def mpi_launcher(env: Mapping[str, str], mpi: Mpi) -> dict[str, str]:
         raise LaunchError(f"{mpi.rank_var}={rank} lies outside {mpi.size_var}={world} launchers; {_MPI_FIX}")
     if world == 1:
         return {"nnodes": "1", "node-rank": "0"}
-    local = mpi_local(env, mpi)
+    local = mpi_local(env, mpi, world)
     if local is None or local[3] != 1:
         said = f"{local[1]}={local[3]}" if local else f"without {_local_names(mpi)}"
         raise LaunchError(
