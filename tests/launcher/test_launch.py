@@ -186,8 +186,10 @@ def test_bad_launch_options_are_config_errors() -> None:
         LaunchConfig(nnodes="2")
     with pytest.raises(ConfigError, match="master_port=70000 is not a TCP port"):
         LaunchConfig(master_port=70000)
-    for grace in (0.0, float("nan"), float("inf")):
-        with pytest.raises(ConfigError, match=r"grace_period_s=.* must be a finite number of seconds > 0"):
+    for grace in (0.0, -1.0, float("nan"), float("inf"), 1e300):
+        with pytest.raises(
+            ConfigError, match=r"grace_period_s=.*: pass a finite number of seconds > 0 and at most 86400"
+        ):
             LaunchConfig(grace_period_s=grace)
 
 
@@ -211,8 +213,11 @@ def test_worker_env_carries_the_collective_timeout_and_the_restart_setting() -> 
     assert env["MULTIGPU_COLLECTIVE_TIMEOUT"] == "3.0"
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in worker_env(LaunchConfig(), "ddp", 2)
-    with pytest.raises(ConfigError, match=r"collective_timeout_s=0 must be > 0 seconds"):
-        LaunchConfig(collective_timeout_s=0)
+    for timeout in (0, -3.0, float("nan"), float("inf"), 1e12, "60"):  # inf crashed every worker's timer
+        with pytest.raises(
+            ConfigError, match=r"collective_timeout_s=.*(at most 604800 \(7 days\)|not a number of seconds)"
+        ):
+            LaunchConfig(collective_timeout_s=timeout)  # type: ignore[arg-type]
 
 
 def test_auto_strategy_is_ddp_for_several_processes() -> None:

@@ -30,6 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from multigpu.core.limits import WEEK_S, check_seconds
 from multigpu.devices import device_type_names, get_device_type, process_device_type
 from multigpu.errors import DeviceError, LaunchError
 from multigpu.runtime import schedulers
@@ -196,10 +197,14 @@ def bind_cores_requested() -> bool:
 def collective_timeout_s() -> float:
     """Seconds a collective waits for a missing rank (``multigpu launch --collective-timeout``, else 600)."""
     value = os.environ.get("MULTIGPU_COLLECTIVE_TIMEOUT", "")
-    try:
-        return float(value) if float(value) > 0 else DEFAULT_TIMEOUT_S
-    except ValueError:
+    if not value:
         return DEFAULT_TIMEOUT_S
+    try:
+        seconds: object = float(value)
+    except ValueError:
+        seconds = value
+    # inf or 1e300 would overflow torch's timer in every worker: refused by name instead
+    return check_seconds(seconds, "MULTIGPU_COLLECTIVE_TIMEOUT", maximum_s=WEEK_S)
 
 
 def failure_dir() -> str | None:
