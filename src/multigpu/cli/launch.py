@@ -15,13 +15,12 @@ a failing worker's rank and traceback are printed here. Inside the script,
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from multigpu.cli._launch_settings import mark_defaults, resolve
-from multigpu.core.limits import DAY_S, WEEK_S, parse_nnodes, seconds_bound
+from multigpu.cli._numbers import count, seconds
+from multigpu.core.limits import DAY_S, WEEK_S, parse_nnodes
 from multigpu.errors import ConfigError, MultigpuError
 
 if TYPE_CHECKING:
@@ -77,35 +76,6 @@ def _nnodes(text: str) -> str:
     return text
 
 
-def _seconds(maximum_s: float) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and 0 < value <= maximum_s):  # nan, inf, 0, negatives, text
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: pass a finite number of seconds > 0 and at most {seconds_bound(maximum_s)}, e.g. 60"
-            )
-        return value
-
-    return parse
-
-
-def _int_in(low: int, high: int | None, what: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low or (high is not None and value > high):
-            span = f"from {low} to {high}" if high is not None else f">= {low}"
-            raise argparse.ArgumentTypeError(f"{text!r}: pass {what}, a whole number {span}")
-        return value
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strategy",
@@ -131,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--node-rank",
-        type=_int_in(0, None, "this node's rank"),
+        type=count(0, None, "this node's rank"),
         default=0,
         metavar="R",
         help="this node's rank, 0..nnodes-1 (static rendezvous)",
@@ -144,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--master-port",
-        type=_int_in(1, 65535, "a TCP port"),
+        type=count(1, 65535, "a TCP port"),
         default=None,
         metavar="PORT",
         help="rank 0's port; default: a free port on one node (checked free when given)",
@@ -157,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--collective-timeout",
-        type=_seconds(WEEK_S),
+        type=seconds(WEEK_S),
         default=None,
         metavar="SECONDS",
         help="how long a collective waits for a rank that stopped calling it before every rank fails "
@@ -165,7 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--grace-period",
-        type=_seconds(DAY_S),
+        type=seconds(DAY_S),
         default=30.0,
         metavar="SECONDS",
         help="on SIGINT/SIGTERM/SIGHUP the launcher forwards the signal to every worker and kills those "
@@ -173,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-restarts",
-        type=_int_in(0, None, "a restart count"),
+        type=count(0, None, "a restart count"),
         default=0,
         metavar="K",
         help="restart all workers this often after a failure",
@@ -201,7 +171,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads-per-process",
-        type=_int_in(1, None, "a thread count"),
+        type=count(1, None, "a thread count"),
         default=None,
         metavar="T",
         help="OMP_NUM_THREADS for each process (default: cores / processes, or your OMP_NUM_THREADS)",

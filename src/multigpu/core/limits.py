@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 
 from multigpu.errors import ConfigError
 
@@ -60,3 +61,12 @@ def parse_nnodes(text: str) -> tuple[int, int]:
             "(e.g. 1:4)"
         )
     return low, high
+
+
+PROCESSES_PER_CORE = 4  # ranks a node may run per CPU core before the count is refused as a mistake
+MIN_PROCESS_BOUND = 8  # ... and never fewer than this, so a small machine can still try a world of 8
+
+
+def process_bound() -> int:
+    """The most processes (or threads per process) one node may start: 4 per CPU core, and at least 8."""
+    return max(MIN_PROCESS_BOUND, PROCESSES_PER_CORE * (os.cpu_count() or 1))

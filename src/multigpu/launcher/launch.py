@@ -38,11 +38,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeGuard
 
-from multigpu.core.limits import DAY_S, WEEK_S, check_seconds, parse_nnodes
+from multigpu.core.limits import DAY_S, WEEK_S, check_seconds, parse_nnodes, process_bound
 from multigpu.devices import parse_devices, process_device_type
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.launcher.preemption import maybe_requeue
-from multigpu.launcher.preflight import check_log_dir, process_bound
+from multigpu.launcher.preflight import check_log_dir
 from multigpu.launcher.supervise import run_supervised
 from multigpu.launcher.torchrun import (
     STREAMS,

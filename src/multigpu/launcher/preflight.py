@@ -15,6 +15,7 @@ import os
 import socket
 import tempfile
 
+from multigpu.core.limits import MIN_PROCESS_BOUND, PROCESSES_PER_CORE, process_bound
 from multigpu.errors import ConfigError, LaunchError
 
 
@@ -54,20 +55,11 @@ def check_listen_address(addr: str, port: int) -> None:
             ) from exc
 
 
-PROCESSES_PER_CORE = 4  # ranks a node may run per CPU core before the count is refused as a mistake
-MIN_PROCESS_BOUND = 8  # ... and never fewer than this, so a small machine can still try a world of 8
-
-
-def process_bound() -> int:
-    """The most processes one node may start: 4 per CPU core of this machine, and at least 8."""
-    return max(MIN_PROCESS_BOUND, PROCESSES_PER_CORE * (os.cpu_count() or 1))
-
-
 def check_process_count(count: int, flag: str, *, fix: str) -> None:
     """Refuse a process count no node can run (``--nproc-per-node 10000`` would fork until memory runs out).
 
     Every rank is a whole Python process with torch loaded (hundreds of MB), sharing this node's cores: past
-    :func:`process_bound` they only wait for each other, so such a count is a typo, not a plan.
+    :func:`~multigpu.core.limits.process_bound` they only wait for each other, so such a count is a typo, not a plan.
 
     Raises:
         ConfigError: naming ``flag`` with ``count``, the bound, where it comes from, and ``fix``.
