@@ -193,6 +193,16 @@ def test_bad_launch_options_are_config_errors() -> None:
             LaunchConfig(grace_period_s=grace)
 
 
+def test_extra_env_cannot_set_what_the_launch_sets() -> None:
+    with pytest.raises(ConfigError, match=r"extra_env sets MULTIGPU_STRATEGY='dp', which the launch sets itself"):
+        LaunchConfig(extra_env={"MULTIGPU_STRATEGY": "dp"})  # it overrode the launch's strategy in every worker
+    with pytest.raises(ConfigError, match=r"extra_env sets WORLD_SIZE='4'"):
+        LaunchConfig(extra_env={"WORLD_SIZE": "4"})
+    with pytest.raises(ConfigError, match=r"extra_env\['X'\]=1: pass variable names mapped to strings"):
+        LaunchConfig(extra_env={"X": 1})  # type: ignore[dict-item]
+    assert worker_env(LaunchConfig(extra_env={"NCCL_DEBUG": "INFO"}), "ddp", 2)["NCCL_DEBUG"] == "INFO"
+
+
 def test_missing_script_is_reported(tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match=r"script '.*nope.py' does not exist"):
         launch(LaunchConfig(strategy="single"), str(tmp_path / "nope.py"))

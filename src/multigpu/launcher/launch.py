@@ -157,6 +157,7 @@ class LaunchConfig:
             )
         check_log_options(self)
         check_rendezvous_options(self)
+        check_extra_env(self.extra_env)
         chosen = get_strategy(self.strategy) if self.strategy != "auto" else None
         one_process = chosen is not None and not chosen.needs_processes
         if one_process and isinstance(self.nproc_per_node, int) and self.nproc_per_node > 1:
@@ -278,6 +279,25 @@ def check_log_options(config: LaunchConfig) -> None:
         )
     if config.log_dir is not None and os.path.isfile(config.log_dir):
         raise ConfigError(f"--log-dir {config.log_dir} is a file; pass a folder (created when missing)")
+
+
+# what the launcher and torchrun set in every worker: an extra_env entry would be overridden, or override the
+# launcher's own (MULTIGPU_STRATEGY) and run the workers under another strategy than the launch's
+_WORKER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_extra_env(extra_env: dict[str, str]) -> None:
+    """Refuse ``extra_env`` entries that are not strings, or that name a variable the launch sets itself."""
+    if not isinstance(extra_env, dict):
+        raise ConfigError(f"extra_env={extra_env!r}: pass a dict of variable names to strings")
+    for key, value in extra_env.items():
+        if not isinstance(key, str) or not key or "=" in key or not isinstance(value, str):
+            raise ConfigError(f"extra_env[{key!r}]={value!r}: pass variable names mapped to strings, e.g. {{'X': '1'}}")
+        if key in _WORKER_VARIABLES or key.startswith("MULTIGPU_"):
+            raise ConfigError(
+                f"extra_env sets {key}={value!r}, which the launch sets itself in every worker; remove it and use "
+                "the LaunchConfig field instead (strategy, nproc_per_node, master_addr, ...)"
+            )
 
 
 def check_ranks_filter(config: LaunchConfig, nproc: int) -> None:
