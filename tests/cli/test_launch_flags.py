@@ -48,6 +48,8 @@ def _run(argv: list[str], tmp_path: Path) -> int:
         (["--master-addr", " "], "--master-addr ' ' is empty; pass an address"),
         (["--nnodes", "2", "--node-rank", "2", "--master-addr", "10.0.0.1"], "node_rank=2 with nnodes='2'"),
         (["--threads-per-process", "100000"], "threads_per_process=100000: pass a thread count from 1 to"),
+        (["--strategy", "single", "--log-dir", "logs"], "are the per-rank logs of ddp and fsdp; --strategy single"),
+        (["--nproc-per-node", "1", "--tee", "stdout"], "--strategy single runs one process"),  # auto: single
     ],
 )
 def test_absurd_flags_end_in_a_message_and_exit_code_2(

@@ -251,6 +251,12 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
     nproc = 1 if config.one_process else resolve_nproc(config)
     strategy = resolve_strategy(config, nproc)
     check_ranks_filter(config, nproc)
+    if not STRATEGIES[strategy].needs_processes and logs_requested(config):  # torchrun's options: ignored here
+        raise ConfigError(
+            f"--log-dir, --tee and --local-ranks-filter are the per-rank logs of ddp and fsdp; --strategy {strategy} "
+            "runs one process that prints to this console: drop them and redirect it (e.g. > run.log 2>&1), or "
+            "launch with --strategy ddp"
+        )
     if config.devices is not None:
         parse_devices(config.devices)  # a DeviceError here, not after the script started
     if not STRATEGIES[strategy].needs_processes:
