@@ -181,6 +181,31 @@ def test_a_rank_that_never_returns_is_stopped_at_the_timeout_and_named(tmp_path:
     assert set(_children_of(os.getpid())) <= before
 
 
+def _returns_then_waits_for_a_child_on_the_way_out(pids: str) -> int:
+    import multiprocessing
+    import os
+    import time
+
+    helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(300,))  # not a daemon:
+    helper.start()  # the rank's exit joins it after fn returned
+    with open(pids, "a") as f:
+        f.write(f"{os.getpid()} {helper.pid}\n")
+    return int(os.environ["RANK"]) + 41
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_a_rank_whose_exit_hangs_after_it_returned_does_not_hang_the_caller(tmp_path: Path) -> None:
+    import os
+
+    before = set(_children_of(os.getpid()))
+    pids = tmp_path / "pids.txt"
+    assert launch_function(_returns_then_waits_for_a_child_on_the_way_out, args=(str(pids),), nproc_per_node=2) == 41
+    assert len(_recorded(pids)) == 2 * 2
+    assert alive(_recorded(pids)) == []
+    assert set(_children_of(os.getpid())) <= before
+
+
 def _returns_a_class_only_the_rank_can_import(folder: str) -> object:
     import sys
 

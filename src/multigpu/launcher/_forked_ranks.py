@@ -113,10 +113,11 @@ def _collect(children: list[Any], outbox: Path, deadline: float | None, timeout:
     while pending:
         for rank, process in list(pending.items()):
             code = exit_code(process)
-            if code is None:
-                continue
+            record = outbox / str(rank)
+            if code is None and not record.exists():  # (a rank with its record in is done: what it does while
+                continue  # it exits, e.g. an atexit handler that hangs, is stopped with the rest)
             del pending[rank]
-            value = _read(outbox / str(rank), rank, len(children), code)
+            value = _read(record, rank, len(children), code)
             if rank == 0:
                 result = value
         if not pending:
@@ -134,7 +135,7 @@ def _collect(children: list[Any], outbox: Path, deadline: float | None, timeout:
     return result
 
 
-def _read(path: Path, rank: int, world: int, code: int) -> Any:
+def _read(path: Path, rank: int, world: int, code: int | None) -> Any:
     try:
         record = pickle.loads(path.read_bytes())
     except FileNotFoundError:  # it died without a word (killed, os._exit, or killed while writing)
