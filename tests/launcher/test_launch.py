@@ -193,6 +193,16 @@ def test_bad_launch_options_are_config_errors() -> None:
             LaunchConfig(grace_period_s=grace)
 
 
+def test_node_counts_take_torchruns_forms_only() -> None:
+    assert LaunchConfig(nnodes=2, master_addr="10.0.0.1").nnodes == "2"  # type: ignore[arg-type]
+    assert LaunchConfig(nnodes="1:4", master_addr="10.0.0.1").multi_node
+    for nnodes in ("abc", "0", "4:2", "1:2:3", "", "-1"):
+        with pytest.raises(ConfigError, match=r"nnodes=.*: pass a node count >= 1 \(e.g. 2\), or MIN:MAX"):
+            LaunchConfig(nnodes=nnodes, master_addr="10.0.0.1")
+    with pytest.raises(ConfigError, match=r"node_rank=-1 with nnodes='2': pass this node's rank, 0..1"):
+        LaunchConfig(nnodes="2", node_rank=-1, master_addr="10.0.0.1")
+
+
 def test_extra_env_cannot_set_what_the_launch_sets() -> None:
     with pytest.raises(ConfigError, match=r"extra_env sets MULTIGPU_STRATEGY='dp', which the launch sets itself"):
         LaunchConfig(extra_env={"MULTIGPU_STRATEGY": "dp"})  # it overrode the launch's strategy in every worker

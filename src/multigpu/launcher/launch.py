@@ -132,6 +132,8 @@ class LaunchConfig:
             raise ConfigError(f"strategy={self.strategy!r} is not one of {LAUNCH_STRATEGIES}; use e.g. --strategy ddp")
         if self.nproc_per_node != "auto" and (not _is_int(self.nproc_per_node) or self.nproc_per_node < 1):
             raise ConfigError(f"nproc_per_node={self.nproc_per_node!r}: pass a count >= 1 or 'auto'")
+        if _is_int(self.nnodes):  # LaunchConfig(nnodes=2): torchrun's form is text
+            self.nnodes = str(self.nnodes)
         _, most_nodes = parse_nnodes(self.nnodes)
         if not _is_int(self.node_rank) or not 0 <= self.node_rank < most_nodes:
             raise ConfigError(
