@@ -133,6 +133,11 @@ def test_a_file_that_is_not_utf8_or_nests_too_deep_is_named(tmp_path: Path) -> N
         _config(["--config", str(tmp_path), "t.py"])
 
 
+def test_an_empty_config_path_is_refused_not_skipped() -> None:
+    with pytest.raises(ConfigError, match=r"--config '' is empty; pass the path of a TOML file"):
+        _config(["--config", "", "t.py"])
+
+
 def test_one_flag_in_both_spellings_is_refused_naming_both(tmp_path: Path) -> None:
     message = _config_error("nproc-per-node = 2\nnproc_per_node = 4\n", tmp_path)
     assert "'nproc-per-node' and 'nproc_per_node' both set --nproc-per-node; keep one of the two spellings" in message

@@ -60,6 +60,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     by_name = {_long_name(a): a for a in actions}
     config = getattr(args, "config", None)
     config_path = config.value if isinstance(config, _Unset) else config
+    if config_path is not None and not str(config_path).strip():
+        raise ConfigError(f"--config {config_path!r} is empty; pass the path of a TOML file (e.g. run.toml)")
     from_file = _read_config(Path(config_path), by_name) if config_path else {}
     from_scheduler: dict[str, Any] = {}
     if any(isinstance(getattr(args, a.dest), _Unset) for a in actions):
