@@ -11,7 +11,7 @@ import pytest
 
 from multigpu.errors import ConfigError, LaunchError, LaunchTimeoutError, ResultError
 from multigpu.launcher.function import launch_function
-from tests.launching import alive, run_python_stdin
+from tests.launching import alive, fork_sleeper, run_python_stdin, start_joined_child
 
 _SCRIPT = """
 import json, os, subprocess, sys, time
@@ -124,15 +124,7 @@ def _fork_helpers_then(pids: str, end: str) -> None:
     import signal
     import time
 
-    helpers = []
-    for own_group in (False, True):
-        pid = os.fork()
-        if pid == 0:
-            if own_group:
-                os.setpgid(0, 0)
-            time.sleep(300)
-            os._exit(0)
-        helpers.append(pid)
+    helpers = [fork_sleeper(own_group=False), fork_sleeper(own_group=True)]
     with open(pids, "a") as f:
         f.write(f"{os.getpid()} {' '.join(map(str, helpers))}\n")
     if os.environ["RANK"] == "1":
@@ -182,14 +174,11 @@ def test_a_rank_that_never_returns_is_stopped_at_the_timeout_and_named(tmp_path:
 
 
 def _returns_then_waits_for_a_child_on_the_way_out(pids: str) -> int:
-    import multiprocessing
     import os
-    import time
 
-    helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(300,))  # not a daemon:
-    helper.start()  # the rank's exit joins it after fn returned
+    helper = start_joined_child()  # the rank's exit joins it after fn returned
     with open(pids, "a") as f:
-        f.write(f"{os.getpid()} {helper.pid}\n")
+        f.write(f"{os.getpid()} {helper}\n")
     return int(os.environ["RANK"]) + 41
 
 
