@@ -4,7 +4,8 @@ Highest first:
 
 1. a flag on the command line;
 2. a key of the ``--config`` TOML file, named like the long flag (``nproc-per-node = 2``;
-   ``nproc_per_node`` is accepted too; a switch such as ``no-bind-cores`` takes ``true``);
+   ``nproc_per_node`` is accepted too, not both; a switch such as ``no-bind-cores`` takes ``true``; a UTF-8
+   file of at most 1 MiB);
 3. what the scheduler says about this node (:func:`multigpu.runtime.world.scheduler_launcher_defaults`):
    torchrun's ``PET_*`` variables (Kubeflow's PyTorchJob), or the nodes and node rank of a SLURM step;
 4. the flag's default.
