@@ -136,6 +136,30 @@ def read_lines_until(proc: subprocess.Popen[str], prefix: str, count: int, *, ti
     return found
 
 
+def fork_sleeper(*, own_group: bool = False, seconds: float = 300.0) -> int:
+    """Fork this process into a child that sleeps ``seconds`` then exits: the helper a process leaves behind
+    (as a DataLoader worker would, holding every descriptor its parent held); its pid. ``own_group``: the
+    child first makes a process group of its own."""
+    pid = os.fork()
+    if pid == 0:
+        if own_group:
+            os.setpgid(0, 0)
+        time.sleep(seconds)
+        os._exit(0)
+    return pid
+
+
+def start_joined_child(seconds: float = 300.0) -> int:
+    """A non-daemon multiprocessing child sleeping ``seconds``, which this process's exit waits for
+    (multiprocessing joins such children on the way out); its pid."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(seconds,))
+    child.start()
+    assert child.pid is not None
+    return child.pid
+
+
 def alive(pids: list[int]) -> list[int]:
     """The processes of ``pids`` that still run (zombies, which have ended, excluded)."""
     running = []

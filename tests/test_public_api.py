@@ -15,6 +15,8 @@ PUBLIC = {
     "SessionConfig",
     "Session",
     "LaunchError",
+    "LaunchTimeoutError",
+    "ResultError",
     "LaunchConfig",
     "CheckpointError",
     "Checkpointer",

@@ -25,9 +25,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         DeviceError,
         GatherError,
         LaunchError,
+        LaunchTimeoutError,
         MultigpuError,
         PeerExitedError,
         PlacementError,
+        ResultError,
         ScatterError,
     )
     from multigpu.launcher import LaunchConfig, launch, launch_function
@@ -45,9 +47,11 @@ _ERRORS = (
     "DeviceError",
     "GatherError",
     "LaunchError",
+    "LaunchTimeoutError",
     "MultigpuError",
     "PeerExitedError",
     "PlacementError",
+    "ResultError",
     "ScatterError",
 )
 
@@ -80,11 +84,13 @@ __all__ = [
     "GatherError",
     "LaunchConfig",
     "LaunchError",
+    "LaunchTimeoutError",
     "MultigpuError",
     "PeerExitedError",
     "PlacementError",
     "ProfileConfig",
     "ReplicaDevice",
+    "ResultError",
     "Resumed",
     "ScatterError",
     "Session",

@@ -45,3 +45,11 @@ class PeerExitedError(MultigpuError, RuntimeError):
 
 class LaunchError(MultigpuError, RuntimeError):
     """A multi-process run that cannot start: not launched, port in use, process group missing."""
+
+
+class LaunchTimeoutError(LaunchError):
+    """Ranks of :func:`~multigpu.launcher.function.launch_function` still running when its ``timeout`` passed."""
+
+
+class ResultError(LaunchError):
+    """A rank's return value that cannot travel to the caller (it does not pickle there, or here)."""

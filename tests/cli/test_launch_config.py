@@ -112,3 +112,79 @@ def test_the_help_names_the_new_flags(capsys: pytest.CaptureFixture[str]) -> Non
     text = capsys.readouterr().out
     assert "--config FILE.toml" in text and "--requeue" in text and "scontrol requeue" in text
     assert "(default 30)" in text  # the marked defaults still print as before
+
+
+def _config_error(text: bytes | str, tmp_path: Path, argv: list[str] | None = None) -> str:
+    run = tmp_path / "run.toml"
+    run.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError) as caught:
+        _config(["--config", str(run), *(argv or []), "t.py"])
+    return str(caught.value)
+
+
+def test_a_file_that_is_not_utf8_or_nests_too_deep_is_named(tmp_path: Path) -> None:
+    message = _config_error(b'strategy = "d\xffp"\n', tmp_path)
+    assert message.startswith(f"--config {tmp_path / 'run.toml'}: not UTF-8 text (byte 0xff at offset 13)")
+    assert "save it as UTF-8" in message
+    deep = "nproc-per-node = " + "[" * 5000 + "]" * 5000 + "\n"
+    assert "nested too deep for the TOML parser" in _config_error(deep, tmp_path)
+    assert "larger than 1048576 bytes" in _config_error(b"# " + b"x" * (1 << 20) + b"\n", tmp_path)
+    with pytest.raises(ConfigError, match=r"--config .*: not a regular file"):
+        _config(["--config", str(tmp_path), "t.py"])
+
+
+def test_an_empty_config_path_is_refused_not_skipped() -> None:
+    with pytest.raises(ConfigError, match=r"--config '' is empty; pass the path of a TOML file"):
+        _config(["--config", "", "t.py"])
+
+
+def test_one_flag_in_both_spellings_is_refused_naming_both(tmp_path: Path) -> None:
+    message = _config_error("nproc-per-node = 2\nnproc_per_node = 4\n", tmp_path)
+    assert "'nproc-per-node' and 'nproc_per_node' both set --nproc-per-node; keep one of the two spellings" in message
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "collective-timeout = inf\n",
+            r"collective-timeout = inf: --collective-timeout refuses it \('inf': pass a finite",
+        ),
+        ("collective-timeout = nan\n", r"--collective-timeout refuses it \('nan'"),
+        ("collective-timeout = -1\n", r"--collective-timeout refuses it \('-1'"),
+        ("collective-timeout = 1e12\n", r"at most 604800 \(7 days\)"),
+        ("grace-period = 1e300\n", r"--grace-period refuses it .*at most 86400 \(1 day\)"),
+        ('nnodes = "abc"\n', r"--nnodes refuses it \('abc': pass a node count >= 1 .* or MIN:MAX"),
+        ('nnodes = "4:2"\n', r"--nnodes refuses it \('4:2'"),
+        ("nnodes = 0\n", r"--nnodes refuses it \('0'"),
+        ("node-rank = -1\n", r"--node-rank refuses it \('-1': pass this node's rank, a whole number >= 0\)"),
+        ("max-restarts = -2\n", r"--max-restarts refuses it"),
+        ("master-port = 0\n", r"--master-port refuses it \('0': pass a TCP port, a whole number from 1 to 65535\)"),
+        ("threads-per-process = 0\n", r"--threads-per-process refuses it"),
+        ("grace-period = true\n", r"--grace-period takes one value"),
+    ],
+)
+def test_absurd_values_in_the_file_are_refused_by_key(tmp_path: Path, text: str, message: str) -> None:
+    import re
+
+    assert re.search(message, _config_error(text, tmp_path))
+
+
+def test_values_that_depend_on_others_are_refused_by_the_config(tmp_path: Path) -> None:
+    assert "node_rank=2 with nnodes='2': pass this node's rank, 0..1" in _config_error(
+        'nnodes = "2"\nnode-rank = 2\nmaster-addr = "10.0.0.1"\n', tmp_path
+    )
+    assert "threads_per_process=100000: pass a thread count from 1 to" in _config_error(
+        "threads-per-process = 100000\n", tmp_path
+    )
+
+
+def test_a_pet_variable_that_torchrun_would_choke_on_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_NNODES", "abc")
+    with pytest.raises(
+        ConfigError, match=r"PET_NNODES='abc' \(for --nnodes\): --nnodes refuses it \('abc': pass a node"
+    ):
+        _config(["t.py"])
+    monkeypatch.setenv("PET_NNODES", "1:2:3")
+    with pytest.raises(ConfigError, match=r"PET_NNODES='1:2:3'"):
+        _config(["t.py"])

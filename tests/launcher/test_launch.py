@@ -186,9 +186,31 @@ def test_bad_launch_options_are_config_errors() -> None:
         LaunchConfig(nnodes="2")
     with pytest.raises(ConfigError, match="master_port=70000 is not a TCP port"):
         LaunchConfig(master_port=70000)
-    for grace in (0.0, float("nan"), float("inf")):
-        with pytest.raises(ConfigError, match=r"grace_period_s=.* must be a finite number of seconds > 0"):
+    for grace in (0.0, -1.0, float("nan"), float("inf"), 1e300):
+        with pytest.raises(
+            ConfigError, match=r"grace_period_s=.*: pass a finite number of seconds > 0 and at most 86400"
+        ):
             LaunchConfig(grace_period_s=grace)
+
+
+def test_node_counts_take_torchruns_forms_only() -> None:
+    assert LaunchConfig(nnodes=2, master_addr="10.0.0.1").nnodes == "2"  # type: ignore[arg-type]
+    assert LaunchConfig(nnodes="1:4", master_addr="10.0.0.1").multi_node
+    for nnodes in ("abc", "0", "4:2", "1:2:3", "", "-1"):
+        with pytest.raises(ConfigError, match=r"nnodes=.*: pass a node count >= 1 \(e.g. 2\), or MIN:MAX"):
+            LaunchConfig(nnodes=nnodes, master_addr="10.0.0.1")
+    with pytest.raises(ConfigError, match=r"node_rank=-1 with nnodes='2': pass this node's rank, 0..1"):
+        LaunchConfig(nnodes="2", node_rank=-1, master_addr="10.0.0.1")
+
+
+def test_extra_env_cannot_set_what_the_launch_sets() -> None:
+    with pytest.raises(ConfigError, match=r"extra_env sets MULTIGPU_STRATEGY='dp', which the launch sets itself"):
+        LaunchConfig(extra_env={"MULTIGPU_STRATEGY": "dp"})  # it overrode the launch's strategy in every worker
+    with pytest.raises(ConfigError, match=r"extra_env sets WORLD_SIZE='4'"):
+        LaunchConfig(extra_env={"WORLD_SIZE": "4"})
+    with pytest.raises(ConfigError, match=r"extra_env\['X'\]=1: pass variable names mapped to strings"):
+        LaunchConfig(extra_env={"X": 1})  # type: ignore[dict-item]
+    assert worker_env(LaunchConfig(extra_env={"NCCL_DEBUG": "INFO"}), "ddp", 2)["NCCL_DEBUG"] == "INFO"
 
 
 def test_missing_script_is_reported(tmp_path: Path) -> None:
@@ -211,8 +233,11 @@ def test_worker_env_carries_the_collective_timeout_and_the_restart_setting() -> 
     assert env["MULTIGPU_COLLECTIVE_TIMEOUT"] == "3.0"
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in worker_env(LaunchConfig(), "ddp", 2)
-    with pytest.raises(ConfigError, match=r"collective_timeout_s=0 must be > 0 seconds"):
-        LaunchConfig(collective_timeout_s=0)
+    for timeout in (0, -3.0, float("nan"), float("inf"), 1e12, "60"):  # inf crashed every worker's timer
+        with pytest.raises(
+            ConfigError, match=r"collective_timeout_s=.*(at most 604800 \(7 days\)|not a number of seconds)"
+        ):
+            LaunchConfig(collective_timeout_s=timeout)  # type: ignore[arg-type]
 
 
 def test_auto_strategy_is_ddp_for_several_processes() -> None:

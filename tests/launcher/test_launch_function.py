@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from multigpu.errors import ConfigError
+from multigpu.errors import ConfigError, LaunchError, LaunchTimeoutError, ResultError
 from multigpu.launcher.function import launch_function
-from tests.launching import alive, run_python_stdin
+from tests.launching import alive, fork_sleeper, run_python_stdin, start_joined_child
 
 _SCRIPT = """
 import json, os, subprocess, sys, time
@@ -101,3 +101,169 @@ def _exits_cleanly_on_rank_1() -> object:
 def test_sys_exit_0_is_a_clean_end_and_tensors_come_back_on_the_cpu() -> None:
     result = launch_function(_exits_cleanly_on_rank_1, nproc_per_node=2)
     assert result["weights"].device.type == "cpu" and result["weights"].tolist() == [1.0, 1.0]
+
+
+def _children_of(pid: int) -> list[int]:
+    """The running processes whose parent is ``pid`` (zombies excluded)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def _fork_helpers_then(pids: str, end: str) -> None:
+    """Fork two helpers that outlive the rank (one in the rank's process group, one in a group of its own,
+    both holding every descriptor the rank holds), record their pids, then ``end`` the rank."""
+    import os
+    import signal
+    import time
+
+    helpers = [fork_sleeper(own_group=False), fork_sleeper(own_group=True)]
+    with open(pids, "a") as f:
+        f.write(f"{os.getpid()} {' '.join(map(str, helpers))}\n")
+    if os.environ["RANK"] == "1":
+        if end == "die":
+            os._exit(3)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the timeout's SIGTERM is ignored: SIGKILL after the grace
+        time.sleep(300)
+
+
+def _recorded(path: Path) -> list[int]:
+    return [int(pid) for line in path.read_text().split("\n") for pid in line.split()]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)  # before the fix it waited for the helpers' end-of-file: 300 s
+def test_a_rank_that_forked_helpers_and_died_is_named_and_nothing_is_left(tmp_path: Path) -> None:
+    import os
+    import time
+
+    before = set(_children_of(os.getpid()))
+    pids = tmp_path / "pids.txt"
+    began = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 of 2 exited with code 3 before returning"):
+        launch_function(_fork_helpers_then, args=(str(pids), "die"), nproc_per_node=2)
+    assert time.monotonic() - began < 60
+    recorded = _recorded(pids)
+    assert len(recorded) == 2 * 3  # two ranks, two helpers each
+    assert alive(recorded) == []
+    assert set(_children_of(os.getpid())) <= before
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_a_rank_that_never_returns_is_stopped_at_the_timeout_and_named(tmp_path: Path) -> None:
+    import os
+    import time
+
+    before = set(_children_of(os.getpid()))
+    pids = tmp_path / "pids.txt"
+    began = time.monotonic()
+    with pytest.raises(LaunchTimeoutError, match=r"timeout=3 s passed with rank\(s\) \[1\] of 2 still running"):
+        launch_function(_fork_helpers_then, args=(str(pids), "hang"), nproc_per_node=2, timeout=3)
+    took = time.monotonic() - began
+    assert 3 <= took < 3 + 5 + 30  # the timeout, the grace a rank ignoring SIGTERM gets, a loaded machine
+    assert alive(_recorded(pids)) == []
+    assert set(_children_of(os.getpid())) <= before
+
+
+def _returns_then_waits_for_a_child_on_the_way_out(pids: str) -> int:
+    import os
+
+    helper = start_joined_child()  # the rank's exit joins it after fn returned
+    with open(pids, "a") as f:
+        f.write(f"{os.getpid()} {helper}\n")
+    return int(os.environ["RANK"]) + 41
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_a_rank_whose_exit_hangs_after_it_returned_does_not_hang_the_caller(tmp_path: Path) -> None:
+    import os
+
+    before = set(_children_of(os.getpid()))
+    pids = tmp_path / "pids.txt"
+    assert launch_function(_returns_then_waits_for_a_child_on_the_way_out, args=(str(pids),), nproc_per_node=2) == 41
+    assert len(_recorded(pids)) == 2 * 2
+    assert alive(_recorded(pids)) == []
+    assert set(_children_of(os.getpid())) <= before
+
+
+def _returns_a_class_only_the_rank_can_import(folder: str) -> object:
+    import sys
+
+    sys.path.insert(0, folder)
+    import rank_only_module  # type: ignore[import-not-found]
+
+    return rank_only_module.Thing()
+
+
+def _returns_a_local_class() -> object:
+    class Local:
+        pass
+
+    return Local()
+
+
+@pytest.mark.multiprocess
+def test_a_result_that_cannot_travel_names_the_rank_the_type_and_the_fix(tmp_path: Path) -> None:
+    (tmp_path / "rank_only_module.py").write_text("class Thing:\n    pass\n")
+    with pytest.raises(
+        ResultError,
+        match=r"rank 0 returned a rank_only_module.Thing, which this process cannot unpickle "
+        r"\(ModuleNotFoundError: .*\); return plain data .* or define its class at the top level of a module",
+    ):
+        launch_function(_returns_a_class_only_the_rank_can_import, args=(str(tmp_path),), nproc_per_node=2)
+    with pytest.raises(
+        ResultError, match=r"rank 0 returned a .*_returns_a_local_class.<locals>.Local that does not pickle"
+    ):
+        launch_function(_returns_a_local_class, nproc_per_node=2)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            {"nproc_per_node": 10_000},
+            r"nproc_per_node=10000: more processes than this node runs \(at most \d+: 4 per CPU core",
+        ),
+        ({"nproc_per_node": True}, r"nproc_per_node=True: pass a process count >= 1"),
+        ({"strategy": ["ddp"]}, r"strategy=\['ddp'\]: launch_function starts one process per device"),
+        (
+            {"env": {"WORLD_SIZE": "4"}},
+            r"env sets WORLD_SIZE='4', which launch_function sets itself .* nproc_per_node=",
+        ),
+        ({"env": {"MASTER_PORT": "1", "RANK": "0"}}, r"env sets MASTER_PORT='1', RANK='0'"),
+        ({"env": {"MULTIGPU_STRATEGY": "fsdp"}}, r"env sets MULTIGPU_STRATEGY='fsdp'.* strategy="),
+        ({"env": {"NCCL_DEBUG": 1}}, r"env\['NCCL_DEBUG'\]=1: variable values are strings"),
+        ({"env": {"A=B": "1"}}, r"env key 'A=B' is not a variable name"),
+        ({"env": ["X"]}, r"env=\['X'\]: pass a dict"),
+        ({"args": "abc"}, r"args='abc': pass the positional arguments as a tuple or list"),
+        ({"args": 0.1}, r"args=0.1: pass the positional arguments as a tuple or list, e.g. args=\(0.1,\)"),
+        ({"kwargs": {1: 2}}, r"kwargs=\{1: 2\}: pass a dict of argument names"),
+        ({"timeout": 0}, r"timeout=0: pass the seconds the call may take, a finite number > 0"),
+        ({"timeout": -5.0}, r"timeout=-5.0: pass the seconds"),
+        ({"timeout": float("nan")}, r"timeout=nan: pass the seconds"),
+        ({"timeout": float("inf")}, r"timeout=inf: .* or None for no limit"),
+        ({"timeout": "60"}, r"timeout='60': pass the seconds"),
+        ({"timeout": True}, r"timeout=True: pass the seconds"),
+    ],
+)
+def test_bad_inputs_are_refused_by_name_before_any_fork(call: dict[str, object], message: str) -> None:
+    import os
+
+    before = set(_children_of(os.getpid()))
+    with pytest.raises(ConfigError, match=message):
+        launch_function(print, **call)  # type: ignore[arg-type]
+    assert set(_children_of(os.getpid())) <= before
+
+
+def test_a_function_that_is_not_callable_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"fn=42 is not callable; pass the function itself"):
+        launch_function(42)  # type: ignore[arg-type]

@@ -112,3 +112,16 @@ def test_inside_a_group_the_group_answers_for_everyone(one_rank_group: None) -> 
     assert _where() == "rank 0 of world_size 1"  # the failure messages ask the runtime
     profiler = DDPProfiler(DistributedDataParallel(torch.nn.Linear(2, 2)))
     assert profiler.rank_profile().rank == 0 and profiler.gather().backend == "gloo"
+
+
+def test_the_collective_timeout_variable_is_read_finite_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MULTIGPU_COLLECTIVE_TIMEOUT", raising=False)
+    assert world.collective_timeout_s() == world.DEFAULT_TIMEOUT_S
+    monkeypatch.setenv("MULTIGPU_COLLECTIVE_TIMEOUT", "90.5")
+    assert world.collective_timeout_s() == 90.5
+    for value in ("inf", "nan", "-1", "0", "1e300", "abc"):  # inf overflowed torch's timer in every worker
+        monkeypatch.setenv("MULTIGPU_COLLECTIVE_TIMEOUT", value)
+        with pytest.raises(
+            LaunchError, match=r"MULTIGPU_COLLECTIVE_TIMEOUT=.*not a number of seconds > 0 and at most 604800"
+        ):
+            world.collective_timeout_s()

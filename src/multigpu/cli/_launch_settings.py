@@ -4,7 +4,8 @@ Highest first:
 
 1. a flag on the command line;
 2. a key of the ``--config`` TOML file, named like the long flag (``nproc-per-node = 2``;
-   ``nproc_per_node`` is accepted too; a switch such as ``no-bind-cores`` takes ``true``);
+   ``nproc_per_node`` is accepted too, not both; a switch such as ``no-bind-cores`` takes ``true``; a UTF-8
+   file of at most 1 MiB);
 3. what the scheduler says about this node (:func:`multigpu.runtime.world.scheduler_launcher_defaults`):
    torchrun's ``PET_*`` variables (Kubeflow's PyTorchJob), or the nodes and node rank of a SLURM step;
 4. the flag's default.
@@ -60,6 +61,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     by_name = {_long_name(a): a for a in actions}
     config = getattr(args, "config", None)
     config_path = config.value if isinstance(config, _Unset) else config
+    if config_path is not None and not str(config_path).strip():
+        raise ConfigError(f"--config {config_path!r} is empty; pass the path of a TOML file (e.g. run.toml)")
     from_file = _read_config(Path(config_path), by_name) if config_path else {}
     from_scheduler: dict[str, Any] = {}
     if any(isinstance(getattr(args, a.dest), _Unset) for a in actions):
@@ -68,7 +71,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         scheduler, values = scheduler_launcher_defaults()
         for name, text in values.items():
             if name in by_name:
-                from_scheduler[name] = _convert(by_name[name], text, f"{scheduler} variable for --{name}")
+                source = f"PET_{name.upper().replace('-', '_')}" if scheduler == "torchrun" else f"{scheduler}'s value"
+                from_scheduler[name] = _convert(by_name[name], text, f"{source}={text!r} (for --{name})")
     resolved = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != _ACTIONS})
     for name, action in by_name.items():
         current = getattr(args, action.dest)
@@ -89,26 +93,59 @@ def _long_name(action: argparse.Action) -> str:
     return (longs or action.option_strings)[0].lstrip("-")
 
 
+_MAX_CONFIG_BYTES = 1 << 20  # a launch's flags fit in a few hundred bytes; a bigger file is the wrong file
+
+
 def _load_toml(path: Path) -> dict[str, Any]:
     for module in ("tomllib", "tomli"):  # tomllib: Python 3.11+; tomli: the same parser for 3.10
         try:
             toml = importlib.import_module(module)
         except ImportError:
             continue
+        text = _read_text(path)
         try:
-            with path.open("rb") as file:
-                return dict(toml.load(file))
+            return dict(toml.loads(text))
         except toml.TOMLDecodeError as exc:
             raise ConfigError(
                 f"--config {path}: not valid TOML ({exc}); write keys as e.g. nproc-per-node = 2"
             ) from exc
+        except RecursionError:  # the parser recurses once per level of nested arrays or tables
+            raise ConfigError(
+                f"--config {path}: values nested too deep for the TOML parser; the keys are flags with one "
+                "value each, e.g. nproc-per-node = 2"
+            ) from None
     raise ConfigError(f"--config {path}: reading TOML needs Python 3.11+ or the 'tomli' package (pip install tomli)")
 
 
+def _read_text(path: Path) -> str:
+    try:
+        with path.open("rb") as file:
+            data = file.read(_MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(
+            f"--config {path}: cannot be read ({exc.strerror or exc}); pass a TOML file you can read"
+        ) from exc
+    if len(data) > _MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"--config {path}: larger than {_MAX_CONFIG_BYTES} bytes, not a file of launch flags; pass the TOML "
+            "file with e.g. nproc-per-node = 2"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"--config {path}: not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); TOML files are "
+            "UTF-8: save it as UTF-8"
+        ) from None
+
+
 def _read_config(path: Path, by_name: dict[str, argparse.Action]) -> dict[str, Any]:
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"--config {path}: no such file; pass the path of a TOML file (e.g. run.toml)")
+    if not path.is_file():  # a folder, a pipe or a device: nothing to parse, or a read that never ends
+        raise ConfigError(f"--config {path}: not a regular file; pass the path of a TOML file (e.g. run.toml)")
     values: dict[str, Any] = {}
+    spelt: dict[str, str] = {}
     for key, raw in _load_toml(path).items():
         name = key.replace("_", "-")
         if name not in by_name or name in _NOT_IN_FILE:
@@ -118,6 +155,11 @@ def _read_config(path: Path, by_name: dict[str, argparse.Action]) -> dict[str, A
                 f"did you mean '{near[0]}'?" if near else f"the keys are the long flags: {', '.join(sorted(choices))}"
             )
             raise ConfigError(f"--config {path}: {key!r} is not a flag of multigpu launch; {hint}")
+        if name in spelt:
+            raise ConfigError(
+                f"--config {path}: {spelt[name]!r} and {key!r} both set --{name}; keep one of the two spellings"
+            )
+        spelt[name] = key
         values[name] = _convert(by_name[name], raw, f"--config {path}: {key} = {raw!r}")
     return values
 

@@ -36,6 +36,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from multigpu.cli._numbers import count, real, seconds
+from multigpu.core.limits import DAY_S
 from multigpu.core.script import importable_from
 from multigpu.errors import ConfigError, MultigpuError
 from multigpu.planning import hardware, workload
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
 
 HELP = "predict time and memory of each strategy and device count, and recommend one"
 DEFAULT_BATCH = 32
+MAX_PLANNED_DEVICES = 65536  # the largest clusters today hold about this many GPUs
 PROBE_BATCH = 8  # samples per replica timed on this CPU; larger batches are scaled, never run
 INPUT_DTYPES = {"float32": "float32", "float": "float32", "float16": "float16", "long": "int64", "int64": "int64"}
 
@@ -72,13 +75,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--precision", default="fp32", choices=sorted(PRECISION_WEIGHT_BYTES), help="weights/gradients precision"
     )
-    model.add_argument("--params", type=int, help="override: trainable parameters")
-    model.add_argument("--compute-ms", type=float, help="override: forward+backward device ms per sample on one device")
-    model.add_argument("--activation-mb", type=float, help="override: MB saved for backward per sample")
-    model.add_argument("--output-mb", type=float, help="override: MB of outputs per sample (DataParallel gathers them)")
+    model.add_argument("--params", type=count(1, None, "a parameter count"), help="override: trainable parameters")
+    model.add_argument(
+        "--compute-ms",
+        type=real(0, None, "milliseconds"),
+        help="override: forward+backward device ms per sample on one device",
+    )
+    model.add_argument(
+        "--activation-mb",
+        type=real(0, None, "megabytes", low_open=False),
+        help="override: MB saved for backward per sample",
+    )
+    model.add_argument(
+        "--output-mb",
+        type=real(0, None, "megabytes", low_open=False),
+        help="override: MB of outputs per sample (DataParallel gathers them)",
+    )
     model.add_argument(
         "--utilization",
-        type=float,
+        type=real(0, 1, "a share of the peak"),
         default=workload.FP32_UTILIZATION,
         help="share of fp32 peak reached (FLOPs -> time)",
     )
@@ -90,26 +105,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     hw = parser.add_argument_group("hardware")
     hw.add_argument("--gpu", help=f"GPU preset: {', '.join(hardware.GPUS)} (default: plan on this CPU)")
-    hw.add_argument("--gpu-tflops", type=float, help="any other GPU: dense fp32 TFLOPS (with --gpu: overrides)")
-    hw.add_argument("--gpu-mem-gb", type=float, help="any other GPU: memory in GB")
-    hw.add_argument("--gpu-mem-bw", type=float, help="any other GPU: memory bandwidth in GB/s")
+    hw.add_argument(
+        "--gpu-tflops", type=real(0, None, "TFLOPS"), help="any other GPU: dense fp32 TFLOPS (with --gpu: overrides)"
+    )
+    hw.add_argument("--gpu-mem-gb", type=real(0, None, "gigabytes"), help="any other GPU: memory in GB")
+    hw.add_argument("--gpu-mem-bw", type=real(0, None, "GB/s"), help="any other GPU: memory bandwidth in GB/s")
     hw.add_argument("--link", help=f"link between devices: {', '.join(hardware.LINKS)}")
     hw.add_argument(
-        "--busbw", type=float, help="measured all-reduce bus bandwidth in GB/s (multigpu bandwidth); replaces --link"
+        "--busbw",
+        type=real(0, None, "GB/s"),
+        help="measured all-reduce bus bandwidth in GB/s (multigpu bandwidth); replaces --link",
     )
-    hw.add_argument("--devices-per-node", type=int, help="devices per machine; more devices span nodes over --network")
+    hw.add_argument(
+        "--devices-per-node",
+        type=count(1, MAX_PLANNED_DEVICES, "a device count"),
+        help="devices per machine; more devices span nodes over --network",
+    )
     hw.add_argument("--network", help="link between nodes, e.g. ib-hdr")
     hw.add_argument("--pin-memory", action="store_true", help="inputs come pinned (DataLoader(pin_memory=True))")
     hw.add_argument(
-        "--overlap", type=float, default=DEFAULT_GPU_OVERLAP, help="share of hideable all-reduce hidden (GPU)"
+        "--overlap",
+        type=real(0, 1, "a share", low_open=False),
+        default=DEFAULT_GPU_OVERLAP,
+        help="share of hideable all-reduce hidden (GPU)",
     )
 
     plan = parser.add_argument_group("plan")
     plan.add_argument(
         "--devices", help="device counts to compare, comma-separated (default 1,2,4,8; --measure: 1 and all present)"
     )
-    plan.add_argument("--batch", type=int, help=f"samples per device per step (default {DEFAULT_BATCH})")
-    plan.add_argument("--global-batch", type=int, help="samples per step, split over the devices (instead of --batch)")
+    plan.add_argument(
+        "--batch", type=count(1, None, "a batch size"), help=f"samples per device per step (default {DEFAULT_BATCH})"
+    )
+    plan.add_argument(
+        "--global-batch",
+        type=count(1, None, "a batch size"),
+        help="samples per step, split over the devices (instead of --batch)",
+    )
     plan.add_argument("--chunk-sizes", help="one DataParallel split to plan, e.g. 4,19,19,18 (instead of --batch)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON (inputs, rows, recommendation)")
     plan.add_argument("--out", default="advise-out", help="folder for advise.png and advise.json (default advise-out)")
@@ -122,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run a few timed steps of every strategy that fits the devices present, each in its own process",
     )
     measured.add_argument(
-        "--budget", type=float, default=60.0, help="seconds for all measured runs together (default 60)"
+        "--budget", type=seconds(DAY_S), default=60.0, help="seconds for all measured runs together (default 60)"
     )
     measured.add_argument("--strategies", help="strategies to measure, comma-separated (default single,dp,ddp,fsdp)")
     measured.add_argument("--script", help="measure this Session training script instead of a factory model")
@@ -246,6 +278,10 @@ def _plan(args: argparse.Namespace) -> tuple[Workload, Platform, list[Row], dict
     from multigpu.planning.advise import evaluate
 
     counts = list(parse_shape(args.devices or "1,2,4,8", flag="--devices") or ())
+    if max(counts) > MAX_PLANNED_DEVICES:  # --devices 100000000 planned for minutes
+        raise ConfigError(
+            f"--devices {args.devices}: plan at most {MAX_PLANNED_DEVICES} devices, e.g. --devices 1,8,64,512"
+        )
     batches = _batches(args)
     gpu = _gpu(args)
     plat: Platform | None = None

@@ -17,6 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from multigpu.cli._numbers import count, seconds
+from multigpu.core.limits import DAY_S, process_bound
 from multigpu.errors import ConfigError, MultigpuError
 
 HELP = "measure copy, broadcast/reduce and all-reduce bandwidth against message size (nccl-tests algbw/busbw)"
@@ -27,11 +29,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-size", default="256MiB", help="largest message (default 256MiB; lower it on a busy machine)"
     )
-    parser.add_argument("--factor", type=int, default=2, help="each size is this many times the last (default 2)")
+    parser.add_argument(
+        "--factor",
+        type=count(2, None, "a size factor"),
+        default=2,
+        help="each size is this many times the last (default 2)",
+    )
     parser.add_argument(
         "--devices", default=None, help="replicas for the broadcast/reduce pattern (default: every GPU, else cpu:2)"
     )
-    parser.add_argument("--world-size", type=int, default=2, help="processes in the all-reduce (default 2)")
+    parser.add_argument(
+        "--world-size",
+        type=count(2, process_bound(), "a process count (4 per CPU core at most)"),
+        default=2,
+        help="processes in the all-reduce (default 2)",
+    )
     parser.add_argument(
         "--backend",
         choices=("gloo", "nccl"),
@@ -39,9 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="all-reduce backend (default: nccl on GPUs, else gloo)",
     )
     parser.add_argument("--no-all-reduce", action="store_true", help="skip the multi-process all-reduce probe")
-    parser.add_argument("--repeats", type=int, default=5, help="timed loops per point; the fastest is kept (default 5)")
     parser.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds before the all-reduce processes are stopped"
+        "--repeats",
+        type=count(1, 1000, "a loop count"),
+        default=5,
+        help="timed loops per point; the fastest is kept (default 5)",
+    )
+    parser.add_argument(
+        "--timeout", type=seconds(DAY_S), default=600.0, help="seconds before the all-reduce processes are stopped"
     )
     parser.add_argument("--out", default="bandwidth-out", help="folder for bandwidth.png and bandwidth.json")
 

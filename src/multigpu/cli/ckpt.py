@@ -23,6 +23,7 @@ import argparse
 import contextlib
 from typing import TYPE_CHECKING
 
+from multigpu.cli._numbers import count
 from multigpu.core.units import format_bytes
 from multigpu.errors import MultigpuError
 
@@ -49,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "folder (its latest step).",
     )
     inspect.add_argument("path", help="weights file (.safetensors, .pt, ...), step folder, or checkpoint folder")
-    inspect.add_argument("--max-keys", type=int, default=40, help="tensors to list (0 lists all; default 40)")
+    inspect.add_argument(
+        "--max-keys", type=count(0, None, "a key count"), default=40, help="tensors to list (0 lists all; default 40)"
+    )
     _add_unsafe_flag(inspect)
     convert = actions.add_parser(
         "convert",

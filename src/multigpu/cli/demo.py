@@ -19,6 +19,10 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from multigpu.cli._numbers import count, real
+from multigpu.core.limits import process_bound
+from multigpu.errors import MultigpuError
+
 if TYPE_CHECKING:
     from rich.table import Table
 
@@ -38,19 +42,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="devices for the parallel runs: 'cpu:2', 'cuda:0,1', ... (default: every GPU, else cpu:2)",
     )
     parser.add_argument(
-        "--epochs", type=int, default=_DEFAULTS["epochs"], help="passes over the training images (default %(default)s)"
+        "--epochs",
+        type=count(1, 10_000, "an epoch count"),
+        default=_DEFAULTS["epochs"],
+        help="passes over the training images (default %(default)s)",
     )
     parser.add_argument(
         "--batch-size",
-        type=int,
+        type=count(1, None, "a batch size"),
         default=_DEFAULTS["batch_size"],
         help="global batch size, split across the replicas (default %(default)s)",
     )
     parser.add_argument(
-        "--lr", type=float, default=_DEFAULTS["lr"], help="SGD learning rate, momentum 0.9 (default %(default)s)"
+        "--lr",
+        type=real(0, 1e3, "a learning rate"),
+        default=_DEFAULTS["lr"],
+        help="SGD learning rate, momentum 0.9 (default %(default)s)",
     )
     parser.add_argument(
-        "--seed", type=int, default=_DEFAULTS["seed"], help="seed for weights and data order (default %(default)s)"
+        "--seed",
+        type=count(0, 2**63 - 1, "a seed"),
+        default=_DEFAULTS["seed"],
+        help="seed for weights and data order (default %(default)s)",
     )
     parser.add_argument(
         "--dtype",
@@ -60,11 +73,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ddp-processes",
+        type=_ddp_processes,
         default="auto",
         metavar="N",
         help="processes of the DDP run through 'multigpu launch' ('auto': one per GPU, else 2; 0 skips it)",
     )
     parser.add_argument("--out", type=Path, default=Path("demo-out"), help="folder for the PNG figures")
+
+
+def _ddp_processes(text: str) -> str:
+    return text if text == "auto" else str(count(0, process_bound(), "a process count (0 skips the DDP run)")(text))
 
 
 def default_devices() -> str:
@@ -109,8 +127,14 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 124)
     devices = args.devices or default_devices()
-    primary = str(parse_devices(devices)[0].device)  # the oracle's device: DataParallel's primary
-    config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed, dtype=args.dtype)
+    try:
+        primary = str(parse_devices(devices)[0].device)  # the oracle's device: DataParallel's primary
+        config = TrainConfig(
+            epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed, dtype=args.dtype
+        )
+    except MultigpuError as exc:  # before anything trains: a message, not a traceback
+        print(f"multigpu demo: {exc}", file=sys.stderr)
+        return 2
     data = load_digits(seed=args.seed).to(primary)
     plans = build_plans(devices, primary)
     console.print(

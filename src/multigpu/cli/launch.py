@@ -19,7 +19,9 @@ import sys
 from typing import TYPE_CHECKING
 
 from multigpu.cli._launch_settings import mark_defaults, resolve
-from multigpu.errors import MultigpuError
+from multigpu.cli._numbers import count, seconds
+from multigpu.core.limits import DAY_S, WEEK_S, parse_nnodes
+from multigpu.errors import ConfigError, MultigpuError
 
 if TYPE_CHECKING:
     from multigpu.launcher.launch import LaunchConfig
@@ -66,6 +68,14 @@ def _ranks(text: str) -> tuple[int, ...]:
     return ranks
 
 
+def _nnodes(text: str) -> str:
+    try:
+        parse_nnodes(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("nnodes=", "", 1)) from None
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strategy",
@@ -83,10 +93,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ddp processes on this node: a count, or 'auto' = every GPU, else 2 on CPU (default)",
     )
     parser.add_argument(
-        "--nnodes", default="1", metavar="N|MIN:MAX", help="number of nodes, or MIN:MAX for an elastic run (default 1)"
+        "--nnodes",
+        type=_nnodes,
+        default="1",
+        metavar="N|MIN:MAX",
+        help="number of nodes, or MIN:MAX for an elastic run (default 1)",
     )
     parser.add_argument(
-        "--node-rank", type=int, default=0, metavar="R", help="this node's rank, 0..nnodes-1 (static rendezvous)"
+        "--node-rank",
+        type=count(0, None, "this node's rank"),
+        default=0,
+        metavar="R",
+        help="this node's rank, 0..nnodes-1 (static rendezvous)",
     )
     parser.add_argument(
         "--master-addr",
@@ -96,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--master-port",
-        type=int,
+        type=count(1, 65535, "a TCP port"),
         default=None,
         metavar="PORT",
         help="rank 0's port; default: a free port on one node (checked free when given)",
@@ -109,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--collective-timeout",
-        type=float,
+        type=seconds(WEEK_S),
         default=None,
         metavar="SECONDS",
         help="how long a collective waits for a rank that stopped calling it before every rank fails "
@@ -117,14 +135,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--grace-period",
-        type=float,
+        type=seconds(DAY_S),
         default=30.0,
         metavar="SECONDS",
         help="on SIGINT/SIGTERM/SIGHUP the launcher forwards the signal to every worker and kills those "
         "still running after this long (default 30)",
     )
     parser.add_argument(
-        "--max-restarts", type=int, default=0, metavar="K", help="restart all workers this often after a failure"
+        "--max-restarts",
+        type=count(0, None, "a restart count"),
+        default=0,
+        metavar="K",
+        help="restart all workers this often after a failure",
     )
     parser.add_argument(
         "--rdzv-backend",
@@ -149,7 +171,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads-per-process",
-        type=int,
+        type=count(1, None, "a thread count"),
         default=None,
         metavar="T",
         help="OMP_NUM_THREADS for each process (default: cores / processes, or your OMP_NUM_THREADS)",

@@ -11,7 +11,9 @@ that sit under it.
 - :mod:`~multigpu.core.units`: bytes and times as a person reads them;
 - :mod:`~multigpu.core.keys`: state-dict key prefixes (``module.``, ``_orig_mod.``), unwrapping, and
   DataParallel's state-dict hooks;
-- :mod:`~multigpu.core.script`: run a Python file as ``__main__``.
+- :mod:`~multigpu.core.script`: run a Python file as ``__main__``;
+- :mod:`~multigpu.core.limits`: the forms and bounds of numbers users type (seconds, node counts),
+  torch-free so the CLI's flags and the configs check alike.
 
 Why a package of its own: the engine (``parallel/``) and the profiler (``profiling/``) both need
 structure walking, tensor moves and the listener interface; the CLI and the launcher both run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,10 @@ class TrainConfig:
         for name in ("epochs", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
+        if not (math.isfinite(self.lr) and self.lr > 0):  # nan trained to nan weights and drew the figures anyway
+            raise ConfigError(f"lr={self.lr!r} must be a finite learning rate > 0, e.g. lr=0.03")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"seed={self.seed} must be from 0 to 2**63 - 1 (torch's seed range), e.g. seed=0")
 
     @property
     def torch_dtype(self) -> torch.dtype:

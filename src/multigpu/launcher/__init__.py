@@ -7,7 +7,8 @@
 - :mod:`~multigpu.launcher.root_cause`: which rank's failure caused the others, and its traceback.
 - :mod:`~multigpu.launcher.affinity` and :mod:`~multigpu.launcher._entry`: what each ddp worker
   runs first (its share of the cores, then the script under torch elastic's ``@record``).
-- :mod:`~multigpu.launcher.function`: :func:`launch_function`, a function (a notebook's) on forked ranks.
+- :mod:`~multigpu.launcher.function`: :func:`launch_function`, a function (a notebook's) on forked ranks
+  (started, watched and ended by :mod:`~multigpu.launcher._forked_ranks`).
 - :mod:`~multigpu.launcher.preemption`: ``--requeue`` of a SLURM job stopped by a pre-emption signal.
 - :mod:`~multigpu.launcher.allreduce_probe`: the all-reduce bandwidth probe, launched as ddp is.
 - :mod:`~multigpu.launcher.measure`: ``multigpu advise --measure``'s runs, one strategy at a time, within a budget.

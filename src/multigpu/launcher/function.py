@@ -7,12 +7,15 @@ launcher would (``RANK``, ``WORLD_SIZE``, ...), so ``Session(strategy="ddp")`` i
 joins one process group, and waits. The caller is no rank: it holds the rendezvous store (bound on
 port 0, so no port is raced for) and collects the results.
 
-- rank 0's return value is returned (it must pickle); the others' are dropped;
+- rank 0's return value is returned (it must pickle, and unpickle here); the others' are dropped;
 - an exception on any rank ends the other ranks and is raised in the caller as a
   :class:`~multigpu.errors.LaunchError` naming the rank, with its traceback (the original
   exception is chained when it pickles);
-- no child survives: each runs in a process group of its own that is killed on the way out
-  (DataLoader workers included), on success, failure, or Ctrl-C in the caller;
+- ``timeout=`` seconds bounds the whole call: ranks still running then are stopped and a
+  :class:`~multigpu.errors.LaunchTimeoutError` names them;
+- no child survives: each runs in a session of its own whose processes are killed on the way out
+  (DataLoader workers and other helpers included), on success, failure, timeout, or Ctrl-C in the
+  caller (:mod:`multigpu.launcher._forked_ranks`);
 - calling it again starts fresh children and a fresh store.
 
 Where it cannot work it says so: CUDA already initialised in the caller (a forked child cannot use
@@ -26,28 +29,36 @@ Example (a notebook cell)::
             ...
             return final_loss
 
-    loss = multigpu.launch_function(train, args=(0.1,), nproc_per_node=2)
+    loss = multigpu.launch_function(train, args=(0.1,), nproc_per_node=2, timeout=3600)
 """
 
 from __future__ import annotations
 
-import contextlib
+import math
 import multiprocessing
 import os
-import pickle
-import signal
-import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
-from multiprocessing.connection import Connection, wait
-from typing import Any, cast
+from typing import Any
 
 from multigpu.devices import device_type_names, get_device_type
 from multigpu.errors import ConfigError, LaunchError
+from multigpu.launcher._forked_ranks import run_ranks
+from multigpu.launcher.preflight import check_process_count
 from multigpu.strategies import STRATEGIES
 
 LOOPBACK = "127.0.0.1"
-_GRACE_S = 5.0  # how long the other ranks get to exit after one failed, before SIGKILL
+
+# what launch_function sets in every rank: an env= that names one would split or misdirect the world
+OWNED_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "MULTIGPU_STRATEGY",
+)
 
 
 def launch_function(
@@ -58,16 +69,22 @@ def launch_function(
     nproc_per_node: int = 2,
     strategy: str = "ddp",
     env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on ``nproc_per_node`` child processes forming one world; return rank 0's result.
 
     Args:
         fn: the function every rank runs (it may create ``Session(strategy="ddp")``).
-        args: its positional arguments (the same on every rank).
+        args: its positional arguments (the same on every rank): a tuple or list.
         kwargs: its keyword arguments.
-        nproc_per_node: how many processes (ranks), one per device on GPUs.
+        nproc_per_node: how many processes (ranks), one per device on GPUs; at most 4 per CPU core of
+            this machine (and at least 8 allowed), since every rank is forked here.
         strategy: ``ddp`` or ``fsdp``: what ``Session(strategy="auto")`` inside ``fn`` picks.
-        env: more environment variables for the children.
+        env: more environment variables for the children (strings); the ones the launch sets itself
+            (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ... :data:`OWNED_VARIABLES`) are refused.
+        timeout: seconds the whole call may take (keyword-only; None, the default: no limit). Ranks
+            still running then get SIGTERM, 5 s later SIGKILL, and :class:`~multigpu.errors.LaunchTimeoutError`
+            names them.
 
     Returns:
         What ``fn`` returned on rank 0, its tensors moved to the CPU (so CUDA stays uninitialised here
@@ -76,13 +93,19 @@ def launch_function(
     Raises:
         LaunchError: a rank raised (its rank and traceback in the message) or died, or the
             caller cannot fork children that work (CUDA initialised here, no fork).
-        ConfigError: a bad count or strategy.
+        LaunchTimeoutError: ``timeout`` passed with ranks still running (named).
+        ResultError: rank 0's result does not pickle there or does not unpickle here (a class this
+            process cannot import).
+        ConfigError: a bad count, strategy, argument, environment or timeout.
 
     Example:
-        >>> launch_function(lambda: 1 + 1, nproc_per_node=2)  # doctest: +SKIP
+        >>> launch_function(lambda: 1 + 1, nproc_per_node=2, timeout=300)  # doctest: +SKIP
         2
     """
+    call_args, call_kwargs = _check_call(fn, args, kwargs)
     _check(nproc_per_node, strategy)
+    extra = _check_env(env)
+    _check_timeout(timeout)
     from torch.distributed import TCPStore  # the caller hosts the store; every rank is its client
 
     store = TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False)
@@ -94,30 +117,34 @@ def launch_function(
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # rank 0 connects to this store instead of hosting one
         "MULTIGPU_STRATEGY": strategy,
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc_per_node)),
-        **(env or {}),
+        **extra,
     }
-    context = multiprocessing.get_context("fork")
-    children: list[tuple[Any, Connection]] = []
     try:
-        for rank in range(nproc_per_node):
-            receive, send = context.Pipe(duplex=False)
-            child_env = {**variables, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            process = context.Process(
-                target=_child, args=(fn, tuple(args), dict(kwargs or {}), child_env, send), name=f"rank-{rank}"
-            )
-            process.start()
-            send.close()  # the child holds the sending end: EOF here when it exits
-            children.append((process, receive))
-        return _collect(children)
+        envs = [{**variables, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(nproc_per_node)]
+        return run_ranks(fn, call_args, call_kwargs, envs, timeout=timeout)
     finally:
-        _end_all(children)
         del store
+
+
+def _check_call(
+    fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if not callable(fn):
+        raise ConfigError(f"fn={fn!r} is not callable; pass the function itself, e.g. launch_function(train)")
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise ConfigError(
+            f"args={args!r}: pass the positional arguments as a tuple or list, e.g. args=(0.1,) (not args=(0.1))"
+        )
+    if kwargs is not None and (not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs)):
+        raise ConfigError(f"kwargs={kwargs!r}: pass a dict of argument names to values, e.g. kwargs={{'lr': 0.1}}")
+    return tuple(args), dict(kwargs or {})
 
 
 def _check(nproc_per_node: int, strategy: str) -> None:
     if not isinstance(nproc_per_node, int) or isinstance(nproc_per_node, bool) or nproc_per_node < 1:
         raise ConfigError(f"nproc_per_node={nproc_per_node!r}: pass a process count >= 1, e.g. nproc_per_node=2")
-    if strategy not in STRATEGIES or not STRATEGIES[strategy].needs_processes:
+    check_process_count(nproc_per_node, "nproc_per_node=", fix="use multigpu launch across several nodes")
+    if not isinstance(strategy, str) or strategy not in STRATEGIES or not STRATEGIES[strategy].needs_processes:
         names = [name for name, cls in STRATEGIES.items() if cls.needs_processes]
         raise ConfigError(
             f"strategy={strategy!r}: launch_function starts one process per device, for {names}; "
@@ -137,98 +164,31 @@ def _check(nproc_per_node: int, strategy: str) -> None:
         )
 
 
-def _child(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], env: dict[str, str], send: Connection
-) -> None:
-    """One rank: its own process group (so the caller can kill all it starts), the launcher's variables, ``fn``."""
-    os.setsid()
-    os.environ.update(env)
-    rank = int(env["RANK"])
-    try:
-        try:
-            result = fn(*args, **kwargs)
-        except SystemExit as done:  # sys.exit(0) (or None) on a rank is a clean end, as in a script
-            if done.code not in (0, None):
-                raise
-            result = None
-        # on the CPU: a CUDA tensor unpickled in the caller would initialise CUDA there, and the next
-        # launch_function (a fork) would then be refused
-        from multigpu.core.structure import map_leaves  # here: importing the launcher stays torch-free
-
-        send.send(("ok", pickle.dumps(map_leaves(_to_cpu, result) if rank == 0 else None)))
-    except BaseException as exc:
-        try:
-            original: bytes | None = pickle.dumps(exc)
-        except Exception:  # an exception that does not pickle still reports its text and traceback
-            original = None
-        send.send(("error", (type(exc).__name__, str(exc), traceback.format_exc(), original)))
-    finally:
-        send.close()
+def _check_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise ConfigError(f"env={env!r}: pass a dict of variable names to strings, e.g. env={{'NCCL_DEBUG': 'INFO'}}")
+    for key, value in env.items():
+        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+            raise ConfigError(f"env key {key!r} is not a variable name; pass names such as 'NCCL_DEBUG'")
+        if not isinstance(value, str) or "\0" in value:
+            raise ConfigError(f"env[{key!r}]={value!r}: variable values are strings, e.g. env={{{key!r}: '1'}}")
+    owned = sorted(set(env) & set(OWNED_VARIABLES))
+    if owned:
+        raise ConfigError(
+            f"env sets {', '.join(f'{k}={env[k]!r}' for k in owned)}, which launch_function sets itself for every "
+            "rank (the world's size and rendezvous); remove it: the number of ranks is nproc_per_node=, the "
+            "strategy strategy="
+        )
+    return dict(env)
 
 
-def _to_cpu(leaf: Any, _: str) -> Any:
-    import torch
-
-    return leaf.cpu() if isinstance(leaf, torch.Tensor) else leaf
-
-
-def _collect(children: list[tuple[Any, Connection]]) -> Any:
-    """Wait for every rank; rank 0's result, or a LaunchError for the first rank that failed."""
-    pending: dict[Connection, int] = {receive: rank for rank, (_, receive) in enumerate(children)}
-    result: Any = None
-    while pending:
-        for ready in wait(list(pending)):
-            receive = cast(Connection, ready)
-            rank = pending.pop(receive)
-            try:
-                kind, payload = receive.recv()
-            except EOFError:  # it died without a word (killed, or os._exit)
-                process = children[rank][0]
-                process.join(timeout=5)
-                raise LaunchError(
-                    f"rank {rank} of {len(children)} exited with code {process.exitcode} before returning; "
-                    "the other ranks were stopped"
-                ) from None
-            if kind == "error":
-                name, text, trace, original = payload
-                error = LaunchError(f"rank {rank} of {len(children)} raised {name}: {text}\n\n{trace}")
-                cause = _unpickle(original)
-                if cause is not None:
-                    raise error from cause
-                raise error
-            if rank == 0:
-                result = pickle.loads(payload)
-    return result
-
-
-def _unpickle(data: bytes | None) -> BaseException | None:
-    if data is None:
-        return None
-    try:
-        found = pickle.loads(data)
-    except Exception:
-        return None
-    return found if isinstance(found, BaseException) else None
-
-
-def _end_all(children: list[tuple[Any, Connection]]) -> None:
-    """Stop every child still running (SIGTERM, then SIGKILL after the grace), then kill what each started."""
-    for process, _ in children:
-        if process.exitcode is None:
-            _signal_group(process.pid, signal.SIGTERM)
-    deadline = time.monotonic() + _GRACE_S
-    for process, receive in children:
-        # the sentinel turns ready when the child exits, before it is reaped: its pid, the id of its process
-        # group, cannot be reused yet, so the SIGKILL reaches only what it left (e.g. DataLoader workers)
-        if not wait([process.sentinel], timeout=max(0.0, deadline - time.monotonic())):
-            _signal_group(process.pid, signal.SIGKILL)
-        _signal_group(process.pid, signal.SIGKILL)
-        process.join()
-        receive.close()
-
-
-def _signal_group(pid: int | None, signum: int) -> None:
-    if pid is None:
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is None:
         return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signum)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+        raise ConfigError(
+            f"timeout={timeout!r}: pass the seconds the call may take, a finite number > 0 (e.g. timeout=3600), "
+            "or None for no limit"
+        )

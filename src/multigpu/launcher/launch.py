@@ -31,18 +31,27 @@ Example::
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
+from multigpu.core.limits import DAY_S, WEEK_S, check_seconds, parse_nnodes, process_bound
 from multigpu.devices import parse_devices, process_device_type
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.launcher.preemption import maybe_requeue
+from multigpu.launcher.preflight import check_log_dir
 from multigpu.launcher.supervise import run_supervised
-from multigpu.launcher.torchrun import STREAMS, build_torchrun_args, logs_requested, resolve_nproc, run_torchrun
+from multigpu.launcher.torchrun import (
+    STREAMS,
+    build_torchrun_args,
+    check_rendezvous_options,
+    logs_requested,
+    resolve_nproc,
+    run_torchrun,
+)
 from multigpu.runtime.world import configured_threads
 from multigpu.strategies import STRATEGIES, get_strategy
 from multigpu.strategies.registry import launched_auto
@@ -121,21 +130,36 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.strategy not in LAUNCH_STRATEGIES:
             raise ConfigError(f"strategy={self.strategy!r} is not one of {LAUNCH_STRATEGIES}; use e.g. --strategy ddp")
-        if self.nproc_per_node != "auto" and (not isinstance(self.nproc_per_node, int) or self.nproc_per_node < 1):
+        if self.nproc_per_node != "auto" and (not _is_int(self.nproc_per_node) or self.nproc_per_node < 1):
             raise ConfigError(f"nproc_per_node={self.nproc_per_node!r}: pass a count >= 1 or 'auto'")
-        if self.max_restarts < 0:
-            raise ConfigError(f"max_restarts={self.max_restarts} must be >= 0")
+        if _is_int(self.nnodes):  # LaunchConfig(nnodes=2): torchrun's form is text
+            self.nnodes = str(self.nnodes)
+        _, most_nodes = parse_nnodes(self.nnodes)
+        if not _is_int(self.node_rank) or not 0 <= self.node_rank < most_nodes:
+            raise ConfigError(
+                f"node_rank={self.node_rank!r} with nnodes={self.nnodes!r}: pass this node's rank, 0..{most_nodes - 1} "
+                "(--node-rank)"
+            )
+        if not _is_int(self.max_restarts) or self.max_restarts < 0:
+            raise ConfigError(f"max_restarts={self.max_restarts!r} must be a count >= 0 (--max-restarts)")
         if self.rdzv_backend not in ("static", "c10d"):
             raise ConfigError(f"rdzv_backend={self.rdzv_backend!r}: use 'static' or 'c10d'")
-        if self.master_port is not None and not 0 < self.master_port < 65536:
-            raise ConfigError(f"master_port={self.master_port} is not a TCP port; pick one in 1..65535")
-        if self.collective_timeout_s is not None and self.collective_timeout_s <= 0:
-            raise ConfigError(f"collective_timeout_s={self.collective_timeout_s} must be > 0 seconds")
-        if not math.isfinite(self.grace_period_s) or self.grace_period_s <= 0:
-            raise ConfigError(f"grace_period_s={self.grace_period_s} must be a finite number of seconds > 0")
-        if self.threads_per_process is not None and self.threads_per_process < 1:
-            raise ConfigError(f"threads_per_process={self.threads_per_process} must be >= 1")
+        if self.master_port is not None and (not _is_int(self.master_port) or not 0 < self.master_port < 65536):
+            raise ConfigError(f"master_port={self.master_port!r} is not a TCP port; pick one in 1..65535")
+        if self.collective_timeout_s is not None:
+            check_seconds(self.collective_timeout_s, "collective_timeout_s", maximum_s=WEEK_S)
+        check_seconds(self.grace_period_s, "grace_period_s", maximum_s=DAY_S)
+        bound = process_bound()
+        if self.threads_per_process is not None and (
+            not _is_int(self.threads_per_process) or not 1 <= self.threads_per_process <= bound
+        ):
+            raise ConfigError(
+                f"threads_per_process={self.threads_per_process!r}: pass a thread count from 1 to {bound} (4 per CPU "
+                "core of this node, at least 8), or leave it out for cores / processes"
+            )
         check_log_options(self)
+        check_rendezvous_options(self)
+        check_extra_env(self.extra_env)
         chosen = get_strategy(self.strategy) if self.strategy != "auto" else None
         one_process = chosen is not None and not chosen.needs_processes
         if one_process and isinstance(self.nproc_per_node, int) and self.nproc_per_node > 1:
@@ -166,12 +190,16 @@ class LaunchConfig:
 
     @property
     def multi_node(self) -> bool:
-        return self.nnodes.split(":")[-1].strip() != "1"
+        return parse_nnodes(self.nnodes)[1] > 1
 
     @property
     def one_process(self) -> bool:
         """Whether the chosen strategy runs in one ordinary process (``auto`` may not: it depends on the count)."""
         return self.strategy != "auto" and not STRATEGIES[self.strategy].needs_processes
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def resolve_strategy(config: LaunchConfig, nproc: int) -> str:
@@ -224,12 +252,21 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
         raise LaunchError(f"script {script!r} does not exist; pass the path of a Python file, e.g. examples/train.py")
     nproc = 1 if config.one_process else resolve_nproc(config)
     strategy = resolve_strategy(config, nproc)
+    check_ranks_filter(config, nproc)
+    if not STRATEGIES[strategy].needs_processes and logs_requested(config):  # torchrun's options: ignored here
+        raise ConfigError(
+            f"--log-dir, --tee and --local-ranks-filter are the per-rank logs of ddp and fsdp; --strategy {strategy} "
+            "runs one process that prints to this console: drop them and redirect it (e.g. > run.log 2>&1), or "
+            "launch with --strategy ddp"
+        )
     if config.devices is not None:
         parse_devices(config.devices)  # a DeviceError here, not after the script started
     if not STRATEGIES[strategy].needs_processes:
         env = {**os.environ, **worker_env(config, strategy, 1)}
         code = run_supervised([sys.executable, script, *script_args], env, grace_s=config.grace_period_s)
         return maybe_requeue(config, code)
+    if config.log_dir is not None:
+        check_log_dir(config.log_dir)  # torchrun's own traceback otherwise, after the rendezvous
     with tempfile.TemporaryDirectory(prefix="multigpu-failures-") as failure_dir:
         log_dir = (config.log_dir or os.path.join(failure_dir, "logs")) if logs_requested(config) else None
         args = build_torchrun_args(config, script, script_args, log_dir=log_dir)
@@ -250,6 +287,36 @@ def check_log_options(config: LaunchConfig) -> None:
         )
     if config.log_dir is not None and os.path.isfile(config.log_dir):
         raise ConfigError(f"--log-dir {config.log_dir} is a file; pass a folder (created when missing)")
+
+
+# what the launcher and torchrun set in every worker: an extra_env entry would be overridden, or override the
+# launcher's own (MULTIGPU_STRATEGY) and run the workers under another strategy than the launch's
+_WORKER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_extra_env(extra_env: dict[str, str]) -> None:
+    """Refuse ``extra_env`` entries that are not strings, or that name a variable the launch sets itself."""
+    if not isinstance(extra_env, dict):
+        raise ConfigError(f"extra_env={extra_env!r}: pass a dict of variable names to strings")
+    for key, value in extra_env.items():
+        if not isinstance(key, str) or not key or "=" in key or not isinstance(value, str):
+            raise ConfigError(f"extra_env[{key!r}]={value!r}: pass variable names mapped to strings, e.g. {{'X': '1'}}")
+        if key in _WORKER_VARIABLES or key.startswith("MULTIGPU_"):
+            raise ConfigError(
+                f"extra_env sets {key}={value!r}, which the launch sets itself in every worker; remove it and use "
+                "the LaunchConfig field instead (strategy, nproc_per_node, master_addr, ...)"
+            )
+
+
+def check_ranks_filter(config: LaunchConfig, nproc: int) -> None:
+    """Refuse a ``--local-ranks-filter`` naming a local rank this node does not run (it would show nothing)."""
+    ranks = config.local_ranks_filter
+    missing = sorted(r for r in ranks or () if r >= nproc)
+    if missing:
+        raise ConfigError(
+            f"--local-ranks-filter {','.join(map(str, ranks or ()))} names local rank(s) {missing}, but this node runs "
+            f"{nproc} process(es), local ranks 0..{nproc - 1}; pass ranks from that range (e.g. --local-ranks-filter 0)"
+        )
 
 
 def waiting_message(config: LaunchConfig, nproc: int) -> str:

@@ -5,14 +5,18 @@ Without them, a master address that is not this machine's made the rendezvous st
 
 Example:
     >>> check_listen_address("127.0.0.1", 0)   # a local address: passes
+    >>> check_process_count(2, "--nproc-per-node ", fix="")
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import socket
+import tempfile
 
-from multigpu.errors import LaunchError
+from multigpu.core.limits import MIN_PROCESS_BOUND, PROCESSES_PER_CORE, process_bound
+from multigpu.errors import ConfigError, LaunchError
 
 
 def check_listen_address(addr: str, port: int) -> None:
@@ -49,3 +53,41 @@ def check_listen_address(addr: str, port: int) -> None:
                 f"cannot listen on master port {port} on {addr} ({exc.strerror}); {use_local}, and pass a "
                 "--master-port of 1024 or more, or leave it out"
             ) from exc
+
+
+def check_process_count(count: int, flag: str, *, fix: str) -> None:
+    """Refuse a process count no node can run (``--nproc-per-node 10000`` would fork until memory runs out).
+
+    Every rank is a whole Python process with torch loaded (hundreds of MB), sharing this node's cores: past
+    :func:`~multigpu.core.limits.process_bound` they only wait for each other, so such a count is a typo, not a plan.
+
+    Raises:
+        ConfigError: naming ``flag`` with ``count``, the bound, where it comes from, and ``fix``.
+    """
+    bound = process_bound()
+    if count > bound:
+        raise ConfigError(
+            f"{flag}{count}: more processes than this node runs (at most {bound}: {PROCESSES_PER_CORE} per CPU core "
+            f"of its {os.cpu_count() or 1}, and at least {MIN_PROCESS_BOUND}); pass at most {bound}"
+            + (f", or {fix}" if fix else "")
+        )
+
+
+def check_log_dir(path: str) -> None:
+    """Create ``--log-dir`` now (as torchrun would) and check a file can be written in it.
+
+    Raises:
+        LaunchError: naming the path and the OS reason (``/dev/null/logs``: not a directory; a read-only
+            folder: permission denied), before any process starts.
+    """
+    if not path:
+        raise LaunchError("--log-dir '' is empty; pass a folder, e.g. --log-dir logs")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise LaunchError(
+            f"--log-dir {path}: cannot write there ({exc.strerror or exc}); pass a folder this user can create "
+            "and write, e.g. --log-dir logs"
+        ) from exc

@@ -25,9 +25,9 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from multigpu.devices import process_device_type
-from multigpu.errors import LaunchError
+from multigpu.errors import ConfigError, LaunchError
 from multigpu.launcher import evidence
-from multigpu.launcher.preflight import check_listen_address
+from multigpu.launcher.preflight import check_listen_address, check_process_count
 from multigpu.launcher.root_cause import format_summary, from_torch, merge
 from multigpu.runtime import failure_records
 from multigpu.runtime.world import check_world_matches_devices
@@ -51,8 +51,49 @@ def resolve_nproc(config: LaunchConfig) -> int:
     if config.nproc_per_node == "auto":
         return kind.device_count() if kind.name != "cpu" else _CPU_AUTO_PROCS
     nproc = int(config.nproc_per_node)
-    check_world_matches_devices(nproc, kind.name, kind.device_count())  # any count on the CPU
+    check_world_matches_devices(nproc, kind.name, kind.device_count())  # any count on the CPU...
+    if kind.name == "cpu":  # ... that the node can run
+        check_process_count(nproc, "--nproc-per-node ", fix="spread the world over several nodes (--nnodes)")
     return nproc
+
+
+def check_rendezvous_options(config: LaunchConfig) -> None:
+    """Refuse rendezvous options torchrun would fail on with a traceback, or silently misread, naming the flag
+    (called by :class:`~multigpu.launcher.launch.LaunchConfig`).
+
+    Raises:
+        ConfigError: an empty address or run id (torchrun would pick the loopback address, or a random id that
+            the other nodes cannot share), an endpoint whose port is not one, or ``--rdzv-conf`` that is not
+            ``KEY=VALUE,...``.
+    """
+    for flag, value in (
+        ("--master-addr", config.master_addr),
+        ("--local-addr", config.local_addr),
+        ("--rdzv-endpoint", config.rdzv_endpoint),
+    ):
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ConfigError(f"{flag} {value!r} is empty; pass an address (e.g. 10.0.0.1) or leave the flag out")
+    if not isinstance(config.rdzv_id, str) or not config.rdzv_id.strip():
+        raise ConfigError(
+            f"--rdzv-id {config.rdzv_id!r} is empty (torchrun would make up a different one on every node); pass one "
+            "id that every node shares, e.g. --rdzv-id job42, or leave it out"
+        )
+    if config.rdzv_endpoint is not None:
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        try:
+            parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=29400)
+        except ValueError as exc:
+            raise ConfigError(
+                f"--rdzv-endpoint {config.rdzv_endpoint!r}: {exc} Pass HOST:PORT, e.g. 10.0.0.1:29400"
+            ) from None
+    pairs = [part.split("=", 1) for part in config.rdzv_conf.split(",")] if config.rdzv_conf else []
+    bad = [part for part in pairs if len(part) != 2 or not part[0].strip() or not part[1].strip()]
+    if bad:
+        raise ConfigError(
+            f"--rdzv-conf {config.rdzv_conf!r}: {'='.join(bad[0])!r} is not KEY=VALUE; pass settings as "
+            "KEY=VALUE,... e.g. --rdzv-conf join_timeout=600"
+        )
 
 
 def build_torchrun_args(

@@ -148,7 +148,7 @@ class Workload:
         if self.compute_s_per_sample <= 0:
             raise ConfigError(
                 f"workload {self.name!r}: compute_s_per_sample={self.compute_s_per_sample} must be > 0; "
-                "measure it (multigpu advise --model module:factory) or pass --compute-per-sample"
+                "measure it (multigpu advise --model module:factory) or pass --compute-ms"
             )
         if not 0 < self.backward_fraction < 1:
             raise ConfigError(f"backward_fraction={self.backward_fraction} must be in (0, 1), e.g. 2/3")

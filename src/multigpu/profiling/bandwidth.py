@@ -25,6 +25,7 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 DEFAULT_MIN_BYTES = KiB
 DEFAULT_MAX_BYTES = 256 * MiB
+MAX_MESSAGE_BYTES = 64 * GiB  # past any one device's memory today: a larger --max-size is a typo
 _UNITS = {
     "": 1,
     "b": 1,
@@ -89,6 +90,11 @@ def message_sizes(min_bytes: int = DEFAULT_MIN_BYTES, max_bytes: int = DEFAULT_M
     """Sizes from ``min_bytes`` to ``max_bytes``, each ``factor`` times the last (nccl-tests' ``-f``)."""
     if min_bytes < 4 or min_bytes % 4:
         raise ConfigError(f"min size {min_bytes} bytes must be a positive multiple of 4 (float32 elements), e.g. 1KiB")
+    if max_bytes > MAX_MESSAGE_BYTES:
+        raise ConfigError(
+            f"max size {max_bytes} bytes is above {MAX_MESSAGE_BYTES // GiB} GiB, more than a device holds; "
+            "lower --max-size, e.g. 256MiB"
+        )
     if max_bytes < min_bytes:
         raise ConfigError(f"max size {max_bytes} bytes is below the min size {min_bytes}; raise --max-size")
     if factor < 2:
@@ -116,6 +122,8 @@ def time_per_op(fn: Callable[[], object], sync: Callable[[], None], *, iters: in
     process interrupts is slower by the interruption, never faster, so the minimum is the
     reproducible estimate of what the hardware gives (the median swings between modes).
     """
+    if repeats < 1:
+        raise ConfigError(f"repeats={repeats}: time at least one loop, e.g. repeats=5 (--repeats)")
     fn()
     sync()  # warm-up: first touch of the buffers, kernel selection
     samples = []

@@ -32,13 +32,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from multigpu.core.limits import WEEK_S, seconds_bound
 from multigpu.devices import device_type_names, get_device_type, process_device_type
 from multigpu.errors import DeviceError, LaunchError
 from multigpu.runtime import schedulers
 from multigpu.runtime.scheduler_world import parse_count, shown
 
 DEFAULT_TIMEOUT_S = 600.0
-_MAX_TIMEOUT_S = 1e9  # ~31 years: a timedelta, and torch's milliseconds, hold it
 
 _torch_debug = False  # enable_torch_debug was called: setup_process_group sets the level for its backend
 
@@ -189,10 +189,10 @@ def collective_timeout_s() -> float:
         seconds = float(value) if value.isascii() else math.nan
     except ValueError:
         seconds = math.nan
-    if not 0 < seconds <= _MAX_TIMEOUT_S:  # nan, 0, or beyond what a timedelta holds
+    if not 0 < seconds <= WEEK_S:  # nan, 0, or inf, which would overflow torch's timer in every worker
         raise LaunchError(
-            f"{shown('MULTIGPU_COLLECTIVE_TIMEOUT', value)} is not a number of seconds in "
-            f"(0, {_MAX_TIMEOUT_S:.0f}]; pass multigpu launch --collective-timeout SECONDS (e.g. 600)"
+            f"{shown('MULTIGPU_COLLECTIVE_TIMEOUT', value)} is not a number of seconds > 0 and at most "
+            f"{seconds_bound(WEEK_S)}; pass multigpu launch --collective-timeout SECONDS (e.g. 600)"
         )
     return seconds
 

@@ -1,0 +1,250 @@
+"""The forked ranks of :func:`~multigpu.launcher.function.launch_function`: start, watch, collect, end.
+
+Each rank is a forked child in a session of its own. It writes one record into a folder the caller
+owns (its result, or its exception) and exits; the caller watches the children themselves, not a pipe:
+a helper a rank forked (a DataLoader worker) holds every descriptor the rank held, so an end-of-file
+would wait for the helper too, and a pipe a dying rank had half-written would block its reader. A
+record is written whole (to a side file, then renamed), so a rank killed while writing leaves none.
+
+On the way out every process of each rank's session is killed: the rank's own process group (its
+DataLoader workers) and any group a helper made for itself within the session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+from multigpu.errors import LaunchError, LaunchTimeoutError, ResultError
+
+_GRACE_S = 5.0  # how long the other ranks get to exit after one failed (or the timeout), before SIGKILL
+_POLL_S = 0.1  # how often the caller looks at children whose exit no descriptor announces
+
+_FIX_RESULT = (
+    "return plain data (numbers, strings, lists, dicts, tensors), or define its class at the top level of a "
+    "module both this process and the ranks import (not in the function, the notebook, or a module only the "
+    "ranks put on sys.path)"
+)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    envs: list[dict[str, str]],
+    *,
+    timeout: float | None,
+) -> Any:
+    """Fork one child per environment of ``envs`` running ``fn``; rank 0's result (raises as launch_function does)."""
+    context = multiprocessing.get_context("fork")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    children: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix="multigpu-ranks-") as outbox:
+        try:
+            for rank, env in enumerate(envs):
+                process = context.Process(
+                    target=_child, args=(fn, args, kwargs, env, Path(outbox, str(rank))), name=f"rank-{rank}"
+                )
+                process.start()
+                children.append(process)
+            return _collect(children, Path(outbox), deadline, timeout)
+        finally:
+            _end_all(children)
+
+
+def _child(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], env: dict[str, str], out: Path
+) -> None:
+    """One rank: its own session (so the caller can kill all it starts), the launcher's variables, ``fn``."""
+    os.setsid()
+    os.environ.update(env)
+    rank = int(env["RANK"])
+    try:
+        try:
+            result = fn(*args, **kwargs)
+        except SystemExit as done:  # sys.exit(0) (or None) on a rank is a clean end, as in a script
+            if done.code not in (0, None):
+                raise
+            result = None
+        record = _result_record(result) if rank == 0 else ("ok", "NoneType", pickle.dumps(None))
+    except BaseException as exc:
+        try:
+            original: bytes | None = pickle.dumps(exc)
+        except Exception:  # an exception that does not pickle still reports its text and traceback
+            original = None
+        record = ("error", type(exc).__name__, str(exc), traceback.format_exc(), original)
+    part = out.with_suffix(".part")
+    part.write_bytes(pickle.dumps(record))
+    os.replace(part, out)  # whole, or not at all
+
+
+def _result_record(result: Any) -> tuple[Any, ...]:
+    # on the CPU: a CUDA tensor unpickled in the caller would initialise CUDA there, and the next
+    # launch_function (a fork) would then be refused
+    from multigpu.core.structure import map_leaves  # here: importing the launcher stays torch-free
+
+    name = f"{type(result).__module__}.{type(result).__qualname__}"
+    try:
+        return ("ok", name, pickle.dumps(map_leaves(_to_cpu, result)))
+    except Exception as exc:  # a local class, a lambda, a generator, an open file...
+        return ("unpicklable", name, f"{type(exc).__name__}: {exc}")
+
+
+def _to_cpu(leaf: Any, _: str) -> Any:
+    import torch
+
+    return leaf.cpu() if isinstance(leaf, torch.Tensor) else leaf
+
+
+def _collect(children: list[Any], outbox: Path, deadline: float | None, timeout: float | None) -> Any:
+    """Wait for every rank; rank 0's result, or an error for the first rank that failed."""
+    pending = dict(enumerate(children))
+    result: Any = None
+    while pending:
+        for rank, process in list(pending.items()):
+            code = exit_code(process)
+            record = outbox / str(rank)
+            if code is None and not record.exists():  # (a rank with its record in is done: what it does while
+                continue  # it exits, e.g. an atexit handler that hangs, is stopped with the rest)
+            del pending[rank]
+            value = _read(record, rank, len(children), code)
+            if rank == 0:
+                result = value
+        if not pending:
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            raise LaunchTimeoutError(
+                f"launch_function's timeout={timeout} s passed with rank(s) {sorted(pending)} of {len(children)} still "
+                "running (stopped now: SIGTERM, then SIGKILL); look for a rank waiting on another (a collective one "
+                "rank skips) or a loop that never ends, or pass a larger timeout="
+            )
+        # a child's sentinel turns ready when it exits, unless a helper it forked holds the sentinel's pipe
+        # too: then the next poll finds the exit
+        left = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
+        wait([p.sentinel for p in pending.values()], timeout=left)
+    return result
+
+
+def _read(path: Path, rank: int, world: int, code: int | None) -> Any:
+    try:
+        record = pickle.loads(path.read_bytes())
+    except FileNotFoundError:  # it died without a word (killed, os._exit, or killed while writing)
+        raise LaunchError(
+            f"rank {rank} of {world} exited with code {code} before returning; the other ranks were stopped"
+        ) from None
+    kind, *fields = record
+    if kind == "error":
+        name, text, trace, original = fields
+        error = LaunchError(f"rank {rank} of {world} raised {name}: {text}\n\n{trace}")
+        cause = _unpickle_exception(original)
+        if cause is not None:
+            raise error from cause
+        raise error
+    type_name, payload = fields
+    if kind == "unpicklable":
+        raise ResultError(f"rank {rank} returned a {type_name} that does not pickle ({payload}); {_FIX_RESULT}")
+    try:
+        return pickle.loads(payload)
+    except Exception as exc:
+        raise ResultError(
+            f"rank {rank} returned a {type_name}, which this process cannot unpickle ({type(exc).__name__}: {exc}); "
+            f"{_FIX_RESULT}"
+        ) from exc
+
+
+def _unpickle_exception(data: bytes | None) -> BaseException | None:
+    if data is None:
+        return None
+    try:
+        found = pickle.loads(data)
+    except Exception:
+        return None
+    return found if isinstance(found, BaseException) else None
+
+
+def exit_code(process: Any) -> int | None:
+    """A child's exit code (negative: the signal that ended it), None while it runs.
+
+    The child is left unreaped (``process.exitcode`` would reap it), so its pid, the id of its session and
+    process group, cannot be taken by another process before :func:`_end_all` has killed what it left."""
+    if not hasattr(os, "waitid"):  # (macOS before Python 3.13): reaps it; only the session scan is lost
+        return None if process.is_alive() else int(process.exitcode)
+    try:
+        info = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already: it has ended, with the code multiprocessing saw (if it did)
+        code = process.exitcode
+        return int(code) if code is not None else 1
+    if info is None or info.si_pid == 0:
+        return None
+    return int(info.si_status) if info.si_code == os.CLD_EXITED else -int(info.si_status)
+
+
+def _end_all(children: list[Any]) -> None:
+    """Stop every child still running (SIGTERM, then SIGKILL after the grace), then kill what each started and
+    wait until it is gone: the call returns with no process of theirs left."""
+    for process in children:
+        if exit_code(process) is None:
+            _signal(process.pid, signal.SIGTERM)
+    _wait_until(lambda: all(exit_code(p) is not None for p in children), _GRACE_S)
+    for process in children:
+        if exit_code(process) is None:
+            _signal(process.pid, signal.SIGKILL)
+    # a rank is dead but unreaped now, so its pid still names its session and process group alone
+    _wait_until(lambda: all(exit_code(p) is not None for p in children), _GRACE_S)
+    sessions = {p.pid for p in children if p.pid is not None}
+    for pid in sessions:
+        _signal(pid, signal.SIGKILL)
+
+    def nothing_left() -> bool:
+        left = _session_members(sessions)  # a helper that made a process group of its own too
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        return not left
+
+    _wait_until(nothing_left, _GRACE_S)
+    for process in children:
+        process.join()
+
+
+def _wait_until(done: Callable[[], bool], limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _session_members(sessions: set[int]) -> list[int]:
+    """The running processes (zombies excluded) whose session is one of ``sessions`` (Linux's /proc;
+    elsewhere none are found, and the process groups' SIGKILL is what ends them)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
+            if len(fields) > 3 and fields[0] != "Z" and int(fields[3]) in sessions:
+                found.append(int(entry.name))
+    return found
+
+
+def _signal(pid: int | None, signum: int) -> None:
+    """``signum`` to the child and to its process group (the child may not have made its group yet)."""
+    if pid is None:
+        return
+    for send in (os.kill, os.killpg):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            send(pid, signum)
