@@ -8,6 +8,7 @@ starts at once (``run_together``), since each spends most of its time importing.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ import torch
 
 from tests.launching import ROOT, run_together
 
-transformers = pytest.importorskip("transformers")
+# find_spec, not an import: importing transformers takes seconds, which collecting the suite should not pay
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
 
 SCRIPT = str(ROOT / "examples" / "train_gpt.py")
 STEPS = 3
