@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -93,9 +94,27 @@ def apply_activation_checkpointing(
             f"are {classes}: name the repeated block (e.g. a transformer layer)"
         )
     _refuse_nested(chosen, choice)
+    _stop_caching_keys(model)
     wrapper = partial(torch_ac.checkpoint_wrapper, checkpoint_impl=torch_ac.CheckpointImpl.NO_REENTRANT)
     torch_ac.apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=matches)
     return model
+
+
+def _stop_caching_keys(model: nn.Module) -> None:
+    """Turn off a Hugging Face model's key/value cache (``config.use_cache``), with a warning.
+
+    The cache grows at every forward of an attention layer; the recomputation in backward is a
+    second forward, which appends the keys again and fails on a mask of half their length (as
+    ``transformers``' own ``gradient_checkpointing_enable`` does, training does without it).
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) is True:
+        warnings.warn(
+            f"activation_checkpointing: set {type(model).__name__}.config.use_cache = False (it was True): a "
+            "recomputed block would append its keys to the cache a second time; set it yourself to silence this",
+            stacklevel=4,
+        )
+        config.use_cache = False  # type: ignore[union-attr]
 
 
 def _matcher(choice: tuple[type[nn.Module], ...] | Callable[[nn.Module], bool]) -> Callable[[nn.Module], bool]:
