@@ -42,10 +42,14 @@ def test_a_run_past_its_budget_is_killed_with_what_it_started(tmp_path: Path) ->
         f"open({str(marker)!r}, 'w').write(str(child.pid))\n"
         "time.sleep(600)\n"
     )
+    # The budget must outlast the worker's start (it imports torch before the script runs: over 6 s on a loaded
+    # 2-core machine, where the run was then killed before its child existed and the test had nothing to check).
+    budget_s = 30
     started = time.monotonic()
-    [result] = measure([MeasureRun(strategy="single", devices=1)], MeasureSpec(script=str(script)), budget_s=6)
+    [result] = measure([MeasureRun(strategy="single", devices=1)], MeasureSpec(script=str(script)), budget_s=budget_s)
     assert result.status == "timed out" and "raise --budget" in result.reason
-    assert time.monotonic() - started < 6 + 20  # the limit, then SIGTERM's grace at most
+    assert time.monotonic() - started < budget_s + 20  # the limit, then SIGTERM's grace at most
+    assert marker.exists(), f"the script never started within {budget_s} s: nothing to check"
     child = int(marker.read_text())
     deadline = time.monotonic() + 10
     while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
