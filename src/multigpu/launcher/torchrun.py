@@ -183,7 +183,8 @@ def run_torchrun(config: LaunchConfig, args: list[str], env: dict[str, str], scr
             # (of the last attempt: the agent gives up once its restarts are spent)
             folder = env["MULTIGPU_FAILURE_DIR"]
             recorded = failure_records.read(folder, attempt=config.max_restarts)
-            failures = merge(from_torch(exc.failures), recorded)
+            finished = failure_records.read_finished(folder, attempt=config.max_restarts)
+            failures = merge(from_torch(exc.failures), recorded, finished)
             found = evidence.read(folder, attempt=config.max_restarts, log_dir=_log_dir_of(args))
             print(format_summary(script, failures, found), file=sys.stderr, flush=True)
             return 1
