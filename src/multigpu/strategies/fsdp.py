@@ -248,12 +248,20 @@ def release_mesh_groups() -> None:
     (a third under a reviewer's load), one aborted the process after the script had finished
     ("terminate called without an active exception"). Called when the Session destroys the group:
     afterwards the sharded parameters still read (``state_dict``, ``full_tensor`` no longer: it
-    communicates), and torch frees the group, its threads with it, inside ``destroy_process_group``.
+    communicates), and torch frees the group, its threads with it, inside ``destroy_process_group`` (so in
+    examples/train.py's workers; a shorter script still keeps the group through a holder not found yet).
     """
     import gc
 
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo
+
+    mesh_info: tuple[type, ...] = ()
+    try:  # torch's private home of FSDP's mesh infos (2.13); elsewhere only the meshes are released
+        from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo
+
+        mesh_info = (DataParallelMeshInfo,)
+    except ImportError:
+        pass
 
     gc.collect()  # models the script dropped (their FSDP states form cycles) hold no group after this
     for obj in gc.get_objects():
@@ -261,7 +269,7 @@ def release_mesh_groups() -> None:
             registry = getattr(obj, "_pg_registry", None)
             if isinstance(registry, dict):
                 registry.clear()
-        elif isinstance(obj, DataParallelMeshInfo):
+        elif isinstance(obj, mesh_info):
             for name, value in list(vars(obj).items()):
                 if isinstance(value, dist.ProcessGroup):
                     setattr(obj, name, None)
