@@ -12,6 +12,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
 from multigpu.errors import CollectiveTimeoutError, PeerExitedError
+from multigpu.launcher.evidence import Evidence
 from multigpu.launcher.root_cause import format_summary, from_torch, merge, root_cause
 from multigpu.runtime import failure_records as records
 
@@ -231,3 +232,36 @@ def test_a_rank_that_lost_a_peer_on_another_node_before_the_signal_keeps_the_bla
     summary = format_summary("t.py", failures)
     assert "not sent by the launcher" not in summary
     assert "look at that node's launcher" in summary
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_rank_that_aborts_after_its_script_returned_is_named_as_dying_at_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, finished: bool
+) -> None:
+    # rank 0's script returned, then a C++ thread aborted the process at exit; the agent SIGTERMed rank 1
+    folder = tmp_path / "records"
+    folder.mkdir()
+    monkeypatch.setenv("MULTIGPU_FAILURE_DIR", str(folder))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    if finished:
+        records.record_finished()
+    none = str(tmp_path / "none.json")
+    reported = {
+        0: ProcessFailure(local_rank=0, pid=1000, exitcode=-6, error_file=none),
+        1: ProcessFailure(local_rank=1, pid=1001, exitcode=-15, error_file=none),
+    }
+    done = records.read_finished(folder, attempt=0)
+    assert done == ({0} if finished else set())
+    failures = merge(from_torch(reported), records.read(folder, attempt=0), done)
+    said = Evidence(stderr={0: "[fsdp x2] epoch 0: loss 2.15\nterminate called without an active exception\n"})
+    summary = format_summary("train.py", failures, said)
+    if finished:
+        assert summary.startswith("multigpu launch: train.py finished on rank 0 (local_rank 0), then the process")
+        assert "aborted at exit, after its script returned" in summary and "SIGABRT" in summary
+        assert "terminate called without an active exception" in summary  # what it printed, still shown
+        assert "issued differently" not in summary and "--debug" not in summary  # no collective to blame
+    else:  # died during the script: the abort may well be a collective's, and the hint stays
+        assert "failed on rank 0 (local_rank 0, exit code -6)" in summary and "issued differently" in summary
+    assert "rank 1 (local_rank 1, exit code -15)" in summary and "(stopped by the launcher)" in summary

@@ -12,7 +12,9 @@ also gets ready to write its stacks on request and its ledger of collectives
 unless the user asked for torchrun's log files, copies its stderr into the failure folder through
 ``tee`` (what gloo or NCCL print from C++ before they abort the process, for the summary). A SIGTERM
 or SIGHUP that ends it is recorded with its time (:mod:`multigpu.launcher.signal_witness`), so the
-summary can tell a rank a signal stopped first from the ones the launcher stopped after.
+summary can tell a rank a signal stopped first from the ones the launcher stopped after. When the
+script returns, that is marked too (:func:`multigpu.runtime.failure_records.record_finished`): a rank
+that dies after it (a library's thread aborting as the process exits) is reported as dying at exit.
 """
 
 from __future__ import annotations
@@ -49,10 +51,14 @@ def main() -> None:
     except SystemExit as exc:
         if exc.code not in (None, 0):
             failure_records.record(exc)
+        else:
+            failure_records.record_finished()
         raise
     except BaseException as exc:
         failure_records.record(exc)  # a no-op when the Session already recorded it before closing its group
         raise
+    # the script is done: a death from here on (a library's thread aborting at exit) is named as one
+    failure_records.record_finished()
 
 
 def _copy_stderr(path: os.PathLike[str]) -> None:

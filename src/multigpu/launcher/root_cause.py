@@ -26,7 +26,8 @@ not in its report at all. :func:`merge` adds each worker's own record of its fir
 workers' :class:`~multigpu.launcher.evidence.Evidence` it says more: when a collective timed out because
 a rank never reached it, that rank is named first with its stack (the ranks that timed out are its
 consequences); when a worker died by a signal, what gloo or NCCL printed before it died, and the
-hint to rerun with ``--debug``.
+hint to rerun with ``--debug``; but a rank whose script had returned before a signal ended it (an
+abort as the process exited, ``finished``) is reported as that, with no collective to blame.
 
 Example:
     >>> cause = WorkerFailure(rank=1, local_rank=1, exitcode=1, pid=7, message="ValueError: x", traceback="")
@@ -39,8 +40,8 @@ from __future__ import annotations
 import os
 import re
 import signal
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass, replace
 from typing import Any
 
 from multigpu.launcher.evidence import GUIDE, Evidence, Hang
@@ -79,6 +80,7 @@ class WorkerFailure:
         when_ns: when it failed: the error file's modification time, else the agent's timestamp.
         signal: the signal that ended it, as the worker itself recorded it when it arrived
             (:mod:`multigpu.launcher.signal_witness`); empty when it recorded none.
+        finished: its script had returned before it died: it died as the process exited.
     """
 
     rank: int
@@ -89,6 +91,7 @@ class WorkerFailure:
     traceback: str
     when_ns: int = 0
     signal: str = ""
+    finished: bool = False
 
     @property
     def is_consequence(self) -> bool:
@@ -149,12 +152,14 @@ def _from_process_failure(rank: int, failure: Any) -> WorkerFailure:
     )
 
 
-def merge(reported: Sequence[WorkerFailure], recorded: Mapping[int, Record]) -> list[WorkerFailure]:
+def merge(
+    reported: Sequence[WorkerFailure], recorded: Mapping[int, Record], finished: Set[int] = frozenset()
+) -> list[WorkerFailure]:
     """The agent's failures completed by the workers' own records of their first failure.
 
     A recorded error replaces what the agent saw of that rank (a SIGTERM, or its later error file);
     a rank the agent did not report at all (it was stopped while exiting) is added with
-    ``exitcode=None``.
+    ``exitcode=None``. The ranks in ``finished`` had seen their script return.
     """
     by_rank = {failure.rank: failure for failure in reported}
     for rank, rec in recorded.items():
@@ -169,6 +174,8 @@ def merge(reported: Sequence[WorkerFailure], recorded: Mapping[int, Record]) -> 
             when_ns=rec.when_ns,
             signal=rec.signal,
         )
+    done = [replace(f, finished=True) for f in by_rank.values() if f.rank in finished]
+    by_rank.update((f.rank, f) for f in done)
     return sorted(by_rank.values(), key=lambda f: f.rank)
 
 
@@ -221,6 +228,8 @@ def _summary(script: str, failures: Sequence[WorkerFailure], evidence: Evidence 
     if diverged is not None:
         return _diverged_summary(script, failures, diverged)
     cause = root_cause(failures)
+    if cause.finished and cause.ended_by_signal and not cause.stopped_by_launcher:
+        return _died_at_exit_summary(script, failures, cause, evidence)
     stopped_by = cause.ended_by_signal if cause is signalled_first(failures) else None
     said_first = _first_line(cause.message)
     if stopped_by:
@@ -248,11 +257,31 @@ def _summary(script: str, failures: Sequence[WorkerFailure], evidence: Evidence 
         )
     if cause.traceback:
         lines += ["", f"Traceback of rank {cause.rank}:", cause.traceback.rstrip()]
+    return "\n".join(lines + _others(failures, cause))
+
+
+def _died_at_exit_summary(
+    script: str, failures: Sequence[WorkerFailure], cause: WorkerFailure, evidence: Evidence | None
+) -> str:
+    """A rank whose script had returned, then died of a signal as its process exited (no collective was running)."""
+    lines = [
+        f"multigpu launch: {script} finished on rank {cause.rank} (local_rank {cause.local_rank}), then the "
+        f"process died as it exited ({_ending(cause)}, {cause.ended_by_signal}): it aborted at exit, after its "
+        "script returned, so its training and its output are complete; a library's thread was still running "
+        f"as the interpreter shut down (see {GUIDE}, section 'A rank that aborts at exit')"
+    ]
+    said = evidence.abort_text(cause.rank, cause.local_rank) if evidence is not None else []
+    if said:
+        lines += ["  it printed before it died:", *(f"    {line}" for line in said)]
+    return "\n".join(lines + _others(failures, cause))
+
+
+def _others(failures: Sequence[WorkerFailure], cause: WorkerFailure) -> list[str]:
     others = sorted((f for f in failures if f is not cause), key=lambda f: f.rank)
-    if others:
-        lines += ["", "Other ranks that failed (consequences or later errors):"]
-        lines += [f"  rank {f.rank} (local_rank {f.local_rank}, {_ending(f)}): {_outcome(f)}" for f in others]
-    return "\n".join(lines)
+    if not others:
+        return []
+    lines = ["", "Other ranks that failed (consequences or later errors):"]
+    return lines + [f"  rank {f.rank} (local_rank {f.local_rank}, {_ending(f)}): {_outcome(f)}" for f in others]
 
 
 def _hang_summary(script: str, failures: Sequence[WorkerFailure], hang: Hang) -> str:

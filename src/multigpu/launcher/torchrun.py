@@ -225,7 +225,8 @@ def run_torchrun(config: LaunchConfig, args: list[str], env: dict[str, str], scr
             folder = env["MULTIGPU_FAILURE_DIR"]
             skipped: list[str] = []  # garbage in the run folder: named in the summary, never a crash or a hang
             recorded = failure_records.read(folder, attempt=config.max_restarts, skipped=skipped)
-            failures = merge(from_torch(exc.failures), recorded)
+            finished = failure_records.read_finished(folder, attempt=config.max_restarts)
+            failures = merge(from_torch(exc.failures), recorded, finished)
             found = evidence.read(folder, attempt=config.max_restarts, log_dir=_log_dir_of(args), skipped=skipped)
             print(format_summary(script, failures, found), file=sys.stderr, flush=True)
             return 1

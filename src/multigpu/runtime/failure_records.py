@@ -79,6 +79,33 @@ def record_signal(signum: int) -> None:
     _write(message=f"stopped by {name}", trace="", signal_name=name)
 
 
+def record_finished() -> None:
+    """Mark that this worker's script has returned (or called ``sys.exit(0)``): what follows is the process's exit.
+
+    Called by :mod:`multigpu.launcher._entry`; a no-op outside ``multigpu launch``. A rank that dies after
+    it (a C++ library's abort as the interpreter exits) is then reported as dying at exit, its work done,
+    rather than as a failure during training.
+    """
+    folder, env = world.failure_dir(), world.read_launch_env()
+    if folder is None or env is None:
+        return
+    with contextlib.suppress(OSError):  # never through a pipe or a link left at its name (write_replacing)
+        write_replacing(_finished_path(folder, world.restart_count(), env.global_rank), str(time.time_ns()))
+
+
+def read_finished(folder: str | Path, *, attempt: int) -> set[int]:
+    """The global ranks of ``attempt`` whose script had returned (:func:`record_finished`)."""
+    found = set()
+    for path in entries(folder, f"attempt-{attempt}-rank-*.finished"):  # the names alone: no content is read
+        with contextlib.suppress(ValueError):  # a name whose rank is not a number is not one record_finished wrote
+            found.add(int(path.name.removesuffix(".finished").rsplit("-", 1)[1]))
+    return found
+
+
+def _finished_path(folder: str | Path, attempt: int, rank: int) -> Path:
+    return Path(folder) / f"attempt-{attempt}-rank-{rank}.finished"
+
+
 def _write(*, message: str, trace: str, signal_name: str = "") -> None:
     folder, env = world.failure_dir(), world.read_launch_env()
     if folder is None or env is None:

@@ -36,6 +36,7 @@ from multigpu.core.limits import WEEK_S, seconds_bound
 from multigpu.devices import device_type_names, get_device_type, process_device_type
 from multigpu.errors import DeviceError, LaunchError
 from multigpu.runtime import schedulers
+from multigpu.runtime.group_store import group_store
 from multigpu.runtime.scheduler_world import parse_count, shown
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -338,12 +339,13 @@ def setup_process_group(env: LaunchEnv, device: torch.device, *, timeout_s: floa
     backend = choose_backend(device.type)
     if _torch_debug:  # --debug: the level follows the backend this group really uses (torch reads it now)
         _apply_torch_debug(backend)
+    timeout = timedelta(seconds=timeout_s)
+    # the run's one store, keys under this group's own prefix: a second Session met the first one's keys
+    store = group_store(
+        _url_host(env.master_addr), env.master_port, rank=env.global_rank, world_size=env.world_size, timeout=timeout
+    )
     dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{_url_host(env.master_addr)}:{env.master_port}",
-        rank=env.global_rank,
-        world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
+        backend=backend, store=store, rank=env.global_rank, world_size=env.world_size, timeout=timeout
     )
     return True
 

@@ -238,6 +238,43 @@ def check_optimizer(optimizer: torch.optim.Optimizer, models: Sequence[weakref.r
         )
 
 
+def release_mesh_groups() -> None:
+    """Drop what torch's device meshes and FSDP's states hold of the process groups, before they are destroyed.
+
+    ``destroy_process_group`` shuts a group down, but a gloo group's threads (two workers and the
+    transport's loop) end only when its last reference goes, and every ``DeviceMesh`` keeps its groups
+    in a registry while DTensor's sharding caches keep the mesh for the process's life (FSDP's mesh
+    infos hold the group as well). The threads then ran on at exit and, a few runs in a hundred here
+    (a third under a reviewer's load), one aborted the process after the script had finished
+    ("terminate called without an active exception"). Called when the Session destroys the group:
+    afterwards the sharded parameters still read (``state_dict``, ``full_tensor`` no longer: it
+    communicates), and torch frees the group, its threads with it, inside ``destroy_process_group`` (so in
+    examples/train.py's workers; a shorter script still keeps the group through a holder not found yet).
+    """
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh_info: tuple[type, ...] = ()
+    try:  # torch's private home of FSDP's mesh infos (2.13); elsewhere only the meshes are released
+        from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo
+
+        mesh_info = (DataParallelMeshInfo,)
+    except ImportError:
+        pass
+
+    gc.collect()  # models the script dropped (their FSDP states form cycles) hold no group after this
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            registry = getattr(obj, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
+        elif isinstance(obj, mesh_info):
+            for name, value in list(vars(obj).items()):
+                if isinstance(value, dist.ProcessGroup):
+                    setattr(obj, name, None)
+
+
 class _ModuleBF16(Precision):
     """bf16 under fsdp: FSDP casts the parameters (MixedPrecisionPolicy), so no autocast."""
 
@@ -313,6 +350,11 @@ class FSDPStrategy(ProcessPerDeviceStrategy):
         sharded = apply_fsdp(model.to(self.device), self.device, self.options, self.precision_name)
         self._sharded.append(weakref.ref(sharded))
         return sharded
+
+    def release_models(self) -> None:
+        if self._sharded:
+            release_mesh_groups()
+        self._sharded.clear()
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         return gradient_sync_off(model)
