@@ -23,6 +23,7 @@ import torch
 from multigpu.core import comm
 from multigpu.core.listeners import Listeners
 from multigpu.devices import ReplicaDevice, common_type
+from multigpu.parallel.random_turns import Turns, in_turn
 from multigpu.parallel.threads import ReplicaThreads, run_replicas
 
 
@@ -45,6 +46,7 @@ class BackwardPlan:
     params: list[torch.Tensor]  # the primary's trainable parameters (and buffers that require grad)
     threads: ReplicaThreads  # the owner's pool: the replicas' backward runs on it
     listeners: Listeners  # the owner's: they hear the backward and reduce phases
+    turns: Turns | None = None  # CPU replicas whose backward recomputes random draws go one at a time
 
     def run(self, output_grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Backward of every replica in parallel; returns grads for params, then for every input leaf."""
@@ -57,10 +59,11 @@ class BackwardPlan:
                 for out, grad in zip(graph.outputs, output_grads[offsets[i] : offsets[i + 1]])
                 if grad is not None
             ]
-            if pairs:
-                outs, grads = zip(*pairs)
-                with self.listeners.phase("backward", self.devices[i].label):
-                    torch.autograd.backward(list(outs), list(grads))
+            with in_turn(self.turns, i):  # entered with or without gradients: the next replica waits on it
+                if pairs:
+                    outs, grads = zip(*pairs)
+                    with self.listeners.phase("backward", self.devices[i].label):
+                        torch.autograd.backward(list(outs), list(grads))
 
         run_replicas(backward_one, self.devices, self.threads, what="backward", listeners=self.listeners)
         leaf_grads = [[leaf.grad for leaf in g.param_leaves] for g in self.graphs]

@@ -28,7 +28,7 @@ from multigpu.errors import ConfigError, PlacementError
 from multigpu.parallel import backward
 from multigpu.parallel.balance import AutoBalancer, BalancePlan, imbalance_warning
 from multigpu.parallel.chunks import build_policy
-from multigpu.parallel.random_turns import forward_turns, in_turn
+from multigpu.parallel.random_turns import backward_turns, forward_turns, in_turn
 from multigpu.parallel.replicas import build_replicas
 from multigpu.parallel.scatter_gather import ScalarRule, batch_size, merge_outputs, split_inputs
 from multigpu.parallel.threads import ReplicaThreads, run_replicas
@@ -239,7 +239,8 @@ class DataParallel(nn.Module):
         if not any(g.outputs for g in graphs):
             return outputs
         params = [replicas.params[j] for j in trainable]
-        plan = backward.BackwardPlan(graphs, active, self.src_device_obj, params, self._threads, self._listeners)
+        turns = backward_turns(self.module, [d.device for d in active])
+        plan = backward.BackwardPlan(graphs, active, self.src_device_obj, params, self._threads, self._listeners, turns)
         connected = iter(backward.connect(plan, sources))
         return [
             out.replace(lambda t: next(connected) if isinstance(t, torch.Tensor) and t.requires_grad else t)

@@ -7,8 +7,13 @@ seed gave different masks from run to run, and a resumed run could not follow th
 So when the module holds a layer that draws in training mode (dropout, ``RReLU``, attention's own
 dropout), or deterministic algorithms are on (``Session(deterministic=True)``), the CPU replicas'
 forwards take turns: replica 0 first, drawing what one device draws on its chunk, then replica 1, and
-so on. Their backwards draw nothing and still overlap. A forward that draws by other means
-(``torch.rand`` or ``F.dropout`` in your own code) is put in turns only under deterministic algorithms.
+so on. Their backwards draw nothing and still overlap, unless a block recomputes its forward in
+backward (activation checkpointing: ``Session(activation_checkpointing=...)``, torch's
+``checkpoint_wrapper``, a transformers model's ``gradient_checkpointing``): the recompute sets the one
+generator to the state of its forward, draws the same masks and sets it back, so two replicas
+recomputing at once drew each other's numbers (wrong gradients, silently); their backwards take turns
+too. A forward that draws by other means (``torch.rand`` or ``F.dropout`` in your own code, or
+``torch.utils.checkpoint`` called in your own forward) is put in turns only under deterministic algorithms.
 
 Example:
     >>> forward_turns(nn.Linear(2, 2), [torch.device("cpu")] * 2) is None   # nothing random: no turns
@@ -57,6 +62,23 @@ def forward_turns(module: nn.Module, devices: Sequence[torch.device]) -> Turns |
     if torch.are_deterministic_algorithms_enabled() or draws_random(module):
         return Turns(devices)
     return None
+
+
+def backward_turns(module: nn.Module, devices: Sequence[torch.device]) -> Turns | None:
+    """Turns for the replicas' backwards when their forwards take turns and a block recomputes its forward in
+    backward (its draws with it); None otherwise: backwards that draw nothing overlap."""
+    turns = forward_turns(module, devices)
+    return turns if turns is not None and recomputes_in_backward(module) else None
+
+
+def recomputes_in_backward(module: nn.Module) -> bool:
+    """Whether ``module`` holds a block that runs its forward again in backward (activation checkpointing)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return any(
+        isinstance(layer, CheckpointWrapper) or getattr(layer, "gradient_checkpointing", False) is True
+        for layer in module.modules()
+    )
 
 
 def draws_random(module: nn.Module) -> bool:
