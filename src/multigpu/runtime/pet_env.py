@@ -79,6 +79,8 @@ def _nodes(value: str) -> int:
     """The most nodes ``PET_NNODES`` allows: ``2``, or ``1:4`` (elastic: 1 to 4)."""
     low, colon, high = value.partition(":")
     fix = f"PET_NNODES is a count of nodes >= 1 or MIN:MAX (e.g. 2 or 1:4); {_FIX}"
+    if re.fullmatch(r"[0-9]+(:[0-9]+)?", value) is None:  # the whole value named, not the part after a colon
+        raise LaunchError(f"{shown('PET_NNODES', value)} is not a count of nodes or MIN:MAX; {fix}")
     least = parse_count("PET_NNODES", low, fix)
     most = parse_count("PET_NNODES", high, fix) if colon else least
     if not 1 <= least <= most:
