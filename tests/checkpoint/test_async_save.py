@@ -13,21 +13,31 @@ import os
 import random
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sklearn.datasets  # noqa: F401 (see below)
 import torch
+import torch._dynamo  # see below
+import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.atomic import is_temporary
+from multigpu.checkpoint.background import Staging
 from multigpu.errors import CheckpointError, ConfigError
+from tests.checkpoint import _sharded as sh
 from tests.launching import launch_workers, start_python
 
 WORKER = Path(__file__).parent / "workers" / "async_saves.py"
+
+# scikit-learn (the digits) and torch._dynamo (fully_shard's first call) set environment variables
+# when first imported: imported with this module, not inside a test, whose guard (tests/conftest.py)
+# would take them for the test's own changes.
 
 
 class Tied(nn.Module):
@@ -226,3 +236,42 @@ def test_a_failed_write_on_rank_0_is_raised_on_every_rank(tmp_path: Path) -> Non
         assert "step-00000002" in line and "file-size limit" in line, output[-3000:]
     assert "rank 0 failed writing the last checkpoint in the background" in output
     assert ckpt.Checkpointer(folder=tmp_path / "ckpt").steps() == [1, 3]
+
+
+def test_staging_keeps_views_and_values_and_reuses_its_buffers() -> None:
+    staging = Staging()
+    base = torch.arange(12.0).reshape(3, 4)
+    state = {
+        "t": base.t(),  # a transposed view and a row of the same storage: one buffer, both views
+        "row": base[1],
+        "conj": torch.randn(3, dtype=torch.complex64).conj(),  # a lazy conjugate keeps its value
+        "empty": torch.empty(0),
+        "nested": [{"step": torch.tensor(5)}, ("a", 2)],
+    }
+    copied = staging.copy(state)
+    assert _same(state, copied)
+    assert copied["t"].untyped_storage().data_ptr() == copied["row"].untyped_storage().data_ptr()
+    base.add_(1.0)
+    assert torch.equal(copied["row"], base[1] - 1.0)  # a copy, not the live tensor
+    again = staging.copy(state)
+    assert again["t"].untyped_storage().data_ptr() == copied["t"].untyped_storage().data_ptr()  # reused
+    assert torch.equal(again["row"], base[1])
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_fsdp_async_save_warns_and_saves_blocking(one_rank: None, tmp_path: Path) -> None:
+    run = sh.build_run(sh.sharded_model())
+    sh.train_step(run, 0)
+    checkpointer = ckpt.Checkpointer(folder=tmp_path, async_save=True)
+    with pytest.warns(RuntimeWarning, match="a model sharded by fsdp is still saved blocking"):
+        checkpointer.save(step=1, model=run.model, optimizer=run.optimizer)
+    assert checkpointer.steps() == [1]  # on disk when save returned
+    checkpointer.close()

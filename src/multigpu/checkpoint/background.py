@@ -53,7 +53,7 @@ class Staging:
             storage = tensor.untyped_storage()
             key = (storage.data_ptr(), tensor.device)
             found = staged.get(key)
-            if found is not None and found.numel() >= storage.nbytes():
+            if found is not None:
                 return found
             pin = tensor.device.type != "cpu" and get_device_type(tensor.device).pin_memory
             if used < len(self._buffers) and self._buffers[used].numel() == storage.nbytes():
@@ -72,7 +72,13 @@ class Staging:
 
         def walk(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
-                if value.layout != torch.strided or value.is_quantized or value.device.type == "meta":
+                if (
+                    value.layout != torch.strided
+                    or value.is_quantized
+                    or value.is_conj()
+                    or value.is_neg()
+                    or value.device.type == "meta"
+                ):
                     return value.detach().to("cpu", copy=True)
                 buf = buffer_for(value)
                 view = torch.empty(0, dtype=value.dtype)
