@@ -196,3 +196,11 @@ def test_convert_into_a_contradicting_name_is_one_line(tmp_path: Path, capsys: p
     )
     err = capsys.readouterr().err
     assert "does not match the name" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_step_folder_without_fsdp_loads_like_a_sharded_one(tmp_path: Path) -> None:
+    # multigpu.load took a sharded step folder but refused a one-file one ("Is a directory").
+    source = nn.Linear(4, 3)
+    saved = ckpt.Checkpointer(folder=tmp_path).save(step=5, model=source)
+    loaded = multigpu.load(nn.Linear(4, 3), saved)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in source.state_dict().items())

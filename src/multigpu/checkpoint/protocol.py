@@ -73,8 +73,8 @@ T = TypeVar("T")
 _ATTEMPTS = 3
 
 
-class Storage(Protocol):
-    """Where a step folder keeps the model (and perhaps the optimizer): what differs between the two kinds."""
+class Writes(Protocol):
+    """The save side of a :class:`Storage` (all :func:`save_step` needs: a snapshot in memory has only this)."""
 
     collective: bool  # every rank writes and reads its own part (else the main process writes alone)
 
@@ -86,6 +86,10 @@ class Storage(Protocol):
 
     def seal(self, tmp: Path, written: list[Any], step: int, world_size: int) -> str:
         """Finish the files (main process); returns the checksum ``state.pt`` records for them."""
+
+
+class Storage(Writes, Protocol):
+    """Where a step folder keeps the model (and perhaps the optimizer): what differs between the two kinds."""
 
     def read(self, locate: Callable[[], Path | None], *, allow_unsafe_pickle: bool) -> tuple[Path, Any] | None:
         """The folder ``locate()`` names and its unpickled ``state.pt``, the storage read as one version."""
@@ -112,7 +116,7 @@ class Storage(Protocol):
 def save_step(
     folder: Path,
     target: Path,
-    storage: Storage,
+    storage: Writes,
     state: dict[str, Any],
     *,
     lock_timeout_s: float,

@@ -30,13 +30,14 @@ import os
 import reprlib
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 from torch import nn
 
 from multigpu.checkpoint.atomic import remove_tree
+from multigpu.checkpoint.background import BackgroundWrite, Staged, Staging
 from multigpu.checkpoint.dcp_storage import Sharded, is_sharded_model
 from multigpu.checkpoint.folders import (
     METADATA_FILE,
@@ -52,6 +53,7 @@ from multigpu.checkpoint.folders import (
 from multigpu.checkpoint.protocol import OneFile, Storage, resume_step, save_step
 from multigpu.checkpoint.ranks import capture_rng, gather_on_main, run_on_main
 from multigpu.checkpoint.validate import FORMAT_VERSION, TrainingState, walk_plain
+from multigpu.core.keys import unwrap
 from multigpu.errors import CheckpointError, ConfigError
 from multigpu.runtime.world import world_size
 
@@ -88,11 +90,22 @@ class Checkpointer:
             checkpoints below N are deleted until ``keep_last`` remain up to N. ``None`` keeps all.
             Only complete checkpoints this library wrote are ever deleted.
         lock_timeout_s: how long a save waits for another process saving into the same folder.
+        async_save: ``save`` returns once the state is copied into memory and the write (the same
+            atomic protocol) goes on in the background; :meth:`wait` blocks until it is on disk, and
+            the next ``save``, ``wait`` or ``close`` raises its failure on every rank. The process
+            waits for a pending write before it exits. Under fsdp saves still block (see
+            docs/checkpoints.md).
+
+    Used as a context manager, it waits for a pending write on exit (:meth:`close`).
     """
 
     folder: Path
     keep_last: int | None = 3
     lock_timeout_s: float = 300.0
+    async_save: bool = False
+    _writer: BackgroundWrite | None = field(default=None, init=False, repr=False, compare=False)
+    _staging: Staging | None = field(default=None, init=False, repr=False, compare=False)
+    _warned_sharded: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.folder = Path(self.folder)
@@ -103,6 +116,43 @@ class Checkpointer:
         timeout = self.lock_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
             raise ConfigError(f"lock_timeout_s={timeout!r} must be a positive number of seconds.")
+        if not isinstance(self.async_save, bool):
+            raise ConfigError(f"async_save={self.async_save!r} must be True or False.")
+        if self.async_save:
+            self._writer, self._staging = BackgroundWrite(), Staging()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.close()
+        elif self._writer is not None:  # leaving on an error: wait here, without the other ranks
+            failure = self._writer.join()
+            if failure is not None:  # the error in flight is raised; this one must not vanish
+                warnings.warn(f"the background checkpoint write failed too: {failure}", RuntimeWarning, stacklevel=2)
+
+    def wait(self) -> None:
+        """Block until the pending background write (``async_save=True``) is on disk; nothing to do otherwise.
+
+        Raises:
+            CheckpointError: that write failed (on every rank: under a process group every rank
+                must call it); the previous checkpoint is whole and still the latest.
+        """
+        writer = self._writer
+        if writer is None:
+            return
+
+        def collect() -> None:
+            failure = writer.join()
+            if failure is not None:
+                raise failure
+
+        run_on_main(collect, "writing the last checkpoint in the background")
+
+    def close(self) -> None:
+        """Wait for a pending background write (see :meth:`wait`); the Checkpointer stays usable."""
+        self.wait()
 
     def save(
         self,
@@ -142,8 +192,11 @@ class Checkpointer:
         Every rank must call it: the random states of all ranks are gathered, rank 0 writes,
         the others return when the checkpoint is complete. Under fsdp (a model whose parameters
         are DTensors) every rank also writes its own shards, and rank 0 puts the folder in place
-        once all have (see :mod:`dcp_storage`).
+        once all have (see :mod:`dcp_storage`). With ``async_save=True`` it first waits for the
+        previous save's write (raising its failure on every rank), and returns once the state is
+        copied into memory: the model may change at once, the checkpoint is on disk after :meth:`wait`.
         """
+        self.wait()
         check_count(step, "step")
         check_count(epoch, "epoch")
         counters = {"data_position": dict(data_position or {}), "extra": dict(extra or {})}
@@ -192,7 +245,32 @@ class Checkpointer:
                 prune=lambda just_written: self._prune(just_written=just_written),
             )
 
-        if sharded:
+        if self._writer is not None and self._staging is not None and not sharded:
+            writer, staging = self._writer, self._staging
+
+            def start() -> None:  # the main process: snapshot now, write in the background
+                snapshot = staging.copy(
+                    {"state": entries(), "optimizer": storage.saved_optimizer(), "model": unwrap(model).state_dict()}
+                )
+                staged = Staged(snapshot["model"], snapshot["optimizer"])
+                prune = lambda just_written: self._prune(just_written=just_written)  # noqa: E731
+                writer.start(
+                    lambda: save_step(
+                        self.folder, target, staged, snapshot["state"], lock_timeout_s=self.lock_timeout_s, prune=prune
+                    ),
+                    target.name,
+                )
+
+            run_on_main(start, f"copying checkpoint {target} into memory")
+        elif sharded:
+            if self.async_save and not self._warned_sharded:
+                self._warned_sharded = True
+                warnings.warn(
+                    "async_save=True: a model sharded by fsdp is still saved blocking (each rank writes its "
+                    "shards before save returns).",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             write()
         else:  # the main process writes, the others wait for it
             run_on_main(write, f"saving checkpoint {target}")
@@ -229,6 +307,8 @@ class Checkpointer:
         torch.distributed.checkpoint: under a process group every rank must call it (the ranks
         check the folder and read it together); without one, one process reads it whole.
         """
+        if self._writer is not None:  # the pending write first; its failure is raised by the next
+            self._writer.finish()  # save/wait/close, where every rank takes part (resume may run on one)
         locate = (lambda: Path(path)) if path is not None else self.latest
         parts = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
         first = locate()

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from multigpu.checkpoint.dcp_files import is_dcp_folder, read_sharded_weights
-from multigpu.checkpoint.folders import recorded_step
+from multigpu.checkpoint.folders import MODEL_FILE, recorded_step
 from multigpu.checkpoint.formats import Format, check_expansion, read_tensors, write_tensors
 from multigpu.checkpoint.ranks import run_on_main
 from multigpu.core.keys import clean_state_dict, collision_message, match_keys, unwrap
@@ -90,8 +90,8 @@ def load(
 
     Args:
         model: the module to fill; a DataParallel/DDP/compiled wrapper is unwrapped.
-        path: a safetensors or torch file (format detected from its bytes), or the step folder of a
-            sharded checkpoint (a Checkpointer's under fsdp): its whole weights are read.
+        path: a safetensors or torch file (format detected from its bytes), or a Checkpointer's step
+            folder: its ``model.safetensors``, or, sharded (under fsdp), its whole weights.
         strict: raise when keys or shapes differ; with ``False`` load the keys that match.
         strip: extra key prefixes to remove (e.g. ``("model.",)`` for a Lightning checkpoint).
         allow_unsafe_pickle: allow torch files that need arbitrary unpickling. Only for files
@@ -124,7 +124,7 @@ def load(
 def read_weights(
     path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False, max_expansion: float = math.inf
 ) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
-    """The whole tensors and metadata of a weights file or a DCP checkpoint folder, checked first.
+    """The whole tensors and metadata of a weights file or a Checkpointer's step folder, checked first.
 
     A DCP folder (a Checkpointer's under fsdp) is read by this process alone; its metadata is the
     step its manifest records.
@@ -134,6 +134,13 @@ def read_weights(
             more than ``max_expansion`` times its bytes on disk.
     """
     if not is_dcp_folder(Path(path)):
+        if os.path.isdir(path):  # a Checkpointer's step folder without fsdp: its one weights file
+            if not os.path.lexists(Path(path) / MODEL_FILE):
+                raise CheckpointError(
+                    f"{str(path)!r} is a folder without {MODEL_FILE} or a sharded checkpoint's index; give a "
+                    "weights file, or a step-N folder a Checkpointer wrote."
+                )
+            path = Path(path) / MODEL_FILE
         tensors, metadata = read_tensors(path, allow_unsafe_pickle=allow_unsafe_pickle)
         check_expansion(tensors, path, max_expansion=max_expansion)
         return tensors, metadata

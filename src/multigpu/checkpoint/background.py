@@ -1,0 +1,178 @@
+"""Asynchronous saves (``Checkpointer(async_save=True)``): a snapshot in memory, the write on a thread.
+
+:class:`Staging` copies a save's state into host buffers on the caller's thread (tensors that share
+memory keep sharing it, so tied weights are written once as in a blocking save); the buffers are kept
+and reused by the next save (pinned where the device wants it, e.g. CUDA). :class:`Staged` is the
+one-file storage of :mod:`protocol` over that snapshot, so the write is the same protocol step as a
+blocking save, only on another thread.
+
+:class:`BackgroundWrite` owns that thread: at most one write in flight, started by :meth:`start` and
+joined by :meth:`join`, which hands back what the write raised (once). The thread is not a daemon:
+the interpreter waits for it before exiting (a run that leaves after a pre-emption stop keeps its
+last checkpoint); a failure nobody collected is printed at exit. A SIGKILL mid-write leaves only a
+temporary folder, as for a blocking save.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from multigpu.checkpoint.folders import MODEL_FILE
+from multigpu.checkpoint.formats import write_tensors
+from multigpu.checkpoint.safetensors_file import CHECKSUM_KEY, read_header
+from multigpu.devices import get_device_type
+from multigpu.errors import CheckpointError
+
+
+class Staging:
+    """Host copies of a state, in buffers reused from one :meth:`copy` to the next."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+
+    def copy(self, state: Any) -> Any:
+        """``state`` with every tensor copied into a staging buffer; containers are rebuilt, other values kept.
+
+        Tensors that share a storage share one buffer (viewed as they were). Only strided tensors
+        are staged through buffers; others are cloned to the CPU.
+        """
+        staged: dict[tuple[int, torch.device], torch.Tensor] = {}
+        used = 0
+
+        def buffer_for(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal used
+            storage = tensor.untyped_storage()
+            key = (storage.data_ptr(), tensor.device)
+            found = staged.get(key)
+            if found is not None:
+                return found
+            pin = tensor.device.type != "cpu" and get_device_type(tensor.device).pin_memory
+            if used < len(self._buffers) and self._buffers[used].numel() == storage.nbytes():
+                buf = self._buffers[used]
+            else:
+                buf = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+                if used < len(self._buffers):
+                    self._buffers[used] = buf
+                else:
+                    self._buffers.append(buf)
+            used += 1
+            source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+            buf.copy_(source)
+            staged[key] = buf
+            return buf
+
+        def walk(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                if (
+                    value.layout != torch.strided
+                    or value.is_quantized
+                    or value.is_conj()
+                    or value.is_neg()
+                    or value.device.type == "meta"
+                ):
+                    return value.detach().to("cpu", copy=True)
+                buf = buffer_for(value)
+                view = torch.empty(0, dtype=value.dtype)
+                return view.set_(buf.untyped_storage(), value.storage_offset(), value.size(), value.stride())
+            if isinstance(value, Mapping):
+                items = [(k, walk(v)) for k, v in value.items()]
+                return OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
+            if isinstance(value, list):
+                return [walk(v) for v in value]
+            if isinstance(value, tuple):
+                items = [walk(v) for v in value]
+                return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+            return value
+
+        result = walk(state)
+        del self._buffers[used:]  # what this state no longer needs
+        return result
+
+
+class Staged:
+    """The one-file storage (:class:`~multigpu.checkpoint.protocol.OneFile`'s save side) over a snapshot."""
+
+    collective = False
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], optimizer: dict[str, Any] | None) -> None:
+        self.weights, self.optimizer = weights, optimizer
+
+    def saved_optimizer(self) -> dict[str, Any] | None:
+        return self.optimizer
+
+    def write(self, tmp: Path, target: Path, step: int) -> str:
+        write_tensors(self.weights, tmp / MODEL_FILE, metadata={"step": str(step)})
+        return read_header(tmp / MODEL_FILE).metadata[CHECKSUM_KEY]
+
+    def seal(self, tmp: Path, written: list[Any], step: int, world_size: int) -> str:
+        return str(written[0])
+
+
+class BackgroundWrite:
+    """One write at a time on a thread of its own; what it raised is kept for :meth:`join`."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._what = ""
+        _live.add(self)
+
+    @property
+    def pending(self) -> bool:
+        return self._thread is not None
+
+    def start(self, write: Callable[[], Any], what: str) -> None:
+        """Run ``write`` on a new thread; the previous write must have been joined."""
+        if self._thread is not None:
+            raise RuntimeError("a background checkpoint write is still pending: join it first")
+        self._what, self._failure = what, None
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as exc:  # kept for the caller's thread, which raises it
+                self._failure = exc
+
+        self._thread = threading.Thread(target=run, name=f"multigpu-checkpoint-{what}", daemon=False)
+        self._thread.start()
+
+    def finish(self) -> None:
+        """Wait for the write in flight; what it raised is kept for :meth:`join`."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def join(self) -> CheckpointError | None:
+        """Wait for the write in flight; what it raised as a :class:`CheckpointError` (once), or ``None``."""
+        self.finish()
+        failure, self._failure = self._failure, None
+        if failure is None or isinstance(failure, CheckpointError):
+            return failure
+        error = CheckpointError(
+            f"writing checkpoint {self._what} in the background failed ({type(failure).__name__}: "
+            f"{str(failure)[:300]}); the previous checkpoint is unchanged and still the latest."
+        )
+        error.__cause__ = failure
+        return error
+
+
+_live: weakref.WeakSet[BackgroundWrite] = weakref.WeakSet()
+
+
+@atexit.register
+def _report_at_exit() -> None:
+    # The interpreter has joined the (non-daemon) write threads before atexit runs; a failure
+    # nobody collected with wait()/close() must not vanish.
+    for writer in list(_live):
+        failure = writer.join()
+        if failure is not None:
+            print(f"multigpu: {failure}", file=sys.stderr, flush=True)
