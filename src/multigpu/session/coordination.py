@@ -79,8 +79,11 @@ def main_first(is_first: bool, kind: str = "main_process_first") -> Iterator[Non
         raise
     finally:
         _open_blocks.pop()
-    if is_first:
-        _first_failed(False)
+    if is_first and _first_failed(False):  # another node's first process failed (local_main_process_first)
+        raise PeerExitedError(
+            f"another node's first process raised inside {kind}(), so the run stops here too; that error is "
+            "the cause (this one is a consequence)"
+        )
 
 
 def _first_failed(failed: bool = False) -> bool:
