@@ -5,6 +5,7 @@ rank is raised in the caller with that rank's traceback; no process is left, che
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,29 @@ def _exits_cleanly_on_rank_1() -> object:
 def test_sys_exit_0_is_a_clean_end_and_tensors_come_back_on_the_cpu() -> None:
     result = launch_function(_exits_cleanly_on_rank_1, nproc_per_node=2)
     assert result["weights"].device.type == "cpu" and result["weights"].tolist() == [1.0, 1.0]
+
+
+def _saves_in_the_background_and_returns(folder: str) -> str:
+    import os
+
+    import torch
+
+    import multigpu
+
+    model = torch.nn.Linear(4096, 4096)  # 64 MiB: the write outlasts the return by far
+    checkpointer = multigpu.Checkpointer(folder=f"{folder}/rank{os.environ['RANK']}", async_save=True)
+    checkpointer.save(step=1, model=model)  # no wait() or close(): the rank's end must not cut the write short
+    return "returned"
+
+
+@pytest.mark.multiprocess
+def test_an_async_save_left_pending_is_on_disk_when_the_call_returns(tmp_path: Path) -> None:
+    import multigpu
+
+    assert launch_function(_saves_in_the_background_and_returns, args=(str(tmp_path),), nproc_per_node=2) == "returned"
+    # The main process writes (rank 0); the caller stops a rank once its record is in: the write came first
+    steps = multigpu.Checkpointer(folder=tmp_path / "rank0").steps()
+    assert steps == [1], f"rank 0's pending write was cut short: {sorted(os.listdir(tmp_path / 'rank0'))}"
 
 
 def _children_of(pid: int) -> list[int]:

@@ -16,6 +16,7 @@ temporary folder, as for a blocking save.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401  (its exit hook registered before ours: see the end)
 import sys
 import threading
 import weakref
@@ -168,11 +169,22 @@ class BackgroundWrite:
 _live: weakref.WeakSet[BackgroundWrite] = weakref.WeakSet()
 
 
-@atexit.register
-def _report_at_exit() -> None:
-    # The interpreter has joined the (non-daemon) write threads before atexit runs; a failure
-    # nobody collected with wait()/close() must not vanish.
+def finish_pending_writes() -> None:
+    """Wait for every checkpoint write still in flight in this process and print a failure nobody collected
+    with ``wait()``/``close()``: what the process's end does (the interpreter joins the write threads, then
+    runs this). ``launch_function``'s ranks call it before they report, since the caller stops them then."""
     for writer in list(_live):
         failure = writer.join()
         if failure is not None:
             print(f"multigpu: {failure}", file=sys.stderr, flush=True)
+
+
+# At the process's end the write must finish before threading's shutdown has gone on: concurrent.futures
+# refuses new work from the moment it starts ("cannot schedule new futures after interpreter shutdown"), and
+# the write checksums in a thread pool (formats.py), so a write still pending then failed. threading's own
+# exit hooks run last-registered first, so registered after concurrent.futures' (imported above) this one
+# runs first, while pools still take work. atexit's is the fallback where threading has no such hook.
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(finish_pending_writes)
+else:  # pragma: no cover
+    atexit.register(finish_pending_writes)

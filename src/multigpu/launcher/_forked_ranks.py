@@ -76,6 +76,10 @@ def _child(
             if done.code not in (0, None):
                 raise
             result = None
+        # The caller stops a rank once its record is in: a checkpoint written in the background goes first
+        from multigpu.checkpoint.background import finish_pending_writes  # here: the launcher stays torch-free
+
+        finish_pending_writes()
         record = _result_record(result) if rank == 0 else ("ok", "NoneType", pickle.dumps(None))
     except BaseException as exc:
         try:
