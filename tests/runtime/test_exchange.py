@@ -70,11 +70,8 @@ def _pairs(a: Any, b: Any) -> Iterator[tuple[Any, Any]]:
 
 
 def _reduced_dtype(tensor: torch.Tensor, op: str) -> torch.dtype:
-    """The documented rule: a float keeps its dtype, max and min keep any; integers' and bools' mean is
-    float32 and their sum int64 (a count, never wrapped around or read back as True)."""
-    if tensor.is_floating_point() or op in ("max", "min"):
-        return tensor.dtype
-    return torch.float32 if op == "mean" else torch.int64
+    """The documented rule: dtype kept, a mean of integers in float32."""
+    return tensor.dtype if tensor.is_floating_point() or op != "mean" else torch.float32
 
 
 @_GROUP
@@ -112,8 +109,7 @@ def test_numpy_arrays_reduce_as_tensors_and_stay_arrays(
 ) -> None:
     array = np.asarray(np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape) % 3).astype(dtype)
     got = exchange.reduce(array, op)
-    kept = np.dtype(dtype).kind == "f" or op in ("max", "min")
-    want = dtype if kept else np.float32 if op == "mean" else np.int64
+    want = dtype if np.dtype(dtype).kind == "f" or op != "mean" else np.float32
     assert isinstance(got, np.ndarray) and got.dtype == want and got.shape == array.shape
     np.testing.assert_array_equal(got, array.astype(want))
 

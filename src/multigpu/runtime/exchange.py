@@ -193,19 +193,12 @@ def _reducible(leaf: Any) -> torch.Tensor | None:
 
 
 def _restore(leaf: Any, reduced: torch.Tensor, op: ReduceOp) -> Any:
-    """The reduced value in the form of ``leaf``: a tensor on its device, a numpy array, or a Python float.
-
-    Its dtype where the result fits it: a float keeps its own, max and min keep any; the mean of integers
-    or bools is float32, and their sum int64 (a sum of bools is a count: cast back, it read True; a sum of
-    int8 wrapped around).
-    """
+    """The reduced value in the form of ``leaf``: a tensor on its device, a numpy array, or a Python float."""
     if isinstance(leaf, torch.Tensor):
-        floating = leaf.is_floating_point() or leaf.is_complex()
-        dtype = leaf.dtype if floating or op in ("max", "min") else torch.float32 if op == "mean" else torch.int64
+        dtype = leaf.dtype if leaf.is_floating_point() or op != "mean" else torch.float32
         return reduced.to(leaf.device, dtype)
     if isinstance(leaf, np.ndarray):
-        kind_kept = leaf.dtype.kind in "fc" or op in ("max", "min")
-        kept = leaf.dtype if kind_kept else np.dtype(np.float32) if op == "mean" else np.dtype(np.int64)
+        kept = leaf.dtype if leaf.dtype.kind == "f" or op != "mean" else np.dtype(np.float32)
         return reduced.numpy().astype(kept)
     return float(reduced.item())
 
