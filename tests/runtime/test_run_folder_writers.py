@@ -8,7 +8,6 @@ time, and writes nothing through the link.
 
 from __future__ import annotations
 
-import faulthandler
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,21 +17,13 @@ import pytest
 from multigpu.launcher import _entry
 from multigpu.runtime import failure_records, tracking
 from tests.core.test_run_files import within
+from tests.runtime.launched_rank import launched_as
 
 
 @pytest.fixture
 def launched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """This process as rank 0 of 2 under ``multigpu launch`` (its failure folder), with a fresh ledger."""
-    monkeypatch.setenv("MULTIGPU_FAILURE_DIR", str(tmp_path))
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(tracking, "_ledger", tracking._Ledger())
-    yield tmp_path
-    if tracking._stack_file is not None:
-        faulthandler.unregister(tracking.STACK_SIGNAL)
-        tracking._stack_file.close()
-        tracking._stack_file = None
+    yield from launched_as(0, tmp_path, monkeypatch)
 
 
 def test_a_fifo_at_the_record_s_partial_name_neither_blocks_nor_stops_the_record(launched: Path) -> None:

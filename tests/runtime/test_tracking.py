@@ -8,7 +8,6 @@ tests/launcher/test_forensics.py.
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import sys
 from collections.abc import Iterator
@@ -28,20 +27,13 @@ from multigpu.launcher.torchrun import build_torchrun_args, log_args
 from multigpu.runtime import collectives, tracking, world
 from multigpu.session import SessionConfig
 from multigpu.strategies.unused_parameters import unused_parameter_names
+from tests.runtime.launched_rank import launched_as
 
 
 @pytest.fixture
 def launched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """This process as rank 1 of 2 under ``multigpu launch`` (its failure folder), with a fresh ledger."""
-    monkeypatch.setenv("MULTIGPU_FAILURE_DIR", str(tmp_path))
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(tracking, "_ledger", tracking._Ledger())
-    yield tmp_path
-    if tracking._stack_file is not None:
-        faulthandler.unregister(tracking.STACK_SIGNAL)
-        tracking._stack_file.close()
-        tracking._stack_file = None
+    yield from launched_as(1, tmp_path, monkeypatch)
 
 
 def test_each_collective_is_counted_named_and_placed_in_the_ledger_file(launched: Path) -> None:

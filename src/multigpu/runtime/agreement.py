@@ -137,32 +137,34 @@ def mismatch_message(calls: Sequence[Call], rank: int) -> str:
     where = f"(seen on rank {rank})"
     operations = [c.operation for c in calls]
     if len(set(operations)) > 1:
-        lines = [f"  rank {r}: {op}" for r, op in enumerate(operations)]
-        return (
-            f"the ranks called different collectives {where}:\n"
-            + "\n".join(lines)
-            + "\nFix: every rank must call the same collectives in the same order, with the same src and dim "
-            "(look for one inside 'if rank == 0')"
+        return _message(
+            f"the ranks called different collectives {where}",
+            operations,
+            "Fix: every rank must call the same collectives in the same order, with the same src and dim "
+            "(look for one inside 'if rank == 0')",
         )
     call = calls[0]
     places = [[(leaf.path, leaf.sends) for leaf in c.leaves] for c in calls]
     if any(p != places[0] for p in places):
         index = _first_difference(places)
-        lines = [f"  rank {r}: {_at(c, index)} ({_leaves(len(c.leaves))} in all)" for r, c in enumerate(calls)]
-        return (
-            f"{call.operation} got structures that differ between the ranks at leaf #{index} {where}:\n"
-            + "\n".join(lines)
-            + "\nFix: pass the same structure on every rank (the same keys, list lengths, and tensors in the "
-            "same places); send a value that only some ranks have with gather_object"
+        return _message(
+            f"{call.operation} got structures that differ between the ranks at leaf #{index} {where}",
+            [f"{_at(c, index)} ({_leaves(len(c.leaves))} in all)" for c in calls],
+            "Fix: pass the same structure on every rank (the same keys, list lengths, and tensors in the "
+            "same places); send a value that only some ranks have with gather_object",
         )
     index = _first_difference([[leaf.agreed(call.match) for leaf in c.leaves] for c in calls])
     path = call.leaves[index].path or "the object itself"
-    lines = [f"  rank {r}: {c.leaves[index].words()}" for r, c in enumerate(calls)]
-    return (
-        f"{call.operation} got tensors that do not fit together at {path} {where}:\n"
-        + "\n".join(lines)
-        + f"\n{call.operation.split(' ')[0]}: {_FIXES[call.match]}"
+    return _message(
+        f"{call.operation} got tensors that do not fit together at {path} {where}",
+        [c.leaves[index].words() for c in calls],
+        f"{call.operation.split(' ')[0]}: {_FIXES[call.match]}",
     )
+
+
+def _message(head: str, sides: Sequence[str], fix: str) -> str:
+    """``head:``, then each rank's side on its own line, then the fix."""
+    return "\n".join([f"{head}:", *(f"  rank {r}: {side}" for r, side in enumerate(sides)), fix])
 
 
 def _first_difference(lists: Sequence[Sequence[Any]]) -> int:
