@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from multigpu.devices import accelerator_type, parse_devices
+    from multigpu.devices import parse_devices, replica_device_type
     from multigpu.launcher.allreduce_probe import default_backend, probe_all_reduce
     from multigpu.profiling.bandwidth import message_sizes, parse_size, probe_local
     from multigpu.report.figures import bandwidth_figure
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     try:
         sizes = message_sizes(parse_size(args.min_size), parse_size(args.max_size), args.factor)
-        devices = parse_devices(args.devices or ("cpu:2" if accelerator_type() is None else None))
+        devices = parse_devices(args.devices or replica_device_type().default_devices())
         backend = args.backend or default_backend()
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("local probes", total=len(sizes) + (0 if args.no_all_reduce else 1))

@@ -87,10 +87,9 @@ def _ddp_processes(text: str) -> str:
 
 def default_devices() -> str:
     """Every device of the type ddp's workers compute on (every GPU) when there are several, else two CPU replicas."""
-    from multigpu.devices import process_device_type
+    from multigpu.devices import get_device_type, several_accelerators
 
-    kind = process_device_type()
-    return kind.name if kind.name != "cpu" and kind.device_count() > 1 else "cpu:2"
+    return (several_accelerators() or get_device_type("cpu")).default_devices()
 
 
 def build_plans(devices: str, primary: str) -> list[Plan]:

@@ -32,7 +32,9 @@ from multigpu.devices.registry import (
     get_device_type,
     process_device_type,
     register_device_type,
+    replica_device_type,
     restore_device_rng,
+    several_accelerators,
     synchronizer,
     unregister_device_type,
 )
@@ -61,7 +63,9 @@ __all__ = [
     "parse_output_device",
     "process_device_type",
     "register_device_type",
+    "replica_device_type",
     "restore_device_rng",
+    "several_accelerators",
     "synchronizer",
     "unregister_device_type",
 ]

@@ -20,6 +20,7 @@ import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -65,6 +66,9 @@ class DeviceType:
     allocator_stats: ClassVar[bool] = False  # its allocator reports bytes allocated and their peak
     timed_with_events: ClassVar[bool] = False  # marks are device events (no sync), else synced host clock
     profiler_activity: ClassVar[str | None] = None  # torch.profiler.ProfilerActivity member, if any
+    torch_sync_batchnorm: ClassVar[bool] = False  # torch's nn.SyncBatchNorm runs on it (else CPUSyncBatchNorm)
+    # variables a process must have before its first kernel to compute reproducibly on this type
+    deterministic_env: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @property
     def module(self) -> Any:
@@ -87,6 +91,21 @@ class DeviceType:
     def device_count(self) -> int:
         """How many devices of this type this process sees (0 when none is available)."""
         return int(self._call("device_count") or 0) if self.is_available() else 0
+
+    def default_replicas(self) -> int:
+        """How many replicas (dp's threads) or processes (ddp's, one per device) a run on this type takes
+        when none are asked for: every device of the type."""
+        return self.device_count()
+
+    def default_devices(self) -> str:
+        """:meth:`default_replicas` as a device specification for ``parse_devices``: ``"cuda"`` (every
+        device), else the first ones by index (``"cuda:0,1"``)."""
+        count = self.default_replicas()
+        return self.name if count == self.device_count() else self.replicas_spec(count)
+
+    def replicas_spec(self, count: int) -> str:
+        """The device specification of ``count`` replicas on this type: its first ``count`` devices (``"cuda:0,1"``)."""
+        return f"{self.name}:{','.join(map(str, range(count)))}"
 
     def is_initialized(self) -> bool:
         """Whether this process has already started the device's runtime (a forked child could not use it)."""

@@ -34,6 +34,14 @@ class CpuDevice(DeviceType):
     def device_count(self) -> int:
         return 1
 
+    def default_replicas(self) -> int:
+        """Two: replicas (or processes) on the CPU share its cores, so more buy no speed, but two exercise
+        every multi-device path (split, gather, gradient sum, all-reduce)."""
+        return _DEFAULT_CPU_REPLICAS
+
+    def replicas_spec(self, count: int) -> str:
+        return f"cpu:{count}"  # replicas share the one CPU
+
     def synchronize(self, device: torch.device | None = None) -> None:
         return None  # CPU ops have finished when they return
 
@@ -114,6 +122,7 @@ class CpuDevice(DeviceType):
         return "cpu"
 
 
+_DEFAULT_CPU_REPLICAS = 2
 _replica_thread = threading.local()
 _TWO_CHUNKS = 2 * 32768  # at::internal::GRAIN_SIZE: an elementwise op of this size splits in two
 

@@ -10,8 +10,9 @@ device properties nn.DataParallel's imbalance warning compares.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import torch
 
@@ -29,6 +30,9 @@ class CudaDevice(DeviceType):
     allocator_stats = True
     timed_with_events = True
     profiler_activity = "CUDA"
+    torch_sync_batchnorm = True
+    # cuBLAS is reproducible only with a fixed workspace; it reads the variable when it creates a handle
+    deterministic_env: ClassVar[Mapping[str, str]] = MappingProxyType({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()

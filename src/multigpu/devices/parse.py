@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from multigpu.devices.registry import accelerator_type, device_count, device_type_names, get_device_type
+from multigpu.devices.registry import accelerator_type, device_count, device_type_names, replica_device_type
 from multigpu.errors import DeviceError
 
 DeviceSpec = str | int | torch.device | Sequence[str | int | torch.device] | None
@@ -66,9 +66,9 @@ def parse_devices(spec: DeviceSpec = None) -> list[ReplicaDevice]:
         ['cpu:0', 'cpu:1']
     """
     if spec is None:
-        accel = accelerator_type()
-        if accel is not None and get_device_type(accel).replicas_by_default:
-            return _indexed(accel, list(range(device_count(accel))), spec)
+        kind = replica_device_type()
+        if kind.name != "cpu":
+            return _indexed(kind.name, list(range(kind.device_count())), spec)
         return [ReplicaDevice(torch.device("cpu"), "cpu")]
     if isinstance(spec, str):
         return _parse_string(spec)

@@ -3,9 +3,11 @@
 Built-in types (cpu, cuda, xpu, mps) are registered when :mod:`multigpu.devices` is imported;
 :func:`register_device_type` adds another (an out-of-tree accelerator, or a test's own type)
 without touching any other module. Registration order is the order accelerators are looked for
-(:func:`accelerator_type`): the first available one wins. :func:`process_device_type` is the one
-rule for which type a worker process of ddp/fsdp computes on (the runtime, the launcher, the
-Session's ``auto`` and the CLI ask it).
+(:func:`accelerator_type`): the first available one wins. That is the one device rule
+(``_first_available``), asked three ways: any accelerator (:func:`accelerator_type`), the type dp's
+replicas use (:func:`replica_device_type`), the type a worker process of ddp/fsdp computes on
+(:func:`process_device_type`; the runtime, the launcher, the Session's ``auto`` and the CLI ask it).
+How many devices a run takes by default is the type's own answer (``DeviceType.default_replicas``).
 
 Example:
     >>> get_device_type("cuda").backend
@@ -70,16 +72,36 @@ def get_device_type(device: str | torch.device) -> DeviceType:
     return found
 
 
+def _first_available(serves: Callable[[DeviceType], bool]) -> DeviceType:
+    """The one device rule: the first registered accelerator type that is available and ``serves``; else the CPU.
+
+    Registration order decides between several (CUDA first, as torch looks). Every default device
+    below is this rule with a different question.
+    """
+    cpu = _TYPES["cpu"]
+    found = (t for name, t in _TYPES.items() if name != "cpu" and serves(t) and t.is_available())
+    return next(found, cpu)
+
+
 def accelerator_type() -> str | None:
     """The accelerator type visible to this process (``"cuda"``, ``"xpu"``, ``"mps"``), or None.
 
     The first registered non-CPU type that is available. (``torch.accelerator``, torch 2.6+,
     answers the same question, but only for types torch itself knows and not on torch 2.4/2.5.)
     """
-    for name, device_type in _TYPES.items():
-        if name != "cpu" and device_type.is_available():
-            return name
-    return None
+    found = _first_available(lambda t: True)
+    return None if found.name == "cpu" else found.name
+
+
+def replica_device_type() -> DeviceType:
+    """The device type dp's replicas (threads of one process) use by default: the first available type
+    that takes its replicas by default (``replicas_by_default``: not MPS), else the CPU.
+
+    Example:
+        >>> replica_device_type().name in device_type_names()  # its default_devices(): 'cpu:2' on a CPU
+        True
+    """
+    return _first_available(lambda t: t.replicas_by_default)
 
 
 def process_device_type() -> DeviceType:
@@ -93,9 +115,21 @@ def process_device_type() -> DeviceType:
         >>> process_device_type().backend in ("gloo", "nccl")
         True
     """
-    cpu = _TYPES["cpu"]
-    found = (t for name, t in _TYPES.items() if name != "cpu" and t.backend != cpu.backend and t.is_available())
-    return next(found, cpu)
+    return _first_available(lambda t: t.backend != _TYPES["cpu"].backend)
+
+
+def several_accelerators() -> DeviceType | None:
+    """The accelerator type a run spreads over by default because this process sees several of its
+    devices (the workers' type: two GPUs), or None (one GPU, or none: the CPU's replicas serve).
+
+    ``Session(strategy="auto")`` picks dp then; ``multigpu demo`` trains on them.
+
+    Example:
+        >>> several_accelerators() is None or several_accelerators().default_replicas() > 1
+        True
+    """
+    kind = process_device_type()
+    return kind if kind.name != "cpu" and kind.default_replicas() > 1 else None
 
 
 def device_count(device_type: str) -> int:

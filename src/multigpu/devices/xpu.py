@@ -19,3 +19,4 @@ class XpuDevice(DeviceType):
     pin_memory = True
     allocator_stats = True  # where this torch's torch.xpu has the statistics (has_allocator_stats checks)
     profiler_activity = "XPU"
+    torch_sync_batchnorm = True  # torch's nn.SyncBatchNorm accepts XPU tensors

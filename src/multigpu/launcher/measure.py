@@ -140,8 +140,7 @@ def _argv(run: MeasureRun, spec_path: Path) -> tuple[list[str], dict[str, str]]:
 def _dp_devices(n: int) -> str:
     from multigpu.devices import process_device_type
 
-    kind = process_device_type().name  # the type the launched workers compute on: the same devices
-    return f"{kind}:{','.join(map(str, range(n)))}" if kind != "cpu" else f"cpu:{n}"
+    return process_device_type().replicas_spec(n)  # the type the launched workers compute on: the same devices
 
 
 def _measure_one(

@@ -37,19 +37,19 @@ if TYPE_CHECKING:
 
 LOOPBACK = "127.0.0.1"
 ENTRY_MODULE = "multigpu.launcher._entry"
-_CPU_AUTO_PROCS = 2  # on CPU, processes share the same cores; 2 exercises the multi-process path
 
 
 def resolve_nproc(config: LaunchConfig) -> int:
     """Processes per node: the configured count, or for ``"auto"`` one per device of the type the
-    workers compute on (:func:`~multigpu.devices.process_device_type`: every GPU), else 2 on CPU.
+    workers compute on (:func:`~multigpu.devices.process_device_type`), as many as the type's
+    ``default_replicas`` (every GPU, else 2 on CPU).
 
     Raises:
         DeviceError: more processes than visible devices of that type (GPUs).
     """
     kind = process_device_type()
     if config.nproc_per_node == "auto":
-        return kind.device_count() if kind.name != "cpu" else _CPU_AUTO_PROCS
+        return kind.default_replicas()  # every GPU; 2 on the CPU, whose processes share its cores
     nproc = int(config.nproc_per_node)
     check_world_matches_devices(nproc, kind.name, kind.device_count())  # any count on the CPU...
     if kind.name == "cpu":  # ... that the node can run

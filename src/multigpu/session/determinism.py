@@ -8,9 +8,10 @@ What it switches on, and what each costs:
   (atomics replaced by sorts or serial reductions).
 - cuDNN ``deterministic = True`` and ``benchmark = False``: convolutions use a fixed algorithm
   instead of the fastest one measured for each shape (typically 0-30 % slower convolutions).
-- ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` where CUDA is present (unless already set): cuBLAS needs a
-  fixed workspace to be reproducible; it costs a few MiB per stream. It must be set before the first
-  cuBLAS call, so create the Session before any CUDA matrix multiply.
+- the variables the device type needs (its ``deterministic_env``, unless already set): on CUDA
+  ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, as cuBLAS needs a fixed workspace to be reproducible; it costs
+  a few MiB per stream. It must be set before the first cuBLAS call, so create the Session before any
+  CUDA matrix multiply.
 - seeded DataLoader workers (:func:`seed_worker`): ``random`` and numpy in each worker are seeded
   from the worker's torch seed, which comes from the session's seed; loaders built by
   ``session.build_loader`` also get a generator seeded per rank.
@@ -27,9 +28,8 @@ from collections.abc import Callable
 
 import torch
 
+from multigpu.devices import get_device_type
 from multigpu.session.coordination import rank_seed
-
-CUBLAS_WORKSPACE = ":4096:8"
 
 
 def apply_deterministic(device: torch.device) -> Callable[[], None]:
@@ -50,8 +50,8 @@ def apply_deterministic(device: torch.device) -> Callable[[], None]:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
 
-    if device.type == "cuda" and "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE  # read by cuBLAS when it creates a handle
+    for name, value in get_device_type(device).deterministic_env.items():
+        os.environ.setdefault(name, value)  # read by the device's libraries (cuBLAS) when they start
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False

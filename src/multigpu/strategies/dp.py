@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from multigpu.devices import DeviceSpec, ReplicaDevice, parse_devices
+from multigpu.devices import DeviceSpec, ReplicaDevice, parse_devices, replica_device_type
 from multigpu.parallel import DataParallel
 from multigpu.runtime import world
 from multigpu.runtime.world import DEFAULT_TIMEOUT_S
@@ -46,9 +46,7 @@ class DataParallelStrategy(OneProcessStrategy):
         """Replicas on ``devices``, else on ``multigpu launch --devices``, else every GPU, else two CPU
         replicas; ``options``: none, ignored."""
         spec = devices if devices is not None else world.requested_devices()
-        replicas = parse_devices(spec)
-        if spec is None and len(replicas) == 1 and replicas[0].type == "cpu":
-            replicas = parse_devices("cpu:2")  # no GPU: two CPU replicas still exercise the engine
+        replicas = parse_devices(spec if spec is not None else replica_device_type().default_devices())
         return cls(replicas=replicas, timeout_s=timeout_s, precision=precision)
 
     @property

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from multigpu.devices import DeviceSpec, process_device_type
+from multigpu.devices import DeviceSpec, several_accelerators
 from multigpu.errors import ConfigError
 from multigpu.runtime import world
 from multigpu.runtime.world import DEFAULT_TIMEOUT_S
@@ -77,8 +77,7 @@ def resolve_strategy_name(name: str) -> str:
     env = world.read_launch_env()
     if env is not None and env.world_size > 1:
         return DDPStrategy.name
-    kind = process_device_type()
-    if kind.name != "cpu" and kind.device_count() > 1:
+    if several_accelerators() is not None:
         return DataParallelStrategy.name
     return SingleStrategy.name
 

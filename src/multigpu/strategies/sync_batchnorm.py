@@ -5,7 +5,8 @@ with noisier per-shard statistics than one device would. :func:`apply_sync_batch
 every ``BatchNorm1d/2d/3d`` so that training-mode statistics (and running statistics) are those of
 the whole global batch, as one device computing BatchNorm on it would:
 
-- on CUDA (and the other devices torch's layer accepts): torch's ``nn.SyncBatchNorm``;
+- on CUDA and XPU (the device types whose ``torch_sync_batchnorm`` says torch's layer runs there):
+  torch's ``nn.SyncBatchNorm``;
 - on CPU: torch's layer refuses to run (DDP raises "SyncBatchNorm layers only work with GPU
   modules"), so :class:`CPUSyncBatchNorm` does the same computation with collectives gloo has.
 
@@ -23,11 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from multigpu.devices import get_device_type
 from multigpu.runtime.collectives import issuing
 from multigpu.runtime.world import in_process_group, world_size
-
-# Device types torch's nn.SyncBatchNorm runs on (its forward raises for the others).
-_TORCH_SYNC_DEVICES = ("cuda", "hpu", "xpu", torch._C._get_privateuse1_backend_name())
 
 
 def apply_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
@@ -46,7 +45,7 @@ def apply_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
         >>> type(net[0]).__name__
         'CPUSyncBatchNorm'
     """
-    if device.type in _TORCH_SYNC_DEVICES:
+    if get_device_type(device).torch_sync_batchnorm:  # torch's layer runs there; its forward raises elsewhere
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return _convert(model)
 
