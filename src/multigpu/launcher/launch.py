@@ -52,6 +52,7 @@ from multigpu.launcher.torchrun import (
     resolve_nproc,
     run_torchrun,
 )
+from multigpu.runtime.scheduler_world import DEFAULT_PORT
 from multigpu.runtime.world import configured_threads
 from multigpu.strategies import STRATEGIES, get_strategy
 from multigpu.strategies.registry import launched_auto
@@ -328,12 +329,12 @@ def waiting_message(config: LaunchConfig, nproc: int) -> str:
     """
     nodes = config.nnodes.split(":")[-1].strip()
     if config.rdzv_backend == "c10d":
-        where = config.rdzv_endpoint or f"{config.master_addr}:{config.master_port or 29500}"
+        where = config.rdzv_endpoint or f"{config.master_addr}:{config.master_port or DEFAULT_PORT}"
         return (
             f"{nproc} processes here waiting for {config.nnodes} node(s) to join at {where} "
             f"(c10d rendezvous, id {config.rdzv_id!r})"
         )
     return (
         f"node {config.node_rank} of {nodes} ({nproc} processes here) waiting for the other nodes at "
-        f"{config.master_addr}:{config.master_port or 29500} (static rendezvous)"
+        f"{config.master_addr}:{config.master_port or DEFAULT_PORT} (static rendezvous)"
     )

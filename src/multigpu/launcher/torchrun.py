@@ -30,6 +30,7 @@ from multigpu.launcher import evidence
 from multigpu.launcher.preflight import check_listen_address, check_process_count
 from multigpu.launcher.root_cause import format_summary, from_torch, merge
 from multigpu.runtime import failure_records
+from multigpu.runtime.scheduler_world import DEFAULT_PORT
 from multigpu.runtime.world import check_world_matches_devices
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ def build_torchrun_args(
         # take the port between choosing it and binding it (what torchrun --standalone does).
         backend, endpoint = "c10d", f"{addr}:0"
     else:
-        endpoint = config.rdzv_endpoint or (f"{addr}:{port or 29500}" if backend == "c10d" else None)
+        endpoint = config.rdzv_endpoint or (f"{addr}:{port or DEFAULT_PORT}" if backend == "c10d" else None)
     args = [
         "--nnodes",
         config.nnodes,
@@ -130,7 +131,7 @@ def build_torchrun_args(
         "--master-addr",
         addr,
         "--master-port",
-        str(port or 29500),
+        str(port or DEFAULT_PORT),
         "--max-restarts",
         str(config.max_restarts),
         "--rdzv-backend",

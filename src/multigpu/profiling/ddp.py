@@ -37,6 +37,7 @@ from multigpu.core.units import format_ms
 from multigpu.errors import ConfigError
 from multigpu.profiling import clock
 from multigpu.runtime import world as runtime
+from multigpu.runtime.exchange import gather_object
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
@@ -171,8 +172,8 @@ class DDPProfiler:
         mine = self.rank_profile()
         if not runtime.in_process_group():
             return DDPProfile(backend="none", ranks=[mine])
-        everyone: list[Any] = [None] * runtime.world_size()
-        dist.all_gather_object(everyone, mine)
+        # through the collectives' one door (runtime.collectives.issuing): in the rank's ledger, checked under --debug
+        everyone = gather_object(mine, "DDP profile (every rank's timings, all-gather)")
         return DDPProfile(backend=str(dist.get_backend()), ranks=sorted(everyone, key=lambda r: r.rank))
 
 

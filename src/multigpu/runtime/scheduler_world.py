@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from multigpu.errors import LaunchError
 
-DEFAULT_PORT = 29500
+DEFAULT_PORT = 29500  # torch.distributed's MASTER_PORT when none is set; every part of multigpu names it here
 MAX_WORLD = 2**31 - 1  # torch.distributed's ranks and world sizes are C ints
 _MAX_DIGITS = len(str(MAX_WORLD))
 _SHOWN = 60  # characters of a value a message shows
@@ -88,7 +88,7 @@ def read_ints(env: Mapping[str, str], names: list[str], fix: str) -> list[int]:
 
 
 def read_port(env: Mapping[str, str], name: str = "MASTER_PORT") -> int:
-    """``name`` (``MASTER_PORT``; 29500 when unset) as a TCP port; a LaunchError when it is not one."""
+    """``name`` (``MASTER_PORT``; :data:`DEFAULT_PORT` when unset) as a TCP port; a LaunchError when it is not one."""
     value = env.get(name, str(DEFAULT_PORT))
     fix = f"set {name} to a TCP port in 1..65535, the same on every process"
     if re.fullmatch(r"[0-9]{1,5}", value) is None or not 0 < int(value) < 65536:

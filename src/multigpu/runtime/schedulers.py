@@ -11,7 +11,7 @@ train.py`` form the same world as ``multigpu launch``:
 - **A PyTorchJob pod** whose container runs the script itself: ``RANK``/``WORLD_SIZE`` without
   ``LOCAL_RANK`` (:func:`pytorchjob_pod`): local rank 0 of 1.
 - **Open MPI**, **MPICH / Intel MPI / Cray** (:mod:`multigpu.runtime.mpi_env`), with ``MASTER_ADDR``
-  and ``MASTER_PORT`` (loopback and 29500 when every rank runs on this node). MPI's variables win
+  and ``MASTER_PORT`` (loopback and :data:`DEFAULT_PORT` when every rank runs on this node). MPI's variables win
   over SLURM's (mpirun inside an sbatch job starts its daemons with srun), but for ``srun
   --mpi=pmi2``, whose ``PMI_RANK`` is the task's ``SLURM_PROCID``.
 
