@@ -24,8 +24,6 @@ if TYPE_CHECKING:
     from multigpu.launcher.measure import MeasureRun, MeasureSpec
     from multigpu.planning.advise import Row
 
-MEASURED = ("single", "dp", "ddp", "fsdp")
-
 
 def devices_present() -> int:
     """Devices a measured run may use here: every GPU, else the processes ``multigpu launch`` starts on a CPU."""
@@ -59,23 +57,28 @@ def device_counts(args: argparse.Namespace, present: int) -> list[int]:
 
 
 def strategies(args: argparse.Namespace) -> list[str]:
-    chosen = [s.strip() for s in (args.strategies or ",".join(MEASURED)).split(",") if s.strip()]
-    unknown = [s for s in chosen if s not in MEASURED]
+    """``--strategies`` (default: every strategy of the registry), refused by name when one is not a strategy."""
+    from multigpu.strategies.registry import strategy_names
+
+    measured = strategy_names()
+    chosen = [s.strip() for s in (args.strategies or ",".join(measured)).split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in measured]
     if unknown or not chosen:
-        raise ConfigError(f"--strategies {args.strategies!r}: pick from {', '.join(MEASURED)}, e.g. single,ddp")
+        raise ConfigError(f"--strategies {args.strategies!r}: pick from {', '.join(measured)}, e.g. single,ddp")
     return chosen
 
 
 def build_runs(counts: list[int], chosen: list[str], rows: list[Row], batch: dict[str, Any]) -> list[MeasureRun]:
-    """A run per strategy and device count: ``single`` at one device, the others at more; the
-    predicted row's batch when there is one, else the batch flags'."""
+    """A run per strategy and device count: one of a device (``single``) at one device, the others at more;
+    the predicted row's batch when there is one, else the batch flags'."""
     from multigpu.launcher.measure import MeasureRun
+    from multigpu.strategies.registry import get_strategy
 
     predicted = {(r.strategy, r.devices): sum(r.step.chunks) for r in rows}
     runs = []
     for n in counts:
         for strategy in chosen:
-            if (strategy == "single") != (n == 1):
+            if get_strategy(strategy).multi_device != (n > 1):
                 continue
             default = batch.get("global_batch") or batch.get("per_device_batch", 32) * n
             runs.append(MeasureRun(strategy=strategy, devices=n, global_batch=predicted.get((strategy, n), default)))

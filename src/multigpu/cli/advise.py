@@ -43,6 +43,7 @@ from multigpu.errors import ConfigError, MultigpuError
 from multigpu.planning import hardware, workload
 from multigpu.planning.hardware import DEFAULT_GPU_OVERLAP
 from multigpu.planning.workload import OPTIMIZER_TRAFFIC, PRECISION_WEIGHT_BYTES, FsdpLayout
+from multigpu.strategies.registry import strategy_names
 
 if TYPE_CHECKING:
     import torch
@@ -156,7 +157,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     measured.add_argument(
         "--budget", type=seconds(DAY_S), default=60.0, help="seconds for all measured runs together (default 60)"
     )
-    measured.add_argument("--strategies", help="strategies to measure, comma-separated (default single,dp,ddp,fsdp)")
+    measured.add_argument(
+        "--strategies", help=f"strategies to measure, comma-separated (default {','.join(strategy_names())})"
+    )
     measured.add_argument("--script", help="measure this Session training script instead of a factory model")
     measured.add_argument("--script-args", help='arguments for --script, in one string: "--epochs 1 --lr 0.1"')
 

@@ -22,15 +22,16 @@ from multigpu.cli._launch_settings import mark_defaults, resolve
 from multigpu.cli._numbers import count, seconds
 from multigpu.core.limits import DAY_S, WEEK_S, parse_nnodes
 from multigpu.errors import ConfigError, MultigpuError
+from multigpu.strategies.registry import strategy_names
 
 if TYPE_CHECKING:
     from multigpu.launcher.launch import LaunchConfig
 
 # torch and the launcher are imported when the command runs, so that building the parser stays
-# cheap; the strategy names are written here (tests/cli/test_startup.py checks they match
-# multigpu.launcher.launch.LAUNCH_STRATEGIES, which asks the strategies' registry); at run time
-# the launcher asks each strategy its facts (processes, --devices, launch environment)
-LAUNCH_STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
+# cheap; the strategy names come from the strategies' registry, which lists them without importing
+# torch (the parser asks when it is built, so a strategy registered before counts); at run time the
+# launcher asks each strategy its facts (processes, --devices, launch environment)
+LAUNCH_STRATEGIES = ("auto", *strategy_names())  # as registered when this module was imported
 
 HELP = "run a training script under single, dp, ddp or fsdp (torchrun underneath for ddp and fsdp)"
 
@@ -80,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strategy",
         default="auto",
-        choices=LAUNCH_STRATEGIES,
+        choices=("auto", *strategy_names()),
         help="ddp: one process per device (torchrun); fsdp: the same with parameters, gradients and optimizer "
         "state sharded; dp: one process, a replica per device in threads; "
         "single: one process, one device; auto: ddp for several processes, else single (default)",

@@ -129,8 +129,10 @@ class LaunchConfig:
     debug: bool = False
 
     def __post_init__(self) -> None:
-        if self.strategy not in LAUNCH_STRATEGIES:
-            raise ConfigError(f"strategy={self.strategy!r} is not one of {LAUNCH_STRATEGIES}; use e.g. --strategy ddp")
+        if self.strategy not in ("auto", *STRATEGIES):  # the registry now: a strategy registered later counts
+            raise ConfigError(
+                f"strategy={self.strategy!r} is not one of {('auto', *STRATEGIES)}; use e.g. --strategy ddp"
+            )
         if self.nproc_per_node != "auto" and (not _is_int(self.nproc_per_node) or self.nproc_per_node < 1):
             raise ConfigError(f"nproc_per_node={self.nproc_per_node!r}: pass a count >= 1 or 'auto'")
         if _is_int(self.nnodes):  # LaunchConfig(nnodes=2): torchrun's form is text

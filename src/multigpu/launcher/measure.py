@@ -132,7 +132,7 @@ def _argv(run: MeasureRun, spec_path: Path) -> tuple[list[str], dict[str, str]]:
         argv = [sys.executable, "-m", "multigpu", "launch", "--strategy", run.strategy]
         argv += ["--nproc-per-node", str(run.devices), "--grace-period", str(_KILL_GRACE_S), worker, str(spec_path)]
         return argv, dict(os.environ)
-    devices = _dp_devices(run.devices) if run.strategy == "dp" else None
+    devices = _dp_devices(run.devices) if get_strategy(run.strategy).launch_devices else None
     env = {**os.environ, **worker_env(LaunchConfig(strategy=run.strategy, devices=devices), run.strategy, 1)}
     return [sys.executable, worker, str(spec_path)], env
 
@@ -152,7 +152,7 @@ def _measure_one(
         payload = {
             **asdict(spec),
             "strategy": run.strategy,
-            "devices": _dp_devices(run.devices) if run.strategy == "dp" else None,
+            "devices": _dp_devices(run.devices) if get_strategy(run.strategy).launch_devices else None,
             "global_batch": run.global_batch,
             "folder": folder,
             "deadline": time.time() + _TIMING_SHARE * share,

@@ -11,22 +11,50 @@
   :mod:`~multigpu.strategies.registry`: the strategies by name.
 
 Adding a strategy is one module with a :class:`Strategy` subclass (its facts as class
-attributes), listed in the registry.
+attributes), listed in the registry. The names are imported on first use, so ``strategy_names()``
+answers without torch.
 """
 
-from multigpu.strategies.base import Strategy
-from multigpu.strategies.ddp import DDPOptions
-from multigpu.strategies.fsdp import FSDPOptions
-from multigpu.strategies.precision import PRECISIONS, Precision, build_precision
-from multigpu.strategies.registry import (
-    STRATEGIES,
-    build_strategy,
-    get_strategy,
-    multi_device_strategies,
-    process_strategies,
-    resolve_strategy_name,
-    strategy_labels,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on first use
+    from multigpu.strategies.base import Strategy
+    from multigpu.strategies.ddp import DDPOptions
+    from multigpu.strategies.fsdp import FSDPOptions
+    from multigpu.strategies.precision import PRECISIONS, Precision, build_precision
+    from multigpu.strategies.registry import (
+        STRATEGIES,
+        build_strategy,
+        get_strategy,
+        multi_device_strategies,
+        process_strategies,
+        resolve_strategy_name,
+        strategy_labels,
+    )
+
+# public name -> its module: imported when first used, so that multigpu.strategies.registry's names
+# (strategy_names) are read without torch (the CLI builds its parser from them)
+_SOURCES: dict[str, str] = {
+    "Strategy": "multigpu.strategies.base",
+    "DDPOptions": "multigpu.strategies.ddp",
+    "FSDPOptions": "multigpu.strategies.fsdp",
+    **dict.fromkeys(("PRECISIONS", "Precision", "build_precision"), "multigpu.strategies.precision"),
+    **dict.fromkeys(
+        (
+            "STRATEGIES",
+            "build_strategy",
+            "get_strategy",
+            "multi_device_strategies",
+            "process_strategies",
+            "resolve_strategy_name",
+            "strategy_labels",
+        ),
+        "multigpu.strategies.registry",
+    ),
+}
 
 __all__ = [
     "PRECISIONS",
@@ -43,3 +71,15 @@ __all__ = [
     "resolve_strategy_name",
     "strategy_labels",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SOURCES:
+        raise AttributeError(f"module 'multigpu.strategies' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_SOURCES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_SOURCES])
