@@ -45,6 +45,7 @@ from multigpu.checkpoint.safetensors_file import (
     verify_tensors,
 )
 from multigpu.checkpoint.torch_file import load_torch_file
+from multigpu.core.lookup import lookup
 from multigpu.errors import CheckpointError, ConfigError
 
 Format = Literal["safetensors", "torch"]
@@ -75,8 +76,9 @@ def format_for(path: str | os.PathLike[str], format: Format | None = None) -> Fo
     by_suffix: Format = "torch" if suffix in _TORCH_SUFFIXES else "safetensors"
     if format is None:
         return by_suffix
-    if format not in FORMATS:
-        raise ConfigError(f"format={format!r} is not one of {FORMATS}; pick one of them.")
+    lookup(
+        dict.fromkeys(FORMATS), format, "format={value!r} is not one of {choices}; pick one of them.", choices=FORMATS
+    )
     if (format == "torch" and suffix == ".safetensors") or (format == "safetensors" and suffix in _TORCH_SUFFIXES):
         raise ConfigError(
             f"format={format!r} does not match the name {str(path)!r}: tools that read by suffix would "

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from multigpu.cli._numbers import count, real, seconds
 from multigpu.core.limits import DAY_S
+from multigpu.core.lookup import lookup
 from multigpu.core.script import importable_from
 from multigpu.errors import ConfigError, MultigpuError
 from multigpu.planning import hardware, workload
@@ -448,9 +449,8 @@ def sample_inputs(batch: int, shape: Sequence[int], dtype: str, device: torch.de
     """
     import torch
 
-    if dtype not in INPUT_DTYPES:
-        raise ConfigError(f"--input-dtype {dtype!r} is not one of {', '.join(INPUT_DTYPES)}")
-    kind = getattr(torch, INPUT_DTYPES[dtype])
+    message = "--input-dtype {value!r} is not one of {choices}; e.g. --input-dtype long for token ids"
+    kind = getattr(torch, lookup(INPUT_DTYPES, dtype, message))
     if kind.is_floating_point:
         return torch.randn(batch, *shape, dtype=kind, device=device)
     return torch.zeros(batch, *shape, dtype=kind, device=device)

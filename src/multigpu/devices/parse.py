@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from multigpu.core.lookup import lookup
 from multigpu.devices.registry import accelerator_type, device_count, device_type_names, replica_device_type
 from multigpu.errors import DeviceError
 
@@ -90,11 +91,8 @@ def _parse_string(spec: str) -> list[ReplicaDevice]:
             "'cuda', 'cuda:0,1' or a list such as ['cuda:0', 'cuda:1']"
         )
     device_type, rest = match["type"], match["rest"]
-    if device_type not in device_type_names():
-        raise DeviceError(
-            f"device string {spec!r} does not parse: {device_type!r} is not one of {', '.join(device_type_names())}; "
-            "use e.g. 'cpu:2' or 'cuda:0,1'"
-        )
+    message = "device string {spec!r} does not parse: {value!r} is not one of {choices}; use e.g. 'cpu:2' or 'cuda:0,1'"
+    lookup(dict.fromkeys(device_type_names()), device_type, message, error=DeviceError, spec=spec)
     if device_type == "cpu":
         count = int(rest) if rest and "," not in rest else (1 if not rest else 0)
         if count < 1:
@@ -183,8 +181,8 @@ def parse_output_device(spec: int | str | torch.device | None, primary: torch.de
     device = spec if isinstance(spec, torch.device) else _to_device(spec)
     if device.type == "cpu":
         return torch.device("cpu")
-    if device.type not in device_type_names():
-        raise DeviceError(f"output_device={spec!r}: {device.type!r} is not one of {', '.join(device_type_names())}")
+    message = "output_device={spec!r}: {value!r} is not one of {choices}; register the type or pick a device of one"
+    lookup(dict.fromkeys(device_type_names()), device.type, message, error=DeviceError, spec=spec)
     index = device.index if device.index is not None else 0
     return _indexed(device.type, [index], spec, what="output_device")[0].device
 

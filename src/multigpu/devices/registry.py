@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from multigpu.core.lookup import lookup
 from multigpu.devices.base import DeviceType
 from multigpu.errors import ConfigError, DeviceError
 
@@ -63,13 +64,13 @@ def get_device_type(device: str | torch.device) -> DeviceType:
         DeviceError: no such type is registered, naming the ones that are.
     """
     name = device.type if isinstance(device, torch.device) else device
-    found = _TYPES.get(name)
-    if found is None:
-        raise DeviceError(
-            f"device type {name!r} is not one of {', '.join(_TYPES)}; "
-            "use e.g. 'cpu:2' or 'cuda:0,1' (or register the type: multigpu.devices.register_device_type)"
-        )
-    return found
+    return lookup(
+        _TYPES,
+        name,
+        "device type {value!r} is not one of {choices}; use e.g. 'cpu:2' or 'cuda:0,1' "
+        "(or register the type: multigpu.devices.register_device_type)",
+        error=DeviceError,
+    )
 
 
 def _first_available(serves: Callable[[DeviceType], bool]) -> DeviceType:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TypeGuard
 
 from multigpu.core.limits import DAY_S, WEEK_S, check_seconds, parse_nnodes, process_bound
+from multigpu.core.lookup import lookup
 from multigpu.devices import parse_devices, process_device_type
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.launcher.preemption import maybe_requeue
@@ -129,10 +130,13 @@ class LaunchConfig:
     debug: bool = False
 
     def __post_init__(self) -> None:
-        if self.strategy not in ("auto", *STRATEGIES):  # the registry now: a strategy registered later counts
-            raise ConfigError(
-                f"strategy={self.strategy!r} is not one of {('auto', *STRATEGIES)}; use e.g. --strategy ddp"
-            )
+        choices = ("auto", *STRATEGIES)  # the registry now: a strategy registered later counts
+        lookup(
+            dict.fromkeys(choices),
+            self.strategy,
+            "strategy={value!r} is not one of {choices}; use e.g. --strategy ddp",
+            choices=choices,
+        )
         if self.nproc_per_node != "auto" and (not _is_int(self.nproc_per_node) or self.nproc_per_node < 1):
             raise ConfigError(f"nproc_per_node={self.nproc_per_node!r}: pass a count >= 1 or 'auto'")
         if _is_int(self.nnodes):  # LaunchConfig(nnodes=2): torchrun's form is text
@@ -281,8 +285,10 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
 
 def check_log_options(config: LaunchConfig) -> None:
     """Refuse log options torchrun would misread, naming the flag (called by :class:`LaunchConfig`)."""
-    if config.tee is not None and config.tee not in STREAMS:
-        raise ConfigError(f"tee={config.tee!r} is not one of {sorted(STREAMS)}; use e.g. --tee both")
+    if config.tee is not None:
+        lookup(
+            STREAMS, config.tee, "tee={value!r} is not one of {choices}; use e.g. --tee both", choices=sorted(STREAMS)
+        )
     ranks = config.local_ranks_filter
     if ranks is not None and (not ranks or any(not isinstance(r, int) or r < 0 for r in ranks)):
         raise ConfigError(

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from multigpu.core.keys import add_module_prefix, drop_module_prefix
 from multigpu.core.listeners import Listener, ListenerHandle, Listeners
+from multigpu.core.lookup import lookup
 from multigpu.core.structure import Flat, flatten, iter_tensors
 from multigpu.devices import DeviceSpec, ReplicaDevice, get_device_type, parse_devices, parse_output_device
 from multigpu.errors import ConfigError, PlacementError
@@ -102,8 +103,8 @@ class DataParallel(nn.Module):
         _refuse_wrapper(module)
         if device_ids is not None and devices is not None:
             raise ConfigError("pass device_ids or devices, not both; devices accepts every form device_ids does")
-        if scalar_outputs not in _SCALAR_RULES:
-            raise ConfigError(f"scalar_outputs={scalar_outputs!r} is not one of {_SCALAR_RULES}")
+        message = "scalar_outputs={value!r} is not one of {choices}; pass one of them ('mean': the replicas' mean)"
+        lookup(dict.fromkeys(_SCALAR_RULES), scalar_outputs, message, choices=_SCALAR_RULES)
         if isinstance(dim, bool) or not isinstance(dim, int):
             raise ConfigError(f"dim={dim!r} must be an int: the batch dimension (negative counts from the last)")
         self.module = module

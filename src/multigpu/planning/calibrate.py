@@ -45,6 +45,7 @@ from unittest import mock
 import torch
 from torch import nn
 
+from multigpu.core.lookup import lookup
 from multigpu.errors import ConfigError
 from multigpu.parallel.replicas import build_replicas
 from multigpu.planning.counting import LossFn, OpCounter, default_loss, device_seconds, fastest_s
@@ -99,18 +100,21 @@ def _views(
     return [[t.detach() for t in tensors] for _ in devices]
 
 
+def _torch_replicate(module: nn.Module) -> object:
+    torch_replicate = importlib.import_module("torch.nn.parallel.replicate")
+    with mock.patch.object(torch_replicate, "_broadcast_coalesced_reshape", _views):
+        return torch_replicate.replicate(module, [0])
+
+
+_REPLICATES: dict[str, Callable[[nn.Module], object]] = {
+    "torch": _torch_replicate,
+    "multigpu": lambda module: build_replicas(module, [torch.device("cpu")]),
+}
+
+
 def _replicate_fn(which: str) -> Callable[[nn.Module], object]:
-    if which == "multigpu":
-        return lambda module: build_replicas(module, [torch.device("cpu")])
-    if which == "torch":
-        torch_replicate = importlib.import_module("torch.nn.parallel.replicate")
-
-        def run(module: nn.Module) -> object:
-            with mock.patch.object(torch_replicate, "_broadcast_coalesced_reshape", _views):
-                return torch_replicate.replicate(module, [0])
-
-        return run
-    raise ConfigError(f"replicate={which!r} is not one of 'torch' (nn.DataParallel) or 'multigpu' (the engine)")
+    message = "replicate={value!r} is not one of {choices}; pass one of them"
+    return lookup(_REPLICATES, which, message, choices="'torch' (nn.DataParallel) or 'multigpu' (the engine)")
 
 
 def _replicate_costs(items: int, repeats: int, which: str) -> tuple[float, float]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from multigpu.core.lookup import lookup
 from multigpu.errors import ConfigError
 from multigpu.planning import memory
 from multigpu.planning.hardware import HostCosts, Platform
@@ -387,9 +388,7 @@ PLANNED: dict[str, PlannedStrategy] = {
 
 
 def _strategy(name: str) -> PlannedStrategy:
-    if name not in PLANNED:
-        raise ConfigError(f"strategy={name!r} is not one of {', '.join(PLANNED)}")
-    return PLANNED[name]
+    return lookup(PLANNED, name, "strategy={value!r} is not one of {choices}; the planner has a row for each of them")
 
 
 def device_memory(strategy: str, w: Workload, plat: Platform, chunks: Sequence[int]) -> list[float]:

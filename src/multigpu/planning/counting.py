@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
+from multigpu.core.lookup import lookup
 from multigpu.devices import synchronizer
 from multigpu.errors import ConfigError
 from multigpu.planning.costs import host_step_s
@@ -342,11 +343,13 @@ def device_seconds(step_s: float, host_s: float) -> float:
 
 def build_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     """The optimizer the planner's ``--optimizer`` names (``sgd``, ``sgd-momentum``, ``adam``, ``adamw``) over ``model``."""
-    params = list(model.parameters())
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-3)
-    if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
-    if name in ("adam", "adamw"):
-        return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(params, lr=1e-4)
-    raise ConfigError(f"optimizer={name!r} is not one of sgd, sgd-momentum, adam, adamw")
+    build = lookup(_OPTIMIZERS, name, "optimizer={value!r} is not one of {choices}; pass one of them (--optimizer)")
+    return build(list(model.parameters()))
+
+
+_OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-4),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
+}

@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from multigpu.core.lookup import lookup
 from multigpu.errors import ConfigError
 
 GB = 1e9
@@ -200,13 +201,8 @@ def gpu(name: str) -> GpuSpec:
     Raises:
         ConfigError: an unknown name; the message lists the presets.
     """
-    try:
-        return GPUS[_BY_KEY[_key(name)]]
-    except KeyError:
-        raise ConfigError(
-            f"unknown GPU {name!r}; choose one of {', '.join(GPUS)}, or describe it with "
-            "--gpu-tflops, --gpu-mem-gb and --gpu-mem-bw"
-        ) from None
+    message = "unknown GPU {value!r}; choose one of {choices}, or describe it with --gpu-tflops, --gpu-mem-gb and --gpu-mem-bw"
+    return GPUS[lookup(_BY_KEY, _key(name), message, choices=", ".join(GPUS), shown=name)]
 
 
 def custom_gpu(
@@ -250,13 +246,10 @@ def link(name: str) -> LinkSpec:
     Raises:
         ConfigError: an unknown name; the message lists the presets.
     """
-    try:
-        return LINKS[name.lower()]
-    except KeyError:
-        raise ConfigError(
-            f"unknown link {name!r}; choose one of {', '.join(LINKS)}, or pass a measured "
-            "bandwidth (multigpu bandwidth) instead"
-        ) from None
+    message = (
+        "unknown link {value!r}; choose one of {choices}, or pass a measured bandwidth (multigpu bandwidth) instead"
+    )
+    return lookup(LINKS, name.lower(), message, shown=name)
 
 
 def measured_link(busbw: float, *, copy_bandwidth: float | None = None, name: str = "measured") -> LinkSpec:

@@ -32,6 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from multigpu.core.lookup import lookup
 from multigpu.errors import ConfigError
 from multigpu.planning.hardware import GpuSpec
 
@@ -152,10 +153,9 @@ class Workload:
             )
         if not 0 < self.backward_fraction < 1:
             raise ConfigError(f"backward_fraction={self.backward_fraction} must be in (0, 1), e.g. 2/3")
-        if self.optimizer not in OPTIMIZER_TRAFFIC:
-            raise ConfigError(f"optimizer={self.optimizer!r} is not one of {sorted(OPTIMIZER_TRAFFIC)}")
-        if self.precision not in PRECISION_WEIGHT_BYTES:
-            raise ConfigError(f"precision={self.precision!r} is not one of {sorted(PRECISION_WEIGHT_BYTES)}")
+        for name, table in (("optimizer", OPTIMIZER_TRAFFIC), ("precision", PRECISION_WEIGHT_BYTES)):
+            message = "{name}={value!r} is not one of {choices}; pass one of them (--{name})"
+            lookup(table, getattr(self, name), message, choices=sorted(table), name=name)
         if not 0 <= self.last_ready_params <= self.params:
             raise ConfigError(f"last_ready_params={self.last_ready_params} must be within [0, params={self.params}]")
         if self.fsdp.groups and sum(self.fsdp.groups) != self.params:
@@ -411,13 +411,8 @@ def preset(name: str) -> ModelPreset:
     Raises:
         ConfigError: an unknown name; the message lists the presets.
     """
-    try:
-        return PRESETS[name.lower()]
-    except KeyError:
-        raise ConfigError(
-            f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)} "
-            "or pass an import path 'package.module:factory'"
-        ) from None
+    message = "unknown model preset {value!r}; choose one of {choices} or pass an import path 'package.module:factory'"
+    return lookup(PRESETS, name.lower(), message, shown=name)
 
 
 def from_preset(

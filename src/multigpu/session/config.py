@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from multigpu.core.lookup import lookup
 from multigpu.devices import DeviceSpec
 from multigpu.errors import ConfigError
 from multigpu.strategies import PRECISIONS, STRATEGIES, DDPOptions, FSDPOptions
@@ -123,8 +124,9 @@ def _options_fields() -> list[tuple[str, type]]:
 
 
 def _check_choice(name: str, value: object, choices: list[str], example: str) -> None:
-    if not isinstance(value, str) or value not in choices:
-        raise ConfigError(f"{name}={value!r} is not one of {choices}; use e.g. {example}")
+    key = value if isinstance(value, str) else object()  # anything but a string is no name (True == 1 hashes alike)
+    message = "{name}={value!r} is not one of {choices}; use e.g. {example}"
+    lookup(dict.fromkeys(choices), key, message, choices=choices, shown=value, name=name, example=example)
 
 
 def _is_int(value: object) -> bool:

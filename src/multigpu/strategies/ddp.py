@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from multigpu.core.lookup import lookup
 from multigpu.errors import ConfigError
 from multigpu.runtime.world import DEFAULT_TIMEOUT_S, LaunchEnv
 from multigpu.strategies.base import ProcessPerDeviceStrategy
@@ -81,11 +82,13 @@ class DDPOptions:
     powersgd_start_iter: int = 1000
 
     def __post_init__(self) -> None:
-        if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
-            raise ConfigError(
-                f"DDPOptions(comm_hook={self.comm_hook!r}) is not one of {[None, *COMM_HOOKS]}; use e.g. "
-                "comm_hook='bf16', or None for the exact all-reduce"
-            )
+        lookup(
+            dict.fromkeys((None, *COMM_HOOKS)),
+            self.comm_hook,
+            "DDPOptions(comm_hook={value!r}) is not one of {choices}; use e.g. comm_hook='bf16', or None for the "
+            "exact all-reduce",
+            choices=[None, *COMM_HOOKS],
+        )
         if not self.bucket_cap_mb > 0:
             raise ConfigError(f"DDPOptions(bucket_cap_mb={self.bucket_cap_mb}) must be > 0 MiB (torch's default 25)")
         if self.powersgd_rank < 1:

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from multigpu.errors import ConfigError
+from multigpu.core.lookup import lookup
 
 
 class Precision:
@@ -104,7 +104,5 @@ def build_precision(name: str, device_type: str) -> Precision:
     Raises:
         ConfigError: ``name`` is not a known precision.
     """
-    cls = PRECISIONS.get(name)
-    if cls is None:
-        raise ConfigError(f"precision={name!r} is not one of {sorted(PRECISIONS)}; use e.g. precision='bf16'")
-    return cls(device_type)
+    message = "precision={value!r} is not one of {choices}; use e.g. precision='bf16'"
+    return lookup(PRECISIONS, name, message, choices=sorted(PRECISIONS))(device_type)

@@ -19,6 +19,7 @@ import importlib
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from multigpu.core.lookup import lookup
 from multigpu.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -98,9 +99,12 @@ def get_strategy(name: str) -> type[Strategy]:
     Raises:
         ConfigError: ``name`` is not a strategy.
     """
-    if name not in _CLASSES:
-        raise ConfigError(f"strategy={name!r} is not one of {[_AUTO, *_CLASSES]}; use e.g. strategy='ddp'")
-    return STRATEGIES[name]
+    return lookup(
+        STRATEGIES,
+        name,
+        "strategy={value!r} is not one of {choices}; use e.g. strategy='ddp'",
+        choices=[_AUTO, *_CLASSES],
+    )
 
 
 def strategy_labels() -> dict[str, str]:
