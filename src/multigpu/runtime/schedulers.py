@@ -1,26 +1,36 @@
-"""Which scheduler started this process, and the world its variables imply (SLURM, MPI, torchrun's ``PET_*``).
+"""Which scheduler started this process, and the world its variables imply: one priority tuple of schedulers.
 
-:mod:`multigpu.runtime.world` reads torchrun's ``RANK``/``WORLD_SIZE`` first; a process without
-them asks :func:`detect_worker` here, so ``srun python train.py`` and ``mpirun -np 2 python
-train.py`` form the same world as ``multigpu launch``:
+:data:`SCHEDULERS` lists every way a cluster starts processes, first match first. Each is an object
+whose answers are pure functions of an environment mapping (the caller passes ``os.environ``):
 
-- **SLURM** (a task of an ``srun`` step; :mod:`multigpu.runtime.slurm_env`): rank ``SLURM_PROCID``, the
-  step's (else the job's) tasks, tasks per node and hosts, which must agree; the master is the first host,
-  the port one every task of the step derives alike. The batch, extern and interactive steps (python run
-  directly in the batch script) are no srun step.
-- **A PyTorchJob pod** whose container runs the script itself: ``RANK``/``WORLD_SIZE`` without
-  ``LOCAL_RANK`` (:func:`pytorchjob_pod`): local rank 0 of 1.
-- **Open MPI**, **MPICH / Intel MPI / Cray** (:mod:`multigpu.runtime.mpi_env`), with ``MASTER_ADDR``
-  and ``MASTER_PORT`` (loopback and :data:`DEFAULT_PORT` when every rank runs on this node). MPI's variables win
-  over SLURM's (mpirun inside an sbatch job starts its daemons with srun), but for ``srun
-  --mpi=pmi2``, whose ``PMI_RANK`` is the task's ``SLURM_PROCID``.
+- :meth:`Scheduler.detects`: am I the one that started this worker;
+- :meth:`Scheduler.worker`: the worker's world (:class:`SchedulerWorld`), or a :class:`~multigpu.errors.LaunchError`
+  naming the variables that contradict each other and the fix;
+- :meth:`Scheduler.launcher`: what ``multigpu launch`` on this node should use, by long flag name (None:
+  not here);
+- :meth:`Scheduler.refusal`: why a process that this scheduler's variables surround is no worker of it
+  (``python train.py`` inside an ``salloc``), or None.
 
-The parent side (``multigpu launch``) asks :func:`launcher_defaults`: torchrun's ``PET_*`` variables
-(what Kubeflow's PyTorchJob sets; :mod:`multigpu.runtime.pet_env`), under mpirun (one launcher per
-node) MPI's size and rank, and, inside a SLURM step, the nodes and this node's rank.
-Inconsistent variables raise a :class:`~multigpu.errors.LaunchError` naming them and the fix; so does a
-variable that does not parse (a count that is not ASCII digits or is above torch's C int, a port outside
-1..65535, a host with spaces), showing its value cut short, at once: no world is waited for that cannot form.
+:func:`detect_worker` (asked by :mod:`multigpu.runtime.world`), :func:`launcher_defaults` and
+:func:`not_started_reason` walk the one tuple, so the precedence is written once:
+
+1. **torchrun** (also ``multigpu launch``): ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; for the launcher,
+   torchrun's ``PET_*`` (what Kubeflow's PyTorchJob sets; :mod:`multigpu.runtime.pet_env`).
+2. **A PyTorchJob pod** whose container runs the script itself: ``RANK``/``WORLD_SIZE`` without
+   ``LOCAL_RANK`` (:func:`pytorchjob_pod`): local rank 0 of 1; for the launcher of an operator older than
+   ``PET_*``, the pods are the nodes.
+3. **Open MPI**, **MPICH / Intel MPI / Cray** (:mod:`multigpu.runtime.mpi_env`), with ``MASTER_ADDR``
+   and ``MASTER_PORT`` (loopback and :data:`DEFAULT_PORT` when every rank runs on this node). MPI's
+   variables win over SLURM's (mpirun inside an sbatch job starts its daemons with srun), but for ``srun
+   --mpi=pmi2``, whose ``PMI_RANK`` is the task's ``SLURM_PROCID``.
+4. **SLURM** (a task of an ``srun`` step; :mod:`multigpu.runtime.slurm_env`): rank ``SLURM_PROCID``, the
+   step's (else the job's) tasks, tasks per node and hosts, which must agree; the master is the first
+   host, the port one every task of the step derives alike. The batch, extern and interactive steps
+   (python run directly in the batch script) are no srun step.
+
+A variable that does not parse (a count that is not ASCII digits or is above torch's C int, a port
+outside 1..65535, a host with spaces) is refused by name, showing its value cut short, at once: no
+world is waited for that cannot form.
 
 Example:
     >>> detect_worker({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}).global_rank
@@ -31,25 +41,30 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import ClassVar
 
 from multigpu.errors import LaunchError
-from multigpu.runtime.mpi_env import MPICH, Mpi, mpi_flavour, mpi_launcher, mpi_worker
+from multigpu.runtime.mpi_env import MPICH, OPEN_MPI, Mpi, mpi_flavour, mpi_launcher, mpi_worker
 from multigpu.runtime.pet_env import pet_launcher
 from multigpu.runtime.scheduler_world import DEFAULT_PORT, SchedulerWorld, read_addr, read_ints, read_port, shown
 from multigpu.runtime.slurm_env import (
     in_srun_step,
-    not_started_reason,
     slurm_job_id,
     slurm_launcher,
     slurm_port,
     slurm_worker,
+)
+from multigpu.runtime.slurm_env import (
+    not_started_reason as slurm_not_started_reason,
 )
 from multigpu.runtime.slurm_lists import expand_hostlist, expand_tasks_per_node
 
 __all__ = [
     "DEFAULT_PORT",
     "PYTORCHJOB",
+    "SCHEDULERS",
     "TORCHRUN",
+    "Scheduler",
     "SchedulerWorld",
     "detect_worker",
     "expand_hostlist",
@@ -63,46 +78,190 @@ __all__ = [
 ]
 
 TORCHRUN = "torchrun"  # the scheduler name of RANK/WORLD_SIZE (torchrun, multigpu launch) and of PET_*
+PYTORCHJOB = "pytorchjob"  # the scheduler name of a PyTorchJob pod whose container runs the script directly
 
 
-def detect_worker(env: Mapping[str, str]) -> SchedulerWorld | None:
+class Scheduler:
+    """One way a cluster starts processes; every answer is a pure function of the environment mapping.
+
+    Subclasses answer :meth:`detects` and :meth:`worker`, and :meth:`launcher` / :meth:`refusal` where
+    they have something to say. ``name`` is the scheduler's name in ``LaunchEnv.scheduler`` and
+    ``multigpu env``.
+    """
+
+    name: ClassVar[str]
+    # Whether its variables still describe the one process ``multigpu launch --strategy single|dp`` starts:
+    # torch's (set for this very process) do; MPI's and SLURM's, inherited from the launcher, were its task's.
+    describes_a_launched_process: ClassVar[bool] = False
+
+    def detects(self, env: Mapping[str, str]) -> bool:
+        """Whether this scheduler started the worker process whose variables ``env`` are."""
+        raise NotImplementedError
+
+    def worker(self, env: Mapping[str, str]) -> SchedulerWorld:
+        """The world ``env`` describes for one worker (asked where :meth:`detects`).
+
+        Raises:
+            LaunchError: the variables contradict each other or do not parse (the message names them and the fix).
+        """
+        raise NotImplementedError
+
+    def launcher(self, env: Mapping[str, str]) -> dict[str, str] | None:
+        """What ``multigpu launch`` on this node should use, by long flag name; None where it is not here."""
+        return None
+
+    def refusal(self, env: Mapping[str, str]) -> str | None:
+        """Why a process ``env`` places inside this scheduler's job is no worker of it, or None."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<scheduler {self.name}>"
+
+
+class Torchrun(Scheduler):
+    """torchrun and ``multigpu launch``: ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``; ``PET_*``."""
+
+    name = TORCHRUN
+    describes_a_launched_process = True
+
+    def detects(self, env: Mapping[str, str]) -> bool:
+        return "RANK" in env and "WORLD_SIZE" in env and not PyTorchJobPod.here(env)
+
+    def worker(self, env: Mapping[str, str]) -> SchedulerWorld:
+        return torchrun_worker(env)
+
+    def launcher(self, env: Mapping[str, str]) -> dict[str, str] | None:
+        return pet_launcher(env) or None
+
+
+class PyTorchJobPod(Scheduler):
+    """A PyTorchJob pod whose container runs the script itself: ``RANK``/``WORLD_SIZE`` without ``LOCAL_RANK``."""
+
+    name = PYTORCHJOB
+    describes_a_launched_process = True
+
+    @staticmethod
+    def here(env: Mapping[str, str]) -> bool:
+        """Kubeflow's training operator sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` on
+        every pod (and, newer ones, ``PET_NNODES``/``PET_NODE_RANK``/``PET_NPROC_PER_NODE``); torchrun would
+        add ``LOCAL_RANK``."""
+        if "LOCAL_RANK" in env or "RANK" not in env or "MASTER_ADDR" not in env:
+            return False
+        return any(
+            name in env for name in ("PET_NNODES", "PET_NODE_RANK", "PET_NPROC_PER_NODE", "KUBERNETES_SERVICE_HOST")
+        )
+
+    def detects(self, env: Mapping[str, str]) -> bool:
+        return "WORLD_SIZE" in env and self.here(env)
+
+    def worker(self, env: Mapping[str, str]) -> SchedulerWorld:
+        return torchrun_worker(env)
+
+    def launcher(self, env: Mapping[str, str]) -> dict[str, str] | None:
+        # an operator older than PET_* (a newer one's PET_* are torchrun's, asked first): RANK is the pod's index
+        return _pod_launcher(env) if "WORLD_SIZE" in env and pytorchjob_pod(env) else None
+
+
+class MpiScheduler(Scheduler):
+    """One MPI (:mod:`multigpu.runtime.mpi_env`): its rank and size variables, and this node's."""
+
+    def __init__(self, mpi: Mpi) -> None:
+        self.mpi = mpi
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.mpi.name
+
+    def detects(self, env: Mapping[str, str]) -> bool:
+        # not srun --mpi=pmi2's tasks: SLURM's PMI gives each its own SLURM_PROCID as PMI_RANK
+        return mpi_flavour(env) is self.mpi and not _srun_started_pmi(env, self.mpi)
+
+    def worker(self, env: Mapping[str, str]) -> SchedulerWorld:
+        return mpi_worker(env, self.mpi)
+
+    def launcher(self, env: Mapping[str, str]) -> dict[str, str] | None:
+        return mpi_launcher(env, self.mpi) if self.detects(env) else None
+
+
+class Slurm(Scheduler):
+    """A task of an ``srun`` step (:mod:`multigpu.runtime.slurm_env`)."""
+
+    name = "slurm"
+
+    def detects(self, env: Mapping[str, str]) -> bool:
+        return "SLURM_PROCID" in env and in_srun_step(env)
+
+    def worker(self, env: Mapping[str, str]) -> SchedulerWorld:
+        return slurm_worker(env)
+
+    def launcher(self, env: Mapping[str, str]) -> dict[str, str] | None:
+        return slurm_launcher(env) if self.detects(env) else None
+
+    def refusal(self, env: Mapping[str, str]) -> str | None:
+        return slurm_not_started_reason(env)
+
+
+# The one precedence, first match first. torch's variables first: torchrun sets them for its own workers,
+# which also inherit the MPI or SLURM variables of the launcher mpirun or srun started. MPI's before
+# SLURM's: mpirun inside an sbatch job starts its daemons with srun, so the SLURM variables its ranks
+# inherit describe the daemons (one per node), not the ranks.
+SCHEDULERS: tuple[Scheduler, ...] = (Torchrun(), PyTorchJobPod(), MpiScheduler(OPEN_MPI), MpiScheduler(MPICH), Slurm())
+
+
+def detect_worker(env: Mapping[str, str], *, launched_alone: bool = False) -> SchedulerWorld | None:
     """The world a scheduler started this worker into, or None when none did.
 
     Args:
-        env: the process's environment (``RANK``/``WORLD_SIZE`` are read before this, by the caller).
+        env: the process's environment.
+        launched_alone: the process is the one ``multigpu launch --strategy single|dp`` started: only
+            schedulers whose variables describe such a process count (``describes_a_launched_process``).
 
     Raises:
         LaunchError: the variables contradict each other (the message names them and the fix).
     """
-    # MPI's variables before SLURM's: mpirun inside an sbatch job starts its daemons with srun, so the
-    # SLURM variables its ranks inherit describe the daemons (one per node), not the ranks
-    mpi = mpi_flavour(env)
-    if mpi is not None and not _srun_started_pmi(env, mpi):
-        return mpi_worker(env, mpi)
-    if "SLURM_PROCID" in env and in_srun_step(env):
-        return slurm_worker(env)
+    for scheduler in SCHEDULERS:
+        if (scheduler.describes_a_launched_process or not launched_alone) and scheduler.detects(env):
+            return scheduler.worker(env)
     return None
 
 
-PYTORCHJOB = "pytorchjob"  # the scheduler name of a PyTorchJob pod whose container runs the script directly
+def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str]]:
+    """What the scheduler says ``multigpu launch`` on this node should use, by long flag name.
+
+    Returns:
+        ``(scheduler, values)``: ``("torchrun", ...)`` from ``PET_*``; ``("pytorchjob", ...)`` from a
+        pod of an operator older than ``PET_*`` (``RANK``/``WORLD_SIZE`` as node rank and nodes);
+        ``("openmpi", ...)`` or ``("mpich", ...)`` from one launcher per node started by mpirun (MPI's
+        size and rank as the nodes and node rank); ``("slurm", ...)`` from a task of an srun step
+        (nodes, node rank, master address and port); or ``(None, {})``. Flags given on the command
+        line or in a config file win over these.
+
+    Raises:
+        LaunchError: an srun step or an mpirun that starts more than one launcher per node, or
+            mpirun on several nodes without ``MASTER_ADDR``.
+    """
+    for scheduler in SCHEDULERS:
+        values = scheduler.launcher(env)
+        if values is not None:
+            return scheduler.name, values
+    return None, {}
+
+
+def not_started_reason(env: Mapping[str, str]) -> str | None:
+    """Why this process is no worker of the job its variables place it in (SLURM's batch step), or None."""
+    return next((reason for s in SCHEDULERS if (reason := s.refusal(env)) is not None), None)
 
 
 def pytorchjob_pod(env: Mapping[str, str]) -> bool:
     """Whether ``RANK``/``WORLD_SIZE`` without ``LOCAL_RANK`` are a PyTorchJob pod's: one process per pod.
 
-    Kubeflow's training operator sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` on
-    every pod (and, newer ones, ``PET_NNODES``/``PET_NODE_RANK``/``PET_NPROC_PER_NODE``); torchrun would
-    add ``LOCAL_RANK``. A container that runs ``python train.py`` itself is local rank 0 of 1.
+    A container that runs ``python train.py`` itself is local rank 0 of 1.
 
     Raises:
         LaunchError: ``PET_NPROC_PER_NODE`` asks for several processes per pod, which only a launcher in
             the pod starts.
     """
-    if "LOCAL_RANK" in env or "RANK" not in env or "MASTER_ADDR" not in env:
-        return False
-    if not any(
-        name in env for name in ("PET_NNODES", "PET_NODE_RANK", "PET_NPROC_PER_NODE", "KUBERNETES_SERVICE_HOST")
-    ):
+    if not PyTorchJobPod.here(env):
         return False
     nproc = env.get("PET_NPROC_PER_NODE", "1")
     if nproc != "1":
@@ -177,37 +336,6 @@ def _srun_started_pmi(env: Mapping[str, str], mpi: Mpi) -> bool:
     if mpi is not MPICH or any(rank_var in env for rank_var, _ in mpi.local_vars):
         return False
     return "SLURM_PROCID" in env and in_srun_step(env) and env.get("SLURM_PROCID") == env.get("PMI_RANK")
-
-
-# -- the launcher's side ---------------------------------------------------------------------------
-
-
-def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str]]:
-    """What the scheduler says ``multigpu launch`` on this node should use, by long flag name.
-
-    Returns:
-        ``(scheduler, values)``: ``("torchrun", ...)`` from ``PET_*``; ``("pytorchjob", ...)`` from a
-        pod of an operator older than ``PET_*`` (``RANK``/``WORLD_SIZE`` as node rank and nodes);
-        ``("openmpi", ...)`` or ``("mpich", ...)`` from one launcher per node started by mpirun (MPI's
-        size and rank as the nodes and node rank); ``("slurm", ...)`` from a task of an srun step
-        (nodes, node rank, master address and port); or ``(None, {})``. Flags given on the command
-        line or in a config file win over these.
-
-    Raises:
-        LaunchError: an srun step or an mpirun that starts more than one launcher per node, or
-            mpirun on several nodes without ``MASTER_ADDR``.
-    """
-    pet = pet_launcher(env)
-    if pet:
-        return TORCHRUN, pet
-    mpi = mpi_flavour(env)
-    if mpi is not None and not _srun_started_pmi(env, mpi):  # MPI's before SLURM's, as for the workers
-        return mpi.name, mpi_launcher(env, mpi)
-    if "WORLD_SIZE" in env and pytorchjob_pod(env):  # an operator older than PET_*: RANK is the pod's index
-        return PYTORCHJOB, _pod_launcher(env)
-    if "SLURM_PROCID" not in env or not in_srun_step(env):
-        return None, {}
-    return "slurm", slurm_launcher(env)
 
 
 def _pod_launcher(env: Mapping[str, str]) -> dict[str, str]:

@@ -5,8 +5,9 @@ This is the one module that reads the launcher's environment variables (``RANK``
 multigpu's own (``MULTIGPU_STRATEGY``, ``MULTIGPU_DEVICES``, ``MULTIGPU_COLLECTIVE_TIMEOUT``,
 ``MULTIGPU_BIND_CORES``, ``MULTIGPU_FAILURE_DIR``, ``MULTIGPU_DEBUG``, ``MULTIGPU_STDERR_COPY``, set by
 ``multigpu launch``), torch elastic's ``TORCHELASTIC_RESTART_COUNT``, torch's ``TORCH_DISTRIBUTED_DEBUG``
-(set for ``--debug``: :func:`enable_torch_debug`), and the user's ``OMP_NUM_THREADS``; a process without
-``RANK``/``WORLD_SIZE`` asks :mod:`multigpu.runtime.schedulers` what SLURM's or MPI's variables say.
+(set for ``--debug``: :func:`enable_torch_debug`), and the user's ``OMP_NUM_THREADS``; which scheduler started the
+process and the world its variables say (torchrun's ``RANK``/``WORLD_SIZE``, a PyTorchJob pod's, MPI's,
+SLURM's) it asks :mod:`multigpu.runtime.schedulers`, whose one priority tuple decides.
 Everything else asks :func:`read_launch_env`. It is also the one place that answers "which rank
 am I, is a process group up, am I the main process" (:func:`global_rank`, :func:`world_size`,
 :func:`in_process_group`, :func:`is_main_process`): the collectives, the failure messages, the
@@ -86,9 +87,10 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | Non
         environ: the variables to read (default: ``os.environ``).
 
     Returns:
-        A :class:`LaunchEnv` when ``RANK`` and ``WORLD_SIZE`` are set, else the world SLURM's or
-        MPI's variables describe (:func:`multigpu.runtime.schedulers.detect_worker`), else None
-        (also in the one process of ``multigpu launch --strategy single|dp``, which inherits them).
+        The world the first scheduler of :data:`multigpu.runtime.schedulers.SCHEDULERS` that detects
+        this process describes (torchrun's ``RANK``/``WORLD_SIZE``, a PyTorchJob pod's, MPI's, SLURM's),
+        else None (also in the one process of ``multigpu launch --strategy single|dp``, which inherits
+        MPI's or SLURM's).
 
     Raises:
         LaunchError: the variables are present but inconsistent (e.g. ``RANK`` >= ``WORLD_SIZE``).
@@ -98,12 +100,9 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | Non
         1
     """
     env = os.environ if environ is None else environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        found: schedulers.SchedulerWorld | None = schedulers.torchrun_worker(env)
-    elif env.get("MULTIGPU_STRATEGY"):  # the one process of a multigpu launch (single, dp): the launcher
-        return None  # was the scheduler's task; SLURM's or MPI's variables it inherited are not its world
-    else:
-        found = schedulers.detect_worker(env)
+    # the one process of a multigpu launch (single, dp): the launcher was the scheduler's task; SLURM's or
+    # MPI's variables it inherited are not its world (torch's, set for it, still are)
+    found = schedulers.detect_worker(env, launched_alone=bool(env.get("MULTIGPU_STRATEGY")))
     if found is None:
         return None
     return LaunchEnv(
