@@ -45,6 +45,20 @@ def _count_process_starts(event: str, _args: object) -> None:
 sys.addaudithook(_count_process_starts)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _planner_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The planner's machine constants (MULTIGPU_CACHE_DIR) in a folder of the session's, filled with fixed
+    figures: a CPU plan in a test, and in the processes it starts, measures no machine unless it asks to,
+    and nothing is written to the user's cache."""
+    from tests.planning.machine_constants import fill
+
+    folder = tmp_path_factory.mktemp("multigpu-cache")
+    fill(folder)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MULTIGPU_CACHE_DIR", str(folder))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

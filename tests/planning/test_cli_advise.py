@@ -55,6 +55,7 @@ def test_advise_flags_are_a_decision() -> None:
         "--measure",
         "--budget",
         "--strategies",
+        "--recalibrate",
         "--script",
         "--script-args",
     }

@@ -149,10 +149,12 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
         chosen = strategies(args)
         plan: dict[str, Any] = {"inputs": {"script": args.script}, "rows": [], "recommendation": None}
         rows: list[Row] = []
+        planned: tuple[Any, Any] | None = None  # the CPU plan's workload and platform, for the feedback
         batch = advise._batches(args)
         if args.model:
             args.devices = ",".join(map(str, counts))
             w, plat, rows, batch = advise._plan(args)
+            planned = (w, plat) if _plans_what_runs(args) else None
             rec = recommend(rows, plat.memory_bytes)
             plan = to_json(rows, rec, advise._inputs(w, plat, rows, batch))
             if not args.json:
@@ -182,11 +184,32 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
     checked = check(rows, measurements)
     rec_measured = recommend_measured(checked)
     result_json = {**plan, "measured": measured_json(checked, rec_measured, args.budget)}
+    fed_back = _feed_back(planned, checked)
+    if fed_back is not None:
+        result_json["measured"]["fed_back"] = fed_back
     title = f"{args.model or args.script}: measured here"
     written = advise.write_result(
         args, result_json, lambda out: plot_measured(checked, out / "advise-measured.png", title)
     )
     if written is not None:
         print_measured(console, checked, rec_measured, args.budget)
+        if fed_back is not None:
+            solved = ", ".join(f"{k} {v:.3g}" for k, v in fed_back["constants"].items()) or "nothing"
+            console.print(f"fed back into this machine's constants ({fed_back['file']}): {solved}", soft_wrap=True)
         console.print(written, soft_wrap=True)
     return 0
+
+
+def _plans_what_runs(args: argparse.Namespace) -> bool:
+    """The plan is this CPU's and the runs compute on it: their times may correct its constants."""
+    return args.gpu is None and args.gpu_tflops is None and args.busbw is None and present_accelerator() is None
+
+
+def _feed_back(planned: tuple[Any, Any] | None, checked: list[Any]) -> dict[str, Any] | None:
+    """The measured steps solved into this machine's cached constants (None: not a CPU plan of what ran)."""
+    if planned is None:
+        return None
+    from multigpu.cli._advise_calibrate import feed_back_measured
+
+    solved, path = feed_back_measured(*planned, checked)
+    return {"constants": solved, "file": str(path)}

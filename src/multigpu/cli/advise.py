@@ -57,7 +57,6 @@ if TYPE_CHECKING:
 HELP = "predict time and memory of each strategy and device count, and recommend one"
 DEFAULT_BATCH = 32
 MAX_PLANNED_DEVICES = 65536  # the largest clusters today hold about this many GPUs
-PROBE_BATCH = 8  # samples per replica timed on this CPU; larger batches are scaled, never run
 INPUT_DTYPES = {"float32": "float32", "float": "float32", "float16": "float16", "long": "int64", "int64": "int64"}
 
 
@@ -161,6 +160,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     measured.add_argument(
         "--strategies", help=f"strategies to measure, comma-separated (default {','.join(strategy_names())})"
     )
+    measured.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="measure this machine's constants again (CPU plans; else they are read from the cache)",
+    )
     measured.add_argument("--script", help="measure this Session training script instead of a factory model")
     measured.add_argument("--script-args", help='arguments for --script, in one string: "--epochs 1 --lr 0.1"')
 
@@ -208,11 +212,13 @@ def _counting_batch(batches: dict[str, Any]) -> int:
     return int(batches["per_device_batch"])
 
 
-def _measured(args: argparse.Namespace, gpu: hardware.GpuSpec | None, batch: int) -> tuple[Workload, Platform | None]:
-    """A factory model: counted on the meta device for a GPU, measured at a probe batch on this CPU."""
-    from multigpu.planning.calibrate import measure_cpu_platform, measure_host_costs
-    from multigpu.planning.costs import host_step_s
-    from multigpu.planning.counting import count_step, counted_workload, measure_workload
+def _measured(
+    args: argparse.Namespace, gpu: hardware.GpuSpec | None, batches: dict[str, Any], counts: list[int]
+) -> tuple[Workload, Platform | None]:
+    """A factory model: counted on the meta device for a GPU, timed here as each strategy runs it on this CPU."""
+    from multigpu.planning.counting import count_step, counted_workload
+
+    batch = _counting_batch(batches)
 
     load_factory(args.model)  # a bad path is the first thing to report
     shape = parse_shape(args.input_shape)
@@ -225,17 +231,15 @@ def _measured(args: argparse.Namespace, gpu: hardware.GpuSpec | None, batch: int
         counted = count_step(model, sample_inputs(batch, shape, args.input_dtype, "meta"))
         w = counted_workload(counted, gpu, name=args.model, utilization=args.utilization, optimizer=args.optimizer)
         return replace(w, fsdp=_fsdp_layout(model)), None
+    from multigpu.cli._advise_calibrate import cpu_plan
+
     model = build(args.model, meta=False)
-    probe = sample_inputs(min(batch, PROBE_BATCH), shape, args.input_dtype, "cpu")
-    host = measure_host_costs(replicate="multigpu")
-    w = replace(
-        measure_workload(model, probe, optimizer=args.optimizer, name=args.model, host=host), fsdp=_fsdp_layout(model)
-    )
-    if args.busbw is not None and args.busbw <= 0:
-        raise ConfigError(f"--busbw {args.busbw} must be > 0 GB/s (a measured all-reduce bus bandwidth)")
-    busbw = args.busbw * 1e9 if args.busbw is not None else None
-    host_s = host_step_s(w.counts, host)
-    return w, measure_cpu_platform(model, probe[: max(1, len(probe) // 2)], busbw=busbw, host=host, host_s=host_s)
+    w, plat = cpu_plan(args, model, shape, batches, counts)
+    if args.busbw is not None:
+        if args.busbw <= 0:
+            raise ConfigError(f"--busbw {args.busbw} must be > 0 GB/s (a measured all-reduce bus bandwidth)")
+        plat = replace(plat, link=hardware.measured_link(args.busbw * 1e9, name="gloo (measured)"))
+    return replace(w, fsdp=_fsdp_layout(model)), plat
 
 
 def _fsdp_layout(model: Any) -> FsdpLayout:
@@ -302,7 +306,7 @@ def _plan(args: argparse.Namespace) -> tuple[Workload, Platform, list[Row], dict
             input_shape=parse_shape(args.input_shape),
         )
     else:
-        w, plat = _measured(args, gpu, _counting_batch(batches))
+        w, plat = _measured(args, gpu, batches, counts)
     w = _overrides(w, args)
     if gpu is not None:
         plat = _gpu_platform(args, gpu)
@@ -400,7 +404,7 @@ def build(path: str, *, meta: bool) -> nn.Module:
 
     For a GPU plan the factory runs under ``torch.device("meta")``: every tensor it creates has a
     shape and no data, so a billion-parameter model is built and counted in seconds without memory.
-    For a plan on this CPU the model is built for real and timed at :data:`PROBE_BATCH` samples at most.
+    For a plan on this CPU the model is built for real and timed (:mod:`multigpu.planning.cpu_plan`).
     """
     import torch
     from torch import nn

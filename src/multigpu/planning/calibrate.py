@@ -38,6 +38,7 @@ import copy
 import importlib
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from unittest import mock
@@ -161,6 +162,13 @@ def _fsdp_group_s(groups: int, repeats: int) -> float | None:
         dist.destroy_process_group()
 
 
+def fsdp_group_s(groups: int = 16, repeats: int = 7) -> float:
+    """FSDP2's own seconds per group and step in this process (the development machine's figure
+    where a process group already exists)."""
+    measured = _fsdp_group_s(groups, repeats)
+    return DEFAULT_HOST.fsdp_group_s if measured is None else measured
+
+
 def measure_host_costs(
     *, items: int = 2000, repeats: int = 7, threads: int = 2, replicate: str = "multigpu", fsdp_groups: int = 16
 ) -> HostCosts:
@@ -213,14 +221,43 @@ class ReplicaProbe:
         ...     solo, together = probe.times(repeats=1)
     """
 
-    def __init__(self, model: nn.Module, chunk: torch.Tensor, *, replicas: int = 2, loss_fn: LossFn = default_loss):
+    def __init__(
+        self,
+        model: nn.Module,
+        chunk: torch.Tensor,
+        *,
+        replicas: int = 2,
+        loss_fn: LossFn = default_loss,
+        intra_op: int | None = None,
+    ):
         self._copies = [_sharing_copy(model) for _ in range(replicas)]
         self._chunk, self._loss_fn = chunk, loss_fn
-        self._pool = ThreadPoolExecutor(max_workers=replicas, thread_name_prefix="multigpu-probe")
+
+        # intra_op: each replica thread's own intra-op thread count (None: the process's), as the
+        # engine gives CPU replicas their share of the cores (parallel.threads)
+        def init() -> None:
+            if intra_op is not None:
+                torch.set_num_threads(intra_op)
+
+        self._pool = ThreadPoolExecutor(max_workers=replicas, thread_name_prefix="multigpu-probe", initializer=init)
 
     def _one(self, i: int) -> None:
         self._copies[i].zero_grad(set_to_none=True)
         self._loss_fn(self._copies[i](self._chunk)).backward()
+
+    def rounds(self, rounds: int) -> tuple[list[float], list[float]]:
+        """Per round, one replica alone then all at once (one call each, after a warm-up of both): the
+        two lists of seconds, for a quantile (a change of load touches both)."""
+        self.times(repeats=1)
+        solo, together = [], []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            self._pool.submit(self._one, 0).result()
+            solo.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            list(self._pool.map(self._one, range(len(self._copies))))
+            together.append(time.perf_counter() - start)
+        return solo, together
 
     def times(self, *, repeats: int = 3) -> tuple[float, float]:
         """(one replica alone, all at once): best forward + backward seconds of ``repeats``."""

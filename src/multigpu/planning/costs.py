@@ -228,7 +228,9 @@ def exposed_allreduce_s(w: Workload, plat: Platform, devices: int, backward_s: f
     busbw = plat.allreduce_busbw(devices)
     clock = total = 0.0
     for nbytes, ready in ddp_buckets(w):
-        seconds = collective_s("all-reduce", nbytes, devices, busbw)
+        seconds = collective_s("all-reduce", nbytes, devices, busbw) + (
+            plat.collective_latency_s if devices > 1 else 0.0
+        )
         clock = max(clock, ready * backward_s) + seconds
         total += seconds
     ideal = max(0.0, clock - backward_s)
@@ -265,12 +267,13 @@ def _fsdp_groups(w: Workload, plat: Platform, n: int, forward: float, backward: 
     sizes = w.fsdp.resolved(w.params)
     busbw = plat.gather_busbw_at(n)
     gather, reduce = memory.fsdp_gather_bytes(w), memory.fsdp_reduce_bytes(w)
+    latency = plat.gather_latency_s if n > 1 else 0.0
     return [
         _Group(
             forward * u / w.params,
             backward * u / w.params,
-            collective_s("all-gather", u * gather, n, busbw),
-            collective_s("reduce-scatter", u * reduce, n, busbw),
+            collective_s("all-gather", u * gather, n, busbw) + latency,
+            collective_s("reduce-scatter", u * reduce, n, busbw) + latency,
         )
         for u in sizes
     ]
@@ -338,6 +341,7 @@ def fsdp_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
     comm_total, exposed = exposed_fsdp_s(w, plat, n, forward, backward)
     gather, reduce = memory.fsdp_gather_bytes(w), memory.fsdp_reduce_bytes(w)
     gathered = w.params + (w.params - groups[0] if w.fsdp.reshard_after_forward else 0)
+    copy_bandwidth = plat.sharded_copy_bandwidth or plat.memory_bandwidth  # fresh buffers each step
     parts = {
         "inputs": _h2d_s(b * w.input_bytes_per_sample, plat),
         "forward": forward,
@@ -345,7 +349,7 @@ def fsdp_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
         "collectives": exposed,
         # FSDP2 copies each gathered group out of its flat buffer into the parameters (read and
         # write) and each group's gradients into the reduce-scatter input (read p, write r).
-        "copies": (2 * gather * gathered + (gather + reduce) * w.params) / plat.memory_bandwidth if n > 1 else 0.0,
+        "copies": (2 * gather * gathered + (gather + reduce) * w.params) / copy_bandwidth if n > 1 else 0.0,
         "optimizer": _optimizer_s(w, plat) / n,
     }
     return StepTime(FSDP, n, tuple(chunks), sum(parts.values()), parts, allreduce_total_s=comm_total)

@@ -368,6 +368,16 @@ class Platform:
     # defines busbw so that one link gives every ring collective the same; gloo's all-gather and
     # reduce-scatter run slower than its all-reduce, so a CPU platform measures them.
     gather_busbw: float | None = None
+    # CPU (measured by two gloo processes, advise's calibration; 0 and None elsewhere): seconds of one
+    # collective call beyond its bytes (ddp's per bucket; fsdp's per all-gather and reduce-scatter,
+    # as fsdp's processes run them), and the bytes/s of copies into fresh memory under fsdp's malloc
+    # settings (each buffer mapped anew: page faults), for fsdp's copies.
+    collective_latency_s: float = 0.0
+    gather_latency_s: float = 0.0
+    sharded_copy_bandwidth: float | None = None
+    # CPU: how much faster one process with every core computes the whole batch than the
+    # per-sample compute (one replica's, on its share of the cores) says; 1 elsewhere.
+    single_speedup: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.overlap <= 1.0:
@@ -378,6 +388,8 @@ class Platform:
             raise ConfigError(f"memory_bandwidth={self.memory_bandwidth} must be > 0 bytes/s")
         if self.gather_busbw is not None and self.gather_busbw <= 0:
             raise ConfigError(f"gather_busbw={self.gather_busbw} must be > 0 bytes/s (or None: the all-reduce's)")
+        if self.single_speedup <= 0:
+            raise ConfigError(f"single_speedup={self.single_speedup} must be > 0 (1: no faster alone)")
         if self.devices_per_node is not None and self.network is None:
             raise ConfigError("devices_per_node is set but no network links the nodes; pass network=link('ib-hdr')")
 
@@ -389,8 +401,10 @@ class Platform:
 
     def compute_slowdown(self, replicas: int) -> float:
         """How much slower each replica computes while ``replicas`` run at once (1 on GPUs)."""
-        if self.cores is None or replicas <= 1:
+        if self.cores is None:
             return 1.0
+        if replicas <= 1:
+            return 1.0 / self.single_speedup
         return self.contention * max(1.0, replicas / self.cores)
 
     def allreduce_busbw(self, devices: int) -> float:

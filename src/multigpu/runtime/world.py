@@ -263,6 +263,16 @@ def configured_threads() -> int | None:
     return int(value) if re.fullmatch(r"0*[1-9][0-9]{0,5}", value) else None
 
 
+def cache_dir() -> str:
+    """Where multigpu keeps what it measured of this machine (the planner's calibration):
+    ``MULTIGPU_CACHE_DIR``, else ``$XDG_CACHE_HOME/multigpu``, else ``~/.cache/multigpu``."""
+    chosen = os.environ.get("MULTIGPU_CACHE_DIR") or ""
+    if chosen:
+        return chosen
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "multigpu")
+
+
 def choose_backend(device_type: str) -> str:
     """The collective backend for ``device_type``, as its device type says (``nccl`` on CUDA); the CPU's
     (``gloo``) for a type nobody registered.

@@ -1,0 +1,67 @@
+"""``multigpu advise`` on this CPU: the machine's cached constants, the model timed, and ``--measure``'s feedback.
+
+The machine's constants (:class:`multigpu.planning.machine.MachineConstants`) are read from
+:func:`multigpu.runtime.world.cache_dir`, measured once when there are none (or with
+``--recalibrate``) by :func:`multigpu.launcher.machine_probe.probe_machine`; the model itself is timed
+every time (:func:`multigpu.planning.cpu_plan.calibrate_cpu`). After ``advise --measure`` has run
+the strategies here, :func:`feed_back_measured` solves each one's own constant from its measured
+step and writes it to the same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from multigpu.planning.hardware import Platform
+    from multigpu.planning.machine import MachineConstants
+    from multigpu.planning.measured import Checked
+    from multigpu.planning.workload import Workload
+
+
+def machine_constants(*, recalibrate: bool = False) -> MachineConstants:
+    """This machine's cached constants, measured and cached first when there are none (or ``recalibrate``)."""
+    from multigpu.launcher.machine_probe import probe_machine
+    from multigpu.planning import machine
+    from multigpu.runtime.world import cache_dir
+
+    key = machine.machine_key()
+    cached = None if recalibrate else machine.load(cache_dir(), key)
+    if cached is not None:
+        return cached
+    fresh = probe_machine()
+    machine.save(fresh, cache_dir())
+    return fresh
+
+
+def cpu_plan(
+    args: argparse.Namespace, model: nn.Module, shape: Sequence[int], batches: dict[str, Any], counts: list[int]
+) -> tuple[Workload, Platform]:
+    """The workload of ``model`` and this CPU as its platform, for the batches and device counts asked."""
+    from multigpu.cli.advise import sample_inputs
+    from multigpu.planning.cpu_plan import calibrate_cpu, cpu_batches
+
+    constants = machine_constants(recalibrate=getattr(args, "recalibrate", False))
+    return calibrate_cpu(
+        model,
+        lambda n: sample_inputs(n, shape, args.input_dtype, "cpu"),
+        cpu_batches(counts, **batches),
+        constants,
+        optimizer=args.optimizer,
+        name=args.model,
+    )
+
+
+def feed_back_measured(w: Workload, plat: Platform, checked: Sequence[Checked]) -> tuple[dict[str, float], Path]:
+    """Solve the measured strategies' constants into this machine's cache; (the solved values, the file)."""
+    from multigpu.planning import machine
+    from multigpu.runtime.world import cache_dir
+
+    constants = machine_constants()
+    solved = machine.feed_back(constants, w, plat, checked)
+    return solved, machine.save(constants.with_feedback(solved), cache_dir())

@@ -1,0 +1,111 @@
+"""Measure this machine's constants for a CPU plan (:class:`multigpu.planning.machine.MachineConstants`).
+
+In this process: the host costs, memory bandwidth and a thread handoff
+(:mod:`multigpu.planning.calibrate`). Then two pairs of gloo processes, one after the other, each
+:mod:`multigpu.planning._machine_probe_worker` with one intra-op thread per process: one pair with
+ddp's environment times the all-reduce, one with fsdp's (on a CPU, its malloc settings: every large
+buffer mapped anew) times the all-gather, the reduce-scatter, a copy into fresh memory and FSDP2's
+work per group. Each collective is timed at two sizes: the small one gives the latency per call,
+the difference the bus bandwidth (nccl-tests' definition). The slower rank's figure is kept. A few
+seconds in all; :func:`multigpu.planning.machine.save` caches the result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from multigpu.errors import LaunchError
+from multigpu.planning import _machine_probe_worker as worker
+from multigpu.planning.machine import MachineConstants, machine_key
+from multigpu.profiling.bandwidth import bus_factor
+
+_WORKER = Path(worker.__file__)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _pair(kind: str, extra_env: dict[str, str], timeout_s: float) -> dict[str, float]:
+    """Both ranks' figures of ``kind``, the slower of the two for each; none of the processes outlives it."""
+    env = {**os.environ, **extra_env, "OMP_NUM_THREADS": "1"}
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="multigpu-probe-") as folder:
+        outs = [Path(folder, f"rank{r}.json") for r in range(2)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(_WORKER), str(r), str(port), kind, str(outs[r])],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(2)
+        ]
+        errors = []
+        try:
+            for proc in procs:
+                _, err = proc.communicate(timeout=timeout_s)
+                if proc.returncode != 0:
+                    errors.append((err or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"])
+        except subprocess.TimeoutExpired as exc:
+            raise LaunchError(
+                f"the planner's {kind} probe did not finish within {timeout_s:.0f} s; rerun with --recalibrate "
+                "when the machine is less loaded"
+            ) from exc
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(5)
+        if errors:
+            raise LaunchError(f"the planner's {kind} probe failed: {errors[0][0]}")
+        ranks = [json.loads(out.read_text()) for out in outs]
+    return {name: max(r[name] for r in ranks) for name in ranks[0]}
+
+
+def _latency_and_busbw(kind: str, small_s: float, large_s: float) -> tuple[float, float]:
+    """(seconds per call, bus bandwidth) of a collective timed at the worker's two sizes."""
+    factor = bus_factor(kind, 2)
+    wire = max(large_s - small_s, 1e-9)
+    busbw = (worker.LARGE - worker.SMALL) * factor / wire
+    return max(0.0, small_s - worker.SMALL * factor / busbw), busbw
+
+
+def probe_machine(*, timeout_s: float = 120.0) -> MachineConstants:
+    """This machine's constants, measured now (a few seconds)."""
+    from multigpu.devices import get_device_type
+    from multigpu.planning.calibrate import measure_host_costs, memory_bandwidth, thread_handoff_s
+    from multigpu.strategies import get_strategy
+
+    host = measure_host_costs(replicate="multigpu", fsdp_groups=0)
+    plain = _pair("allreduce", {}, timeout_s)
+    sharded_env = get_strategy("fsdp").launch_env(get_device_type("cpu"), dict(os.environ))
+    sharded = _pair("sharded", sharded_env, timeout_s)
+    allreduce = _latency_and_busbw("all-reduce", plain["allreduce_small_s"], plain["allreduce_large_s"])
+    gather = _latency_and_busbw(
+        "all-gather",
+        (sharded["gather_small_s"] + sharded["scatter_small_s"]) / 2,
+        (sharded["gather_large_s"] + sharded["scatter_large_s"]) / 2,
+    )
+    return MachineConstants(
+        key=machine_key(),
+        host=replace(host, fsdp_group_s=sharded["fsdp_group_s"]),
+        memory_bandwidth=memory_bandwidth(),
+        thread_overhead_s=thread_handoff_s(),
+        allreduce_latency_s=allreduce[0],
+        allreduce_busbw=allreduce[1],
+        gather_latency_s=gather[0],
+        gather_busbw=gather[1],
+        fresh_copy_bandwidth=2 * worker.LARGE / sharded["fresh_copy_s"],
+        source="measured here by multigpu advise (two gloo processes of one thread each)",
+    )

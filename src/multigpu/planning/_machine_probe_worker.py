@@ -1,0 +1,74 @@
+"""One of the two processes that measure gloo's collectives for the planner (:mod:`multigpu.launcher.machine_probe`).
+
+``python _machine_probe_worker.py RANK PORT KIND OUT``: joins a 2-process gloo group on 127.0.0.1,
+one intra-op thread (as each of ddp's and fsdp's processes on a 2-core CPU), and writes ``OUT``
+(JSON) with seconds per call, each the low quantile of :mod:`multigpu.planning.timing`:
+
+- ``allreduce``: ``all_reduce`` of a small and a large array (what ddp's buckets do);
+- ``sharded`` (started with fsdp's malloc settings): an all-gather and a reduce-scatter into
+  fresh buffers, small and large (as FSDP2 allocates them every step), a copy into a fresh buffer,
+  and, before the group exists, FSDP2's own work per group (:func:`calibrate.fsdp_group_s`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SMALL, LARGE = 64 << 10, 4 << 20  # bytes of the whole array: the latency, and the bandwidth
+
+
+def _collectives(kind: str) -> dict[str, float]:
+    from multigpu.planning.timing import quantile_s
+
+    world = dist.get_world_size()
+    out: dict[str, float] = {}
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    for label, nbytes in (("small", SMALL), ("large", LARGE)):
+        n = nbytes // 4
+        if kind == "allreduce":
+            whole = torch.ones(n)
+            out[f"allreduce_{label}_s"] = quantile_s(lambda: dist.all_reduce(whole))  # noqa: B023 (called at once)
+            continue
+        shard = torch.ones(n // world)
+        full = torch.ones(n)
+        out[f"gather_{label}_s"] = quantile_s(lambda: all_gather(torch.empty(n), shard))  # noqa: B023
+        out[f"scatter_{label}_s"] = quantile_s(lambda: reduce_scatter(torch.empty(n // world), full))  # noqa: B023
+    if kind == "sharded":
+        src = torch.ones(LARGE // 4)
+        out["fresh_copy_s"] = quantile_s(lambda: torch.empty_like(src).copy_(src))
+    return out
+
+
+def main(argv: list[str]) -> None:
+    rank, port, kind, out = int(argv[0]), int(argv[1]), argv[2], Path(argv[3])
+    torch.set_num_threads(1)
+    result: dict[str, float] = {}
+    if kind == "sharded":
+        from multigpu.planning.calibrate import fsdp_group_s
+
+        result["fsdp_group_s"] = fsdp_group_s(groups=8, repeats=5)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        dist.barrier()
+        result.update(_collectives(kind))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,191 @@
+"""This machine's planner constants: the low-quantile rule, the cache, the feedback from measured runs, --recalibrate."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from multigpu.cli.main import main
+from multigpu.errors import ConfigError
+from multigpu.planning import machine
+from multigpu.planning.costs import predict_step
+from multigpu.planning.measured import Measurement, check
+from multigpu.planning.timing import QUANTILE, REPEATS, low_quantile
+from multigpu.planning.workload import FsdpLayout, StepCounts, Workload
+from tests.planning.machine_constants import FIXED_SOURCE, fixed
+
+TINY = "tests.planning._tiny_model"
+
+# --- the low-quantile rule, on synthetic timings of a 10 ms probe ---------------------------------------
+
+
+def test_the_kept_timing_ignores_load_on_most_repeats_and_one_lucky_reading() -> None:
+    quiet = [0.010, 0.0101, 0.0102]
+    loaded = [0.010 * k for k in (3, 5, 2, 4, 6, 2.5)]  # six of nine repeats slowed by other work
+    assert low_quantile(quiet + loaded) == pytest.approx(0.0102)
+    lucky = [0.002]  # one reading below the machine's floor (a clock hiccup) moves the minimum, not the quantile
+    assert low_quantile(lucky + quiet[:2] + loaded) == pytest.approx(0.0101)
+    assert min(lucky + quiet[:2] + loaded) == 0.002
+    assert (REPEATS, QUANTILE) == (9, 0.25)  # the third fastest of nine, as docs/planning.md says
+
+
+def test_a_burst_of_load_over_the_median_does_not_reach_the_quantile() -> None:
+    timings = [0.010] * 3 + [0.050] * 6
+    assert low_quantile(timings) == 0.010
+    assert sorted(timings)[len(timings) // 2] == 0.050  # the median would read the burst
+
+
+@pytest.mark.parametrize(("values", "q", "match"), [([], 0.25, "no timings"), ([1.0], 1.5, r"q=1.5 must be")])
+def test_bad_quantile_input_is_refused(values: list[float], q: float, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        low_quantile(values, q)
+
+
+# --- the cache, per machine ---------------------------------------------------------------------------
+
+
+def test_constants_round_trip_through_their_file_and_another_machine_reads_none(tmp_path: Path) -> None:
+    constants = fixed().with_feedback({"compute_scale": 1.3})
+    path = machine.save(constants, tmp_path)
+    assert machine.load(tmp_path, constants.key) == constants
+    assert machine.load(tmp_path, constants.key + " (another machine)") is None
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # written whole: no temporary left
+
+
+@pytest.mark.parametrize("text", ["{", "[]", '{"version": 0}', '{"version": 1, "key": "k"}'])
+def test_an_unreadable_or_old_cache_file_is_measured_again(tmp_path: Path, text: str) -> None:
+    key = fixed().key
+    machine.cache_path(tmp_path, key).write_text(text)
+    assert machine.load(tmp_path, key) is None
+
+
+def test_feedback_keeps_the_last_five_and_uses_their_median() -> None:
+    constants = fixed()
+    for value in (9.0, 1.0, 1.1, 1.2, 0.9, 1.05):
+        constants = constants.with_feedback({"compute_scale": value})
+    assert constants.feedback["compute_scale"] == [1.0, 1.1, 1.2, 0.9, 1.05]
+    assert constants.value("compute_scale") == 1.05
+    assert fixed().value("allreduce_busbw") == fixed().allreduce_busbw  # nothing fed back: the probe's figure
+
+
+def test_an_unknown_fed_back_name_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"feedback names \['speed'\]"):
+        fixed(feedback={"speed": [1.0]})
+
+
+# --- feedback: each strategy's measured step solves its own constant ------------------------------------
+
+
+def _workload() -> Workload:
+    counts = StepCounts(modules=6, tensors=6, module_calls=6, forward_ops=30, backward_ops=40)
+    return Workload(
+        name="mlp",
+        params=1_585_162,
+        compute_s_per_sample=1.2e-4,
+        input_bytes_per_sample=2048,
+        output_bytes_per_sample=40,
+        activation_bytes_per_sample=8232,
+        optimizer="sgd-momentum",
+        optimizer_s=1e-3,
+        counts=counts,
+        fsdp=FsdpLayout(groups=(10250, 525312, 1049600)),
+    )
+
+
+def _predicted(constants: machine.MachineConstants, w: Workload, base_scale: float = 1.0) -> dict[str, float]:
+    """Each strategy's predicted step from ``constants``, compute scaled as the plan scales it."""
+    plat = constants.platform(cores=2, contention=1.3, single_speedup=1.6)
+    scaled = replace(w, compute_s_per_sample=w.compute_s_per_sample * constants.value("compute_scale") / base_scale)
+    chunks = {"single": [512], "dp": [256, 256], "ddp": [256, 256], "fsdp": [256, 256]}
+    return {s: predict_step(s, scaled, plat, chunks=c).total_s for s, c in chunks.items()}
+
+
+def test_feeding_back_a_measurement_makes_the_next_prediction_that_measurement() -> None:
+    constants, w = fixed(), _workload()
+    plat = constants.platform(cores=2, contention=1.3, single_speedup=1.6)
+    before = _predicted(constants, w)
+    # measured: single 10% faster, dp 20% slower, ddp 30% slower, fsdp 60% slower than predicted
+    measured = {"single": 0.9 * before["single"], "dp": 1.2 * before["dp"]}
+    measured |= {"ddp": 1.3 * before["ddp"], "fsdp": 1.6 * before["fsdp"]}
+    rows = [r for r in _rows(w, plat)]
+    checked = check(
+        rows, [Measurement(strategy=s, devices=1 if s == "single" else 2, step_s=t) for s, t in measured.items()]
+    )
+    solved = machine.feed_back(constants, w, plat, checked)
+    assert set(solved) == set(machine.FED_BACK)
+    after = _predicted(constants.with_feedback(solved), w)
+    for strategy, seconds in measured.items():
+        assert after[strategy] == pytest.approx(seconds, rel=0.02), strategy
+
+
+def test_a_strategy_that_did_not_run_feeds_nothing_back() -> None:
+    constants, w = fixed(), _workload()
+    plat = constants.platform(cores=2, contention=1.3, single_speedup=1.6)
+    failed = Measurement(strategy="ddp", devices=2, status="failed", reason="boom")
+    assert machine.feed_back(constants, w, plat, check(_rows(w, plat), [failed])) == {}
+
+
+def _rows(w: Workload, plat: object) -> list:
+    from multigpu.planning.advise import evaluate
+
+    return evaluate(w, plat, [1, 2], global_batch=512)  # type: ignore[arg-type]
+
+
+# --- the cache from the command line: read, or measured again with --recalibrate -------------------------
+
+
+def _cpu_plan(tmp_path: Path, *extra: str) -> int:
+    argv = ["advise", "--model", f"{TINY}:build", "--input-shape", "32", "--devices", "1,2", "--global-batch", "16"]
+    return main([*argv, "--json", "--no-figure", "--out", str(tmp_path / "out"), *extra])
+
+
+def test_a_cpu_plan_reads_the_cached_constants_and_recalibrate_measures_them_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from multigpu.launcher import machine_probe
+
+    cache = tmp_path / "cache"
+    path = machine.save(fixed(allreduce_busbw=1.234e9), cache)
+    monkeypatch.setenv("MULTIGPU_CACHE_DIR", str(cache))
+    probed: list[bool] = []
+
+    def probe() -> machine.MachineConstants:  # the wiring is checked here; the probe itself below
+        probed.append(True)
+        return fixed(allreduce_busbw=2.5e9, source="probed")
+
+    monkeypatch.setattr(machine_probe, "probe_machine", probe)
+    assert _cpu_plan(tmp_path) == 0
+    assert probed == [] and json.loads(path.read_text())["allreduce_busbw"] == 1.234e9
+    assert _cpu_plan(tmp_path, "--recalibrate") == 0
+    assert probed == [True] and json.loads(path.read_text())["source"] == "probed"
+    capsys.readouterr()
+
+
+def test_without_a_cache_the_machine_is_measured_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from multigpu.launcher import machine_probe
+
+    monkeypatch.setenv("MULTIGPU_CACHE_DIR", str(tmp_path / "empty"))
+    probed: list[bool] = []
+    monkeypatch.setattr(machine_probe, "probe_machine", lambda: probed.append(True) or fixed(source="probed"))
+    assert _cpu_plan(tmp_path) == 0 and _cpu_plan(tmp_path) == 0
+    assert probed == [True]
+    capsys.readouterr()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_the_probe_measures_gloo_and_the_host_in_two_processes() -> None:
+    from multigpu.launcher.machine_probe import probe_machine
+
+    constants = probe_machine()
+    assert constants.key == machine.machine_key() and constants.source != FIXED_SOURCE
+    assert 1e7 < constants.allreduce_busbw < 1e12 and 1e7 < constants.gather_busbw < 1e12
+    assert 0 <= constants.allreduce_latency_s < 0.1 and 0 <= constants.gather_latency_s < 0.1
+    assert 0 < constants.host.fsdp_group_s < 0.1 and constants.host.op_s > 0
+    assert sys.platform != "linux" or constants.fresh_copy_bandwidth < 10 * constants.memory_bandwidth
