@@ -55,6 +55,8 @@ def test_no_module_hand_writes_a_lookup_or_error() -> None:
             if not isinstance(node, ast.Raise) or node.exc is None:
                 continue
             text = ast.unparse(node.exc)
-            if re.search(r"(is not|choose) one of \{", text):  # a table's choices formatted in: a lookup
+            if re.search(
+                r"((is not|choose|use) one of|pick from) \{", text
+            ):  # a table's choices formatted in: a lookup
                 found.append(f"{path.relative_to(SRC)}:{node.lineno}")
     assert found == [], f"look the name up with multigpu.core.lookup.lookup: {found}"

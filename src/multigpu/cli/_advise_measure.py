@@ -16,6 +16,7 @@ import argparse
 import shlex
 from typing import TYPE_CHECKING, Any
 
+from multigpu.core.lookup import lookup
 from multigpu.errors import ConfigError, MultigpuError
 
 if TYPE_CHECKING:
@@ -62,9 +63,9 @@ def strategies(args: argparse.Namespace) -> list[str]:
 
     measured = strategy_names()
     chosen = [s.strip() for s in (args.strategies or ",".join(measured)).split(",") if s.strip()]
-    unknown = [s for s in chosen if s not in measured]
-    if unknown or not chosen:
-        raise ConfigError(f"--strategies {args.strategies!r}: pick from {', '.join(measured)}, e.g. single,ddp")
+    message = "--strategies {value!r}: pick from {choices}, e.g. single,ddp"
+    for name in chosen or [""]:  # none at all is refused as a name that is not there
+        lookup(dict.fromkeys(measured), name, message, shown=args.strategies)
     return chosen
 
 

@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from multigpu.core.lookup import lookup
 from multigpu.devices import backend_device_type
 from multigpu.errors import CollectiveMismatchError, ConfigError
 from multigpu.runtime import tracking
@@ -118,8 +119,7 @@ def reduce_tensors(tensors: Sequence[torch.Tensor], op: ReduceOp, call: Call) ->
     One collective when they hold at most :data:`PAYLOAD` numbers together (they travel in the header),
     else the header and one all-reduce per tensor. Every rank must call it.
     """
-    if op not in _OPS:
-        raise ConfigError(f"op={op!r} is not a reduction; use one of {sorted(_OPS)}")
+    lookup(_OPS, op, "op={value!r} is not a reduction; use one of {choices}", choices=sorted(_OPS))
     # a complex tensor is refused once the ranks agree; until then zeros of its shape stand in for it
     work = [
         t.detach().to("cpu", wire_dtype(t, op)) if not t.is_complex() else torch.zeros(t.shape, dtype=torch.float64)
