@@ -13,10 +13,11 @@ from tests.launching import run_command
 TINY = "tests.planning._tiny_model"
 
 
-def _advise(tmp_path: Path, *argv: str) -> dict:
+def _advise(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> dict:
     done = run_command(
         [sys.executable, "-m", "multigpu", "advise", "--measure", *argv, "--json", "--out", str(tmp_path)],
         timeout_s=240,
+        env=env,
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)  # type: ignore[no-any-return]
@@ -27,10 +28,15 @@ def _advise(tmp_path: Path, *argv: str) -> dict:
 def test_a_factory_is_measured_beside_its_prediction_and_a_failing_strategy_does_not_stop_the_others(
     tmp_path: Path,
 ) -> None:
+    from multigpu.planning import machine
+    from tests.planning.machine_constants import fill
+
+    cache = fill(tmp_path / "cache")
     plan = _advise(
         tmp_path,
         *("--model", f"{TINY}:fails_in_processes", "--input-shape", "32", "--batch", "16"),
         *("--strategies", "single,ddp", "--budget", "90"),
+        env={"MULTIGPU_CACHE_DIR": str(cache.parent)},
     )
     rows = {r["strategy"]: r for r in plan["measured"]["rows"]}
     assert set(rows) == {"single", "ddp"}
@@ -46,6 +52,11 @@ def test_a_factory_is_measured_beside_its_prediction_and_a_failing_strategy_does
     assert {r["strategy"] for r in plan["rows"]} >= {"single", "ddp"}  # the prediction is there too
     assert json.loads((tmp_path / "advise.json").read_text())["measured"] == plan["measured"]
     assert (tmp_path / "advise-measured.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # what ran fed its own constant back into this machine's cache; the failed ddp fed nothing
+    fed = plan["measured"]["fed_back"]
+    assert set(fed["constants"]) == {"compute_scale"} and fed["file"] == str(cache)
+    kept = machine.load(cache.parent, machine.machine_key())
+    assert kept is not None and kept.feedback == {"compute_scale": [fed["constants"]["compute_scale"]]}
 
 
 @pytest.mark.multiprocess

@@ -6,7 +6,8 @@ constants come from :mod:`multigpu.planning.machine`, cached):
 - one replica's forward and backward at the batch one replica of the multi-device strategies
   runs, with the intra-op threads it gets there (the cores divided among the replicas: ``multigpu
   launch`` gives each of 2 processes on 2 cores one thread, DataParallel each replica thread its
-  share), alone and with the other replicas at once (:class:`~multigpu.planning.calibrate.ReplicaProbe`):
+  share; ``OMP_NUM_THREADS`` where the user set it, as the launcher then does), alone and with
+  the other replicas at once (:class:`~multigpu.planning.calibrate.ReplicaProbe`):
   the per-sample compute and the contention;
 - the whole batch in one process with every core (as ``single`` runs it: ``multigpu launch``
   gives one process all the cores): its speed-up over one replica's per-sample compute
@@ -50,7 +51,11 @@ class CpuBatches:
 
 
 def _threads(cores: int, replicas: int) -> int:
-    return max(1, cores // max(1, replicas))
+    """Intra-op threads of each of ``replicas`` processes, as ``multigpu launch`` sets them
+    (``OMP_NUM_THREADS`` when the user set it, else the cores divided among the processes)."""
+    from multigpu.runtime.world import configured_threads
+
+    return configured_threads() or max(1, cores // max(1, replicas))
 
 
 def _probe_batch(batch: int, per_sample_s: float) -> int:
@@ -103,7 +108,7 @@ def calibrate_cpu(
         loss_fn(model(inputs(1))).backward()  # gradients for the optimizer to step on
         optimizer_s = quantile_s(opt.step)
 
-        torch.set_num_threads(cores)
+        torch.set_num_threads(_threads(cores, 1))
         single_n = _probe_batch(batches.single, per_sample)
         x = inputs(single_n)
 
