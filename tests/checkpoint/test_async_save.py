@@ -31,7 +31,7 @@ from multigpu.checkpoint.atomic import is_temporary
 from multigpu.checkpoint.background import Staging
 from multigpu.errors import CheckpointError, ConfigError
 from tests.checkpoint import _sharded as sh
-from tests.launching import launch_workers, start_python
+from tests.launching import launch_workers, multigpu_launch, start_python
 
 WORKER = Path(__file__).parent / "workers" / "async_saves.py"
 
@@ -267,11 +267,68 @@ def one_rank() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def test_under_fsdp_async_save_warns_and_saves_blocking(one_rank: None, tmp_path: Path) -> None:
+def test_under_fsdp_save_returns_before_the_shards_are_written_and_resumes_bit_identical(
+    one_rank: None, tmp_path: Path
+) -> None:
     run = sh.build_run(sh.sharded_model())
     sh.train_step(run, 0)
-    checkpointer = ckpt.Checkpointer(folder=tmp_path, async_save=True)
-    with pytest.warns(RuntimeWarning, match="a model sharded by fsdp is still saved blocking"):
-        checkpointer.save(step=1, model=run.model, optimizer=run.optimizer)
-    assert checkpointer.steps() == [1]  # on disk when save returned
-    checkpointer.close()
+    saved = sh.local([run.model.state_dict(), run.optimizer.state_dict(), run.scheduler.state_dict()])
+    with ckpt.Checkpointer(folder=tmp_path, async_save=True) as checkpointer:
+        checkpointer.save(step=1, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler)
+        sh.train_step(run, 1)  # at once: the shards were staged
+        checkpointer.save(step=2, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler)
+        sh.train_step(run, 2)
+        checkpointer.wait()
+        assert checkpointer.steps() == [1, 2]
+        again = sh.build_run(sh.sharded_model())
+        resumed = checkpointer.resume(
+            path=tmp_path / "step-00000001", model=again.model, optimizer=again.optimizer, scheduler=again.scheduler
+        )
+    assert resumed is not None and resumed.step == 1
+    assert _same(
+        saved, sh.local([again.model.state_dict(), again.optimizer.state_dict(), again.scheduler.state_dict()])
+    )
+    assert (tmp_path / "step-00000002" / "manifest.json").is_file()
+
+
+FSDP_WORKER = Path(__file__).parent / "workers" / "fsdp_async.py"
+
+
+@pytest.mark.multiprocess
+def test_fsdp_async_saves_round_trip_fail_on_every_rank_survive_a_kill_and_finish_at_a_stop(tmp_path: Path) -> None:
+    folder, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    done = multigpu_launch(
+        "--strategy", "fsdp", "--nproc-per-node", "2", "--max-restarts", "1", str(FSDP_WORKER), str(folder), str(out),
+        timeout_s=150,
+    )  # fmt: skip
+    report = f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, report
+    # A failure in the background write (rank 1's file-size limit) is raised on both ranks by the next save,
+    # and again by wait, with its real cause; step 1 stays whole and the latest.
+    for rank in (0, 1):
+        save, wait, steps = (out / f"failure-rank{rank}.txt").read_text().splitlines()
+        for line, where in ((save, "save"), (wait, "wait")):
+            assert line.startswith(f"{where}: ") and "step-00000002" in line, line
+            assert "a file-size limit was hit, not a full disk" in line and "is full" not in line, line
+        assert steps == f"steps: [1] latest: {folder / 'step-00000001'}", steps
+    # Rank 1 was killed inside its background write of step 2, after save had returned; the restart resumed
+    # step 1 on both ranks, bit for bit as it was when save was called, random states included.
+    assert (out / "returned-rank1.txt").is_file()
+    killed = (out / "killed.txt").read_text().split()
+    assert killed[-1] == "multigpu-checkpoint-step-00000002" and ".step-00000002.tmp" in killed[1], killed
+    for rank in (0, 1):
+        expected = torch.load(out / f"expected-rank{rank}.pt")
+        found = torch.load(out / f"resumed-rank{rank}.pt")
+        assert found.pop("step") == 1
+        assert _same(expected, found), rank
+    # Stopped by a SIGTERM to rank 1: the last save's write (slowed) was finished before the group closed.
+    stop = int((out / "stopped.txt").read_text())
+    assert "multigpu: writing checkpoint" not in done.stderr, report
+    checkpointer = ckpt.Checkpointer(folder=folder)
+    assert checkpointer.latest() == folder / f"step-{stop:08d}" and checkpointer.steps() == [stop - 1, stop]
+    assert not [p for p in folder.iterdir() if is_temporary(p)]
+    whole = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    with pytest.warns(RuntimeWarning, match="resuming at world_size=1 from a checkpoint saved at world_size=2"):
+        resumed = checkpointer.resume(model=whole)  # one process reads the sharded checkpoint whole: it is complete
+    assert resumed is not None and resumed.step == stop and resumed.saved_world_size == 2

@@ -37,8 +37,8 @@ from typing import Any, NoReturn, Protocol
 from torch import nn
 
 from multigpu.checkpoint.atomic import remove_tree
-from multigpu.checkpoint.background import BackgroundWrite, Staged, Staging
-from multigpu.checkpoint.dcp_storage import Sharded, is_sharded_model
+from multigpu.checkpoint.background import BackgroundWrite, ShardStaging, Staged, StagedShards, Staging, side_group
+from multigpu.checkpoint.dcp_storage import Sharded, is_sharded_model, live_state
 from multigpu.checkpoint.folders import (
     METADATA_FILE,
     MODEL_FILE,
@@ -51,7 +51,7 @@ from multigpu.checkpoint.folders import (
     recorded_step_of,
 )
 from multigpu.checkpoint.protocol import OneFile, Storage, resume_step, save_step
-from multigpu.checkpoint.ranks import capture_rng, gather_on_main, run_on_main
+from multigpu.checkpoint.ranks import agreed, capture_rng, gather_on_main, run_on_main
 from multigpu.checkpoint.validate import FORMAT_VERSION, TrainingState, walk_plain
 from multigpu.core.keys import unwrap
 from multigpu.errors import CheckpointError, ConfigError
@@ -93,8 +93,8 @@ class Checkpointer:
         async_save: ``save`` returns once the state is copied into memory and the write (the same
             atomic protocol) goes on in the background; :meth:`wait` blocks until it is on disk, and
             the next ``save``, ``wait`` or ``close`` raises its failure on every rank. The process
-            waits for a pending write before it exits. Under fsdp saves still block (see
-            docs/checkpoints.md).
+            waits for a pending write before it exits. Under fsdp every rank stages its shards
+            and writes them on its own thread (see docs/checkpoints.md).
 
     Used as a context manager, it waits for a pending write on exit (:meth:`close`).
     """
@@ -105,7 +105,9 @@ class Checkpointer:
     async_save: bool = False
     _writer: BackgroundWrite | None = field(default=None, init=False, repr=False, compare=False)
     _staging: Staging | None = field(default=None, init=False, repr=False, compare=False)
-    _warned_sharded: bool = field(default=False, init=False, repr=False, compare=False)
+    _shard_staging: ShardStaging | None = field(default=None, init=False, repr=False, compare=False)
+    _side: tuple[Any, Any] | None = field(default=None, init=False, repr=False, compare=False)  # (world, its group)
+    _every_rank_writes: bool = field(default=False, init=False, repr=False, compare=False)  # the pending write's kind
 
     def __post_init__(self) -> None:
         self.folder = Path(self.folder)
@@ -119,7 +121,7 @@ class Checkpointer:
         if not isinstance(self.async_save, bool):
             raise ConfigError(f"async_save={self.async_save!r} must be True or False.")
         if self.async_save:
-            self._writer, self._staging = BackgroundWrite(), Staging()
+            self._writer, self._staging, self._shard_staging = BackgroundWrite(), Staging(), ShardStaging()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -148,7 +150,10 @@ class Checkpointer:
             if failure is not None:
                 raise failure
 
-        run_on_main(collect, "writing the last checkpoint in the background")
+        if self._every_rank_writes:  # fsdp: each rank wrote and joins its own write; all raise if one failed
+            agreed(collect, "writing the last checkpoint in the background")
+        else:
+            run_on_main(collect, "writing the last checkpoint in the background")
 
     def close(self) -> None:
         """Wait for a pending background write (see :meth:`wait`); the Checkpointer stays usable."""
@@ -235,25 +240,38 @@ class Checkpointer:
         sharded = is_sharded_model(model)  # fsdp: every rank writes its own shards (dcp_storage)
         storage: Storage = Sharded(model, optimizer) if sharded else OneFile(model, optimizer)
 
-        def write() -> None:
-            save_step(
-                self.folder,
-                target,
-                storage,
-                entries(),
-                lock_timeout_s=self.lock_timeout_s,
-                prune=lambda just_written: self._prune(just_written=just_written),
-            )
+        prune = lambda just_written: self._prune(just_written=just_written)  # noqa: E731
 
-        if self._writer is not None and self._staging is not None and not sharded:
+        def write() -> None:
+            save_step(self.folder, target, storage, entries(), lock_timeout_s=self.lock_timeout_s, prune=prune)
+
+        if self._writer is not None and self._shard_staging is not None and sharded:
+            writer, shard_staging = self._writer, self._shard_staging
+            self._side = side_group(self._side)  # the first time: a collective, every rank is here
+
+            def stage() -> tuple[StagedShards, dict[str, Any]]:  # every rank: its shards into memory now
+                shards, plain = live_state(model, optimizer)
+                snapshot = shard_staging.plain.copy({"state": entries(), "optimizer": plain})
+                return StagedShards(shard_staging.copy(shards), snapshot["optimizer"]), snapshot["state"]
+
+            staged_shards, state = agreed(stage, f"copying checkpoint {target} into memory")
+            self._every_rank_writes = True
+            writer.start(
+                lambda: save_step(
+                    self.folder, target, staged_shards, state, lock_timeout_s=self.lock_timeout_s, prune=prune
+                ),
+                target.name,
+                group=self._side[1],
+            )
+        elif self._writer is not None and self._staging is not None and not sharded:
             writer, staging = self._writer, self._staging
+            self._every_rank_writes = False
 
             def start() -> None:  # the main process: snapshot now, write in the background
                 snapshot = staging.copy(
                     {"state": entries(), "optimizer": storage.saved_optimizer(), "model": unwrap(model).state_dict()}
                 )
                 staged = Staged(snapshot["model"], snapshot["optimizer"])
-                prune = lambda just_written: self._prune(just_written=just_written)  # noqa: E731
                 writer.start(
                     lambda: save_step(
                         self.folder, target, staged, snapshot["state"], lock_timeout_s=self.lock_timeout_s, prune=prune
@@ -263,14 +281,6 @@ class Checkpointer:
 
             run_on_main(start, f"copying checkpoint {target} into memory")
         elif sharded:
-            if self.async_save and not self._warned_sharded:
-                self._warned_sharded = True
-                warnings.warn(
-                    "async_save=True: a model sharded by fsdp is still saved blocking (each rank writes its "
-                    "shards before save returns).",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
             write()
         else:  # the main process writes, the others wait for it
             run_on_main(write, f"saving checkpoint {target}")
