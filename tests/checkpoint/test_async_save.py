@@ -235,7 +235,9 @@ def test_a_failed_write_on_rank_0_is_raised_on_every_rank(tmp_path: Path) -> Non
         line = next((x for x in output.splitlines() if f"rank {rank} wait:" in x), "")
         assert "step-00000002" in line and "file-size limit" in line, output[-3000:]
     assert "rank 0 failed writing the last checkpoint in the background" in output
-    assert ckpt.Checkpointer(folder=tmp_path / "ckpt").steps() == [1, 3]
+    assert ckpt.Checkpointer(folder=tmp_path / "ckpt").steps() == [3, 4]
+    for rank in (0, 1):  # every rank's resume waited for rank 0's write of step 4
+        assert f"rank {rank} resumed: 4 4.0" in output, output[-3000:]
 
 
 def test_staging_keeps_views_and_values_and_reuses_its_buffers() -> None:

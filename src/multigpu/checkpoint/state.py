@@ -107,7 +107,9 @@ class Checkpointer:
     _staging: Staging | None = field(default=None, init=False, repr=False, compare=False)
     _shard_staging: ShardStaging | None = field(default=None, init=False, repr=False, compare=False)
     _side: tuple[Any, Any] | None = field(default=None, init=False, repr=False, compare=False)  # (world, its group)
-    _every_rank_writes: bool = field(default=False, init=False, repr=False, compare=False)  # the pending write's kind
+    # Who writes the last asynchronous save that wait() has not collected: "main" (rank 0 alone), "every"
+    # rank (fsdp), None. The same on every rank: saves and waits are collective.
+    _pending: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.folder = Path(self.folder)
@@ -141,8 +143,8 @@ class Checkpointer:
             CheckpointError: that write failed (on every rank: under a process group every rank
                 must call it); the previous checkpoint is whole and still the latest.
         """
-        writer = self._writer
-        if writer is None:
+        writer, pending = self._writer, self._pending
+        if writer is None or pending is None:
             return
 
         def collect() -> None:
@@ -150,7 +152,8 @@ class Checkpointer:
             if failure is not None:
                 raise failure
 
-        if self._every_rank_writes:  # fsdp: each rank wrote and joins its own write; all raise if one failed
+        self._pending = None  # collected now, raised or not
+        if pending == "every":  # fsdp: each rank joins its own write; all raise if one failed
             agreed(collect, "writing the last checkpoint in the background")
         else:
             run_on_main(collect, "writing the last checkpoint in the background")
@@ -255,7 +258,6 @@ class Checkpointer:
                 return StagedShards(shard_staging.copy(shards), snapshot["optimizer"]), snapshot["state"]
 
             staged_shards, state = agreed(stage, f"copying checkpoint {target} into memory")
-            self._every_rank_writes = True
             writer.start(
                 lambda: save_step(
                     self.folder, target, staged_shards, state, lock_timeout_s=self.lock_timeout_s, prune=prune
@@ -263,9 +265,9 @@ class Checkpointer:
                 target.name,
                 group=self._side[1],
             )
+            self._pending = "every"
         elif self._writer is not None and self._staging is not None and not sharded:
             writer, staging = self._writer, self._staging
-            self._every_rank_writes = False
 
             def start() -> None:  # the main process: snapshot now, write in the background
                 snapshot = staging.copy(
@@ -280,6 +282,7 @@ class Checkpointer:
                 )
 
             run_on_main(start, f"copying checkpoint {target} into memory")
+            self._pending = "main"
         elif sharded:
             write()
         else:  # the main process writes, the others wait for it
@@ -315,10 +318,15 @@ class Checkpointer:
         of ranks that did not exist before (a warning says so: the run then differs from the
         uninterrupted one). A sharded checkpoint (saved under fsdp) is read with
         torch.distributed.checkpoint: under a process group every rank must call it (the ranks
-        check the folder and read it together); without one, one process reads it whole.
+        check the folder and read it together); without one, one process reads it whole. After
+        an asynchronous save that :meth:`wait` has not collected, every rank must call it: each
+        waits for the write first (under DDP for rank 0's).
         """
-        if self._writer is not None:  # the pending write first; its failure is raised by the next
-            self._writer.finish()  # save/wait/close, where every rank takes part (resume may run on one)
+        if self._writer is not None:  # the pending write first; its failure is raised by the next save/wait/close
+            if self._pending == "main":  # rank 0's: every rank waits for it (else a rank reads the step before)
+                run_on_main(self._writer.finish, "writing the last checkpoint in the background")
+            else:
+                self._writer.finish()
         locate = (lambda: Path(path)) if path is not None else self.latest
         parts = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
         first = locate()
