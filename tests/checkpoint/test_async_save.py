@@ -25,10 +25,12 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.atomic import is_temporary
-from multigpu.checkpoint.background import Staging
+from multigpu.checkpoint.background import ShardStaging, Staging
+from multigpu.checkpoint.dcp_storage import live_state
 from multigpu.errors import CheckpointError, ConfigError
 from tests.checkpoint import _sharded as sh
 from tests.launching import launch_workers, multigpu_launch, start_python
@@ -291,6 +293,30 @@ def test_under_fsdp_save_returns_before_the_shards_are_written_and_resumes_bit_i
         saved, sh.local([again.model.state_dict(), again.optimizer.state_dict(), again.scheduler.state_dict()])
     )
     assert (tmp_path / "step-00000002" / "manifest.json").is_file()
+
+
+def test_shard_staging_copies_into_the_same_host_memory_at_every_save(one_rank: None) -> None:
+    run = sh.build_run(sh.sharded_model())
+    sh.train_step(run, 0)
+    staging = ShardStaging()
+    first = staging.copy(live_state(run.model, run.optimizer)[0])
+    where = {k: v.to_local().data_ptr() if isinstance(v, DTensor) else v.data_ptr() for k, v in _leaves(first)}
+    sh.train_step(run, 1)
+    live = live_state(run.model, run.optimizer)[0]
+    second = staging.copy(live)
+    assert _same(sh.local(second), sh.local(live))  # this save's values
+    assert where == {k: v.to_local().data_ptr() if isinstance(v, DTensor) else v.data_ptr() for k, v in _leaves(second)}
+    assert all(
+        v.to_local().data_ptr() != w.to_local().data_ptr()
+        for (_, v), (_, w) in zip(_leaves(live), _leaves(second))
+        if isinstance(v, DTensor)
+    )
+
+
+def _leaves(shards: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [
+        (f"{part}.{k}", v) for part, values in shards.items() for k, v in values.items() if isinstance(v, torch.Tensor)
+    ]
 
 
 FSDP_WORKER = Path(__file__).parent / "workers" / "fsdp_async.py"
