@@ -275,23 +275,29 @@ def test_under_fsdp_save_returns_before_the_shards_are_written_and_resumes_bit_i
     one_rank: None, tmp_path: Path
 ) -> None:
     run = sh.build_run(sh.sharded_model())
-    sh.train_step(run, 0)
-    saved = sh.local([run.model.state_dict(), run.optimizer.state_dict(), run.scheduler.state_dict()])
-    with ckpt.Checkpointer(folder=tmp_path, async_save=True) as checkpointer:
-        checkpointer.save(step=1, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler)
-        sh.train_step(run, 1)  # at once: the shards were staged
-        checkpointer.save(step=2, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler)
-        sh.train_step(run, 2)
+    parts = lambda r: sh.local([r.model.state_dict(), r.optimizer.state_dict(), r.scheduler.state_dict()])  # noqa: E731
+    saved = {0: parts(run)}  # step 0: an optimizer that has not stepped (its param groups go into state.pt)
+    with ckpt.Checkpointer(folder=tmp_path, async_save=True, keep_last=None) as checkpointer:
+        for step in (0, 1, 2):
+            if step:
+                saved[step] = parts(run)
+            checkpointer.save(step=step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler)
+            sh.train_step(run, step)  # at once: the shards were staged
+            with torch.no_grad():
+                for p in run.model.parameters():
+                    p.add_(1.0)
         checkpointer.wait()
-        assert checkpointer.steps() == [1, 2]
-        again = sh.build_run(sh.sharded_model())
-        resumed = checkpointer.resume(
-            path=tmp_path / "step-00000001", model=again.model, optimizer=again.optimizer, scheduler=again.scheduler
-        )
-    assert resumed is not None and resumed.step == 1
-    assert _same(
-        saved, sh.local([again.model.state_dict(), again.optimizer.state_dict(), again.scheduler.state_dict()])
-    )
+        assert checkpointer.steps() == [0, 1, 2]
+        for step in (0, 1, 2):
+            again = sh.build_run(sh.sharded_model())
+            resumed = checkpointer.resume(
+                path=tmp_path / f"step-{step:08d}",
+                model=again.model,
+                optimizer=again.optimizer,
+                scheduler=again.scheduler,
+            )
+            assert resumed is not None and resumed.step == step
+            assert _same(saved[step], parts(again)), step
     assert (tmp_path / "step-00000002" / "manifest.json").is_file()
 
 

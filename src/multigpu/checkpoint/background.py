@@ -185,7 +185,6 @@ def side_group(held: tuple[Any, Any] | None) -> tuple[Any, Any]:
     world = dist.group.WORLD
     if held is not None and held[0] is world:
         return held
-    timeout = None
     try:  # torch keeps a gloo group's timeout in its options (2.13)
         timeout = world._get_backend(torch.device("cpu")).options._timeout  # type: ignore[union-attr]
     except Exception:  # no CPU backend (nccl alone) or another torch: the launch's
