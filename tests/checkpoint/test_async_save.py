@@ -301,6 +301,19 @@ def test_under_fsdp_save_returns_before_the_shards_are_written_and_resumes_bit_i
     assert (tmp_path / "step-00000002" / "manifest.json").is_file()
 
 
+def test_under_fsdp_checkpointers_share_one_group_and_take_turns(one_rank: None, tmp_path: Path) -> None:
+    run = sh.build_run(sh.sharded_model())
+    sh.train_step(run, 0)
+    groups = dist.distributed_c10d.get_pg_count()
+    checkpointers = [ckpt.Checkpointer(folder=tmp_path / str(i), async_save=True) for i in range(3)]
+    for i, checkpointer in enumerate(checkpointers):  # one writes while the next saves: it waits for it
+        checkpointer.save(step=i + 1, model=run.model, optimizer=run.optimizer)
+    assert dist.distributed_c10d.get_pg_count() == groups + 1  # not a group per Checkpointer
+    for i, checkpointer in enumerate(checkpointers):
+        checkpointer.close()
+        assert checkpointer.steps() == [i + 1]
+
+
 def test_shard_staging_copies_into_the_same_host_memory_at_every_save(one_rank: None) -> None:
     run = sh.build_run(sh.sharded_model())
     sh.train_step(run, 0)

@@ -176,20 +176,27 @@ class StagedShards:
         return seal_step_shards(tmp, written, step, world_size)
 
 
-def side_group(held: tuple[Any, Any] | None) -> tuple[Any, Any]:
-    """``(default group, a gloo group of every rank)`` for background writes: ``held`` while the default group is.
+_side: tuple[Any, Any] | None = None  # (the default group, the background writes' group)
 
-    Creating one is a collective: every rank calls this at the same save. It copies the default
-    group's timeout (``--collective-timeout``, ``Session(timeout_s=...)``).
+
+def side_group() -> Any:
+    """The gloo group of every rank that this process's sharded background writes use, one per default group.
+
+    Creating it is a collective: every rank calls this at the same save (the first asynchronous one
+    under fsdp, or the first after the default group was made again). It copies the default group's
+    timeout (``--collective-timeout``, ``Session(timeout_s=...)``). One for all Checkpointers, so
+    that a Checkpointer made for each save does not leave a group behind each time: their writes
+    take turns (:meth:`BackgroundWrite.start`).
     """
+    global _side
     world = dist.group.WORLD
-    if held is not None and held[0] is world:
-        return held
-    try:  # torch keeps a gloo group's timeout in its options (2.13)
-        timeout = world._get_backend(torch.device("cpu")).options._timeout  # type: ignore[union-attr]
-    except Exception:  # no CPU backend (nccl alone) or another torch: the launch's
-        timeout = timedelta(seconds=collective_timeout_s())
-    return world, dist.new_group(backend="gloo", timeout=timeout)
+    if _side is None or _side[0] is not world:
+        try:  # torch keeps a gloo group's timeout in its options (2.13)
+            timeout = world._get_backend(torch.device("cpu")).options._timeout  # type: ignore[union-attr]
+        except Exception:  # no CPU backend (nccl alone) or another torch: the launch's
+            timeout = timedelta(seconds=collective_timeout_s())
+        _side = (world, dist.new_group(backend="gloo", timeout=timeout))
+    return _side[1]
 
 
 class BackgroundWrite:
@@ -199,6 +206,7 @@ class BackgroundWrite:
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._what = ""
+        self._group: Any = None
         _live.add(self)
 
     @property
@@ -209,7 +217,11 @@ class BackgroundWrite:
         """Run ``write`` on a new thread (its checkpoint collectives over ``group``); join the previous first."""
         if self._thread is not None:
             raise RuntimeError("a background checkpoint write is still pending: join it first")
-        self._what, self._failure = what, None
+        if group is not None:  # one write at a time on a group: another Checkpointer's goes first
+            for other in list(_live):  # (every rank saves in the same order, so they wait for the same)
+                if other._group is group:
+                    other.finish()  # its failure stays for its own wait()
+        self._what, self._failure, self._group = what, None, group
 
         def run() -> None:
             try:

@@ -106,7 +106,6 @@ class Checkpointer:
     _writer: BackgroundWrite | None = field(default=None, init=False, repr=False, compare=False)
     _staging: Staging | None = field(default=None, init=False, repr=False, compare=False)
     _shard_staging: ShardStaging | None = field(default=None, init=False, repr=False, compare=False)
-    _side: tuple[Any, Any] | None = field(default=None, init=False, repr=False, compare=False)  # (world, its group)
     # Who writes the last asynchronous save that wait() has not collected: "main" (rank 0 alone), "every"
     # rank (fsdp), None. The same on every rank: saves and waits are collective.
     _pending: str | None = field(default=None, init=False, repr=False, compare=False)
@@ -250,7 +249,7 @@ class Checkpointer:
 
         if self._writer is not None and self._shard_staging is not None and sharded:
             writer, shard_staging = self._writer, self._shard_staging
-            self._side = side_group(self._side)  # the first time: a collective, every rank is here
+            group = side_group()  # the first time: a collective, every rank is here
 
             def stage() -> tuple[StagedShards, dict[str, Any]]:  # every rank: its shards into memory now
                 shards, plain = live_state(model, optimizer)
@@ -263,7 +262,7 @@ class Checkpointer:
                     self.folder, target, staged_shards, state, lock_timeout_s=self.lock_timeout_s, prune=prune
                 ),
                 target.name,
-                group=self._side[1],
+                group=group,
             )
             self._pending = "every"
         elif self._writer is not None and self._staging is not None and not sharded:
