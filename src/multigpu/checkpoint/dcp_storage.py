@@ -42,7 +42,7 @@ from multigpu.checkpoint.dcp_files import (
     read_metadata,
 )
 from multigpu.checkpoint.folders import STATE_FILE, FileRecord, own_files, read_manifest, write_manifest
-from multigpu.checkpoint.ranks import agreed
+from multigpu.checkpoint.ranks import agreed, thread_group
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import Refusal, TrainingState
 from multigpu.checkpoint.weights import describe_mismatch
@@ -118,10 +118,32 @@ def apply_state(model: nn.Module, optimizer: Any | None, loaded: dict[str, Any])
 def write_shards(folder: Path, state: dict[str, Any]) -> None:
     """Save ``state`` into ``folder`` with DCP: each rank its slices, rank 0 the index.
 
-    Every rank of the process group must call it. Every file is flushed and ``fsync``ed.
+    Every rank of the process group must call it (DCP's collectives go over this thread's checkpoint
+    group, :func:`~multigpu.checkpoint.ranks.thread_group`). Every file is flushed and ``fsync``ed.
     """
+    writer = _Writer(folder, sync_files=True)
+    if _grouped():  # (no warnings filter: catch_warnings is not thread-safe, and this may run in the background)
+        dcp.save(state, storage_writer=writer, process_group=thread_group())
+        return
     with _quiet():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), no_dist=not _grouped())
+        dcp.save(state, storage_writer=writer, no_dist=True)
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, raising the ``OSError`` behind a short write of a tensor as itself.
+
+    DCP writes each tensor with ``torch.save``, which reports a write past a file-size limit or onto a full
+    disk as ``RuntimeError: ... unexpected pos``, the ``OSError`` only its context; the context does not
+    travel when DCP gathers the ranks' failures, so no rank could tell the cause.
+    """
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            return super().write_data(plan, planner)  # (one thread: a failure is raised here)
+        except RuntimeError as exc:
+            if isinstance(exc.__context__, OSError):
+                raise exc.__context__ from exc
+            raise
 
 
 def read_shards(folder: Path, target: dict[str, Any], metadata: Metadata, *, allow_unsafe_pickle: bool = False) -> None:
@@ -176,25 +198,10 @@ class Sharded:
         return plain
 
     def write(self, tmp: Path, target: Path, step: int) -> dict[str, FileRecord] | str:
-        try:
-            with explain_collective_failures(f"writing the shards of checkpoint {target}"):
-                write_shards(tmp, self._shards)
-        except MultigpuError:
-            raise  # already explained (a collective timed out, a peer exited, ...)
-        except DCP_FAILURES as exc:  # DCP gathers every rank's failure into one exception
-            _raise_write_failure(target, exc)
-        # A failure is sent to rank 0 as text rather than raised here, where rank 0 would wait for it.
-        try:
-            return own_files(tmp, global_rank())
-        except OSError as exc:
-            return f"rank {global_rank()} could not read back its files in {str(tmp)!r}: {exc}"
+        return write_step_shards(tmp, target, self._shards)
 
     def seal(self, tmp: Path, written: list[Any], step: int, world_size: int) -> str:
-        failed = [r for r in written if isinstance(r, str)]
-        if failed:
-            raise CheckpointError(f"{failed[0]}. The previous checkpoint is unchanged.")
-        files = {name: record for per_rank in written for name, record in per_rank.items()}
-        return write_manifest(tmp, step=step, world_size=world_size, files=files)
+        return seal_step_shards(tmp, written, step, world_size)
 
     # --- resume ---
 
@@ -240,6 +247,31 @@ class Sharded:
 
     def agreed(self, compute: Callable[[], T]) -> T:
         return agreed(compute, f"checking checkpoint {self.folder}")
+
+
+def write_step_shards(tmp: Path, target: Path, shards: dict[str, Any]) -> dict[str, FileRecord] | str:
+    """:meth:`Sharded.write` of ``shards`` (live or a snapshot): this rank's files, or why it has none."""
+    try:
+        with explain_collective_failures(f"writing the shards of checkpoint {target}"):
+            write_shards(tmp, shards)
+    except MultigpuError:
+        raise  # already explained (a collective timed out, a peer exited, ...)
+    except DCP_FAILURES as exc:  # DCP gathers every rank's failure into one exception
+        _raise_write_failure(target, exc)
+    # A failure is sent to rank 0 as text rather than raised here, where rank 0 would wait for it.
+    try:
+        return own_files(tmp, global_rank())
+    except OSError as exc:
+        return f"rank {global_rank()} could not read back its files in {str(tmp)!r}: {exc}"
+
+
+def seal_step_shards(tmp: Path, written: list[Any], step: int, world_size: int) -> str:
+    """:meth:`Sharded.seal`: ``manifest.json`` from every rank's files; its digest."""
+    failed = [r for r in written if isinstance(r, str)]
+    if failed:
+        raise CheckpointError(f"{failed[0]}. The previous checkpoint is unchanged.")
+    files = {name: record for per_rank in written for name, record in per_rank.items()}
+    return write_manifest(tmp, step=step, world_size=world_size, files=files)
 
 
 def _raise_write_failure(target: Path, exc: BaseException) -> NoReturn:

@@ -37,8 +37,8 @@ from typing import Any, NoReturn, Protocol
 from torch import nn
 
 from multigpu.checkpoint.atomic import remove_tree
-from multigpu.checkpoint.background import BackgroundWrite, Staged, Staging
-from multigpu.checkpoint.dcp_storage import Sharded, is_sharded_model
+from multigpu.checkpoint.background import BackgroundWrite, ShardStaging, Staged, StagedShards, Staging, side_group
+from multigpu.checkpoint.dcp_storage import Sharded, is_sharded_model, live_state
 from multigpu.checkpoint.folders import (
     METADATA_FILE,
     MODEL_FILE,
@@ -51,7 +51,7 @@ from multigpu.checkpoint.folders import (
     recorded_step_of,
 )
 from multigpu.checkpoint.protocol import OneFile, Storage, resume_step, save_step
-from multigpu.checkpoint.ranks import capture_rng, gather_on_main, run_on_main
+from multigpu.checkpoint.ranks import agreed, capture_rng, gather_on_main, run_on_main
 from multigpu.checkpoint.validate import FORMAT_VERSION, TrainingState, walk_plain
 from multigpu.core.keys import unwrap
 from multigpu.errors import CheckpointError, ConfigError
@@ -93,8 +93,8 @@ class Checkpointer:
         async_save: ``save`` returns once the state is copied into memory and the write (the same
             atomic protocol) goes on in the background; :meth:`wait` blocks until it is on disk, and
             the next ``save``, ``wait`` or ``close`` raises its failure on every rank. The process
-            waits for a pending write before it exits. Under fsdp saves still block (see
-            docs/checkpoints.md).
+            waits for a pending write before it exits. Under fsdp every rank stages its shards
+            and writes them on its own thread (see docs/checkpoints.md).
 
     Used as a context manager, it waits for a pending write on exit (:meth:`close`).
     """
@@ -105,7 +105,10 @@ class Checkpointer:
     async_save: bool = False
     _writer: BackgroundWrite | None = field(default=None, init=False, repr=False, compare=False)
     _staging: Staging | None = field(default=None, init=False, repr=False, compare=False)
-    _warned_sharded: bool = field(default=False, init=False, repr=False, compare=False)
+    _shard_staging: ShardStaging | None = field(default=None, init=False, repr=False, compare=False)
+    # Who writes the last asynchronous save that wait() has not collected: "main" (rank 0 alone), "every"
+    # rank (fsdp), None. The same on every rank: saves and waits are collective.
+    _pending: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.folder = Path(self.folder)
@@ -119,7 +122,7 @@ class Checkpointer:
         if not isinstance(self.async_save, bool):
             raise ConfigError(f"async_save={self.async_save!r} must be True or False.")
         if self.async_save:
-            self._writer, self._staging = BackgroundWrite(), Staging()
+            self._writer, self._staging, self._shard_staging = BackgroundWrite(), Staging(), ShardStaging()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -139,8 +142,8 @@ class Checkpointer:
             CheckpointError: that write failed (on every rank: under a process group every rank
                 must call it); the previous checkpoint is whole and still the latest.
         """
-        writer = self._writer
-        if writer is None:
+        writer, pending = self._writer, self._pending
+        if writer is None or pending is None:
             return
 
         def collect() -> None:
@@ -148,7 +151,11 @@ class Checkpointer:
             if failure is not None:
                 raise failure
 
-        run_on_main(collect, "writing the last checkpoint in the background")
+        self._pending = None  # collected now, raised or not
+        if pending == "every":  # fsdp: each rank joins its own write; all raise if one failed
+            agreed(collect, "writing the last checkpoint in the background")
+        else:
+            run_on_main(collect, "writing the last checkpoint in the background")
 
     def close(self) -> None:
         """Wait for a pending background write (see :meth:`wait`); the Checkpointer stays usable."""
@@ -235,17 +242,30 @@ class Checkpointer:
         sharded = is_sharded_model(model)  # fsdp: every rank writes its own shards (dcp_storage)
         storage: Storage = Sharded(model, optimizer) if sharded else OneFile(model, optimizer)
 
-        def write() -> None:
-            save_step(
-                self.folder,
-                target,
-                storage,
-                entries(),
-                lock_timeout_s=self.lock_timeout_s,
-                prune=lambda just_written: self._prune(just_written=just_written),
-            )
+        prune = lambda just_written: self._prune(just_written=just_written)  # noqa: E731
 
-        if self._writer is not None and self._staging is not None and not sharded:
+        def write() -> None:
+            save_step(self.folder, target, storage, entries(), lock_timeout_s=self.lock_timeout_s, prune=prune)
+
+        if self._writer is not None and self._shard_staging is not None and sharded:
+            writer, shard_staging = self._writer, self._shard_staging
+            group = side_group()  # the first time: a collective, every rank is here
+
+            def stage() -> tuple[StagedShards, dict[str, Any]]:  # every rank: its shards into memory now
+                shards, plain = live_state(model, optimizer)
+                snapshot = shard_staging.plain.copy({"state": entries(), "optimizer": plain})
+                return StagedShards(shard_staging.copy(shards), snapshot["optimizer"]), snapshot["state"]
+
+            staged_shards, state = agreed(stage, f"copying checkpoint {target} into memory")
+            writer.start(
+                lambda: save_step(
+                    self.folder, target, staged_shards, state, lock_timeout_s=self.lock_timeout_s, prune=prune
+                ),
+                target.name,
+                group=group,
+            )
+            self._pending = "every"
+        elif self._writer is not None and self._staging is not None and not sharded:
             writer, staging = self._writer, self._staging
 
             def start() -> None:  # the main process: snapshot now, write in the background
@@ -253,7 +273,6 @@ class Checkpointer:
                     {"state": entries(), "optimizer": storage.saved_optimizer(), "model": unwrap(model).state_dict()}
                 )
                 staged = Staged(snapshot["model"], snapshot["optimizer"])
-                prune = lambda just_written: self._prune(just_written=just_written)  # noqa: E731
                 writer.start(
                     lambda: save_step(
                         self.folder, target, staged, snapshot["state"], lock_timeout_s=self.lock_timeout_s, prune=prune
@@ -262,15 +281,8 @@ class Checkpointer:
                 )
 
             run_on_main(start, f"copying checkpoint {target} into memory")
+            self._pending = "main"
         elif sharded:
-            if self.async_save and not self._warned_sharded:
-                self._warned_sharded = True
-                warnings.warn(
-                    "async_save=True: a model sharded by fsdp is still saved blocking (each rank writes its "
-                    "shards before save returns).",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
             write()
         else:  # the main process writes, the others wait for it
             run_on_main(write, f"saving checkpoint {target}")
@@ -305,10 +317,15 @@ class Checkpointer:
         of ranks that did not exist before (a warning says so: the run then differs from the
         uninterrupted one). A sharded checkpoint (saved under fsdp) is read with
         torch.distributed.checkpoint: under a process group every rank must call it (the ranks
-        check the folder and read it together); without one, one process reads it whole.
+        check the folder and read it together); without one, one process reads it whole. After
+        an asynchronous save that :meth:`wait` has not collected, every rank must call it: each
+        waits for the write first (under DDP for rank 0's).
         """
-        if self._writer is not None:  # the pending write first; its failure is raised by the next
-            self._writer.finish()  # save/wait/close, where every rank takes part (resume may run on one)
+        if self._writer is not None:  # the pending write first; its failure is raised by the next save/wait/close
+            if self._pending == "main":  # rank 0's: every rank waits for it (else a rank reads the step before)
+                run_on_main(self._writer.finish, "writing the last checkpoint in the background")
+            else:
+                self._writer.finish()
         locate = (lambda: Path(path)) if path is not None else self.latest
         parts = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
         first = locate()

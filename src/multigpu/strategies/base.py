@@ -232,6 +232,9 @@ class ProcessPerDeviceStrategy(Strategy, ABC):
     def teardown(self) -> None:
         if not self._owns_group:  # a group the script (or an outer session) created stays theirs,
             return  # and so do the models wrapped on it: they may still train
+        from multigpu.checkpoint.background import finish_pending_writes  # (torch.distributed.checkpoint: when used)
+
+        finish_pending_writes()  # a checkpoint written in the background (fsdp: by every rank) needs the group
         self.release_models()
         world.teardown_process_group()
         self._owns_group = False
