@@ -5,7 +5,7 @@ This is the one module that reads the launcher's environment variables (``RANK``
 multigpu's own (``MULTIGPU_STRATEGY``, ``MULTIGPU_DEVICES``, ``MULTIGPU_COLLECTIVE_TIMEOUT``,
 ``MULTIGPU_BIND_CORES``, ``MULTIGPU_FAILURE_DIR``, ``MULTIGPU_DEBUG``, ``MULTIGPU_STDERR_COPY``, set by
 ``multigpu launch``), torch elastic's ``TORCHELASTIC_RESTART_COUNT``, torch's ``TORCH_DISTRIBUTED_DEBUG``
-(set for ``--debug``: :func:`enable_torch_debug`), and the user's ``OMP_NUM_THREADS``; a process without
+(set for ``--debug``: :func:`enable_torch_debug`), the user's ``OMP_NUM_THREADS`` and ``XDG_CACHE_HOME``; a process without
 ``RANK``/``WORLD_SIZE`` asks :mod:`multigpu.runtime.schedulers` what SLURM's or MPI's variables say.
 Everything else asks :func:`read_launch_env`. It is also the one place that answers "which rank
 am I, is a process group up, am I the main process" (:func:`global_rank`, :func:`world_size`,
@@ -28,6 +28,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -201,6 +202,11 @@ def collective_timeout_s() -> float:
 def failure_dir() -> str | None:
     """Where this worker records its failure for the launcher's summary (``MULTIGPU_FAILURE_DIR``), if set."""
     return os.environ.get("MULTIGPU_FAILURE_DIR") or None
+
+
+def cache_dir() -> Path:
+    """This machine's folder for measured figures kept between runs: ``$XDG_CACHE_HOME/multigpu``, else ``~/.cache/multigpu``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "multigpu"
 
 
 def stderr_copy_requested() -> bool:
