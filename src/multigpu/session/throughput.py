@@ -69,7 +69,8 @@ class Throughput:
         self._data_wait = 0.0  # since the last optimizer step
         self._last_batch_size = 0  # of the batch session.batches handed out last
         self._pending_samples = 0  # micro-batches' samples since the last optimizer step
-        self._stragglers: StragglerWatch | None = None
+        self._stragglers: StragglerWatch | None = None  # with several processes
+        self._asked_ranks = False
         self._model: _FirstCall | None = None
         self._flops_per_sample: float | None = None
         self._peak: float | None = None
@@ -107,9 +108,11 @@ class Throughput:
             self._window.steps += 1
             self._window.seconds += interval
             self._window.samples += self._pending_samples
-            if strategy.shard.world_size > 1 and world.in_process_group():
-                if self._stragglers is None:
+            if not self._asked_ranks:  # once: the strategy's shard is built anew at each read
+                self._asked_ranks = True
+                if strategy.shard.world_size > 1 and world.in_process_group():
                     self._stragglers = StragglerWatch(main=strategy.is_main_process)
+            if self._stragglers is not None:
                 collective_s = waits.collective_seconds() - self._collective_mark
                 compute_s = max(0.0, interval - collective_s - self._data_wait)
                 self._stragglers.add(
@@ -281,5 +284,9 @@ def _mean_square(output: Any) -> torch.Tensor:
 
 def _batch_size(batch: Any) -> int:
     """The first dimension of the batch's first tensor (0 when it holds none)."""
+    if type(batch) in (tuple, list) and batch and isinstance(batch[0], torch.Tensor):  # (x, y): no walk
+        batch = batch[0]
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() > 0 else 0
     first = next((t for t in _tensors(batch) if t.dim() > 0), None)
     return int(first.shape[0]) if first is not None else 0
