@@ -71,7 +71,7 @@ class Throughput:
         self._pending_samples = 0  # micro-batches' samples since the last optimizer step
         self._stragglers: StragglerWatch | None = None  # with several processes
         self._asked_ranks = False
-        self._model: _FirstCall | None = None
+        self._model: FirstForward | None = None
         self._flops_per_sample: float | None = None
         self._peak: float | None = None
         self._mfu_note: str | None = None  # why there is no mfu (said once)
@@ -81,7 +81,7 @@ class Throughput:
     def watch_model(self, model: nn.Module) -> None:
         """Keep a meta-device copy of ``model`` (before any wrapper) and the shapes of its first forward."""
         if self._model is None:
-            self._model = _FirstCall(model)
+            self._model = FirstForward(model)
 
     def fetch(self, batches: Iterator[Any], end: Any) -> Any:
         """``next(batches, end)``, its wait counted as data wait."""
@@ -93,7 +93,7 @@ class Throughput:
 
     def handed_out(self, batch: Any) -> None:
         """``session.batches`` yields ``batch``: its samples count once a micro-step trains on it."""
-        self._last_batch_size = _batch_size(batch)
+        self._last_batch_size = batch_size(batch)
 
     def micro_step(self) -> None:
         self._pending_samples += self._last_batch_size
@@ -193,7 +193,7 @@ def peak_of_run(device: torch.device, dtype: torch.dtype, devices: int) -> float
     return float(found) * devices
 
 
-class _FirstCall:
+class FirstForward:
     """A meta-device copy of a model and the meta shapes of the real model's first forward (captured by a hook)."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -282,7 +282,7 @@ def _mean_square(output: Any) -> torch.Tensor:
     return found.float().square().mean()
 
 
-def _batch_size(batch: Any) -> int:
+def batch_size(batch: Any) -> int:
     """The first dimension of the batch's first tensor (0 when it holds none)."""
     if type(batch) in (tuple, list) and batch and isinstance(batch[0], torch.Tensor):  # (x, y): no walk
         batch = batch[0]
