@@ -41,7 +41,7 @@ def test_a_slowed_rank_is_named_once_and_a_healthy_run_names_nobody(
     said = done.stdout + done.stderr  # the worker's stderr: wherever torchrun forwards it
     reports = [line for line in said.splitlines() if line.startswith("multigpu: rank")]
     assert len(reports) == 1, said[-3000:]  # the healthy Session reported nobody, the slow one once
-    assert reports[0].startswith("multigpu: rank 1 is slow") and "optimizer steps 2-51" in reports[0]
+    assert reports[0].startswith("multigpu: rank 1 is slow") and "optimizer steps 2-51 (steps of" in reports[0]
     assert "look at its compute" in reports[0]  # the sleep is in the step, not in the loader
     summary = [line for line in said.splitlines() if line.startswith("multigpu launch (attempt 0): rank 1 is slow")]
     assert len(summary) == 1, said[-3000:]
@@ -75,6 +75,7 @@ def test_the_launcher_repeats_the_record_and_names_a_garbled_one(tmp_path: Path)
     record = {
         "rank": 1,
         "ratio": 1.5,
+        "step_s": 0.03,
         "first_step": 2,
         "last_step": 51,
         "times": [{"compute_s": 0.01, "data_wait_s": 0.0}, {"compute_s": 0.015, "data_wait_s": 0.0}],
@@ -84,6 +85,7 @@ def test_the_launcher_repeats_the_record_and_names_a_garbled_one(tmp_path: Path)
     (tmp_path / "slow-rank-attempt-2.json").write_text("[1e999]")
     lines = summary_lines(tmp_path)
     assert lines[0].startswith("multigpu launch (attempt 0): rank 1 is slow: 1.50x")
+    assert "optimizer steps 2-51 (steps of 30.0 ms)" in lines[0]
     assert "slow-rank-attempt-1.json was skipped: it names rank 7 of 2 ranks" in lines[1]
     assert "slow-rank-attempt-2.json was skipped" in lines[2]
     assert summary_lines(tmp_path / "missing") == []

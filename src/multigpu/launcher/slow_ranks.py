@@ -44,4 +44,5 @@ def _verdict(data: object) -> Verdict:
     first, last = field(data, "first_step", int), field(data, "last_step", int)
     if not 1 <= first <= last:
         raise UnreadableFile(f"its steps {first}-{last} are no window")
-    return Verdict(first, last, per_rank, rank, field(data, "ratio", float))
+    step_s = field(data, "step_s", float, default=0.0)
+    return Verdict(first, last, per_rank, rank, field(data, "ratio", float), step_s)

@@ -64,6 +64,7 @@ class Verdict:
     times: tuple[RankTimes, ...]
     slowest: int
     ratio: float  # slowest rank's own time / the median of the others'
+    step_s: float = 0.0  # the main process's mean step (wall time) over the window: the scale of the times
 
     @property
     def slow(self) -> bool:
@@ -80,16 +81,17 @@ class Verdict:
             if mine.data_wait_s - wait > mine.compute_s - compute
             else "its compute (a throttled or shared device, other processes on its cores)"
         )
+        scale = f" (steps of {_ms(self.step_s)})" if self.step_s > 0 else ""
         return (
             f"multigpu: rank {self.slowest} is slow: {self.ratio:.2f}x the median of the other ranks over "
-            f"optimizer steps {self.first_step}-{self.last_step}; per step, rank {self.slowest}: compute "
+            f"optimizer steps {self.first_step}-{self.last_step}{scale}; per step, rank {self.slowest}: compute "
             f"{_ms(mine.compute_s)} + data wait {_ms(mine.data_wait_s)}, the others' median: "
             f"compute {_ms(compute)} + data wait {_ms(wait)}. Every rank waits for it; look at "
             f"{cause} (docs/measuring.md, section 'The slow rank')"
         )
 
 
-def compare(times: list[RankTimes], first_step: int, last_step: int) -> Verdict:
+def compare(times: list[RankTimes], first_step: int, last_step: int, step_s: float = 0.0) -> Verdict:
     """The window's verdict: the rank with the most own time, over the median of the others' (2+ ranks).
 
     Example:
@@ -100,7 +102,7 @@ def compare(times: list[RankTimes], first_step: int, last_step: int) -> Verdict:
     slowest = max(range(len(times)), key=lambda rank: times[rank].own_s)
     median = statistics.median(t.own_s for rank, t in enumerate(times) if rank != slowest)
     ratio = times[slowest].own_s / median if median > 0 else 1.0
-    return Verdict(first_step, last_step, tuple(times), slowest, ratio)
+    return Verdict(first_step, last_step, tuple(times), slowest, ratio, step_s)
 
 
 def typical_step(steps: list[tuple[float, float]]) -> RankTimes:
@@ -128,18 +130,21 @@ class StragglerWatch:
         self.latest: Verdict | None = None  # the last window's verdict
         self.reported: Verdict | None = None  # the slow window reported (once a run)
         self._window: list[tuple[float, float]] = []  # this window's (compute, data wait) per step
+        self._wall_s = 0.0  # this window's steps' wall time
 
-    def add(self, step: int, *, compute_s: float, data_wait_s: float) -> Verdict | None:
-        """Count optimizer step ``step``'s own time; at the window's end exchange and compare (a collective)."""
+    def add(self, step: int, *, compute_s: float, data_wait_s: float, wall_s: float = 0.0) -> Verdict | None:
+        """Count optimizer step ``step``'s own time (of a step of ``wall_s``); at the window's end exchange and
+        compare (a collective)."""
         self._window.append((compute_s, data_wait_s))
+        self._wall_s += wall_s
         if len(self._window) < self.window:
             return None
-        own = typical_step(self._window)
-        self._window = []
+        own, step_s = typical_step(self._window), self._wall_s / len(self._window)
+        self._window, self._wall_s = [], 0.0
         mine = [round(own.compute_s * 1e9), round(own.data_wait_s * 1e9)]  # nanoseconds: int64 travels exactly
         rows = collectives.agree(_CALL, mine).tolist()  # one all-gather of a 32-number header; a sync point
         times = [RankTimes(compute_ns / 1e9, wait_ns / 1e9) for compute_ns, wait_ns in rows]
-        verdict = compare(times, step - self.window + 1, step)
+        verdict = compare(times, step - self.window + 1, step, step_s)
         self.latest = verdict
         if verdict.slow and self.reported is None and self.main:
             self.reported = verdict
@@ -156,6 +161,7 @@ def _leave_for_launcher(verdict: Verdict) -> None:
     record = {
         "rank": verdict.slowest,
         "ratio": verdict.ratio,
+        "step_s": verdict.step_s,
         "first_step": verdict.first_step,
         "last_step": verdict.last_step,
         "times": [asdict(t) for t in verdict.times],

@@ -116,7 +116,10 @@ class Throughput:
                 collective_s = waits.collective_seconds() - self._collective_mark
                 compute_s = max(0.0, interval - collective_s - self._data_wait)
                 self._stragglers.add(
-                    self._optimizer_steps, compute_s=compute_s, data_wait_s=min(self._data_wait, interval)
+                    self._optimizer_steps,
+                    compute_s=compute_s,
+                    data_wait_s=min(self._data_wait, interval),
+                    wall_s=interval,
                 )
         self._pending_samples = 0
         self._data_wait = 0.0
