@@ -107,6 +107,22 @@ def test_dp_replicas_on_one_cpu_share_its_peak(tmp_path: Path, _cache: Path) -> 
     assert logged["mfu"][0] == pytest.approx(HAND_FLOPS_PER_SAMPLE * logged["samples_per_s"][0] / peak)
 
 
+def test_a_collective_inside_the_loader_is_waiting_not_data_wait() -> None:
+    """session.batches agrees on the batch count with the other ranks inside next(): a fast rank waits there."""
+    from multigpu.runtime import waits
+    from multigpu.session.throughput import Throughput
+
+    def batches():  # type: ignore[no-untyped-def]
+        with waits.timing():  # as collectives.issuing times the agreement
+            time.sleep(0.05)
+        time.sleep(0.02)  # the loading itself
+        yield torch.zeros(2, 3)
+
+    clock = Throughput()
+    clock.fetch(batches(), None)
+    assert 0.02 <= clock._data_wait < 0.05
+
+
 @pytest.mark.parametrize("value", [0, -3, 2.5, True, "128"])
 def test_tokens_per_sample_must_be_a_count(value: object) -> None:
     with pytest.raises(ConfigError, match=rf"tokens_per_sample={value!r} must be an integer >= 1"):

@@ -84,12 +84,13 @@ class Throughput:
             self._model = FirstForward(model)
 
     def fetch(self, batches: Iterator[Any], end: Any) -> Any:
-        """``next(batches, end)``, its wait counted as data wait."""
-        began = time.perf_counter()
+        """``next(batches, end)``, its wait counted as data wait, less the collectives inside it (the ranks agree
+        on the batch count there: waiting for a slower rank is not this rank's loading)."""
+        began, in_collectives = time.perf_counter(), waits.collective_seconds()
         try:
             return next(batches, end)
         finally:
-            self._data_wait += time.perf_counter() - began
+            self._data_wait += time.perf_counter() - began - (waits.collective_seconds() - in_collectives)
 
     def handed_out(self, batch: Any) -> None:
         """``session.batches`` yields ``batch``: its samples count once a micro-step trains on it."""
