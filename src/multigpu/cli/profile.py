@@ -86,11 +86,13 @@ def run(args: argparse.Namespace) -> int:
             f"not {args.steps}",
             file=sys.stderr,  # plain: a note must not wrap
         )
+    console.print(_throughput_line(profile.meta["throughput"]))
     console.print("wrote " + ", ".join(str(f) for f in files))
     return 0
 
 
 def _profile_script(args: argparse.Namespace) -> tuple[StepProfile, Any]:
+    from multigpu.cli._profile_throughput import ScriptWatch
     from multigpu.core.script import run_as_main
     from multigpu.profiling.memory import track_memory
     from multigpu.profiling.step import ProfileConfig, profile_steps
@@ -101,13 +103,17 @@ def _profile_script(args: argparse.Namespace) -> tuple[StepProfile, Any]:
     if not script.is_file():
         raise ConfigError(f"script {str(script)!r} is not a file; give the path of your training script")
 
+    watch = ScriptWatch()  # samples and the model, for step time, samples/s and MFU
+
     def stop_when_done(kept: int) -> None:
+        watch.on_step(kept)
         if kept >= args.steps:
             raise _StopScript
 
     config = ProfileConfig(warmup=args.warmup, trace_ranges=args.trace)
     memory = track_memory() if args.memory else None
     with (
+        watch,
         _maybe_trace(args.trace) as trace,
         profile_steps(config=config, memory=memory, on_step=stop_when_done) as profiler,
     ):
@@ -126,7 +132,18 @@ def _profile_script(args: argparse.Namespace) -> tuple[StepProfile, Any]:
             "script run longer"
         )
     profile.meta["script"] = str(script)
+    profile.meta["throughput"] = watch.figures(profile)  # what session.log adds, in profile.json
     return profile, trace
+
+
+def _throughput_line(figures: dict[str, float]) -> str:
+    """The figures session.log adds, as one line: step time, samples/s, MFU (those known)."""
+    parts = [f"step {figures['step_time_s'] * 1e3:.2f} ms (median)"]
+    if "samples_per_s" in figures:
+        parts.append(f"{figures['samples_per_s']:,.0f} samples/s")
+    if "mfu" in figures:
+        parts.append(f"MFU {figures['mfu']:.2%}")
+    return "Throughput: " + ", ".join(parts)
 
 
 @contextlib.contextmanager

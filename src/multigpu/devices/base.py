@@ -20,10 +20,13 @@ import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar, Protocol
 
 import torch
+
+from multigpu.devices.peak_flops import peak_flops
 
 
 class DeviceEvent(Protocol):
@@ -225,6 +228,11 @@ class DeviceType:
         """The model name of ``device`` (equal names: equal devices)."""
         found = self._call("get_device_name", device) if self.is_available() else None
         return str(found) if found is not None else self.name
+
+    def peak_flops(self, device: torch.device, dtype: torch.dtype, cache: Path | None = None) -> float:
+        """FLOP/s ``device`` reaches at most in ``dtype`` matmuls, MFU's denominator: the datasheet's dense
+        figure where :mod:`multigpu.devices.peak_flops` lists the device, else measured once (cached in ``cache``)."""
+        return peak_flops(self, device, dtype, cache)
 
     def capacity(self, device: torch.device) -> DeviceCapacity | None:
         """Total memory and core count, for nn.DataParallel's imbalance warning; None where not reported."""

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from multigpu.devices import process_device_type
 from multigpu.errors import ConfigError, LaunchError
-from multigpu.launcher import evidence
+from multigpu.launcher import evidence, slow_ranks
 from multigpu.launcher.preflight import check_listen_address, check_process_count
 from multigpu.launcher.root_cause import format_summary, from_torch, merge
 from multigpu.runtime import failure_records
@@ -202,7 +202,7 @@ def run_torchrun(config: LaunchConfig, args: list[str], env: dict[str, str], scr
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
-    with _environment(env), _signal_handlers_restored():
+    with _environment(env), _signal_handlers_restored(), _slow_ranks_told(env.get("MULTIGPU_FAILURE_DIR")):
         try:
             run(parse_args(args))
         except (RendezvousError, DistError) as exc:  # before any worker ran: the nodes never met
@@ -232,6 +232,16 @@ def run_torchrun(config: LaunchConfig, args: list[str], env: dict[str, str], scr
             print(format_summary(script, failures, found), file=sys.stderr, flush=True)
             return 1
     return 0
+
+
+@contextmanager
+def _slow_ranks_told(folder: str | None) -> Iterator[None]:
+    """After the run (however it ends), the slow rank its main process reported, if any (:mod:`.slow_ranks`)."""
+    try:
+        yield
+    finally:
+        for line in slow_ranks.summary_lines(folder) if folder else []:
+            print(line, file=sys.stderr, flush=True)
 
 
 def _log_dir_of(args: Sequence[str]) -> str | None:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from multigpu.core.lookup import lookup
 from multigpu.devices import backend_device_type
 from multigpu.errors import CollectiveMismatchError, ConfigError
-from multigpu.runtime import tracking
+from multigpu.runtime import tracking, waits
 from multigpu.runtime.agreement import Call, describe, mismatch_message, number
 from multigpu.runtime.collective_failures import explain_collective_failures
 from multigpu.runtime.world import global_rank, in_process_group, world_size
@@ -60,7 +60,7 @@ def issuing(operation: str, tensors: Sequence[torch.Tensor] = (), *, ragged: boo
         >>> with issuing("barrier"):
         ...     pass
     """
-    with explain_collective_failures(operation):
+    with explain_collective_failures(operation), waits.timing():  # waiting for peers is not this rank's work
         tracking.enter(operation, tensors, ragged=ragged)
         yield
 

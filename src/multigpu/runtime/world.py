@@ -5,7 +5,8 @@ This is the one module that reads the launcher's environment variables (``RANK``
 multigpu's own (``MULTIGPU_STRATEGY``, ``MULTIGPU_DEVICES``, ``MULTIGPU_COLLECTIVE_TIMEOUT``,
 ``MULTIGPU_BIND_CORES``, ``MULTIGPU_FAILURE_DIR``, ``MULTIGPU_DEBUG``, ``MULTIGPU_STDERR_COPY``, set by
 ``multigpu launch``), torch elastic's ``TORCHELASTIC_RESTART_COUNT``, torch's ``TORCH_DISTRIBUTED_DEBUG``
-(set for ``--debug``: :func:`enable_torch_debug`), and the user's ``OMP_NUM_THREADS``; which scheduler started the
+(set for ``--debug``: :func:`enable_torch_debug`), and the user's ``OMP_NUM_THREADS``, ``MULTIGPU_CACHE_DIR`` and
+``XDG_CACHE_HOME``; which scheduler started the
 process and the world its variables say (torchrun's ``RANK``/``WORLD_SIZE``, a PyTorchJob pod's, MPI's,
 SLURM's) it asks :mod:`multigpu.runtime.schedulers`, whose one priority tuple decides.
 Everything else asks :func:`read_launch_env`. It is also the one place that answers "which rank
@@ -29,6 +30,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -263,14 +265,13 @@ def configured_threads() -> int | None:
     return int(value) if re.fullmatch(r"0*[1-9][0-9]{0,5}", value) else None
 
 
-def cache_dir() -> str:
-    """Where multigpu keeps what it measured of this machine (the planner's calibration):
+def cache_dir() -> Path:
+    """Where multigpu keeps what it measured of this machine (the planner's calibration, the peak FLOPs):
     ``MULTIGPU_CACHE_DIR``, else ``$XDG_CACHE_HOME/multigpu``, else ``~/.cache/multigpu``."""
     chosen = os.environ.get("MULTIGPU_CACHE_DIR") or ""
     if chosen:
-        return chosen
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "multigpu")
+        return Path(chosen)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "multigpu"
 
 
 def choose_backend(device_type: str) -> str:

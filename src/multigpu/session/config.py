@@ -61,6 +61,8 @@ class SessionConfig:
         deterministic: the same results run after run (:mod:`multigpu.session.determinism`):
             deterministic algorithms only, cuDNN deterministic and not benchmarking, seeded loader
             workers; slower, and an operation without a deterministic version raises.
+        tokens_per_sample: tokens one sample holds (a sequence length), so that ``session.log`` adds
+            ``tokens_per_s`` to its samples per second (:mod:`multigpu.session.throughput`); None: no tokens/s.
         debug: check before every collective that all ranks issue the same one (a mismatch raises
             :class:`~multigpu.errors.CollectiveMismatchError` naming each rank's call) and turn on torch's
             checks (``TORCH_DISTRIBUTED_DEBUG``: ``DETAIL`` under NCCL, ``INFO`` under gloo); costs an extra exchange per collective
@@ -82,6 +84,7 @@ class SessionConfig:
     seed_per_rank: bool = True
     deterministic: bool = False
     debug: bool = False
+    tokens_per_sample: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, ["auto", *STRATEGIES], "strategy='ddp'")
@@ -108,6 +111,11 @@ class SessionConfig:
                 raise ConfigError(
                     f"{name}={getattr(self, name)!r} must be a {kind.__name__}; use e.g. {name}={kind.__name__}()"
                 )
+        if self.tokens_per_sample is not None and (not _is_int(self.tokens_per_sample) or self.tokens_per_sample < 1):
+            raise ConfigError(
+                f"tokens_per_sample={self.tokens_per_sample!r} must be an integer >= 1 (the tokens one sample holds, "
+                "e.g. the sequence length: tokens_per_sample=1024), or None"
+            )
         object.__setattr__(self, "activation_checkpointing", normalize_choice(self.activation_checkpointing))
         for name in ("sync_batchnorm", "compile", "seed_per_rank", "deterministic", "debug"):
             if not isinstance(getattr(self, name), bool):

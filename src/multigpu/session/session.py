@@ -48,6 +48,7 @@ from multigpu.session.evaluation import per_sample_result
 from multigpu.session.items import ItemWindow
 from multigpu.session.metrics import MetricsLog
 from multigpu.session.progress import with_progress
+from multigpu.session.throughput import Throughput
 from multigpu.session.toolkit import Toolkit
 from multigpu.strategies import Precision, Strategy, build_strategy
 from multigpu.strategies.activation_checkpointing import apply_activation_checkpointing
@@ -81,6 +82,7 @@ class Session(Toolkit):
         self._items = ItemWindow()  # backward(loss, num_items=n): the window's loss sum and item count
         self._last_batch = False  # the batch in flight is the last of session.batches(...)
         self._metrics: MetricsLog | None = None  # created by the first log()
+        self._throughput = Throughput(self.config.tokens_per_sample)  # the figures log() adds
         self._rank_streams = False  # each rank's torch generator reseeded (seed_per_rank)
         self._stop_signals = preemption.StopSignals()  # installed by the first read of should_stop
         self._stopping = False  # the ranks agreed to stop (pre-emption)
@@ -113,6 +115,7 @@ class Session(Toolkit):
         """Leave the process group (ddp). Every rank must call it; safe to call twice."""
         if self._metrics is not None:
             self._metrics.close()
+        self._throughput.close()
         if self.strategy is not None:
             self._stop_agreement.settle()  # the all-reduce in flight completes before the group closes
         self._stop_signals.restore()
@@ -192,6 +195,8 @@ class Session(Toolkit):
                 modules nested inside each other.
         """
         strategy = self._started()[0]
+        if strategy.is_main_process:  # before any wrapper: mfu counts the model's own FLOPs
+            self._throughput.watch_model(model)
         if self.config.sync_batchnorm:
             model = strategy.apply_sync_batchnorm(model)
         if self.config.activation_checkpointing is not None:  # before DDP/FSDP wrap the blocks, before compile
@@ -287,14 +292,15 @@ class Session(Toolkit):
         ahead: Iterator[T] = iter(data.even_batches(batches) if even_batches else batches)
         if progress and self.is_main_process:
             ahead = with_progress(ahead, total=data.known_len(batches), description=description)
-        upcoming = next(ahead, _END)
+        upcoming = self._throughput.fetch(ahead, _END)
         try:
             while upcoming is not _END:
-                batch, upcoming = upcoming, next(ahead, _END)
+                batch, upcoming = upcoming, self._throughput.fetch(ahead, _END)
                 self._last_batch = upcoming is _END
                 if isinstance(batches, EpochLoader):  # its state counts the batches the loop has received
                     batches.lookahead = 0 if upcoming is _END else 1
                 position.next_batch()
+                self._throughput.handed_out(batch)
                 yield _to_device(batch, device)
         finally:
             self._last_batch, self._position = outer, outer_position
@@ -333,6 +339,7 @@ class Session(Toolkit):
         unless this micro-step completes the accumulation window."""
         strategy, precision = self._started()
         self._micro += 1
+        self._throughput.micro_step()
         if self.should_step:
             return precision.autocast()
         return _both(strategy.no_sync(model), precision.autocast())
@@ -401,7 +408,9 @@ class Session(Toolkit):
         steps on the mean gradient of its ``k`` micro-batches, as one device would on their
         combined batch. A window whose backwards were given ``num_items`` steps on the gradient of
         its summed item losses over its summed items on every rank (one all-reduce of two numbers,
-        here, on every rank); clipping sees that gradient.
+        here, on every rank); clipping sees that gradient. With several processes, every 50th step
+        the ranks also exchange their step times (one small all-gather: the slow-rank watch,
+        :mod:`multigpu.runtime.stragglers`).
 
         Args:
             optimizer: the optimizer of the model's parameters.
@@ -429,6 +438,7 @@ class Session(Toolkit):
             raise ConfigError(f"max_grad_norm={max_grad_norm!r} must be a finite number > 0 (or None: no clipping)")
         if not self.should_step:
             return False
+        self._throughput.optimizer_step(strategy, joined=self._joined)  # may exchange (slow-rank watch)
         factor: float | None = None  # what the gradients are multiplied by before clipping and stepping
         if self._items.weighted:  # every rank's window was weighted alike, so every rank all-reduces here
             factor = self._items.settle(strategy.shard.world_size)
@@ -492,11 +502,17 @@ class Session(Toolkit):
 
         Only the main process writes, so every rank may call it without duplicates; nothing is
         communicated (log ``session.reduce(loss)`` for the mean over processes). See
-        :mod:`multigpu.session.metrics` for the file's form.
+        :mod:`multigpu.session.metrics` for the file's form. When optimizer steps ran since the last
+        call, their figures are added (a metric of yours of the same name wins): ``step_time_s``,
+        ``samples_per_s``, ``tokens_per_s`` (with ``tokens_per_sample``), ``mfu``, and with several
+        processes ``slowest_rank`` and ``slowest_rank_ratio`` (:mod:`multigpu.session.throughput`).
 
         Example:
             >>> session.log({"loss": session.reduce(loss), "lr": 0.1}, step)  # doctest: +SKIP
         """
+        figures = self._throughput.figures(self._started()[0], self.config.precision)
+        if figures and isinstance(metrics, Mapping):  # the caller's own metric of the same name wins
+            metrics = {**metrics, **{name: v for name, v in figures.items() if name not in metrics}}
         self._metrics_log().log(metrics, step)
 
     def _metrics_log(self) -> MetricsLog:

@@ -1,0 +1,175 @@
+"""The slow rank named: which rank sets the pace of a multi-process run, and whether compute or data holds it.
+
+Under ddp or fsdp every step waits for the slowest rank. A rank that is slow rather than stuck (a
+throttled GPU, a noisy neighbour on its cores, a loader that decodes slower on one node) drags every
+step to its pace, and its own clock does not show it: the others' steps take as long, spent waiting.
+So each rank times its *own* share of each step, the step's wall time less the time it spent inside
+multigpu's collectives (:mod:`multigpu.runtime.waits`: a fast rank waits there for the slow one),
+split into the wait for its next batch (data wait) and the rest (compute). Note the gradient all-reduce
+of ``session.backward`` counts as a collective whole: a rank's backward compute is in nobody's own time,
+so a rank slow only inside backward is not told apart (a slow device is slow in forward too).
+
+Every :data:`WINDOW_STEPS` optimizer steps the ranks exchange one small tensor (steps, compute and data
+wait in microseconds: one all-gather through ``collectives.agree``, so through ``issuing``) and the main
+process compares them: the slowest rank's own time over the median of the others' is its ratio. At
+:data:`SLOW_RATIO` or more it is reported once on the main process's stderr, with its split against the
+others', and written to the run folder for ``multigpu launch``'s end-of-run summary
+(:mod:`multigpu.launcher.slow_ranks` reads it).
+
+Example::
+
+    watch = StragglerWatch(main=True)
+    verdict = watch.add(step, compute_s=0.010, data_wait_s=0.001)   # every rank, at every optimizer step
+    if verdict is not None: print(verdict.slowest, verdict.ratio)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from multigpu.core.run_files import write_replacing
+from multigpu.runtime import collectives, world
+from multigpu.runtime.agreement import Call
+
+WINDOW_STEPS = 50  # optimizer steps per comparison: one exchange each, and the horizon of a report
+TRIMMED = 0.1  # each rank's slowest tenth of a window's steps is left out: one-off work (a first log, a save)
+SLOW_RATIO = 1.2  # a rank this much slower than the median of the others is reported
+RECORD_PATTERN = "slow-rank-attempt-*.json"  # what the main process leaves the launcher
+_CALL = Call("exchange of each rank's step times (slow-rank watch)", ())
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    """One rank's own time per step over a window, in seconds: compute and data wait (collective waits left out)."""
+
+    compute_s: float
+    data_wait_s: float
+
+    @property
+    def own_s(self) -> float:
+        return self.compute_s + self.data_wait_s
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One window compared: every rank's times (by rank), the slowest rank and its ratio."""
+
+    first_step: int  # the window's optimizer steps, counted from 1 (the first, untimed, is never in one)
+    last_step: int
+    times: tuple[RankTimes, ...]
+    slowest: int
+    ratio: float  # slowest rank's own time / the median of the others'
+    step_s: float = 0.0  # the main process's mean step (wall time) over the window: the scale of the times
+
+    @property
+    def slow(self) -> bool:
+        return self.ratio >= SLOW_RATIO
+
+    def message(self) -> str:
+        """The report of a slow rank: who, how much, and its data wait against its compute."""
+        mine = self.times[self.slowest]
+        others = [t for rank, t in enumerate(self.times) if rank != self.slowest]
+        compute = statistics.median(t.compute_s for t in others)
+        wait = statistics.median(t.data_wait_s for t in others)
+        cause = (
+            "its data loading (more loader workers, faster storage on its node)"
+            if mine.data_wait_s - wait > mine.compute_s - compute
+            else "its compute (a throttled or shared device, other processes on its cores)"
+        )
+        scale = f" (steps of {_ms(self.step_s)})" if self.step_s > 0 else ""
+        return (
+            f"multigpu: rank {self.slowest} is slow: {self.ratio:.2f}x the median of the other ranks over "
+            f"optimizer steps {self.first_step}-{self.last_step}{scale}; per step, rank {self.slowest}: compute "
+            f"{_ms(mine.compute_s)} + data wait {_ms(mine.data_wait_s)}, the others' median: "
+            f"compute {_ms(compute)} + data wait {_ms(wait)}. Every rank waits for it; look at "
+            f"{cause} (docs/measuring.md, section 'The slow rank')"
+        )
+
+
+def compare(times: list[RankTimes], first_step: int, last_step: int, step_s: float = 0.0) -> Verdict:
+    """The window's verdict: the rank with the most own time, over the median of the others' (2+ ranks).
+
+    Example:
+        >>> v = compare([RankTimes(1.0, 0.0), RankTimes(1.3, 0.0), RankTimes(1.1, 0.0)], 1, 50)
+        >>> v.slowest, round(v.ratio, 3)
+        (1, 1.238)
+    """
+    slowest = max(range(len(times)), key=lambda rank: times[rank].own_s)
+    median = statistics.median(t.own_s for rank, t in enumerate(times) if rank != slowest)
+    ratio = times[slowest].own_s / median if median > 0 else 1.0
+    return Verdict(first_step, last_step, tuple(times), slowest, ratio, step_s)
+
+
+def typical_step(steps: list[tuple[float, float]]) -> RankTimes:
+    """The mean (compute, data wait) of ``steps`` without the slowest :data:`TRIMMED` of them (by their sum).
+
+    Example:
+        >>> typical_step([(0.01, 0.0)] * 9 + [(0.5, 0.0)])   # one save in ten steps is left out
+        RankTimes(compute_s=0.01, data_wait_s=0.0)
+    """
+    kept = sorted(steps, key=sum)[: max(1, len(steps) - int(len(steps) * TRIMMED))]
+    return RankTimes(sum(c for c, _ in kept) / len(kept), sum(w for _, w in kept) / len(kept))
+
+
+class StragglerWatch:
+    """Every rank's own step times, compared every ``window`` optimizer steps. Every rank must call :meth:`add`.
+
+    Args:
+        main: this is the main process (it reports, and writes the launcher's record).
+        window: optimizer steps per exchange.
+    """
+
+    def __init__(self, *, main: bool, window: int = WINDOW_STEPS) -> None:
+        self.main = main
+        self.window = window
+        self.latest: Verdict | None = None  # the last window's verdict
+        self.reported: Verdict | None = None  # the slow window reported (once a run)
+        self._window: list[tuple[float, float]] = []  # this window's (compute, data wait) per step
+        self._wall_s = 0.0  # this window's steps' wall time
+
+    def add(self, step: int, *, compute_s: float, data_wait_s: float, wall_s: float = 0.0) -> Verdict | None:
+        """Count optimizer step ``step``'s own time (of a step of ``wall_s``); at the window's end exchange and
+        compare (a collective)."""
+        self._window.append((compute_s, data_wait_s))
+        self._wall_s += wall_s
+        if len(self._window) < self.window:
+            return None
+        own, step_s = typical_step(self._window), self._wall_s / len(self._window)
+        self._window, self._wall_s = [], 0.0
+        mine = [round(own.compute_s * 1e9), round(own.data_wait_s * 1e9)]  # nanoseconds: int64 travels exactly
+        rows = collectives.agree(_CALL, mine).tolist()  # one all-gather of a 32-number header; a sync point
+        times = [RankTimes(compute_ns / 1e9, wait_ns / 1e9) for compute_ns, wait_ns in rows]
+        verdict = compare(times, step - self.window + 1, step, step_s)
+        self.latest = verdict
+        if verdict.slow and self.reported is None and self.main:
+            self.reported = verdict
+            print(verdict.message(), file=sys.stderr, flush=True)
+            _leave_for_launcher(verdict)
+        return verdict
+
+
+def _leave_for_launcher(verdict: Verdict) -> None:
+    """The report, in the run folder ``multigpu launch`` reads after the run (nothing outside a launch)."""
+    folder = world.failure_dir()
+    if folder is None:
+        return
+    record = {
+        "rank": verdict.slowest,
+        "ratio": verdict.ratio,
+        "step_s": verdict.step_s,
+        "first_step": verdict.first_step,
+        "last_step": verdict.last_step,
+        "times": [asdict(t) for t in verdict.times],
+        "message": verdict.message(),
+    }
+    with contextlib.suppress(OSError):  # the stderr report stands; the summary goes without it
+        write_replacing(Path(folder) / f"slow-rank-attempt-{world.restart_count()}.json", json.dumps(record))
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
