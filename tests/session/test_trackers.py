@@ -50,6 +50,15 @@ def _board_steps(folder: Path, metric: str = "launch") -> list[tuple[int, float]
         ({"trackers": ("csv",), "tracker_options": {"wandb": {}}}, r"tracker_options has 'wandb', which is not in"),
         ({"trackers": ("wandb",), "tracker_options": {"wandb": {"id": "x"}}}, r"sets \['id'\], which multigpu"),
         ({"trackers": ("csv",), "tracker_options": {"csv": 3}}, r"must map a tracker's name to its keywords"),
+        (
+            {"trackers": ("csv",), "tracker_options": {"csv": {"sep": ";"}}},
+            r"has \['sep'\]; the 'csv' tracker takes no",
+        ),
+        (
+            {"trackers": ("mlflow",), "tracker_options": {"mlflow": {"uri": "x"}}},
+            r"takes \['tracking_uri', 'experiment'",
+        ),
+        ({"trackers": ("tensorboard",), "tracker_options": {"tensorboard": {"log_dir": "x"}}}, r"sets \['log_dir'\]"),
         ({"run_name": ""}, r"run_name='' must be a non-empty string"),
     ],
 )
@@ -94,6 +103,9 @@ def test_resume_trackers_needs_the_identity_and_comes_before_the_first_log(tmp_p
             session.resume_trackers(resumed)
         with pytest.raises(ConfigError, match=r"takes what Checkpointer.resume returned, got dict"):
             session.resume_trackers({"step": 1})
+        checkpoints.save(step=1, model=model, extra={"multigpu.trackers": {"run_id": 3}})
+        with pytest.raises(ConfigError, match=r"is not what session.tracker_state\(\) writes .*'run_id': 3"):
+            session.resume_trackers(checkpoints.resume(model=model))
         session.log({"loss": 1.0}, 1)
         checkpoints.save(step=2, model=model, extra=session.tracker_state())
         with pytest.raises(ConfigError, match=r"came after the trackers opened"):

@@ -135,11 +135,17 @@ class MetricsLog:
         self._resumed_step = int(step)
         if not saved:  # written by a process that did not log (no main process's identity)
             return
-        self._run_id = str(saved["run_id"])
-        self._run_name = self._run_name or str(saved["run_name"])
+        run_id, run_name, run_dir, trackers = (saved.get(k) for k in ("run_id", "run_name", "run_dir", "trackers"))
+        if not all(isinstance(v, str) for v in (run_id, run_name, run_dir)) or not isinstance(trackers, Mapping):
+            raise ConfigError(
+                f"the checkpoint's {STATE_KEY!r} is not what session.tracker_state() writes (run_id, run_name, "
+                f"run_dir, trackers): {saved!r}; resume from a checkpoint saved with extra=session.tracker_state()"
+            )
+        self._run_id = str(run_id)
+        self._run_name = self._run_name or str(run_name)
         if not keep_folder:
-            self.folder = Path(saved["run_dir"])
-        self._resumed = saved.get("trackers", {})
+            self.folder = Path(str(run_dir))
+        self._resumed = trackers
 
     @property
     def run_name(self) -> str:

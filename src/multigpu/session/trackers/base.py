@@ -52,6 +52,7 @@ class Tracker(ABC):
     modules: ClassVar[tuple[str, ...]] = ()
     extra: ClassVar[str | None] = None
     refused_options: ClassVar[tuple[str, ...]] = ()  # keywords multigpu sets itself (the run's identity)
+    allowed_options: ClassVar[tuple[str, ...] | None] = None  # None: any keyword of the library's own call
 
     @classmethod
     def check_installed(cls) -> None:
@@ -66,6 +67,12 @@ class Tracker(ABC):
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
         """Refuse the keywords that would change the run's identity behind multigpu's back."""
+        if cls.allowed_options is not None and set(options) - set(cls.allowed_options):
+            unknown = sorted(set(options) - set(cls.allowed_options))
+            raise ConfigError(
+                f"tracker_options[{cls.name!r}] has {unknown}; the {cls.name!r} tracker takes "
+                f"{list(cls.allowed_options) or 'no options'}"
+            )
         taken = sorted(set(options) & set(cls.refused_options))
         if taken:
             raise ConfigError(

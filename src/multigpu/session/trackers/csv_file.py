@@ -25,6 +25,7 @@ _HEADER = ["step", "metric", "value", "time"]
 
 class CsvTracker(Tracker):
     name = "csv"
+    allowed_options = ()
 
     def __init__(self, folder: Path, file: IO[str]) -> None:
         self.folder = folder

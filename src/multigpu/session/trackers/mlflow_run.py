@@ -21,6 +21,7 @@ class MlflowTracker(Tracker):
     name = "mlflow"
     modules = ("mlflow", "sqlalchemy", "alembic")
     extra = "mlflow"
+    allowed_options = ("tracking_uri", "experiment", "tags")
 
     def __init__(self, client: Any, run_id: str) -> None:
         self._client = client
@@ -41,7 +42,7 @@ class MlflowTracker(Tracker):
         experiment = client.get_experiment_by_name(name)
         experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(name)
         tags = {"multigpu.run_id": run.run_id, **options.pop("tags", {})}
-        created = client.create_run(experiment_id, run_name=run.name, tags=tags, **options)
+        created = client.create_run(experiment_id, run_name=run.name, tags=tags)
         return cls(client, created.info.run_id)
 
     def log(self, values: Mapping[str, float], step: int) -> None:

@@ -18,6 +18,7 @@ class TensorBoardTracker(Tracker):
     name = "tensorboard"
     modules = ("tensorboard",)
     extra = "tensorboard"
+    refused_options = ("log_dir", "purge_step")  # the run folder, and the rewind of a resumed run
 
     def __init__(self, writer: Any) -> None:
         self._writer = writer
