@@ -261,3 +261,38 @@ def _wandb_records(log: Path) -> list[dict[str, Any]]:
     done = run_command([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)], timeout_s=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+class _CloseFails(Tracker):
+    """A tracker whose store went away: its close raises (a full disk, a dropped database)."""
+
+    name = "close-fails"
+
+    @classmethod
+    def open(cls, run: Any) -> _CloseFails:
+        return cls()
+
+    def log(self, values: Any, step: int) -> None:
+        pass
+
+    def close(self, *, failed: bool = False) -> None:
+        raise OSError("the tracker's store is gone")
+
+
+def test_a_tracker_that_fails_to_close_still_lets_the_session_and_the_others_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from multigpu.session.trackers import registry
+
+    monkeypatch.setitem(registry.TRACKERS, "close-fails", _CloseFails)
+    session = Session(strategy="single", run_dir=tmp_path, trackers=("close-fails", "csv"))
+    with pytest.raises(OSError, match="store is gone"):
+        with session:
+            session.log({"launch": 1}, 1)
+    assert session.strategy is None  # left the group all the same
+    assert _csv_steps(tmp_path) == [(1, 1.0)]
+    with pytest.warns(RuntimeWarning, match=r"a tracker failed to close: OSError"):
+        with pytest.raises(ValueError, match="the loop's own error"):
+            with Session(strategy="single", run_dir=tmp_path, trackers=("close-fails",)) as session:
+                session.log({"launch": 2}, 2)
+                raise ValueError("the loop's own error")

@@ -154,8 +154,14 @@ class MetricsLog:
     def close(self, *, failed: bool = False) -> None:
         """End every tracker's part of the run, as failed when the loop raised (safe to call twice)."""
         trackers, self._open = self._open or [], None
-        for tracker in trackers:
-            tracker.close(failed=failed)
+        errors = []
+        for tracker in trackers:  # every tracker closes, even after another failed to
+            try:
+                tracker.close(failed=failed)
+            except Exception as error:
+                errors.append(error)
+        if errors:
+            raise errors[0]
 
     def _trackers(self) -> list[Tracker]:
         if self._open is None:

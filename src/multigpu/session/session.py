@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -113,9 +114,14 @@ class Session(Toolkit):
 
     def close(self) -> None:
         """Leave the process group (ddp). Every rank must call it; safe to call twice."""
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None  # a log after close must not reopen the trackers as new runs
+        metrics, self._metrics = self._metrics, None  # a log after close must not reopen the trackers as new runs
+        try:
+            if metrics is not None:
+                metrics.close()  # a tracker that fails to close must not keep this rank in the group
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
         if self.strategy is not None:
             self._stop_agreement.settle()  # the all-reduce in flight completes before the group closes
         self._stop_signals.restore()
@@ -133,7 +139,11 @@ class Session(Toolkit):
             # on record before closing the group wakes the other ranks with a consequence (see records)
             failure_records.record(exc)
             if self._metrics is not None:  # the trackers that keep a status mark the run failed
-                self._metrics.close(failed=True)
+                metrics, self._metrics = self._metrics, None
+                try:
+                    metrics.close(failed=True)
+                except Exception as error:  # the loop's exception is the one to raise; say this one
+                    warnings.warn(f"a tracker failed to close: {error!r}", RuntimeWarning, stacklevel=2)
         self.close()
 
     def _started(self) -> tuple[Strategy, Precision]:
