@@ -5,7 +5,7 @@ looks for checkpoints picks it up), flushed and ``fsync``ed, then ``os.replace``
 name, then the folder is ``fsync``ed. A complete step folder is put in place by
 :func:`install_folder`: one ``rename``, or, to replace a step, ``renameat2(RENAME_EXCHANGE)`` where
 the file system has it and a hidden *aside* copy of the old folder elsewhere (discovery reads it as
-the same step, :mod:`folders`). The folder lock is ``filelock``'s ``flock``, so a SIGKILL never
+the same step, :mod:`folders`). The folder lock is the kernel's ``flock``, so a SIGKILL never
 leaves a folder locked. OS errors become a :class:`~multigpu.errors.CheckpointError` naming the
 path and the fix. The whole story, and which test kills which step, is in docs/checkpoints.md.
 """
@@ -15,18 +15,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import platform
 import shutil
 import socket
+import stat
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
-
-import filelock
 
 from multigpu.errors import CheckpointError
 
@@ -264,8 +264,16 @@ def _file_size_limit() -> str:
 def folder_lock(folder: Path, *, timeout_s: float) -> Iterator[None]:
     """Hold the folder's lock for the duration of the block (see the module docstring).
 
+    The lock is the kernel's ``flock`` on ``<folder>/.multigpu.lock``: it belongs to the open file, so
+    the kernel drops it when the holder exits, however it exits (a SIGKILL never leaves it held). The
+    file itself stays (removing it would let a waiter lock a file that is no longer the folder's), and
+    holds the holder's host and pid while it is held, for the message of a save that waits too long.
+    (Written on ``fcntl`` directly: filelock 3 truncates the file when a waiter opens it, which erased
+    the holder's record, and filelock 4 conflicts with trackers such as aim that pin filelock<4.)
+
     Raises:
-        CheckpointError: another process held it for ``timeout_s`` seconds; the message names it.
+        CheckpointError: another process held it for ``timeout_s`` seconds (the message names it), or
+            something other than a regular file sits under the lock's name.
 
     Example:
         >>> import tempfile
@@ -273,29 +281,57 @@ def folder_lock(folder: Path, *, timeout_s: float) -> Iterator[None]:
         ...     pass
     """
     path = folder / LOCK_NAME
-    lock = filelock.FileLock(path, timeout=timeout_s, preserve_lock_file=True, on_acquired=_write_holder)
+    fd = _open_lock_file(path, folder)
     try:
-        lock.acquire()
-    except filelock.Timeout:
-        raise CheckpointError(
-            f"another process is saving into {str(folder)!r} and held its lock for "
-            f"{timeout_s:g} s ({_holder(path)}). Two runs are writing one folder: give each "
-            "run its own folder, or raise Checkpointer(lock_timeout_s=...) if saves are slow."
-        ) from None
+        deadline = time.monotonic() + timeout_s
+        while not _try_flock(fd):
+            if time.monotonic() >= deadline:
+                raise CheckpointError(
+                    f"another process is saving into {str(folder)!r} and held its lock for "
+                    f"{timeout_s:g} s ({_holder(path)}). Two runs are writing one folder: give each "
+                    "run its own folder, or raise Checkpointer(lock_timeout_s=...) if saves are slow."
+                )
+            time.sleep(0.05)
+        _write_holder(fd)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # still held: nobody reads a holder that has gone
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _open_lock_file(path: Path, folder: Path) -> int:
+    # O_NONBLOCK: a FIFO under the lock's name must not block the open; it is refused just below.
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
     except OSError as exc:
         if exc.errno in _SPACE_ERRNOS | _PERMISSION_ERRNOS | {errno.ENOENT}:
             raise  # the folder's own problem: explain_os_errors says it
-        raise CheckpointError(
-            f"cannot take the lock {str(path)!r} of {str(folder)!r}: {exc.strerror or exc}. It must be a "
-            "regular file (or absent); remove what sits under that name (no save can hold it: none could open "
-            "it), or save into another folder."
-        ) from exc
+        raise CheckpointError(_not_a_lock_file(path, folder, exc.strerror or str(exc))) from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(_not_a_lock_file(path, folder, "not a regular file"))
+    return fd
+
+
+def _not_a_lock_file(path: Path, folder: Path, why: str) -> str:
+    return (
+        f"cannot take the lock {str(path)!r} of {str(folder)!r}: {why}. It must be a "
+        "regular file (or absent); remove what sits under that name (no save can hold it: none could open "
+        "it), or save into another folder."
+    )
+
+
+def _try_flock(fd: int) -> bool:
     try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            os.truncate(path, 0)  # still held: nobody reads a holder that has gone
-        lock.release()
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # EWOULDBLOCK: another open file holds it
+        return False
+    return True
 
 
 def _write_holder(fd: int) -> None:

@@ -6,6 +6,8 @@
   broadcast, gather_for_metrics, split_between_processes, main_process_first, triggers, join);
 - :mod:`~multigpu.session.evaluation`, :mod:`~multigpu.session.metrics`, :mod:`~multigpu.session.progress`:
   what ``evaluate``, ``log`` and ``batches(progress=True)`` rest on.
+- :mod:`~multigpu.session.trackers`: the experiment trackers ``log`` and ``log_hparams`` write to, one
+  module per library (CSV, TensorBoard, MLflow, W&B, Aim, trackio).
 
 The strategies and precisions themselves live in :mod:`multigpu.strategies`; their public names
 are also this package's (a script imports its loop's vocabulary from one place).

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from multigpu.core.lookup import lookup
 from multigpu.devices import DeviceSpec
 from multigpu.errors import ConfigError
+from multigpu.session.trackers import check_trackers, default_trackers
 from multigpu.strategies import PRECISIONS, STRATEGIES, DDPOptions, FSDPOptions
 from multigpu.strategies.activation_checkpointing import CheckpointChoice, normalize_choice
 
@@ -41,8 +43,14 @@ class SessionConfig:
         timeout_s: how long a collective waits for a missing rank before failing (ddp); None:
             ``multigpu launch --collective-timeout`` if given, else 600 s.
         run_dir: the folder :meth:`~multigpu.session.Session.log` writes ``metrics.csv`` (and
-            TensorBoard events) into; None: ``runs/<strategy>`` under the working directory,
-            created on the first ``log``.
+            TensorBoard events) into; None: ``runs/<start time>-<strategy>`` under the working directory,
+            created on the first ``log`` (a run resumed with ``resume_trackers`` keeps its first folder).
+        trackers: where ``log`` and ``log_hparams`` go, by name: ``"csv"``, ``"tensorboard"``, ``"mlflow"``,
+            ``"wandb"``, ``"aim"``, ``"trackio"`` (:mod:`multigpu.session.trackers`; each but the CSV needs
+            its extra, e.g. ``pip install 'multigpu[mlflow]'``); None: the CSV, and TensorBoard when installed.
+        run_name: the run's name in every tracker; None: the run folder's name.
+        tracker_options: keywords for each tracker's library, by tracker name, e.g.
+            ``{"wandb": {"project": "digits"}, "mlflow": {"tracking_uri": "sqlite:///runs/mlflow.db"}}``.
         ddp: DDP's knobs under ddp (:class:`multigpu.strategies.ddp.DDPOptions`).
         fsdp: how fsdp shards the model (:class:`multigpu.strategies.fsdp.FSDPOptions`).
         sync_batchnorm: BatchNorm statistics over the global batch under ddp/fsdp (a no-op,
@@ -76,6 +84,9 @@ class SessionConfig:
     seed: int = 0
     timeout_s: float | None = None
     run_dir: str | Path | None = None
+    trackers: tuple[str, ...] | None = None
+    run_name: str | None = None
+    tracker_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     ddp: DDPOptions = field(default_factory=DDPOptions)
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
     sync_batchnorm: bool = False
@@ -106,6 +117,11 @@ class SessionConfig:
             )
         if self.run_dir is not None and not isinstance(self.run_dir, (str, Path)):
             raise ConfigError(f"run_dir={self.run_dir!r} must be a folder path (str or Path), e.g. run_dir='runs/a'")
+        chosen = default_trackers() if self.trackers is None else self.trackers
+        checked = check_trackers(chosen, self.tracker_options)
+        object.__setattr__(self, "trackers", None if self.trackers is None else checked)
+        if self.run_name is not None and (not isinstance(self.run_name, str) or not self.run_name.strip()):
+            raise ConfigError(f"run_name={self.run_name!r} must be a non-empty string, e.g. run_name='lr-0.1'")
         for name, kind in _options_fields():
             if not isinstance(getattr(self, name), kind):
                 raise ConfigError(

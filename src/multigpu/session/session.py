@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -50,6 +51,7 @@ from multigpu.session.metrics import MetricsLog
 from multigpu.session.progress import with_progress
 from multigpu.session.throughput import Throughput
 from multigpu.session.toolkit import Toolkit
+from multigpu.session.trackers import check_installed, default_trackers
 from multigpu.strategies import Precision, Strategy, build_strategy
 from multigpu.strategies.activation_checkpointing import apply_activation_checkpointing
 
@@ -103,6 +105,7 @@ class Session(Toolkit):
                 precision=self.config.precision,
                 **self.config.strategy_options(),
             )
+            check_installed(self.config.trackers or default_trackers())  # on every rank: all fail alike, early
             strategy.setup()
             self.strategy = strategy
             self.precision = strategy.build_precision()
@@ -113,9 +116,15 @@ class Session(Toolkit):
 
     def close(self) -> None:
         """Leave the process group (ddp). Every rank must call it; safe to call twice."""
-        if self._metrics is not None:
-            self._metrics.close()
-        self._throughput.close()
+        metrics, self._metrics = self._metrics, None  # a log after close must not reopen the trackers as new runs
+        try:
+            if metrics is not None:
+                metrics.close()  # a tracker that fails to close must not keep this rank in the group
+            self._throughput.close()
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
         if self.strategy is not None:
             self._stop_agreement.settle()  # the all-reduce in flight completes before the group closes
         self._stop_signals.restore()
@@ -132,6 +141,12 @@ class Session(Toolkit):
         if exc is not None:
             # on record before closing the group wakes the other ranks with a consequence (see records)
             failure_records.record(exc)
+            if self._metrics is not None:  # the trackers that keep a status mark the run failed
+                metrics, self._metrics = self._metrics, None
+                try:
+                    metrics.close(failed=True)
+                except Exception as error:  # the loop's exception is the one to raise; say this one
+                    warnings.warn(f"a tracker failed to close: {error!r}", RuntimeWarning, stacklevel=2)
         self.close()
 
     def _started(self) -> tuple[Strategy, Precision]:
@@ -498,14 +513,15 @@ class Session(Toolkit):
         return self._metrics_log().folder
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Append scalar ``metrics`` at ``step`` to ``run_dir/metrics.csv`` (and TensorBoard when installed).
+        """Hand scalar ``metrics`` at ``step`` to every tracker (by default ``run_dir/metrics.csv`` and TensorBoard).
 
         Only the main process writes, so every rank may call it without duplicates; nothing is
-        communicated (log ``session.reduce(loss)`` for the mean over processes). See
-        :mod:`multigpu.session.metrics` for the file's form. When optimizer steps ran since the last
-        call, their figures are added (a metric of yours of the same name wins): ``step_time_s``,
-        ``samples_per_s``, ``tokens_per_s`` (with ``tokens_per_sample``), ``mfu``, and with several
-        processes ``slowest_rank`` and ``slowest_rank_ratio`` (:mod:`multigpu.session.throughput`).
+        communicated (log ``session.reduce(loss)`` for the mean over processes). Whatever mapping
+        reaches it goes to every tracker of ``Session(trackers=...)``. See
+        :mod:`multigpu.session.metrics` and :mod:`multigpu.session.trackers`. When optimizer steps ran
+        since the last call, their figures are added (a metric of yours of the same name wins):
+        ``step_time_s``, ``samples_per_s``, ``tokens_per_s`` (with ``tokens_per_sample``), ``mfu``, and
+        with several processes ``slowest_rank`` and ``slowest_rank_ratio`` (:mod:`multigpu.session.throughput`).
 
         Example:
             >>> session.log({"loss": session.reduce(loss), "lr": 0.1}, step)  # doctest: +SKIP
@@ -515,11 +531,59 @@ class Session(Toolkit):
             metrics = {**metrics, **{name: v for name, v in figures.items() if name not in metrics}}
         self._metrics_log().log(metrics, step)
 
+    def log_hparams(self, hparams: Mapping[str, Any]) -> None:
+        """Record the run's hyperparameters (name -> str, int, float, bool or None) in every tracker.
+
+        Main process only writes; every rank may call it. Call it before the first :meth:`log`
+        (trackio attaches them to the first logged values).
+
+        Example:
+            >>> session.log_hparams({"lr": 0.1, "batch_size": 64, "strategy": session.strategy_name})  # doctest: +SKIP
+        """
+        self._metrics_log().log_hparams(hparams)
+
+    def tracker_state(self) -> dict[str, Any]:
+        """The run's identity in every tracker, to save with a checkpoint: ``ckpt.save(..., extra=session.tracker_state())``.
+
+        One entry (``"multigpu.trackers"``): merge it with your own ``extra`` keys. Every rank may
+        call it (only the main process's is written).
+        """
+        return self._metrics_log().state()
+
+    def resume_trackers(self, resumed: Any) -> None:
+        """Continue the tracker runs a checkpoint saved with :meth:`tracker_state`; call before the first log.
+
+        ``resumed`` is what ``Checkpointer.resume`` returned: its ``extra`` names the runs, its
+        ``step`` says which steps come again. Without ``SessionConfig.run_dir`` the saved run folder
+        is kept. What a tracker does with steps logged after the checkpoint (a crash-resume):
+        docs/measuring.md. Every rank may call it.
+
+        Example:
+            >>> resumed = ckpt.resume(model=model, optimizer=optimizer)  # doctest: +SKIP
+            >>> if resumed:                                              # doctest: +SKIP
+            ...     session.resume_trackers(resumed)
+
+        Raises:
+            ConfigError: the trackers already opened, or the checkpoint holds no tracker identity.
+        """
+        extra, step = getattr(resumed, "extra", None), getattr(resumed, "step", None)
+        if not isinstance(extra, Mapping) or not isinstance(step, int):
+            raise ConfigError(
+                f"session.resume_trackers takes what Checkpointer.resume returned, got {type(resumed).__name__}"
+            )
+        self._metrics_log().resume(extra, step, keep_folder=self.config.run_dir is not None)
+
     def _metrics_log(self) -> MetricsLog:
         if self._metrics is None:
             strategy, _ = self._started()
             folder = self.config.run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{strategy.name}"
-            self._metrics = MetricsLog(Path(folder), enabled=strategy.is_main_process)
+            self._metrics = MetricsLog(
+                Path(folder),
+                enabled=strategy.is_main_process,
+                trackers=self.config.trackers,
+                run_name=self.config.run_name,
+                options=self.config.tracker_options,
+            )
         return self._metrics
 
     def barrier(self) -> None:

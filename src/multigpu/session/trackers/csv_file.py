@@ -1,0 +1,73 @@
+"""``"csv"``: ``<run_dir>/metrics.csv`` in long form, one row per value: ``step,metric,value,time``.
+
+``time`` is seconds since the log was opened, so metrics can come and go between steps. Each row is
+flushed, so a crashed run keeps every line written so far. Hyperparameters go to
+``<run_dir>/hparams.json``. A run resumed from a checkpoint at step S first drops the rows of steps
+after S (a crash left them; the resumed run logs them again), so each step is in the file once.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from multigpu.session.trackers.base import RunInfo, Tracker
+
+CSV_NAME = "metrics.csv"
+HPARAMS_NAME = "hparams.json"
+_HEADER = ["step", "metric", "value", "time"]
+
+
+class CsvTracker(Tracker):
+    name = "csv"
+    allowed_options = ()
+
+    def __init__(self, folder: Path, file: IO[str]) -> None:
+        self.folder = folder
+        self._file = file
+        self._csv = csv.writer(file)
+        self._began = time.monotonic()
+
+    @classmethod
+    def open(cls, run: RunInfo) -> CsvTracker:
+        run.folder.mkdir(parents=True, exist_ok=True)
+        path = run.folder / CSV_NAME
+        if run.resumed_step is not None and path.is_file():
+            _drop_steps_after(path, run.resumed_step)
+        fresh = not path.exists() or path.stat().st_size == 0
+        file = path.open("a", newline="", encoding="utf-8")
+        if fresh:
+            csv.writer(file).writerow(_HEADER)
+        return cls(run.folder, file)
+
+    def log(self, values: Mapping[str, float], step: int) -> None:
+        now = round(time.monotonic() - self._began, 3)
+        for name, value in values.items():
+            self._csv.writerow([step, name, repr(value), now])
+        self._file.flush()  # a crashed run keeps every line written so far
+
+    def log_hparams(self, hparams: Mapping[str, Any]) -> None:
+        path = self.folder / HPARAMS_NAME
+        kept = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        path.write_text(json.dumps({**kept, **hparams}, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+    def close(self, *, failed: bool = False) -> None:
+        self._file.close()
+
+
+def _drop_steps_after(path: Path, step: int) -> None:
+    """Rewrite ``path`` without the rows of steps after ``step``: a new file renamed over the old one."""
+    with path.open(newline="", encoding="utf-8") as file:
+        rows = list(csv.reader(file))
+    kept = [row for row in rows[1:] if row and row[0].isdigit() and int(row[0]) <= step]
+    if len(kept) == len(rows) - 1:
+        return
+    partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with partial.open("w", newline="", encoding="utf-8") as file:
+        csv.writer(file).writerows([_HEADER, *kept])
+    os.replace(partial, path)

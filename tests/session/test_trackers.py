@@ -1,0 +1,298 @@
+"""Experiment trackers behind ``session.log``: chosen by name, one run across pre-emption and relaunch.
+
+The end-to-end test runs one 2-rank ddp job three times (pre-empted; resumed and SIGKILLed; resumed
+from the older checkpoint) with all six trackers, and reads every history back through the tracker's
+own reader: the csv module, TensorBoard's event accumulator, the MLflow client, W&B's ``wandb leet
+inspect`` of its offline files, Aim's repository, trackio's local store.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+import multigpu
+from multigpu.errors import ConfigError
+from multigpu.session import Session
+from multigpu.session.trackers import Tracker
+from tests.launching import ROOT, run_command
+
+WORKER = ROOT / "tests" / "session" / "trackers_worker.py"
+
+
+def _csv_steps(folder: Path, metric: str = "launch") -> list[tuple[int, float]]:
+    with (folder / "metrics.csv").open() as file:
+        return [(int(r["step"]), float(r["value"])) for r in csv.DictReader(file) if r["metric"] == metric]
+
+
+def _board_steps(folder: Path, metric: str = "launch") -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), purge_orphaned_data=True)
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(metric)]
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"trackers": ("csv", "comet")}, r"'comet' is not one of \['aim', 'csv', 'mlflow', 'tensorboard'"),
+        ({"trackers": "csv"}, r"trackers='csv' must be a tuple of tracker names"),
+        ({"trackers": ("csv", "csv")}, r"names a tracker twice"),
+        ({"trackers": ("csv",), "tracker_options": {"wandb": {}}}, r"tracker_options has 'wandb', which is not in"),
+        ({"trackers": ("wandb",), "tracker_options": {"wandb": {"id": "x"}}}, r"sets \['id'\], which multigpu"),
+        ({"trackers": ("csv",), "tracker_options": {"csv": 3}}, r"must map a tracker's name to its keywords"),
+        (
+            {"trackers": ("csv",), "tracker_options": {"csv": {"sep": ";"}}},
+            r"has \['sep'\]; the 'csv' tracker takes no",
+        ),
+        (
+            {"trackers": ("mlflow",), "tracker_options": {"mlflow": {"uri": "x"}}},
+            r"takes \['tracking_uri', 'experiment'",
+        ),
+        ({"trackers": ("tensorboard",), "tracker_options": {"tensorboard": {"log_dir": "x"}}}, r"sets \['log_dir'\]"),
+        ({"run_name": ""}, r"run_name='' must be a non-empty string"),
+    ],
+)
+def test_tracker_choices_are_checked_where_they_are_written(fields: dict[str, Any], says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        Session(strategy="single", **fields)
+
+
+def test_a_tracker_whose_library_is_missing_names_its_extra() -> None:
+    class Absent(Tracker):  # a tracker of a library that is not installed anywhere
+        name = "absent"
+        modules: ClassVar[tuple[str, ...]] = ("multigpu_no_such_tracker_library",)
+        extra = "absent"
+
+    with pytest.raises(
+        ConfigError, match=r"tracker 'absent' needs multigpu_no_such_tracker_library.*'multigpu\[absent\]'"
+    ):
+        Absent.check_installed()
+
+
+@pytest.mark.parametrize(
+    ("hparams", "says"),
+    [
+        ([("lr", 0.1)], r"takes a mapping of name -> value, got list"),
+        ({1: 0.1}, r"hyperparameter name 1 must be a string"),
+        ({"layers": [1, 2]}, r"hyperparameter 'layers' is a list; .*flatten nested settings"),
+    ],
+)
+def test_log_hparams_refuses_what_trackers_cannot_hold(tmp_path: Path, hparams: Any, says: str) -> None:
+    with Session(strategy="single", run_dir=tmp_path, trackers=("csv",)) as session:
+        with pytest.raises(ConfigError, match=says):
+            session.log_hparams(hparams)
+
+
+def test_resume_trackers_needs_the_identity_and_comes_before_the_first_log(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 1)
+    checkpoints = multigpu.Checkpointer(folder=tmp_path / "ckpt")
+    checkpoints.save(step=1, model=model)  # saved without session.tracker_state()
+    resumed = checkpoints.resume(model=model)
+    with Session(strategy="single", run_dir=tmp_path / "run", trackers=("csv",)) as session:
+        with pytest.raises(ConfigError, match=r"holds no 'multigpu.trackers': save it with .*tracker_state\(\)"):
+            session.resume_trackers(resumed)
+        with pytest.raises(ConfigError, match=r"takes what Checkpointer.resume returned, got dict"):
+            session.resume_trackers({"step": 1})
+        checkpoints.save(step=1, model=model, extra={"multigpu.trackers": {"run_id": 3}})
+        with pytest.raises(ConfigError, match=r"is not what session.tracker_state\(\) writes .*'run_id': 3"):
+            session.resume_trackers(checkpoints.resume(model=model))
+        session.log({"loss": 1.0}, 1)
+        checkpoints.save(step=2, model=model, extra=session.tracker_state())
+        with pytest.raises(ConfigError, match=r"came after the trackers opened"):
+            session.resume_trackers(checkpoints.resume(model=model))
+
+
+def test_a_crash_resume_rewinds_the_csv_and_tensorboard_to_the_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the default run folder, runs/<time>-single, goes here
+    model, checkpoints = torch.nn.Linear(2, 1), multigpu.Checkpointer(folder=tmp_path / "ckpt")
+    with Session(strategy="single", trackers=("csv", "tensorboard"), run_name="r") as session:
+        session.log_hparams({"lr": 0.1})
+        for step in range(1, 6):  # the checkpoint is at 3; steps 4 and 5 were logged before the "crash"
+            session.log({"launch": 1}, step)
+            if step == 3:
+                checkpoints.save(step=3, model=model, extra=session.tracker_state())
+        first_folder = session.run_dir
+    with Session(strategy="single", trackers=("csv", "tensorboard")) as session:
+        session.resume_trackers(checkpoints.resume(model=model))
+        assert session.run_dir == first_folder.resolve()  # no run_dir given: the run keeps its folder
+        for step in range(4, 7):
+            session.log({"launch": 2}, step)
+    expected = [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0), (6, 2.0)]
+    assert _csv_steps(first_folder) == expected
+    assert _board_steps(first_folder) == expected
+    assert json.loads((first_folder / "hparams.json").read_text()) == {"lr": 0.1}
+
+
+def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "multigpu", "launch", "--strategy", "ddp", "--nproc-per-node", "2"]
+    env = {"TRACKIO_DIR": str(tmp_path / "trackio"), "OMP_NUM_THREADS": "1"}
+    return run_command([*argv, str(WORKER), str(tmp_path), *args], timeout_s=240, env=env)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_every_tracker_keeps_one_run_across_preemption_crash_and_relaunch(tmp_path: Path) -> None:
+    first = _launch(tmp_path, "1", "12", "preempt-at", "4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    stopped = {int(line.split()[2]) for line in first.stdout.splitlines() if line.startswith("stopped ")}
+    assert len(stopped) == 1, first.stdout[-2000:]  # both ranks stopped at one agreed step, and saved it
+    stop = stopped.pop()
+    crashed = _launch(tmp_path, "2", "12", "crash-at", str(stop + 5))  # last checkpoint: a multiple of 3 before
+    assert crashed.returncode != 0
+    last_save = (stop + 4) // 3 * 3
+    final = _launch(tmp_path, "3", "12")
+    assert final.returncode == 0, final.stderr[-3000:]
+
+    # which launch's value each step holds when the re-logged steps replace the crashed run's
+    launch_of = {s: 1 if s <= stop else 2 if s <= last_save else 3 for s in range(1, 13)}
+    replaced = [(s, float(launch_of[s])) for s in range(1, 13)]
+    relogged = range(last_save + 1, stop + 6)  # logged by the crashed launch, then again by the last
+    (run_dir,) = (tmp_path / "runs").iterdir()  # one folder over the three launches
+    assert _csv_steps(run_dir) == replaced
+    assert _board_steps(run_dir) == replaced
+    _check_mlflow(tmp_path, launch_of, relogged)
+    _check_aim(tmp_path, replaced)
+    _check_wandb(tmp_path, stop, last_save)
+    _check_trackio(tmp_path, launch_of, stop, last_save)
+
+
+def _check_mlflow(tmp_path: Path, launch_of: dict[int, int], relogged: range) -> None:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("multigpu").experiment_id])
+    assert run.info.run_name == "trk" and run.info.status == "FINISHED"
+    assert run.data.params == {"lr": "0.1", "batch": "8"}
+    history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "launch")]
+    # append-only: the steps the crashed launch logged after its checkpoint are there twice, the resumed value last
+    assert Counter(s for s, _ in history) == Counter({s: 2 if s in relogged else 1 for s in range(1, 13)})
+    latest = {s: v for s, v in sorted(history, key=lambda sv: sv[0])}
+    assert latest == {s: float(launch_of[s]) for s in range(1, 13)}
+
+
+def _check_aim(tmp_path: Path, replaced: list[tuple[int, float]]) -> None:
+    from aim import Repo
+
+    aim = [str(Path(sys.executable).parent / "aim"), "storage", "--repo", str(tmp_path / "aim"), "reindex", "--yes"]
+    assert run_command(aim, timeout_s=120).returncode == 0  # what `aim up` does before it shows runs
+    (run,) = list(Repo(str(tmp_path / "aim")).iter_runs())
+    assert run.name == "trk" and run["hparams"] == {"lr": 0.1, "batch": 8}
+    (launch,) = [m for m in run.metrics() if m.name == "launch"]
+    steps, values = launch.data.items_list()
+    assert list(zip(steps, [float(v) for v in values[0]])) == replaced  # one value per step: the resumed run's
+
+
+def _check_wandb(tmp_path: Path, stop: int, last_save: int) -> None:
+    folders = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(folders) == 3 and len({f.name.rsplit("-", 1)[1] for f in folders}) == 1  # one run id, three launches
+    histories = []
+    for folder in folders:
+        (log,) = folder.glob("run-*.wandb")
+        records = _wandb_records(log)
+        histories.append([r["history"]["item"] for r in records if r.get("type") == "history"])
+    first, crashed, final = ([(int(h["_step"]), h["launch"]) for h in items] for items in histories)
+    assert first == [(s, 1) for s in range(1, stop + 1)]  # pre-emption: closed cleanly, every step once
+    assert set(crashed) <= {(s, 2) for s in range(stop + 1, stop + 6)}  # a SIGKILL loses what W&B had not written
+    assert final == [(s, 3) for s in range(last_save + 1, 13)]
+
+
+def _check_trackio(tmp_path: Path, launch_of: dict[int, int], stop: int, last_save: int) -> None:
+    code = (
+        "import json\nfrom trackio.sqlite_storage import SQLiteStorage as S\n"
+        "print(json.dumps([S.get_runs('multigpu'), S.get_logs('multigpu', 'trk')]))"
+    )
+    done = run_command([sys.executable, "-c", code], timeout_s=120, env={"TRACKIO_DIR": str(tmp_path / "trackio")})
+    runs, logs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert runs == ["trk"]
+    history = [(int(row["step"]), row["launch"]) for row in logs if "launch" in row]
+    counts = Counter(s for s, _ in history)
+    assert all(counts[s] == 1 for s in range(1, stop + 1)) and all(counts[s] == 1 for s in range(stop + 6, 13))
+    assert all(counts[s] <= 2 for s in range(1, 13))  # re-logged steps appended again (a crash may lose its last rows)
+    last = {s: v for s, v in history}
+    assert all(last[s] == 3 for s in range(last_save + 1, 13)) and all(
+        last[s] == launch_of[s] for s in range(1, stop + 1)
+    )
+
+
+_RAISES = """
+import sys
+from multigpu.session import Session
+quiet = {"silent": True, "console": "off", "x_disable_stats": True, "x_disable_machine_info": True}
+options = {"wandb": {"dir": sys.argv[1], "settings": quiet}}
+session = Session(strategy="single", trackers=("csv", "wandb"), tracker_options=options)
+try:
+    with session:
+        session.log({"loss": 1.0}, 1)
+        raise RuntimeError("diverged")
+except RuntimeError as exc:
+    print("raised:", exc, flush=True)
+try:
+    session.log({"loss": 2.0}, 2)
+except Exception as exc:
+    print("after close:", exc, flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_loop_that_raises_ends_the_tracker_run_as_failed(tmp_path: Path) -> None:
+    done = run_command([sys.executable, "-c", _RAISES, str(tmp_path)], timeout_s=180)
+    assert done.returncode == 0 and "raised: diverged" in done.stdout, done.stderr[-2000:]
+    assert "after close: the session has not started" in done.stdout  # closed: no new tracker run opens
+    (log,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    records = _wandb_records(log)
+    assert [r["exit"]["exit_code"] for r in records if r.get("type") == "exit"] == [1]
+    assert [r["history"]["item"]["loss"] for r in records if r.get("type") == "history"] == [1]
+
+
+def _wandb_records(log: Path) -> list[dict[str, Any]]:
+    """The records of a W&B offline run file, through W&B's own reader (``wandb leet inspect --json``)."""
+    done = run_command([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)], timeout_s=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+class _CloseFails(Tracker):
+    """A tracker whose store went away: its close raises (a full disk, a dropped database)."""
+
+    name = "close-fails"
+
+    @classmethod
+    def open(cls, run: Any) -> _CloseFails:
+        return cls()
+
+    def log(self, values: Any, step: int) -> None:
+        pass
+
+    def close(self, *, failed: bool = False) -> None:
+        raise OSError("the tracker's store is gone")
+
+
+def test_a_tracker_that_fails_to_close_still_lets_the_session_and_the_others_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from multigpu.session.trackers import registry
+
+    monkeypatch.setitem(registry.TRACKERS, "close-fails", _CloseFails)
+    session = Session(strategy="single", run_dir=tmp_path, trackers=("close-fails", "csv"))
+    with pytest.raises(OSError, match="store is gone"):
+        with session:
+            session.log({"launch": 1}, 1)
+    assert session.strategy is None  # left the group all the same
+    assert _csv_steps(tmp_path) == [(1, 1.0)]
+    with pytest.warns(RuntimeWarning, match=r"a tracker failed to close: OSError"):
+        with pytest.raises(ValueError, match="the loop's own error"):
+            with Session(strategy="single", run_dir=tmp_path, trackers=("close-fails",)) as session:
+                session.log({"launch": 2}, 2)
+                raise ValueError("the loop's own error")
