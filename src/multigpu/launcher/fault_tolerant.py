@@ -89,6 +89,9 @@ def launch_fault_tolerant(
         address = f"http://{config.lighthouse}"
     else:
         address = f"http://{config.lighthouse}"
+    # each group's ranks count from 0: binding by local rank would put every group on the same cores
+    env = {key: value for key, value in env.items() if key != "MULTIGPU_BIND_CORES"}
+    env.setdefault("RUST_LOG", os.environ.get("RUST_LOG", "warn"))  # torchft's per-step quorum lines otherwise
     try:
         return run_groups(
             script=script,
