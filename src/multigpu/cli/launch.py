@@ -150,6 +150,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="restart all workers this often after a failure",
     )
     parser.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        default=False,
+        help="ddp in --replicas replica groups that survive each other: a dead group is restarted (up to "
+        "--max-restarts times) and receives the current state live from a healthy one (torchft)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=count(2, None, "a replica group count"),
+        default=None,
+        metavar="R",
+        help="replica groups of --nproc-per-node processes each (with --fault-tolerant, R >= 2)",
+    )
+    parser.add_argument(
+        "--lighthouse",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the replica groups meet (several nodes: node 0's launcher starts it there; default: "
+        "this launcher starts one on 127.0.0.1)",
+    )
+    parser.add_argument(
         "--rdzv-backend",
         default="static",
         choices=("static", "c10d"),
@@ -260,6 +281,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         tee=args.tee,
         local_ranks_filter=args.local_ranks_filter,
         debug=args.debug,
+        fault_tolerant=args.fault_tolerant,
+        replicas=args.replicas,
+        lighthouse=args.lighthouse,
     )
 
 

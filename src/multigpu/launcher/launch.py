@@ -42,6 +42,7 @@ from multigpu.core.limits import DAY_S, WEEK_S, check_seconds, parse_nnodes, pro
 from multigpu.core.lookup import lookup
 from multigpu.devices import parse_devices, process_device_type
 from multigpu.errors import ConfigError, LaunchError
+from multigpu.launcher.fault_tolerant import check_fault_tolerant_options, launch_fault_tolerant
 from multigpu.launcher.preemption import maybe_requeue
 from multigpu.launcher.preflight import check_log_dir
 from multigpu.launcher.supervise import run_supervised
@@ -100,6 +101,11 @@ class LaunchConfig:
         tee: which streams also reach the console (``"none"``, ``"stdout"``, ``"stderr"``, ``"both"``);
             None: both with ``log_dir``, else as usual.
         local_ranks_filter: only these local ranks print on the console (the files keep every rank).
+        fault_tolerant: run ``replicas`` replica groups of ``nproc_per_node`` ddp processes that survive each
+            other's deaths (torchft; :mod:`multigpu.launcher.fault_tolerant`); ``max_restarts`` is then per group.
+        replicas: how many replica groups (``--replicas``, >= 2; with ``fault_tolerant``).
+        lighthouse: ``HOST:PORT`` of the groups' lighthouse: node 0's launcher starts it there, the other
+            nodes' connect (None: one node, a free port on 127.0.0.1).
         debug: check that every rank issues the same collectives (operation, shapes, call site) and turn
             on torch's checks (``TORCH_DISTRIBUTED_DEBUG``, :func:`multigpu.runtime.world.enable_torch_debug`)
             in every worker.
@@ -128,8 +134,12 @@ class LaunchConfig:
     tee: str | None = None
     local_ranks_filter: tuple[int, ...] | None = None
     debug: bool = False
+    fault_tolerant: bool = False
+    replicas: int | None = None
+    lighthouse: str | None = None
 
     def __post_init__(self) -> None:
+        check_fault_tolerant_options(self)  # --fault-tolerant's rules live with it
         choices = ("auto", *STRATEGIES)  # the registry now: a strategy registered later counts
         lookup(
             dict.fromkeys(choices),
@@ -274,6 +284,10 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
         return maybe_requeue(config, code)
     if config.log_dir is not None:
         check_log_dir(config.log_dir)  # torchrun's own traceback otherwise, after the rendezvous
+    if config.fault_tolerant:
+        # the node's cores are shared by every group's processes (OMP_NUM_THREADS)
+        env = worker_env(config, strategy, nproc * (config.replicas or 1))
+        return launch_fault_tolerant(config, script, script_args, env=env, nproc=nproc)
     with tempfile.TemporaryDirectory(prefix="multigpu-failures-") as failure_dir:
         log_dir = (config.log_dir or os.path.join(failure_dir, "logs")) if logs_requested(config) else None
         args = build_torchrun_args(config, script, script_args, log_dir=log_dir)

@@ -3,7 +3,8 @@
 This is the one module that reads the launcher's environment variables (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
 multigpu's own (``MULTIGPU_STRATEGY``, ``MULTIGPU_DEVICES``, ``MULTIGPU_COLLECTIVE_TIMEOUT``,
-``MULTIGPU_BIND_CORES``, ``MULTIGPU_FAILURE_DIR``, ``MULTIGPU_DEBUG``, ``MULTIGPU_STDERR_COPY``, set by
+``MULTIGPU_BIND_CORES``, ``MULTIGPU_FAILURE_DIR``, ``MULTIGPU_DEBUG``, ``MULTIGPU_STDERR_COPY``, and the
+fault-tolerant launch's ``MULTIGPU_REPLICA_GROUP``, ``MULTIGPU_REPLICA_GROUPS``, ``MULTIGPU_LIGHTHOUSE``, set by
 ``multigpu launch``), torch elastic's ``TORCHELASTIC_RESTART_COUNT``, torch's ``TORCH_DISTRIBUTED_DEBUG``
 (set for ``--debug``: :func:`enable_torch_debug`), and the user's ``OMP_NUM_THREADS``, ``MULTIGPU_CACHE_DIR`` and
 ``XDG_CACHE_HOME``; which scheduler started the
@@ -79,7 +80,7 @@ class LaunchEnv:
 
     @property
     def is_main_process(self) -> bool:
-        return self.global_rank == 0
+        return self.global_rank == 0 and (replica_group() or 0) == 0  # --fault-tolerant: group 0's rank 0
 
 
 def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
@@ -406,13 +407,44 @@ def is_main_process() -> bool:
     """True on global rank 0 (:func:`global_rank`), so in any process not started by a launcher.
 
     A process a launcher started with ``RANK=1`` is not the main process even before it joins
-    the process group.
+    the process group; under ``--fault-tolerant``, rank 0 of replica group 0 alone is (each group's
+    ranks count from 0).
 
     Example:
         >>> is_main_process()
         True
     """
-    return global_rank() == 0
+    return global_rank() == 0 and (replica_group() or 0) == 0
+
+
+# -- fault-tolerant replica groups (multigpu launch --fault-tolerant; multigpu.runtime.replica_groups) --
+
+
+def replica_group() -> int | None:
+    """This worker's replica group, 0..R-1 (``MULTIGPU_REPLICA_GROUP``); None outside ``--fault-tolerant``."""
+    return _replica_count("MULTIGPU_REPLICA_GROUP", minimum=0)
+
+
+def replica_groups() -> int | None:
+    """How many replica groups the run has (``MULTIGPU_REPLICA_GROUPS``); None outside ``--fault-tolerant``."""
+    return _replica_count("MULTIGPU_REPLICA_GROUPS", minimum=1)
+
+
+def lighthouse_address() -> str | None:
+    """The torchft lighthouse the replica groups meet at (``MULTIGPU_LIGHTHOUSE``, ``http://host:port``)."""
+    return os.environ.get("MULTIGPU_LIGHTHOUSE") or None
+
+
+def _replica_count(name: str, *, minimum: int) -> int | None:
+    value = os.environ.get(name, "")
+    if not value:
+        return None
+    if not (value.isascii() and value.isdigit()) or int(value) < minimum:
+        raise LaunchError(
+            f"{shown(name, value)} is not a count >= {minimum}; it is set by "
+            "'multigpu launch --fault-tolerant --replicas R': start the script that way"
+        )
+    return int(value)
 
 
 def _url_host(addr: str) -> str:

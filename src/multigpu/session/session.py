@@ -41,11 +41,13 @@ from multigpu.errors import ConfigError
 from multigpu.runtime import collectives, data, exchange, failure_records, loaders, preemption, tracking, world
 from multigpu.runtime.collective_failures import explain_collective_failures
 from multigpu.runtime.collectives import ReduceOp
-from multigpu.runtime.data import EpochLoader
+from multigpu.runtime.data import EpochLoader, ShardSpec
+from multigpu.runtime.replica_groups import ReplicaSync
 from multigpu.session import determinism
 from multigpu.session.config import SessionConfig
 from multigpu.session.coordination import MetricsPosition, seed_rank_streams
 from multigpu.session.evaluation import per_sample_result
+from multigpu.session.fault_tolerance import LiveState
 from multigpu.session.items import ItemWindow
 from multigpu.session.metrics import MetricsLog
 from multigpu.session.progress import with_progress
@@ -90,6 +92,8 @@ class Session(Toolkit):
         self._stopping = False  # the ranks agreed to stop (pre-emption)
         self._stop_agreement = preemption.StopAgreement()  # one flag all-reduced per read, a step late
         self._undo_deterministic: Callable[[], None] = _nothing  # deterministic=True's settings, undone on close
+        self._live = LiveState()  # global_step, and under --fault-tolerant what a restarted group receives
+        self._replicas: ReplicaSync | None = None  # --fault-tolerant: this group's place among the replica groups
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -108,6 +112,7 @@ class Session(Toolkit):
             check_installed(self.config.trackers or default_trackers())  # on every rank: all fail alike, early
             strategy.setup()
             self.strategy = strategy
+            self._replicas = self._maybe_replica_sync()
             self.precision = strategy.build_precision()
             torch.manual_seed(self.config.seed)
             if self.config.deterministic:
@@ -128,6 +133,9 @@ class Session(Toolkit):
         if self.strategy is not None:
             self._stop_agreement.settle()  # the all-reduce in flight completes before the group closes
         self._stop_signals.restore()
+        if self._replicas is not None:
+            self._replicas.close()
+            self._replicas = None
         self._undo_deterministic()
         self._undo_deterministic = _nothing
         if self.strategy is not None:
@@ -148,6 +156,34 @@ class Session(Toolkit):
                 except Exception as error:  # the loop's exception is the one to raise; say this one
                     warnings.warn(f"a tracker failed to close: {error!r}", RuntimeWarning, stacklevel=2)
         self.close()
+
+    def _maybe_replica_sync(self) -> ReplicaSync | None:
+        group, groups, lighthouse, env = world.replica_group(), world.replica_groups(), world.lighthouse_address(), None
+        if group is None or groups is None or lighthouse is None:
+            return None
+        env = world.require_launch_env("a fault-tolerant replica group")
+        return ReplicaSync(
+            group=group,
+            groups=groups,
+            lighthouse=lighthouse,
+            rank=env.global_rank,
+            group_size=env.world_size,
+            master_addr=env.master_addr,
+            master_port=env.master_port,
+            state_dict=self._live.state_dict,
+            load_state_dict=self._live.load_state_dict,
+            timeout_s=self.config.timeout_s or _REPLICA_TIMEOUT_S,
+        )
+
+    def _data_shard(self) -> ShardSpec:
+        """Which share of each global batch this process loads: under --fault-tolerant, its group's share too."""
+        shard = self._started()[0].shard
+        if self._replicas is None:
+            return shard
+        return ShardSpec(
+            world_size=shard.world_size * self._replicas.groups,
+            rank=self._replicas.group * shard.world_size + shard.rank,
+        )
 
     def _started(self) -> tuple[Strategy, Precision]:
         if self.strategy is None or self.precision is None:
@@ -196,6 +232,24 @@ class Session(Toolkit):
     def is_main_process(self) -> bool:
         return self._started()[0].is_main_process
 
+    @property
+    def replica_group(self) -> int:
+        """This process's replica group under ``multigpu launch --fault-tolerant`` (0..R-1); 0 otherwise."""
+        self._started()
+        return world.replica_group() or 0
+
+    @property
+    def global_step(self) -> int:
+        """The optimizer steps committed in this run (``step`` returned True); a restarted replica group
+        receives it from a healthy one, so ``while session.global_step < total:`` survives a lost group."""
+        return self._live.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"global_step={value!r} must be an int >= 0 (e.g. the step a checkpoint resumed)")
+        self._live.global_step = value
+
     # -- model and data --------------------------------------------------------------------------
 
     def setup_model(self, model: nn.Module) -> nn.Module:
@@ -212,6 +266,7 @@ class Session(Toolkit):
         strategy = self._started()[0]
         if strategy.is_main_process:  # before any wrapper: mfu counts the model's own FLOPs
             self._throughput.watch_model(model)
+        self._live.model = model
         if self.config.sync_batchnorm:
             model = strategy.apply_sync_batchnorm(model)
         if self.config.activation_checkpointing is not None:  # before DDP/FSDP wrap the blocks, before compile
@@ -234,15 +289,17 @@ class Session(Toolkit):
         strategy, _ = self._started()
         if self.config.deterministic:
             loader_kwargs = determinism.seeded_loader_kwargs(self.config.seed, strategy.shard.rank, loader_kwargs)
-        return data.build_epoch_loader(
+        loader = data.build_epoch_loader(
             dataset,
             global_batch=batch_size,
-            shard=strategy.shard,
+            shard=self._data_shard(),
             shuffle=shuffle,
             seed=self.config.seed,
             drop_last=drop_last,
             **loader_kwargs,
         )
+        self._live.add_loader(loader)
+        return loader
 
     def setup_dataloader(self, loader: DataLoader) -> EpochLoader[Any]:
         """Your DataLoader, rebuilt so that its ``batch_size`` is the global batch, sharded under ddp.
@@ -263,7 +320,9 @@ class Session(Toolkit):
         """
         if self.config.deterministic and loader.worker_init_fn is None:
             loader.worker_init_fn = determinism.seed_worker  # kept by the rebuild
-        return loaders.shard_dataloader(loader, self._started()[0].shard, seed=self.config.seed)
+        sharded = loaders.shard_dataloader(loader, self._data_shard(), seed=self.config.seed)
+        self._live.add_loader(sharded)
+        return sharded
 
     def batches(
         self, batches: Iterable[T], *, progress: bool = False, description: str = "batches", even_batches: bool = True
@@ -284,7 +343,9 @@ class Session(Toolkit):
                 ``even_batches=False`` outside ``with session.join(model):``, or with ``accumulate > 1``,
                 with several processes.
         """
-        loaders.check_sharded(batches, self._started()[0].shard)
+        loaders.check_sharded(batches, self._data_shard())
+        if self._replicas is not None:  # meet the other groups first: a restarted one takes their position here
+            self._replicas.join()
         if not even_batches and not self._joined and self.world_size > 1:
             raise ConfigError(
                 "session.batches(..., even_batches=False) lets ranks take different numbers of batches; "
@@ -355,6 +416,9 @@ class Session(Toolkit):
         strategy, precision = self._started()
         self._micro += 1
         self._throughput.micro_step()
+        if self._replicas is not None and self._micro == 1:  # the step's quorum overlaps forward and backward
+            self._live.mark(window_batches=1)
+            self._replicas.begin_step()
         if self.should_step:
             return precision.autocast()
         return _both(strategy.no_sync(model), precision.autocast())
@@ -467,6 +531,10 @@ class Session(Toolkit):
         if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
             self._micro = 0  # a window with no backward (e.g. every batch skipped): nothing to apply
             return False
+        if self._replicas is not None and not self._committed_across_groups(optimizer):
+            optimizer.zero_grad(set_to_none=True)  # a peer group failed during this step: no group applies it
+            self._micro = 0
+            return False
         if factor is not None or max_grad_norm is not None:
             precision.unscale(optimizer)
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -478,7 +546,17 @@ class Session(Toolkit):
         stepped = precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         self._micro = 0
+        if stepped:
+            self._live.global_step += 1
         return stepped
+
+    def _committed_across_groups(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Average the gradients over the replica groups alive in this step's quorum; whether to apply them."""
+        assert self._replicas is not None
+        self._live.attach_optimizer(optimizer)  # what a restarted group receives; a received state applies here
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._replicas.average_gradients(params)
+        return self._replicas.commit()
 
     # -- collectives and output ------------------------------------------------------------------
 
@@ -638,6 +716,7 @@ def _no_collective() -> Iterator[None]:
 
 
 _END: Any = object()
+_REPLICA_TIMEOUT_S = 30.0  # --fault-tolerant: how long a cross-group all-reduce or commit waits for a peer group
 
 
 def _nothing() -> None:

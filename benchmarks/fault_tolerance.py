@@ -1,0 +1,172 @@
+"""Fault-tolerant replica groups: the step's cost against plain ddp, and what a SIGKILL costs.
+
+    pip install -e '.[fault-tolerant]'
+    python benchmarks/fault_tolerance.py                   # 3 repeats of 300 steps each way, then one kill
+    python benchmarks/fault_tolerance.py --repeats 5 --steps 500
+
+Step cost: the same 1.4M-parameter MLP, data and global batch (64) under
+``multigpu launch --strategy ddp --nproc-per-node 2`` (one process group of 2) and under
+``multigpu launch --strategy ddp --fault-tolerant --replicas 2 --nproc-per-node 1`` (2 replica groups of 1,
+which average their gradients through torchft's Manager), both with ``--no-bind-cores`` (the
+fault-tolerant launch does not bind its groups). The two alternate within each repeat; the ratio is the
+median over repeats of the per-repeat ratio of median step times (rank 0 of group 0 times each step, from
+the end of one to the end of the next, after 20 warm-up steps). Target: at most 1.15.
+
+Kill: a fault-tolerant run of 2 groups, each step sleeping 50 ms until the restarted group is back (so the
+run outlasts the restart); after 20 steps group 1's worker is SIGKILLed at a random point of a step. Reported: the committed steps the survivor lost (its
+``global_step`` never going back: target 0), and the restarted group's first committed step after its
+process started and after the kill (targets 2 s and 5 s, on a quiet machine). This file is also the
+worker (``--worker``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+WARMUP = 20
+
+
+def build_model() -> nn.Module:
+    # 1024*1024 + 1024*384 + 384*10 weights and their biases: 1,447,050 parameters
+    return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 384), nn.ReLU(), nn.Linear(384, 10))
+
+
+def process_start_time() -> float:
+    """This process's start, in the epoch's seconds (Linux: /proc/self/stat's start time after boot)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+    boot = next(
+        int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+    )
+    return boot + start
+
+
+def worker(out: Path, steps: int, pause_s: float) -> None:
+    from multigpu.session import Session
+
+    started = process_start_time()
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64 * 40, 1024, generator=generator), torch.randint(0, 10, (64 * 40,), generator=generator)
+    )
+    with Session(strategy="ddp") as session:
+        model = session.setup_model(build_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        loader = session.build_loader(data, batch_size=64)
+        times: list[float] = []
+        log = (out / f"group{session.replica_group}-rank{session.rank}.jsonl").open("a")
+        last = time.perf_counter()
+        while session.global_step < steps:
+            for x, y in session.batches(loader):
+                with session.micro_step(model):
+                    loss = nn.functional.cross_entropy(model(x), y)
+                    session.backward(loss)
+                    if pause_s and (out / "hold").exists():
+                        time.sleep(pause_s)
+                committed = session.step(optimizer)
+                now = time.perf_counter()
+                times.append(now - last)
+                last = now
+                record = {"committed": committed, "global_step": session.global_step, "pid": os.getpid()}
+                log.write(json.dumps({**record, "started": started, "time": time.time()}) + "\n")
+                log.flush()
+                if session.global_step >= steps:
+                    break
+        if session.is_main_process:
+            (out / "times.json").write_text(json.dumps(times[WARMUP:]))
+
+
+def launch(flags: list[str], out: Path, steps: int, pause_s: float = 0.0) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "RUST_LOG": "warn", "PYTHONPATH": str(ROOT / "src")}
+    argv = [sys.executable, "-m", "multigpu", "launch", "--strategy", "ddp", "--no-bind-cores", *flags]
+    argv += [__file__, "--worker", str(out), str(steps), str(pause_s)]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def median_step(flags: list[str], steps: int) -> float:
+    with tempfile.TemporaryDirectory() as folder:
+        proc = launch(flags, Path(folder), steps)
+        if proc.wait(timeout=600) != 0:
+            raise SystemExit(f"the run {flags} failed")
+        return statistics.median(json.loads((Path(folder) / "times.json").read_text()))
+
+
+def read(out: Path, group: int) -> list[dict]:
+    path = out / f"group{group}-rank0.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
+
+
+def kill_run(steps: int) -> dict[str, float]:
+    pause = 0.05
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder)
+        flags = ["--fault-tolerant", "--replicas", "2", "--nproc-per-node", "1", "--max-restarts", "1"]
+        (out / "hold").touch()
+        proc = launch(flags, out, steps, pause)
+        deadline = time.monotonic() + 300
+        while len(read(out, 1)) < 20:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit("the fault-tolerant run did not reach step 20")
+            time.sleep(0.01)
+        victim = read(out, 1)[-1]["pid"]
+        time.sleep(random.uniform(0, pause))
+        killed_at = time.time()
+        os.kill(victim, signal.SIGKILL)
+        while not [r for r in read(out, 1) if r["pid"] != victim and r["committed"]]:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit("the restarted group did not commit")
+            time.sleep(0.01)
+        (out / "hold").unlink()
+        back = next(r for r in read(out, 1) if r["pid"] != victim and r["committed"])
+        if proc.wait(timeout=600) != 0:
+            raise SystemExit("the fault-tolerant run failed")
+        survivor = [r["global_step"] for r in read(out, 0)]
+        before = max(r["global_step"] for r in read(out, 0) if r["time"] <= killed_at)
+        after = min(r["global_step"] for r in read(out, 0) if r["time"] > killed_at)
+        lost = max(0, before - after)  # the survivor's first step after the kill starts from where it stood
+        return {
+            "committed steps lost": float(lost),
+            "survivor never went back": float(all(b >= a for a, b in itertools.pairwise(survivor))),
+            "restarted: first commit after its process started (s)": back["time"] - back["started"],
+            "restarted: first commit after the kill (s)": back["time"] - killed_at,
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--worker", nargs=3, metavar=("OUT", "STEPS", "PAUSE"))
+    args = parser.parse_args()
+    if args.worker:
+        worker(Path(args.worker[0]), int(args.worker[1]), float(args.worker[2]))
+        return
+    plain = ["--nproc-per-node", "2"]
+    tolerant = ["--fault-tolerant", "--replicas", "2", "--nproc-per-node", "1"]
+    ratios = []
+    for repeat in range(args.repeats):
+        a, b = median_step(plain, args.steps), median_step(tolerant, args.steps)
+        ratios.append(b / a)
+        print(f"repeat {repeat}: ddp {a * 1e3:.2f} ms, fault-tolerant {b * 1e3:.2f} ms, ratio {b / a:.3f}", flush=True)
+    print(f"fault-tolerant step / ddp step: median {statistics.median(ratios):.3f} (target <= 1.15)")
+    for name, value in kill_run(200).items():
+        print(f"{name}: {value:.3f}")
+
+
+if __name__ == "__main__":
+    main()

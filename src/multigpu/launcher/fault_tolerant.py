@@ -1,0 +1,292 @@
+"""``multigpu launch --fault-tolerant``: R replica groups that outlive each other, and the lighthouse they meet at.
+
+    multigpu launch --strategy ddp --fault-tolerant --replicas 2 --nproc-per-node 1 --max-restarts 3 train.py
+
+Each replica group is an ordinary ddp process group of ``--nproc-per-node`` processes with a store of
+its own; the groups meet, once per step, at a torchft lighthouse that this launcher starts (on
+several nodes, node 0's launcher starts it at ``--lighthouse HOST:PORT`` and the others are told the
+same address). The workers average their gradients over the groups alive in each step
+(:mod:`multigpu.runtime.replica_groups`).
+
+This process supervises the groups: when a worker of a group dies, the group's other processes are
+killed and the group is started again (up to ``--max-restarts`` times per group) on a fresh port; it
+receives the current state live from a healthy group and rejoins. The others go on in the same
+processes. The run succeeds once a group has finished its script; it fails, naming every group and
+why, once every group is dead with no restart left.
+
+The lighthouse's settings, chosen for a small job (:data:`LIGHTHOUSE`): a group whose heartbeat has
+been silent for 1 s is dropped from the next quorum (the survivors wait about that long after a kill);
+a quorum waits up to 5 s for a heartbeating group that has not joined yet; and ``min_replicas`` 1, so
+that survivors go on alone, while the workers themselves refuse to start step 1 before all R groups
+are in the quorum (a fresh run never starts alone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from multigpu.errors import ConfigError
+from multigpu.launcher.supervise import FORWARDED
+
+if TYPE_CHECKING:
+    from multigpu.launcher.launch import LaunchConfig
+
+LIGHTHOUSE = {"heartbeat_timeout_ms": 1000, "join_timeout_ms": 5000, "quorum_tick_ms": 50, "min_replicas": 1}
+_POLL_S = 0.05
+# once one group has finished the script, how long the others get to finish theirs (they run in lockstep, so
+# a healthy one is done within a step) before they are stopped: a group still restarting would wait forever
+FINISH_GRACE_S = 10.0
+
+
+def check_fault_tolerant_options(config: LaunchConfig) -> None:
+    """Refuse ``--fault-tolerant`` settings that cannot run, naming the flag (called by ``LaunchConfig``)."""
+    replicas = config.replicas
+    if not config.fault_tolerant:
+        if replicas is not None or config.lighthouse is not None:
+            raise ConfigError(
+                f"--replicas {replicas} / --lighthouse {config.lighthouse} apply to fault-tolerant replica groups; "
+                "add --fault-tolerant (or drop them)"
+            )
+        return
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 2:
+        raise ConfigError(
+            f"--fault-tolerant needs --replicas R with R >= 2 replica groups (got replicas={replicas!r}): one group "
+            "has nobody to survive it; pass e.g. --replicas 2"
+        )
+    if config.strategy != "ddp":
+        raise ConfigError(f"--fault-tolerant runs ddp replica groups; pass --strategy ddp (got {config.strategy!r})")
+    if config.multi_node and config.lighthouse is None:
+        raise ConfigError(
+            f"--fault-tolerant over nnodes={config.nnodes!r}: pass --lighthouse HOST:PORT to every node's launcher "
+            "(node 0's starts it there)"
+        )
+    if config.lighthouse is not None and (
+        ":" not in config.lighthouse or not config.lighthouse.rsplit(":", 1)[1].isdigit()
+    ):
+        raise ConfigError(f"--lighthouse {config.lighthouse!r} is not HOST:PORT; pass e.g. --lighthouse 10.0.0.1:29600")
+
+
+def launch_fault_tolerant(
+    config: LaunchConfig, script: str, script_args: Sequence[str], *, env: dict[str, str], nproc: int
+) -> int:
+    """Start the lighthouse (node 0, or one node) and this node's replica groups; the run's exit code."""
+    assert config.replicas is not None
+    nodes = int(config.nnodes.split(":")[-1])
+    server = None
+    if config.lighthouse is None:
+        server, address = start_lighthouse("127.0.0.1:0", groups=config.replicas)
+    elif config.node_rank == 0:
+        server, _ = start_lighthouse(f"0.0.0.0:{config.lighthouse.rsplit(':', 1)[1]}", groups=config.replicas)
+        address = f"http://{config.lighthouse}"
+    else:
+        address = f"http://{config.lighthouse}"
+    # each group's ranks count from 0: binding by local rank would put every group on the same cores
+    env = {key: value for key, value in env.items() if key != "MULTIGPU_BIND_CORES"}
+    env.setdefault("RUST_LOG", os.environ.get("RUST_LOG", "warn"))  # torchft's per-step quorum lines otherwise
+    try:
+        return run_groups(
+            script=script,
+            script_args=script_args,
+            env={**os.environ, **env},
+            replicas=config.replicas,
+            nproc=nproc,
+            max_restarts=config.max_restarts,
+            lighthouse=address,
+            first_group=config.node_rank * config.replicas,
+            total_groups=config.replicas * nodes,
+        )
+    finally:
+        if server is not None:
+            server.shutdown()  # type: ignore[attr-defined]
+
+
+@dataclass
+class Group:
+    """One replica group: its processes, its restarts, and why it last stopped."""
+
+    index: int
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    restarts: int = 0
+    started_at: float = 0.0
+    finished: bool = False
+    dead_reason: str | None = None  # set once it is dead for good
+
+    @property
+    def running(self) -> bool:
+        return bool(self.processes)
+
+
+def start_lighthouse(bind: str, *, groups: int) -> tuple[object, str]:
+    """Start the torchft lighthouse in this process; returns it and the address workers connect to."""
+    from torchft.coordination import LighthouseServer  # the optional extra: multigpu[fault-tolerant]
+
+    del groups  # min_replicas stays 1: the workers hold step 1 until every group joined
+    server = LighthouseServer(bind=bind, **LIGHTHOUSE)
+    port = server.address().rsplit(":", 1)[1]
+    host = bind.rsplit(":", 1)[0]
+    host = "127.0.0.1" if host in ("0.0.0.0", "[::]", "") else host
+    return server, f"http://{host}:{port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (each group's store; a restarted group gets a fresh one)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def run_groups(
+    *,
+    script: str,
+    script_args: Sequence[str],
+    env: dict[str, str],
+    replicas: int,
+    nproc: int,
+    max_restarts: int,
+    lighthouse: str,
+    first_group: int = 0,
+    total_groups: int | None = None,
+) -> int:
+    """Run ``replicas`` groups of ``nproc`` workers until one finishes, restarting dead ones; the exit code.
+
+    Args:
+        env: every worker's environment (the launch's ``worker_env`` on top of this process's).
+        first_group, total_groups: this node's first group index and the run's group count (several nodes).
+    """
+    total = total_groups or replicas
+    groups = [Group(index=first_group + i) for i in range(replicas)]
+    stopping: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        stopping.append(signum)
+        for group in groups:
+            _signal_group(group, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        for group in groups:
+            _start(group, script, script_args, env, nproc, lighthouse, total)
+        return _supervise(groups, script, script_args, env, nproc, lighthouse, total, max_restarts, stopping)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for group in groups:
+            _kill(group)
+
+
+def _supervise(
+    groups: list[Group],
+    script: str,
+    script_args: Sequence[str],
+    env: dict[str, str],
+    nproc: int,
+    lighthouse: str,
+    total: int,
+    max_restarts: int,
+    stopping: list[int],
+) -> int:
+    finished_at: float | None = None
+    while True:
+        if finished_at is None and any(g.finished for g in groups):
+            finished_at = time.monotonic()
+        if finished_at is not None and time.monotonic() - finished_at > FINISH_GRACE_S:
+            for group in groups:
+                if group.running:
+                    print(
+                        f"multigpu launch: replica group {group.index} had not finished {FINISH_GRACE_S:g} s after "
+                        "another group finished the script; stopping it (the finished group holds the result)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    _kill(group)
+                    group.dead_reason = "stopped after another group finished"
+        for group in groups:
+            if not group.running:
+                continue
+            codes = [p.poll() for p in group.processes]
+            if all(code == 0 for code in codes):
+                group.finished, group.processes = True, []
+                continue
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if not failed:
+                continue
+            rank, code = failed[0]
+            reason = f"rank {rank} {_exit_text(code)}"  # type: ignore[arg-type]
+            _kill(group)
+            if stopping or any(g.finished for g in groups) or group.restarts >= max_restarts:
+                group.dead_reason = reason + (f" (restarts used: {group.restarts} of {max_restarts})")
+                continue
+            group.restarts += 1
+            print(
+                f"multigpu launch: replica group {group.index}: {reason}; restarting it "
+                f"({group.restarts} of {max_restarts}); the other groups go on",
+                file=sys.stderr,
+                flush=True,
+            )
+            _start(group, script, script_args, env, nproc, lighthouse, total)
+        if not any(g.running for g in groups):
+            break
+        time.sleep(_POLL_S)
+    if stopping:
+        return 128 + stopping[0]
+    if any(g.finished for g in groups):
+        return 0
+    lines = [f"  replica group {g.index}: {g.dead_reason}" for g in groups]
+    print(
+        f"multigpu launch: every replica group of {script} is dead and no restart is left:\n" + "\n".join(lines),
+        file=sys.stderr,
+        flush=True,
+    )
+    return 1
+
+
+def _start(
+    group: Group, script: str, args: Sequence[str], env: dict[str, str], nproc: int, lighthouse: str, total: int
+) -> None:
+    port = free_port()
+    group.started_at = time.monotonic()
+    group.processes = []
+    for rank in range(nproc):
+        worker = {
+            **env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "MULTIGPU_REPLICA_GROUP": str(group.index),
+            "MULTIGPU_REPLICA_GROUPS": str(total),
+            "MULTIGPU_LIGHTHOUSE": lighthouse,
+            "TORCHELASTIC_RESTART_COUNT": str(group.restarts),
+        }
+        argv = [sys.executable, "-m", "multigpu.launcher._entry", script, *args]
+        group.processes.append(subprocess.Popen(argv, env=worker, start_new_session=True))
+
+
+def _signal_group(group: Group, signum: int) -> None:
+    for process in group.processes:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signum)
+
+
+def _kill(group: Group) -> None:
+    _signal_group(group, signal.SIGKILL)
+    for process in group.processes:
+        process.wait()
+    group.processes = []
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"

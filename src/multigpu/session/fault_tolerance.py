@@ -1,0 +1,121 @@
+"""What a healthy replica group sends a restarted one, and how the restarted one applies it.
+
+Under ``multigpu launch --fault-tolerant`` (:mod:`multigpu.runtime.replica_groups`) a restarted group
+does not read a checkpoint: at its first quorum a healthy group sends it this state, live:
+
+- the model's weights and buffers (the unwrapped model's ``state_dict``);
+- each optimizer's ``state_dict`` (applied at the restarted group's first ``session.step``, where the
+  Session first sees the optimizer);
+- ``global_step``, the steps committed in this run;
+- each session loader's position (:meth:`multigpu.runtime.data.EpochLoader.state_dict`), rewound by
+  the batches of the window in flight, so that the restarted group's next batch is the one the others
+  train now;
+- the random state: torch's CPU generator, Python's and numpy's.
+
+The snapshot of the small parts (step, positions, random state) is taken on the main thread when the
+step's quorum starts (:meth:`LiveState.mark`), before the forward draws from the generators; the
+weights and optimizer state are copied when the quorum asks, while they do not change (between the
+quorum's start and torchft's commit, which waits for a transfer in flight).
+"""
+
+from __future__ import annotations
+
+import random
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from multigpu.core.keys import unwrap
+from multigpu.runtime.data import EpochLoader
+
+
+class LiveState:
+    """The state a restarted replica group receives from a healthy one (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._loaders: list[
+            weakref.ref[EpochLoader[Any]]
+        ] = []  # in the order the script built them (same in every group)
+        self.global_step = 0
+        self._marked: dict[str, Any] = {}
+        self._pending_optimizers: list[dict[str, Any]] | None = None  # received before the optimizer was seen
+
+    def add_loader(self, loader: EpochLoader[Any]) -> None:
+        """Send and restore ``loader``'s position (a loader the Session built; the n-th of each group match)."""
+        self._loaders.append(weakref.ref(loader))
+
+    @property
+    def loaders(self) -> list[EpochLoader[Any] | None]:
+        return [ref() for ref in self._loaders]
+
+    def mark(self, window_batches: int) -> None:
+        """Snapshot the step count, the loaders' positions and the random state (at the quorum's start).
+
+        ``window_batches``: the batches of the accumulation window already received, which the position
+        gives back (the restarted group trains them with the others).
+        """
+        positions = [None if loader is None else _rewound(loader, window_batches) for loader in self.loaders]
+        self._marked = {
+            "global_step": self.global_step,
+            "loaders": positions,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a healthy group sends (called on torchft's quorum thread)."""
+        model = (
+            {} if self.model is None else {k: v.detach().clone() for k, v in unwrap(self.model).state_dict().items()}
+        )
+        optimizers = [_cloned(opt.state_dict()) for opt in self.optimizers]
+        return {"model": model, "optimizers": optimizers, **self._marked}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Apply a healthy group's state (the optimizers' at :meth:`attach_optimizer` when not seen yet)."""
+        if self.model is not None and state.get("model"):
+            unwrap(self.model).load_state_dict(state["model"])
+        self.global_step = int(state.get("global_step", 0))
+        for loader, position in zip(self.loaders, state.get("loaders", [])):
+            if loader is not None and position is not None:
+                loader.load_state_dict(position)
+        rng = state.get("rng")
+        if rng:
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+        self._pending_optimizers = list(state.get("optimizers", []))
+        for index, optimizer in enumerate(self.optimizers):
+            if index < len(self._pending_optimizers):
+                optimizer.load_state_dict(self._pending_optimizers[index])
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Remember ``optimizer`` (sent to restarted groups); apply a received state that waited for it."""
+        if any(optimizer is known for known in self.optimizers):
+            return
+        index = len(self.optimizers)
+        self.optimizers.append(optimizer)
+        if self._pending_optimizers is not None and index < len(self._pending_optimizers):
+            optimizer.load_state_dict(self._pending_optimizers[index])
+
+
+def _rewound(loader: EpochLoader[Any], batches: int) -> dict[str, Any]:
+    """``loader``'s position ``batches`` batches back (into the previous epoch when this one just ended)."""
+    state = loader.state_dict()
+    batch, epoch = state["batch"] - batches, state["epoch"]
+    if batch < 0 and epoch > 0:  # the window's batches ended the previous epoch
+        epoch, batch = epoch - 1, len(loader.loader) + batch
+    return {**state, "epoch": epoch, "batch": max(0, batch)}
+
+
+def _cloned(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cloned(v) for v in value]
+    return value

@@ -1,0 +1,79 @@
+"""A fault-tolerant replica group's training script for tests/launcher/test_fault_tolerant.py.
+
+    multigpu launch --strategy ddp --fault-tolerant --replicas 2 --nproc-per-node 1 \
+        tests/launcher/fault_tolerant_worker.py OUT_DIR STEPS [SLEEP_S]
+
+Each step sleeps SLEEP_S inside its micro-step (a kill then lands inside the step) while the file
+``OUT_DIR/hold`` exists, so that a test can keep the run going until a restarted group is back.
+
+Each worker appends one JSON line per ``session.step`` to ``OUT_DIR/group<g>-rank<r>.jsonl``: the group,
+the step's result, ``global_step``, the digest of the weights after the step, the loader's position, the
+first sample of the batch it trained, the pid and the time. A test kills workers by pid from these lines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from multigpu.session import Session
+
+
+def digest(model: nn.Module) -> str:
+    hasher = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        hasher.update(tensor.detach().contiguous().numpy().tobytes())
+    return hasher.hexdigest()[:16]
+
+
+def main() -> None:
+    out, total = Path(sys.argv[1]), int(sys.argv[2])
+    pause = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+    started = time.time()
+    if (out / "crash").exists():  # every group dead: a script that fails at its start, every time
+        raise RuntimeError("this replica group's script fails at its start (the test's crash file)")
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(240, 8, generator=generator), torch.randn(240, 1, generator=generator)
+    )
+    with Session(strategy="ddp") as session:
+        model = session.setup_model(nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Linear(16, 1)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        loader = session.build_loader(data, batch_size=24)
+        path = out / f"group{session.replica_group}-rank{session.rank}.jsonl"
+        with path.open("a") as log:
+            while session.global_step < total:
+                for x, y in session.batches(loader):
+                    with session.micro_step(model):
+                        loss = nn.functional.mse_loss(model(x), y)
+                        session.backward(loss)
+                        if (out / "hold").exists():
+                            time.sleep(pause)
+                    committed = session.step(optimizer)
+                    record = {
+                        "group": session.replica_group,
+                        "committed": committed,
+                        "global_step": session.global_step,
+                        "digest": digest(session.unwrap(model)),
+                        "position": loader.state_dict()["batch"],
+                        "epoch": loader.state_dict()["epoch"],
+                        "first": float(x[0, 0]),
+                        "pid": os.getpid(),
+                        "started": started,
+                        "time": time.time(),
+                    }
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                    if session.global_step >= total:
+                        break
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Fault-tolerant replica groups (``multigpu launch --fault-tolerant``) with real gloo processes and real kills.
+
+One launch of three groups checks most of it (each launch costs the workers' imports, slow on a loaded
+machine): group 1 is SIGKILLed at a random point inside a step, then, once restarted and back, group 2 is;
+the groups that stay go on in the same processes, the step of a kill is committed nowhere, each restarted
+group receives the state live and every group holds the same weights at every committed step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from multigpu.errors import ConfigError
+from multigpu.launcher.launch import LaunchConfig
+from tests.launching import kill_tree, start_launch
+
+pytestmark = pytest.mark.multiprocess
+
+WORKER = "tests/launcher/fault_tolerant_worker.py"
+PAUSE_S = 0.2  # each step's sleep inside its micro-step while the hold file exists
+QUIET = {"RUST_LOG": "warn"}
+EPOCH_BATCHES = 10  # the worker's 240 samples in global batches of 24
+
+
+class Launch:
+    """A running fault-tolerant launch whose output is drained in the background (a full pipe would block it)."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = start_launch(*args, env=QUIET)
+        self.out = self.err = ""
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        self.out, self.err = self.proc.communicate()
+
+    def wait(self, timeout_s: float) -> int:
+        self._reader.join(timeout_s)
+        if self._reader.is_alive():
+            kill_tree(self.proc)
+            self._reader.join(10)
+            raise AssertionError(f"the launch ran past {timeout_s}s and was killed\n{self.err[-3000:]}")
+        return self.proc.returncode
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            kill_tree(self.proc)
+
+
+def records(out: Path, group: int) -> list[dict]:
+    path = out / f"group{group}-rank0.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def wait_for(condition, what: str, launch: Launch, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if launch.proc.poll() is not None:
+            raise AssertionError(f"the launch ended while waiting for {what}:\n{launch.err[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout_s}s:\n{launch.err[-3000:]}")
+        time.sleep(0.05)
+
+
+def kill_inside_a_step(out: Path, group: int) -> int:
+    """SIGKILL the group's worker at a random point of the step after its last record; its pid."""
+    last = records(out, group)[-1]
+    time.sleep(random.uniform(0.0, PAUSE_S))
+    os.kill(last["pid"], signal.SIGKILL)
+    return last["pid"]
+
+
+def back_after(out: Path, group: int, old_pid: int, commits: int) -> bool:
+    new = [r for r in records(out, group) if r["pid"] != old_pid and r["committed"]]
+    return len(new) >= commits
+
+
+def test_groups_outlive_two_kills_in_sequence_and_the_restarted_ones_rejoin_with_the_same_weights(
+    tmp_path: Path,
+) -> None:
+    total = 400  # the run ends once the test removes the hold file
+    (tmp_path / "hold").touch()
+    launch = Launch(
+        "--strategy", "ddp", "--fault-tolerant", "--replicas", "3", "--nproc-per-node", "1", "--max-restarts", "1",
+        WORKER, str(tmp_path), str(total), str(PAUSE_S),
+    )  # fmt: skip
+    try:
+        wait_for(lambda: all(len(records(tmp_path, g)) >= 3 for g in range(3)), "3 steps in every group", launch)
+        first_pid = kill_inside_a_step(tmp_path, 1)
+        wait_for(lambda: back_after(tmp_path, 1, first_pid, 2), "group 1 committing again", launch)
+        second_pid = kill_inside_a_step(tmp_path, 2)
+        wait_for(lambda: back_after(tmp_path, 2, second_pid, 2), "group 2 committing again", launch)
+        (tmp_path / "hold").unlink()
+        assert launch.wait(120) == 0, launch.err[-3000:]
+    finally:
+        launch.stop()
+    assert "replica group 1" in launch.err and "restarting it (1 of 1)" in launch.err
+
+    by_group = {g: records(tmp_path, g) for g in range(3)}
+    # group 0 was never killed: one process, and every step of the run committed there in order
+    survivor = by_group[0]
+    assert len({r["pid"] for r in survivor}) == 1
+    committed = [r["global_step"] for r in survivor if r["committed"]]
+    assert committed == list(range(1, total + 1))
+    # a step during which a group died is committed nowhere: the survivors return False for it
+    assert any(not r["committed"] for r in survivor), "no uncommitted step on the survivor after two kills"
+    # the data position moves on every step, committed or not (the failed step's samples are skipped)
+    batches = [r["epoch"] * EPOCH_BATCHES + r["position"] for r in survivor]
+    assert batches == list(range(batches[0], batches[0] + len(batches)))
+    # every group holds bit-identical weights at each committed step, restarted groups included
+    digests: dict[int, str] = {}
+    positions: dict[int, tuple[int, int]] = {}
+    for group in range(3):
+        for r in by_group[group]:
+            if r["committed"]:
+                assert digests.setdefault(r["global_step"], r["digest"]) == r["digest"], (group, r)
+                assert positions.setdefault(r["global_step"], (r["epoch"], r["position"])) == (
+                    r["epoch"],
+                    r["position"],
+                ), (group, r)
+    # the killed groups were restarted once each and took up the run where it stood, not at step 1
+    for group, old in ((1, first_pid), (2, second_pid)):
+        restarted = [r for r in by_group[group] if r["pid"] != old]
+        assert len({r["pid"] for r in restarted}) == 1
+        assert restarted[0]["global_step"] > 3
+        assert restarted[-1]["global_step"] == total
+
+
+def test_every_group_dead_ends_the_launch_non_zero_naming_each_group(tmp_path: Path) -> None:
+    (tmp_path / "crash").touch()
+    started = time.monotonic()
+    launch = Launch(
+        "--strategy", "ddp", "--fault-tolerant", "--replicas", "2", "--nproc-per-node", "1", "--max-restarts", "1",
+        WORKER, str(tmp_path), "5",
+    )  # fmt: skip
+    try:
+        code = launch.wait(120)
+    finally:
+        launch.stop()
+    assert code == 1, launch.err[-3000:]
+    assert "every replica group" in launch.err
+    for group in (0, 1):
+        assert f"replica group {group}: rank 0 exited with code 1 (restarts used: 1 of 1)" in launch.err
+    assert time.monotonic() - started < 120
+
+
+def test_fault_tolerant_without_two_replicas_is_refused_naming_the_flag() -> None:
+    with pytest.raises(ConfigError, match="--fault-tolerant needs --replicas R with R >= 2"):
+        LaunchConfig(strategy="ddp", fault_tolerant=True)
+    with pytest.raises(ConfigError, match="add --fault-tolerant"):
+        LaunchConfig(strategy="ddp", replicas=2)
+    with pytest.raises(ConfigError, match="pass --strategy ddp"):
+        LaunchConfig(strategy="fsdp", fault_tolerant=True, replicas=2)
+
+
+def test_cli_refuses_fault_tolerant_without_replicas(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('never runs')\n")
+    proc = start_launch("--strategy", "ddp", "--fault-tolerant", str(script))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "--replicas" in err and "never runs" not in out
