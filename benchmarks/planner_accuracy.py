@@ -9,8 +9,8 @@ fresh cache folder), then for each case (a model and a global batch) ``multigpu 
 that calibration and then times each in its own processes. By default every case starts from the
 same constants as measured (no case's feedback reaches another's prediction: the accuracy of the
 calibration alone); ``--with-feedback`` lets each case's measurement feed the constants the next
-case predicts from (the user's path). Prints a table of predicted / measured - 1 per strategy and
-exits 1 when any is beyond ``--tolerance`` (or a run failed). Not niced: it is a timing benchmark;
+case predicts from (the user's path). Prints a table of predicted / measured - 1 per strategy (with
+the load average over each case's run) and exits 1 when any is beyond ``--tolerance`` (or a run failed). Not niced: it is a timing benchmark;
 the load average before and after is printed (rerun when ``uptime`` shows other work).
 """
 
@@ -120,9 +120,9 @@ def main() -> int:
             cache = shared if args.with_feedback else Path(folder, f"{name}-{batch}")
             if not args.with_feedback:
                 shutil.copytree(pristine, cache)
-            start = time.perf_counter()
+            start, load = time.perf_counter(), os.getloadavg()[0]
             result = advise_measure(name, batch, cache, args.budget)
-            wall = time.perf_counter() - start
+            wall, load = time.perf_counter() - start, (load + os.getloadavg()[0]) / 2
             for row in result["measured"]["rows"]:
                 error = row["step_error"]
                 ok = error is not None and abs(error) <= args.tolerance
@@ -139,15 +139,18 @@ def main() -> int:
                         "error": error,
                         "ok": ok,
                         "advise_wall_s": wall,
+                        "load": load,
                     }
                 )
-    print(f"\n{'model':8s} {'batch':>5s} {'strategy':8s} {'N':>2s} {'pred ms':>8s} {'meas ms':>8s} {'error':>7s}")
+    head = f"{'model':8s} {'batch':>5s} {'strategy':8s} {'N':>2s} {'pred ms':>8s} {'meas ms':>8s} {'error':>7s}"
+    print(f"\n{head} {'load':>5s}")
     for r in rows:
         pred = f"{r['predicted_ms']:.1f}" if r["predicted_ms"] else "-"
         meas = f"{r['measured_ms']:.1f}" if r["measured_ms"] else "-"
         err = f"{r['error']:+.0%}" if r["error"] is not None else "-"
         print(
             f"{r['model']:8s} {r['batch']:5d} {r['strategy']:8s} {r['devices']:2d} {pred:>8s} {meas:>8s} {err:>7s}"
+            f" {r['load']:5.1f}"
             f"{'' if r['ok'] else '  <- beyond ' + format(args.tolerance, '.0%')}"
         )
     for strategy in STRATEGIES:

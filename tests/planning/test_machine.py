@@ -72,9 +72,15 @@ def test_feedback_keeps_the_last_five_and_uses_their_median() -> None:
     assert fixed().value("allreduce_busbw") == fixed().allreduce_busbw  # nothing fed back: the probe's figure
 
 
-def test_an_unknown_fed_back_name_is_refused() -> None:
+def test_an_unknown_fed_back_name_or_value_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"feedback names \['speed'\]"):
         fixed(feedback={"speed": [1.0]})
+    with pytest.raises(ConfigError, match=r"feedback\['compute_scale'\]=5 must be a list"):
+        fixed(feedback={"compute_scale": 5})
+    path = machine.save(fixed(), tmp_path)  # a hand-edited file with such a value is measured again
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "feedback": {"compute_scale": "fast"}}))
+    assert machine.load(tmp_path, data["key"]) is None
 
 
 # --- feedback: each strategy's measured step solves its own constant ------------------------------------

@@ -11,11 +11,12 @@ step and writes it to the same file.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from multigpu.planning.hardware import Platform
@@ -40,16 +41,20 @@ def machine_constants(*, recalibrate: bool = False) -> MachineConstants:
 
 
 def cpu_plan(
-    args: argparse.Namespace, model: nn.Module, shape: Sequence[int], batches: dict[str, Any], counts: list[int]
+    args: argparse.Namespace,
+    model: nn.Module,
+    inputs: Callable[[int], torch.Tensor],
+    batches: dict[str, Any],
+    counts: list[int],
 ) -> tuple[Workload, Platform]:
-    """The workload of ``model`` and this CPU as its platform, for the batches and device counts asked."""
-    from multigpu.cli.advise import sample_inputs
+    """The workload of ``model`` and this CPU as its platform, for the batches and device counts asked
+    (``inputs(n)``: a batch of ``n`` samples)."""
     from multigpu.planning.cpu_plan import calibrate_cpu, cpu_batches
 
     constants = machine_constants(recalibrate=getattr(args, "recalibrate", False))
     return calibrate_cpu(
         model,
-        lambda n: sample_inputs(n, shape, args.input_dtype, "cpu"),
+        inputs,
         cpu_batches(counts, **batches),
         constants,
         optimizer=args.optimizer,

@@ -202,8 +202,15 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
 
 
 def _plans_what_runs(args: argparse.Namespace) -> bool:
-    """The plan is this CPU's and the runs compute on it: their times may correct its constants."""
-    return args.gpu is None and args.gpu_tflops is None and args.busbw is None and present_accelerator() is None
+    """The plan is this CPU's, the runs compute on it and train the factory's model at the planned batch
+    (not a script's own): their times may correct its constants."""
+    return (
+        args.script is None
+        and args.gpu is None
+        and args.gpu_tflops is None
+        and args.busbw is None
+        and present_accelerator() is None
+    )
 
 
 def _feed_back(planned: tuple[Any, Any] | None, checked: list[Any]) -> dict[str, Any] | None:

@@ -234,7 +234,7 @@ def _measured(
     from multigpu.cli._advise_calibrate import cpu_plan
 
     model = build(args.model, meta=False)
-    w, plat = cpu_plan(args, model, shape, batches, counts)
+    w, plat = cpu_plan(args, model, lambda n: sample_inputs(n, shape, args.input_dtype, "cpu"), batches, counts)
     if args.busbw is not None:
         if args.busbw <= 0:
             raise ConfigError(f"--busbw {args.busbw} must be > 0 GB/s (a measured all-reduce bus bandwidth)")

@@ -20,9 +20,10 @@ only adds time) divided by the items it holds, counted as :mod:`multigpu.plannin
   FSDP2's hooks and bookkeeping, in a one-process gloo group (no collective runs). Where a process
   group already exists the probe is skipped and the development machine's figure kept.
 
-:func:`measure_cpu_platform` measures what CPU replicas share: memory bandwidth (a copy), how
-much each replica slows when two run at once (plain PyTorch in two threads, no multigpu code),
-the host costs and the cost of handing work to a thread. :func:`allreduce_busbw` and
+It also measures what CPU replicas share: memory bandwidth (a copy), how much each replica slows
+when two run at once (:class:`ReplicaProbe`: plain PyTorch in two threads, no multigpu code) and
+the cost of handing work to a thread; :mod:`multigpu.planning.cpu_plan` builds this CPU's platform
+from them and the machine's cached constants (:mod:`multigpu.planning.machine`). :func:`allreduce_busbw` and
 :func:`gather_busbw` time ddp's and fsdp's collectives in a process group (every rank calls them).
 
 Run it (prints the host costs):  python -m multigpu.planning.calibrate
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -50,7 +50,7 @@ from multigpu.core.lookup import lookup
 from multigpu.errors import ConfigError
 from multigpu.parallel.replicas import build_replicas
 from multigpu.planning.counting import LossFn, OpCounter, default_loss, device_seconds, fastest_s
-from multigpu.planning.hardware import DEFAULT_HOST, TIME_FIELDS, HostCosts, Platform, measured_link
+from multigpu.planning.hardware import DEFAULT_HOST, TIME_FIELDS, HostCosts
 from multigpu.profiling.bandwidth import bus_factor
 
 
@@ -320,41 +320,6 @@ def thread_handoff_s(repeats: int = 50) -> float:
     """Seconds to hand one task to a waiting pool thread and get its result back."""
     with ThreadPoolExecutor(max_workers=1) as pool:
         return fastest_s(lambda: pool.submit(threading.get_ident).result(), repeats)
-
-
-def measure_cpu_platform(
-    model: nn.Module,
-    chunk: torch.Tensor,
-    *,
-    replicas: int = 2,
-    busbw: float | None = None,
-    loss_fn: LossFn = default_loss,
-    rounds: int = 5,
-    host: HostCosts | None = None,
-    host_s: float = 0.0,
-) -> Platform:
-    """This CPU as a platform for ``replicas`` replicas of ``model`` (``chunk``: one replica's batch).
-
-    Args:
-        busbw: measured all-reduce bus bandwidth in bytes/s (``allreduce_busbw`` in a gloo group,
-            or ``multigpu bandwidth``); defaults to the memory bandwidth.
-        host: this machine's host costs (default: measured now, with the engine's replicate).
-        host_s: the host's share of one replica's step on ``chunk`` (counts x host costs).
-    """
-    mem_bw = memory_bandwidth()
-    return Platform(
-        name="cpu",
-        memory_bytes=None,
-        memory_bandwidth=mem_bw,
-        link=measured_link(busbw if busbw is not None else mem_bw / 2, name="gloo (measured)"),
-        peer_copies=False,
-        overlap=0.0,  # replicas fill the cores: a communication thread takes cycles from compute
-        cores=os.cpu_count() or 1,
-        contention=replica_contention(model, chunk, replicas=replicas, loss_fn=loss_fn, rounds=rounds, host_s=host_s),
-        thread_overhead_s=thread_handoff_s(),
-        host=host if host is not None else measure_host_costs(replicate="multigpu"),
-        synchronous=True,
-    )
 
 
 def allreduce_busbw(nbytes: int, *, repeats: int = 7) -> float:

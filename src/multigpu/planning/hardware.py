@@ -14,7 +14,7 @@ the one-way peak) of the nearest measured link of its kind carries over; the sou
 :class:`HostCosts` are the seconds per item of the host driving the devices (Python, the
 dispatcher, kernel launches), measured by :mod:`multigpu.planning.calibrate`. A :class:`Platform`
 joins them: the devices, the link, the host and how replicas share; :func:`gpu_platform` builds
-one from presets, :func:`multigpu.planning.calibrate.measure_cpu_platform` measures this CPU.
+one from presets, :func:`multigpu.planning.cpu_plan.calibrate_cpu` measures this CPU.
 
 Example:
     >>> gpu("v100-32gb").memory_bytes / 2**30

@@ -80,6 +80,9 @@ class MachineConstants:
         unknown = set(self.feedback) - set(FED_BACK)
         if unknown:
             raise ConfigError(f"MachineConstants.feedback names {sorted(unknown)}; feedback is one of {FED_BACK}")
+        for name, values in self.feedback.items():
+            if not isinstance(values, list) or not all(isinstance(v, (int, float)) and v >= 0 for v in values):
+                raise ConfigError(f"MachineConstants.feedback[{name!r}]={values!r} must be a list of numbers >= 0")
 
     def value(self, name: str) -> float:
         """A fed-back constant: the median of its solved values, else the probe's figure (1 for the scale)."""
