@@ -9,9 +9,11 @@ leaves the previous checkpoint whole and the latest.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,6 +168,20 @@ def test_resume_waits_for_a_failed_write_and_the_next_wait_raises_it(tmp_path: P
         checkpointer.wait()
     checkpointer.wait()  # raised once: nothing pending now
     assert checkpointer.latest() == tmp_path / "step-00000001"
+
+
+@pytest.mark.filterwarnings("ignore:ignoring 1 entries")
+def test_a_failure_of_a_dropped_checkpointer_is_printed(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "step-00000001").write_text("not a checkpoint")  # the write of step 1 must refuse it
+    checkpointer = ckpt.Checkpointer(folder=tmp_path, async_save=True)
+    checkpointer.save(step=1, model=nn.Linear(8, 8))
+    for thread in threading.enumerate():
+        if thread.name.startswith("multigpu-checkpoint-"):
+            thread.join(timeout=60)
+    del checkpointer
+    gc.collect()
+    err = capfd.readouterr().err
+    assert "multigpu: " in err and "step-00000001" in err, err
 
 
 def _communicate(child: Any, timeout: float = 120) -> tuple[str, str]:

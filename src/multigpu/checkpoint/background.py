@@ -19,7 +19,8 @@ after DCP's write on the same thread.
 :class:`BackgroundWrite` owns that thread: at most one write in flight, started by :meth:`start` and
 joined by :meth:`join`, which hands back what the write raised (once). The thread is not a daemon:
 the interpreter waits for it before exiting (a run that leaves after a pre-emption stop keeps its
-last checkpoint); a failure nobody collected is printed at exit. A SIGKILL mid-write leaves only a
+last checkpoint); a failure nobody collected is printed at exit, or when its Checkpointer is dropped. A
+SIGKILL mid-write leaves only a
 temporary folder, as for a blocking save.
 """
 
@@ -251,6 +252,10 @@ class BackgroundWrite:
         )
         error.__cause__ = failure
         return error
+
+    def __del__(self) -> None:  # a Checkpointer dropped with a failure nobody collected: said, as at exit
+        if self._failure is not None:
+            print(f"multigpu: {self.join()}", file=sys.stderr, flush=True)
 
 
 _live: weakref.WeakSet[BackgroundWrite] = weakref.WeakSet()
