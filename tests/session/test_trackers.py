@@ -231,7 +231,7 @@ import sys
 from multigpu.session import Session
 quiet = {"silent": True, "console": "off", "x_disable_stats": True, "x_disable_machine_info": True}
 options = {"wandb": {"dir": sys.argv[1], "settings": quiet}}
-session = Session(strategy="single", trackers=("csv", "wandb"), tracker_options=options)
+session = Session(strategy="single", run_dir=sys.argv[1] + "/run", trackers=("csv", "wandb"), tracker_options=options)
 try:
     with session:
         session.log({"loss": 1.0}, 1)
