@@ -9,9 +9,10 @@ split into the wait for its next batch (data wait) and the rest (compute). Note 
 of ``session.backward`` counts as a collective whole: a rank's backward compute is in nobody's own time,
 so a rank slow only inside backward is not told apart (a slow device is slow in forward too).
 
-Every :data:`WINDOW_STEPS` optimizer steps the ranks exchange one small tensor (steps, compute and data
-wait in microseconds: one all-gather through ``collectives.agree``, so through ``issuing``) and the main
-process compares them: the slowest rank's own time over the median of the others' is its ratio. At
+Every :data:`WINDOW_STEPS` optimizer steps the ranks exchange one small tensor (each rank's mean compute
+and data wait per step in nanoseconds, leaving out its slowest :data:`TRIMMED` of the steps: one all-gather
+through ``collectives.agree``, so through ``issuing``) and the main process compares them: the slowest
+rank's own time over the median of the others' is its ratio. At
 :data:`SLOW_RATIO` or more it is reported once on the main process's stderr, with its split against the
 others', and written to the run folder for ``multigpu launch``'s end-of-run summary
 (:mod:`multigpu.launcher.slow_ranks` reads it).

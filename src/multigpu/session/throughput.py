@@ -14,8 +14,9 @@ name wins):
   device of the run: FLOPs per sample counted once, on the meta device, from the shapes of the model's
   first forward (:func:`multigpu.planning.counting.count_step`), and the device's peak
   (:meth:`multigpu.devices.DeviceType.peak_flops`). On the main process only.
-- ``slowest_rank``, ``slowest_rank_ratio``: with several processes, from the last completed window of
-  :mod:`multigpu.runtime.stragglers` (every 50 optimizer steps); on the main process only.
+- ``slowest_rank``, ``slowest_rank_ratio``: with several processes, the verdict of a window of
+  :mod:`multigpu.runtime.stragglers` (every 50 optimizer steps) completed since the last ``log``; on the
+  main process only.
 
 The first optimizer step is not timed (it carries one-off work: allocations, lazy initialisation).
 Nothing here is communicated except the slow-rank watch's one exchange per window.
@@ -38,7 +39,7 @@ from multigpu.devices import get_device_type
 from multigpu.errors import ConfigError
 from multigpu.planning.counting import count_step
 from multigpu.runtime import waits, world
-from multigpu.runtime.stragglers import StragglerWatch
+from multigpu.runtime.stragglers import StragglerWatch, Verdict
 from multigpu.strategies import Strategy
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -71,6 +72,7 @@ class Throughput:
         self._pending_samples = 0  # micro-batches' samples since the last optimizer step
         self._stragglers: StragglerWatch | None = None  # with several processes
         self._asked_ranks = False
+        self._verdict_logged: Verdict | None = None
         self._model: FirstForward | None = None
         self._flops_per_sample: float | None = None
         self._peak: float | None = None
@@ -146,7 +148,8 @@ class Throughput:
                 if mfu is not None:
                     out["mfu"] = mfu
             verdict = self._stragglers.latest if self._stragglers is not None else None
-            if verdict is not None:
+            if verdict is not None and verdict is not self._verdict_logged:  # each window's verdict once
+                self._verdict_logged = verdict
                 out["slowest_rank"] = float(verdict.slowest)
                 out["slowest_rank_ratio"] = verdict.ratio
         return out
@@ -156,28 +159,23 @@ class Throughput:
             self._model.release()
 
     def _mfu(self, samples_per_s: float, strategy: Strategy, precision: str) -> float | None:
-        if self._flops_per_sample is None and self._mfu_note is None:
-            self._flops_per_sample = self._count()
-        if self._flops_per_sample is None:
+        """FLOPs per sample and the peak, each found once (its time left out of the step); None, said once, when not."""
+        if self._mfu_note is not None:
             return None
-        if self._peak is None:
+        if self._flops_per_sample is None or self._peak is None:
             began = time.perf_counter()
-            self._peak = peak_of_run(strategy.device, _DTYPES[precision], devices_per_process(strategy))
-            self._not_the_runs(time.perf_counter() - began)
+            try:
+                if self._model is None:
+                    raise ConfigError("the model was not set up with session.setup_model")
+                self._flops_per_sample = self._model.flops_per_sample()
+                self._peak = peak_of_run(strategy.device, _DTYPES[precision], devices_per_process(strategy))
+            except Exception as exc:  # whatever the meta copy or the device cannot do: no mfu, training goes on
+                self._mfu_note = str(exc)
+                print(f"multigpu: no 'mfu' in the log: {exc}", file=sys.stderr, flush=True)
+                return None
+            finally:
+                self._not_the_runs(time.perf_counter() - began)
         return self._flops_per_sample * samples_per_s / (self._peak * strategy.shard.world_size)
-
-    def _count(self) -> float | None:
-        began = time.perf_counter()
-        try:
-            if self._model is None:
-                raise ConfigError("the model was not set up with session.setup_model")
-            return self._model.flops_per_sample()
-        except Exception as exc:  # whatever the meta copy cannot run: no mfu, the training goes on
-            self._mfu_note = str(exc)
-            print(f"multigpu: no 'mfu' in the log: {exc}", file=sys.stderr, flush=True)
-            return None
-        finally:
-            self._not_the_runs(time.perf_counter() - began)
 
     def _not_the_runs(self, seconds: float) -> None:
         """Leave a one-off measurement's ``seconds`` out of the step it happened in (and of this rank's own time)."""
