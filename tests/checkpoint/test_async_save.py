@@ -363,7 +363,7 @@ def test_fsdp_async_saves_round_trip_fail_on_every_rank_survive_a_kill_and_finis
     out.mkdir()
     done = multigpu_launch(
         "--strategy", "fsdp", "--nproc-per-node", "2", "--max-restarts", "1", str(FSDP_WORKER), str(folder), str(out),
-        timeout_s=150,
+        timeout_s=240,
     )  # fmt: skip
     report = f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     assert done.returncode == 0, report
