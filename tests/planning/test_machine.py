@@ -195,3 +195,22 @@ def test_the_probe_measures_gloo_and_the_host_in_two_processes() -> None:
     assert 0 <= constants.allreduce_latency_s < 0.1 and 0 <= constants.gather_latency_s < 0.1
     assert 0 < constants.host.fsdp_group_s < 0.1 and constants.host.op_s > 0
     assert sys.platform != "linux" or constants.fresh_copy_bandwidth < 10 * constants.memory_bandwidth
+
+
+def test_a_cache_folder_that_cannot_be_written_still_plans_and_reports_the_feedback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from multigpu.cli._advise_calibrate import feed_back_measured
+    from multigpu.launcher import machine_probe
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("MULTIGPU_CACHE_DIR", str(blocked))
+    monkeypatch.setattr(machine_probe, "probe_machine", lambda: fixed(source="probed"))
+    assert _cpu_plan(tmp_path) == 0
+    w = _workload()
+    plat = fixed().platform(cores=2, contention=1.0, single_speedup=1.0)
+    single = Measurement(strategy="single", devices=1, step_s=0.05)
+    solved, where = feed_back_measured(w, plat, check(_rows(w, plat), [single]))
+    assert set(solved) == {"compute_scale"} and where.startswith("not written") and "MULTIGPU_CACHE_DIR" in where
+    capsys.readouterr()

@@ -11,8 +11,8 @@ step and writes it to the same file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -36,7 +36,8 @@ def machine_constants(*, recalibrate: bool = False) -> MachineConstants:
     if cached is not None:
         return cached
     fresh = probe_machine()
-    machine.save(fresh, cache_dir())
+    with contextlib.suppress(OSError):  # a read-only home: this plan uses them, the next one measures again
+        machine.save(fresh, cache_dir())
     return fresh
 
 
@@ -62,11 +63,15 @@ def cpu_plan(
     )
 
 
-def feed_back_measured(w: Workload, plat: Platform, checked: Sequence[Checked]) -> tuple[dict[str, float], Path]:
-    """Solve the measured strategies' constants into this machine's cache; (the solved values, the file)."""
+def feed_back_measured(w: Workload, plat: Platform, checked: Sequence[Checked]) -> tuple[dict[str, float], str]:
+    """Solve the measured strategies' constants into this machine's cache; (the solved values, the file
+    written, or why none was: the measurement is reported either way)."""
     from multigpu.planning import machine
     from multigpu.runtime.world import cache_dir
 
     constants = machine_constants()
     solved = machine.feed_back(constants, w, plat, checked)
-    return solved, machine.save(constants.with_feedback(solved), cache_dir())
+    try:
+        return solved, str(machine.save(constants.with_feedback(solved), cache_dir()))
+    except OSError as exc:
+        return solved, f"not written: {exc}; set MULTIGPU_CACHE_DIR to a writable folder"

@@ -220,4 +220,4 @@ def _feed_back(planned: tuple[Any, Any] | None, checked: list[Any]) -> dict[str,
     from multigpu.cli._advise_calibrate import feed_back_measured
 
     solved, path = feed_back_measured(*planned, checked)
-    return {"constants": solved, "file": str(path)}
+    return {"constants": solved, "file": path}
