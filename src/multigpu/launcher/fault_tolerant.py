@@ -91,12 +91,11 @@ def launch_fault_tolerant(
         address = f"http://{config.lighthouse}"
     # each group's ranks count from 0: binding by local rank would put every group on the same cores
     env = {key: value for key, value in env.items() if key != "MULTIGPU_BIND_CORES"}
-    env.setdefault("RUST_LOG", os.environ.get("RUST_LOG", "warn"))  # torchft's per-step quorum lines otherwise
     try:
         return run_groups(
             script=script,
             script_args=script_args,
-            env={**os.environ, **env},
+            env={"RUST_LOG": "warn", **os.environ, **env},  # torchft's Rust side: no per-step quorum lines
             replicas=config.replicas,
             nproc=nproc,
             max_restarts=config.max_restarts,
@@ -127,6 +126,7 @@ class Group:
 
 def start_lighthouse(bind: str, *, groups: int) -> tuple[object, str]:
     """Start the torchft lighthouse in this process; returns it and the address workers connect to."""
+    os.environ.setdefault("RUST_LOG", "warn")  # before torchft's Rust logger starts: no per-step quorum lines
     from torchft.coordination import LighthouseServer  # the optional extra: multigpu[fault-tolerant]
 
     del groups  # min_replicas stays 1: the workers hold step 1 until every group joined
