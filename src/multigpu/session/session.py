@@ -159,6 +159,15 @@ class Session(Toolkit):
             timeout_s=self.config.timeout_s or _REPLICA_TIMEOUT_S,
         )
 
+    def _join_replica_groups(self) -> None:
+        assert self._replicas is not None
+        healed_before = self._replicas.healed
+        self._replicas.join()
+        if self._replicas.healed and not healed_before and self._rank_streams:
+            # The received torch state is the sending group's own stream (seed_per_rank): drawing on from it
+            # would repeat that group's dropout masks. This rank's stream is drawn anew from its rank and step.
+            seed_rank_streams(self.config.seed + committed_steps(), self._data_shard().rank)
+
     def _data_shard(self) -> ShardSpec:
         """Which share of each global batch this process loads: under --fault-tolerant, its group's share too."""
         shard = self._started()[0].shard
@@ -258,9 +267,10 @@ class Session(Toolkit):
         wrapped = strategy.wrap_model(model)
         if self._replicas is not None:  # one process per group: the cross-group all-reduce overlaps backward
             self._replicas.watch(list(wrapped.parameters()))
-        if self.config.seed_per_rank and strategy.shard.world_size > 1 and not self._rank_streams:
+        shard = self._data_shard()  # under --fault-tolerant: every group's ranks, one stream each
+        if self.config.seed_per_rank and shard.world_size > 1 and not self._rank_streams:
             # the model is built (identical on every rank); from here each rank draws its own masks
-            seed_rank_streams(self.config.seed, strategy.shard.rank)
+            seed_rank_streams(self.config.seed, shard.rank)
             self._rank_streams = True
         return strategy.apply_compile(wrapped) if self.config.compile else wrapped
 
@@ -331,7 +341,7 @@ class Session(Toolkit):
         """
         loaders.check_sharded(batches, self._data_shard())
         if self._replicas is not None:  # meet the other groups first: a restarted one takes their position here
-            self._replicas.join()
+            self._join_replica_groups()
         if not even_batches and not self._joined and self.world_size > 1:
             raise ConfigError(
                 "session.batches(..., even_batches=False) lets ranks take different numbers of batches; "
