@@ -55,6 +55,7 @@ from multigpu.checkpoint.ranks import agreed, capture_rng, gather_on_main, run_o
 from multigpu.checkpoint.validate import FORMAT_VERSION, TrainingState, walk_plain
 from multigpu.core.keys import unwrap
 from multigpu.errors import CheckpointError, ConfigError
+from multigpu.runtime.committed_steps import committed_steps, set_committed_steps
 from multigpu.runtime.world import world_size
 
 __all__ = ["MODEL_FILE", "STATE_FILE", "Checkpointer", "Resumed", "Stateful", "find_latest"]
@@ -224,6 +225,7 @@ class Checkpointer:
                     raise ConfigError(f"{name} has the key {key!r}; its keys must be strings.")
             walk_plain(value, name, _refuse_at_save, device=None)  # torch.save moves nothing; load maps to CPU
         rngs = gather_on_main(capture_rng(), "random states")
+        global_step = committed_steps()  # now: the entries may be written in the background
         target = self.folder / folder_name(step)
 
         def entries() -> dict[str, Any]:  # state.pt, less the optimizer
@@ -236,6 +238,7 @@ class Checkpointer:
                 "rng": rngs,
                 "scheduler": None if scheduler is None else scheduler.state_dict(),
                 "scaler": None if scaler is None else scaler.state_dict(),
+                "global_step": global_step,  # session.global_step, which resume puts back
                 **counters,
             }
 
@@ -365,6 +368,8 @@ class Checkpointer:
         folder, checked = found
         if loader is not None:
             loader.load_state_dict(checked.data_position[_LOADER_KEY])
+        if checked.global_step is not None:
+            set_committed_steps(checked.global_step)
         return Resumed(
             path=folder,
             step=checked.step,

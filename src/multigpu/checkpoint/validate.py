@@ -52,6 +52,7 @@ class TrainingState:
     data_position: dict[str, Any]
     extra: dict[str, Any]
     model_checksum: str | None  # the checksum of the weights saved with it (older checkpoints: None)
+    global_step: int | None = None  # session.global_step when it was saved (older checkpoints: None)
 
 
 class Refusal:
@@ -124,7 +125,9 @@ def check_counters(
     checksum = obj.get("model_checksum")
     if checksum is not None and (not isinstance(checksum, str) or len(checksum) > 100):
         r.fail("entry 'model_checksum'", checksum, "a checksum string")
+    global_step = None if obj.get("global_step") is None else _count(r, obj, "global_step", 0, MAX_STEP)
     return TrainingState(
+        global_step=global_step,
         model_checksum=checksum,
         step=step,
         epoch=_count(r, obj, "epoch", 0, MAX_STEP),

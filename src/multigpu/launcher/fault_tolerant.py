@@ -91,18 +91,18 @@ def launch_fault_tolerant(
         address = f"http://{config.lighthouse}"
     # each group's ranks count from 0: binding by local rank would put every group on the same cores
     env = {key: value for key, value in env.items() if key != "MULTIGPU_BIND_CORES"}
-    env.setdefault("RUST_LOG", os.environ.get("RUST_LOG", "warn"))  # torchft's per-step quorum lines otherwise
     try:
         return run_groups(
             script=script,
             script_args=script_args,
-            env={**os.environ, **env},
+            env={"RUST_LOG": "warn", **os.environ, **env},  # torchft's Rust side: no per-step quorum lines
             replicas=config.replicas,
             nproc=nproc,
             max_restarts=config.max_restarts,
             lighthouse=address,
             first_group=config.node_rank * config.replicas,
             total_groups=config.replicas * nodes,
+            grace_s=config.grace_period_s,
         )
     finally:
         if server is not None:
@@ -127,6 +127,7 @@ class Group:
 
 def start_lighthouse(bind: str, *, groups: int) -> tuple[object, str]:
     """Start the torchft lighthouse in this process; returns it and the address workers connect to."""
+    os.environ.setdefault("RUST_LOG", "warn")  # before torchft's Rust logger starts: no per-step quorum lines
     from torchft.coordination import LighthouseServer  # the optional extra: multigpu[fault-tolerant]
 
     del groups  # min_replicas stays 1: the workers hold step 1 until every group joined
@@ -155,12 +156,15 @@ def run_groups(
     lighthouse: str,
     first_group: int = 0,
     total_groups: int | None = None,
+    grace_s: float = 30.0,
 ) -> int:
     """Run ``replicas`` groups of ``nproc`` workers until one finishes, restarting dead ones; the exit code.
 
     Args:
         env: every worker's environment (the launch's ``worker_env`` on top of this process's).
         first_group, total_groups: this node's first group index and the run's group count (several nodes).
+        grace_s: after a signal reached the launcher (forwarded to every worker), how long the workers get
+            to exit before they are killed.
     """
     total = total_groups or replicas
     groups = [Group(index=first_group + i) for i in range(replicas)]
@@ -175,7 +179,7 @@ def run_groups(
     try:
         for group in groups:
             _start(group, script, script_args, env, nproc, lighthouse, total)
-        return _supervise(groups, script, script_args, env, nproc, lighthouse, total, max_restarts, stopping)
+        return _supervise(groups, script, script_args, env, nproc, lighthouse, total, max_restarts, stopping, grace_s)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -193,9 +197,25 @@ def _supervise(
     total: int,
     max_restarts: int,
     stopping: list[int],
+    grace_s: float,
 ) -> int:
     finished_at: float | None = None
+    signalled_at: float | None = None
     while True:
+        if stopping and signalled_at is None:
+            signalled_at = time.monotonic()
+        if signalled_at is not None and time.monotonic() - signalled_at > grace_s:
+            name = signal.Signals(stopping[0]).name
+            for group in groups:
+                if group.running:
+                    print(
+                        f"multigpu launch: replica group {group.index} did not exit within {grace_s:g} s of {name}; "
+                        "killing it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    _kill(group)
+                    group.dead_reason = f"killed {grace_s:g} s after {name}"
         if finished_at is None and any(g.finished for g in groups):
             finished_at = time.monotonic()
         if finished_at is not None and time.monotonic() - finished_at > FINISH_GRACE_S:

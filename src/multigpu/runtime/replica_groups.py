@@ -7,11 +7,14 @@ averages the gradients across them:
 
 1. ``begin_step`` (at a window's first micro-step) starts the step's quorum on torchft's thread, so the
    round trip to the lighthouse overlaps the forward and backward;
-2. ``average_gradients`` (in ``session.step``, after backward) waits for the quorum and all-reduces one
-   flat buffer of the gradients over the groups of the quorum, through the Manager: no torchft DDP
-   hook, whose future fails ``assert fut._fut`` when a peer dies inside the step and takes the healthy
-   group down with it (https://github.com/meta-pytorch/torchft/issues/304); a failed all-reduce is
-   recorded by the Manager instead;
+2. the gradients are averaged over the groups of the quorum through the Manager's all-reduce, in
+   buckets of about :data:`BUCKET_BYTES`: with one process per group, each bucket starts as soon as
+   backward has produced its gradients (hooks on the parameters, :meth:`watch`), so the all-reduce
+   overlaps the rest of backward as DDP's does; with several, after backward (DDP has averaged inside
+   the group by then). ``average_gradients`` (in ``session.step``) waits for them. No torchft DDP
+   wrapper: its comm hook's future fails ``assert fut._fut`` when a peer dies inside the step and takes
+   the healthy group down with it (https://github.com/meta-pytorch/torchft/issues/304); a failed
+   all-reduce is recorded by the Manager instead;
 3. ``commit`` asks the group whether every rank's step went through (torchft's ``should_commit``): a
    step during which a peer group failed is committed nowhere.
 
@@ -34,6 +37,7 @@ import torch
 
 from multigpu.errors import LaunchError
 
+BUCKET_BYTES = 1 << 20  # a bucket's all-reduce starts once backward has this many bytes of gradients ready
 QUORUM_TIMEOUT_S = 60.0  # how long a quorum may wait for the lighthouse (a group that just restarted imports torch)
 JOIN_TIMEOUT_S = 60.0  # how long the first groups wait for all R to arrive before the run starts
 
@@ -73,6 +77,39 @@ class ReplicaSync:
         self._manager: Any = None
         self._quorum_started = False  # the quorum of the step in flight was started (by join or begin_step)
         self.healed = False  # this group loaded a healthy group's state at join
+        self._watched: list[torch.Tensor] = []  # parameters whose gradients are all-reduced as backward makes them
+        self._armed = False  # this backward ends the window: its gradients are all-reduced
+        self._bucket: list[torch.Tensor] = []  # parameters whose gradient is ready, not yet in an all-reduce
+        self._bucket_bytes = 0
+        self._in_flight: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []  # (work, flat buffer, parameters)
+
+    def watch(self, params: list[torch.Tensor]) -> None:
+        """All-reduce these parameters' gradients during backward (one process per group: no DDP averaging to wait for)."""
+        if self.group_size != 1 or self._watched:
+            return
+        self._watched = [p for p in params if p.requires_grad]
+        for param in self._watched:
+            param.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def arm(self) -> None:
+        """The next backward ends the accumulation window: all-reduce its gradients as they come."""
+        self._armed = bool(self._watched)
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        if not self._armed or param.grad is None:
+            return
+        self._bucket.append(param)
+        self._bucket_bytes += param.grad.numel() * param.grad.element_size()
+        if self._bucket_bytes >= BUCKET_BYTES:
+            self._send_bucket()
+
+    def _send_bucket(self) -> None:
+        params, self._bucket, self._bucket_bytes = self._bucket, [], 0
+        if not params:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+        self.begin_step()
+        self._in_flight.append((self._manager.allreduce(flat), flat, params))
 
     # -- life cycle --------------------------------------------------------------------------------
 
@@ -131,16 +168,24 @@ class ReplicaSync:
         (:meth:`commit` says False); nothing is raised here.
         """
         self.begin_step()
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self._manager.allreduce(flat).wait()  # errors are recorded by the Manager, not raised
-        offset = 0
-        for grad in grads:
-            count = grad.numel()
-            grad.copy_(flat[offset : offset + count].view_as(grad))
-            offset += count
+        if self._armed:  # the buckets went out during backward: the last one now, then wait for all
+            self._armed = False
+            self._send_bucket()
+            sent = {id(p) for _, _, bucket in self._in_flight for p in bucket}
+            params = [p for p in params if p.grad is not None and id(p) not in sent]  # made outside backward
+        in_flight, self._in_flight = self._in_flight, []
+        rest = [p for p in params if p.grad is not None]
+        if rest:
+            flat = torch.cat([p.grad.reshape(-1) for p in rest])  # type: ignore[union-attr]
+            in_flight.append((self._manager.allreduce(flat), flat, rest))
+        for work, flat, bucket in in_flight:
+            work.wait()  # a failed all-reduce is recorded by the Manager (commit says False), not raised
+            offset = 0
+            for param in bucket:
+                grad = param.grad
+                assert grad is not None
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
 
     def commit(self) -> bool:
         """Whether this step went through on every rank of the group and enough groups: step the optimizer only then."""

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from multigpu.core.keys import unwrap
+from multigpu.runtime.committed_steps import committed_steps, set_committed_steps
 from multigpu.runtime.data import EpochLoader
 
 
@@ -41,7 +42,6 @@ class LiveState:
         self._loaders: list[
             weakref.ref[EpochLoader[Any]]
         ] = []  # in the order the script built them (same in every group)
-        self.global_step = 0
         self._marked: dict[str, Any] = {}
         self._pending_optimizers: list[dict[str, Any]] | None = None  # received before the optimizer was seen
 
@@ -61,7 +61,7 @@ class LiveState:
         """
         positions = [None if loader is None else _rewound(loader, window_batches) for loader in self.loaders]
         self._marked = {
-            "global_step": self.global_step,
+            "global_step": committed_steps(),
             "loaders": positions,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
         }
@@ -78,7 +78,7 @@ class LiveState:
         """Apply a healthy group's state (the optimizers' at :meth:`attach_optimizer` when not seen yet)."""
         if self.model is not None and state.get("model"):
             unwrap(self.model).load_state_dict(state["model"])
-        self.global_step = int(state.get("global_step", 0))
+        set_committed_steps(int(state.get("global_step", 0)))
         for loader, position in zip(self.loaders, state.get("loaders", [])):
             if loader is not None and position is not None:
                 loader.load_state_dict(position)

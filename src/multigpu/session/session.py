@@ -41,6 +41,7 @@ from multigpu.errors import ConfigError
 from multigpu.runtime import collectives, data, exchange, failure_records, loaders, preemption, tracking, world
 from multigpu.runtime.collective_failures import explain_collective_failures
 from multigpu.runtime.collectives import ReduceOp
+from multigpu.runtime.committed_steps import committed_steps, set_committed_steps
 from multigpu.runtime.data import EpochLoader, ShardSpec
 from multigpu.runtime.replica_groups import ReplicaSync
 from multigpu.session import determinism
@@ -115,6 +116,7 @@ class Session(Toolkit):
             self._replicas = self._maybe_replica_sync()
             self.precision = strategy.build_precision()
             torch.manual_seed(self.config.seed)
+            set_committed_steps(0)  # this run's count (Checkpointer.resume puts a saved one back)
             if self.config.deterministic:
                 self._undo_deterministic = determinism.apply_deterministic(self.device)
         return self
@@ -174,6 +176,15 @@ class Session(Toolkit):
             load_state_dict=self._live.load_state_dict,
             timeout_s=self.config.timeout_s or _REPLICA_TIMEOUT_S,
         )
+
+    def _join_replica_groups(self) -> None:
+        assert self._replicas is not None
+        healed_before = self._replicas.healed
+        self._replicas.join()
+        if self._replicas.healed and not healed_before and self._rank_streams:
+            # The received torch state is the sending group's own stream (seed_per_rank): drawing on from it
+            # would repeat that group's dropout masks. This rank's stream is drawn anew from its rank and step.
+            seed_rank_streams(self.config.seed + committed_steps(), self._data_shard().rank)
 
     def _data_shard(self) -> ShardSpec:
         """Which share of each global batch this process loads: under --fault-tolerant, its group's share too."""
@@ -240,15 +251,17 @@ class Session(Toolkit):
 
     @property
     def global_step(self) -> int:
-        """The optimizer steps committed in this run (``step`` returned True); a restarted replica group
-        receives it from a healthy one, so ``while session.global_step < total:`` survives a lost group."""
-        return self._live.global_step
+        """The optimizer steps committed in this run (``step`` returned True).
+
+        ``Checkpointer.save`` stores it and ``Checkpointer.resume`` (after the Session started) puts it back;
+        a restarted replica group (``--fault-tolerant``) receives it from a healthy one. So
+        ``while session.global_step < total:`` is the loop that survives a restart of any kind.
+        """
+        return committed_steps()
 
     @global_step.setter
     def global_step(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"global_step={value!r} must be an int >= 0 (e.g. the step a checkpoint resumed)")
-        self._live.global_step = value
+        set_committed_steps(value)
 
     # -- model and data --------------------------------------------------------------------------
 
@@ -272,9 +285,12 @@ class Session(Toolkit):
         if self.config.activation_checkpointing is not None:  # before DDP/FSDP wrap the blocks, before compile
             model = apply_activation_checkpointing(model, self.config.activation_checkpointing)  # type: ignore[arg-type]
         wrapped = strategy.wrap_model(model)
-        if self.config.seed_per_rank and strategy.shard.world_size > 1 and not self._rank_streams:
+        if self._replicas is not None:  # one process per group: the cross-group all-reduce overlaps backward
+            self._replicas.watch(list(wrapped.parameters()))
+        shard = self._data_shard()  # under --fault-tolerant: every group's ranks, one stream each
+        if self.config.seed_per_rank and shard.world_size > 1 and not self._rank_streams:
             # the model is built (identical on every rank); from here each rank draws its own masks
-            seed_rank_streams(self.config.seed, strategy.shard.rank)
+            seed_rank_streams(self.config.seed, shard.rank)
             self._rank_streams = True
         return strategy.apply_compile(wrapped) if self.config.compile else wrapped
 
@@ -345,7 +361,7 @@ class Session(Toolkit):
         """
         loaders.check_sharded(batches, self._data_shard())
         if self._replicas is not None:  # meet the other groups first: a restarted one takes their position here
-            self._replicas.join()
+            self._join_replica_groups()
         if not even_batches and not self._joined and self.world_size > 1:
             raise ConfigError(
                 "session.batches(..., even_batches=False) lets ranks take different numbers of batches; "
@@ -461,6 +477,8 @@ class Session(Toolkit):
         # DDP all-reduces the gradients inside backward: a rank that stopped turns into an
         # explained CollectiveTimeoutError / PeerExitedError instead of a bare backend error.
         syncs = self.should_step and world.in_process_group()  # DDP all-reduces in this backward
+        if self._replicas is not None and self.should_step:
+            self._replicas.arm()  # and the replica groups' all-reduce starts in it
         with collectives.issuing("backward (gradient all-reduce)") if syncs else _no_collective():
             if not torch.is_autocast_enabled(self.device.type):
                 scaled.backward()
@@ -547,7 +565,7 @@ class Session(Toolkit):
         optimizer.zero_grad(set_to_none=True)
         self._micro = 0
         if stepped:
-            self._live.global_step += 1
+            set_committed_steps(committed_steps() + 1)
         return stepped
 
     def _committed_across_groups(self, optimizer: torch.optim.Optimizer) -> bool:
