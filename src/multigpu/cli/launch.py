@@ -24,11 +24,11 @@ from multigpu.core.limits import DAY_S, WEEK_S, parse_nnodes
 from multigpu.errors import ConfigError, MultigpuError
 
 if TYPE_CHECKING:
-    from multigpu.launcher.launch import LaunchConfig
+    from multigpu.launcher.config import LaunchConfig
 
 # torch and the launcher are imported when the command runs, so that building the parser stays
 # cheap; the strategy names are written here (tests/cli/test_startup.py checks they match
-# multigpu.launcher.launch.LAUNCH_STRATEGIES, which asks the strategies' registry); at run time
+# multigpu.launcher.config.LAUNCH_STRATEGIES, which asks the strategies' registry); at run time
 # the launcher asks each strategy its facts (processes, --devices, launch environment)
 LAUNCH_STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
 
@@ -233,7 +233,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """The :class:`LaunchConfig` the command line describes (with --config and the scheduler's values)."""
-    from multigpu.launcher.launch import LaunchConfig
+    from multigpu.launcher.config import LaunchConfig
 
     args = resolve(args)
     return LaunchConfig(
