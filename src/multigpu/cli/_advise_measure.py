@@ -16,6 +16,7 @@ import argparse
 import shlex
 from typing import TYPE_CHECKING, Any
 
+from multigpu.cli._advise_plan import INPUT_DTYPES, batch_flags, build_plan, parse_shape, plan_inputs, write_result
 from multigpu.errors import ConfigError, MultigpuError
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ MEASURED = ("single", "dp", "ddp", "fsdp")
 
 def devices_present() -> int:
     """Devices a measured run may use here: every GPU, else the processes ``multigpu launch`` starts on a CPU."""
-    from multigpu.launcher.launch import LaunchConfig
+    from multigpu.launcher.config import LaunchConfig
     from multigpu.launcher.torchrun import resolve_nproc
 
     return resolve_nproc(LaunchConfig())
@@ -45,8 +46,6 @@ def present_accelerator() -> str | None:
 
 def device_counts(args: argparse.Namespace, present: int) -> list[int]:
     """``--devices`` limited to what is present; by default ``1`` and every device present."""
-    from multigpu.cli.advise import parse_shape
-
     if args.devices is None:
         return sorted({1, present})
     asked = list(parse_shape(args.devices, flag="--devices") or ())
@@ -87,7 +86,6 @@ def build_runs(counts: list[int], chosen: list[str], rows: list[Row], batch: dic
 
 
 def measure_spec(args: argparse.Namespace) -> MeasureSpec:
-    from multigpu.cli.advise import INPUT_DTYPES, parse_shape
     from multigpu.launcher.measure import MeasureSpec
 
     factory = args.model if args.model and ":" in args.model else None
@@ -132,7 +130,6 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
     """Plan (when a factory model is given), measure each strategy, print or emit JSON; 2 on bad input."""
     from rich.console import Console as RichConsole
 
-    from multigpu.cli import advise
     from multigpu.launcher.measure import measure
     from multigpu.planning.advise import print_plan, recommend, to_json
     from multigpu.planning.measured import check, measured_json, plot_measured, print_measured, recommend_measured
@@ -146,12 +143,12 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
         chosen = strategies(args)
         plan: dict[str, Any] = {"inputs": {"script": args.script}, "rows": [], "recommendation": None}
         rows: list[Row] = []
-        batch = advise._batches(args)
+        batch = batch_flags(args)
         if args.model:
             args.devices = ",".join(map(str, counts))
-            w, plat, rows, batch = advise._plan(args)
+            w, plat, rows, batch = build_plan(args)
             rec = recommend(rows, plat.memory_bytes)
-            plan = to_json(rows, rec, advise._inputs(w, plat, rows, batch))
+            plan = to_json(rows, rec, plan_inputs(w, plat, rows, batch))
             if not args.json:
                 print_plan(console, w, plat, rows, rec)
                 if args.gpu is None and args.gpu_tflops is None and present_accelerator() is not None:
@@ -180,9 +177,7 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
     rec_measured = recommend_measured(checked)
     result_json = {**plan, "measured": measured_json(checked, rec_measured, args.budget)}
     title = f"{args.model or args.script}: measured here"
-    written = advise.write_result(
-        args, result_json, lambda out: plot_measured(checked, out / "advise-measured.png", title)
-    )
+    written = write_result(args, result_json, lambda out: plot_measured(checked, out / "advise-measured.png", title))
     if written is not None:
         print_measured(console, checked, rec_measured, args.budget)
         console.print(written, soft_wrap=True)
