@@ -435,3 +435,28 @@ def test_core_share_splits_evenly_and_leaves_the_remainder_unbound() -> None:
     assert env["MULTIGPU_BIND_CORES"] == "1"
     assert "MULTIGPU_BIND_CORES" not in worker_env(LaunchConfig(bind_cores=False), "ddp", 2)
     assert "MULTIGPU_BIND_CORES" not in worker_env(LaunchConfig(bind_cores=True), "dp", 1)  # threads need every core
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["single", "ddp"])
+def test_a_launch_from_inside_a_launched_process_does_not_hand_on_the_outer_runs_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, strategy: str
+) -> None:
+    """A script that runs multigpu launch in a worker: its workers must not record into the outer run's failure
+    folder nor run under its --debug (the one process's path and torchrun's)."""
+    stale = tmp_path / "outer-run"
+    monkeypatch.setenv("MULTIGPU_FAILURE_DIR", str(stale))
+    monkeypatch.setenv("MULTIGPU_DEBUG", "1")
+    told = tmp_path / "told.json"
+    script = tmp_path / "tell.py"
+    script.write_text(
+        "import json, os\n"
+        f"json.dump({{k: v for k, v in os.environ.items() if k.startswith('MULTIGPU_')}}, open({str(told)!r}, 'w'))\n"
+    )
+    assert launch(LaunchConfig(strategy=strategy, nproc_per_node=1), str(script)) == 0
+    seen = json.loads(told.read_text())
+    assert seen["MULTIGPU_STRATEGY"] == strategy
+    assert "MULTIGPU_DEBUG" not in seen, seen
+    assert seen.get("MULTIGPU_FAILURE_DIR") != str(stale), seen
+    assert os.environ["MULTIGPU_DEBUG"] == "1"  # the launcher's own environment is left as it was

@@ -302,6 +302,7 @@ _FSDP_SCRIPT = """
 import ctypes, json, os, warnings
 os.environ.pop("GLIBC_TUNABLES", None)  # started as a user's notebook is: without fsdp's malloc settings
 os.environ["OMP_NUM_THREADS"] = "1"
+os.environ.update(MULTIGPU_DEBUG="1", MULTIGPU_FAILURE_DIR="/tmp/outer-run")  # a notebook a launch started
 import torch
 import multigpu
 from multigpu.session import Session
@@ -330,7 +331,8 @@ def train():
         with Session(strategy="auto") as session:
             session.setup_model(torch.nn.Linear(4, 4))
             threads, strategy = torch.get_num_threads(), session.strategy_name
-    return {{"strategy": strategy,
+    told = {{k: v for k, v in os.environ.items() if k.startswith("MULTIGPU_")}}
+    return {{"strategy": strategy, "told": told,
             "warnings": [str(w.message) for w in caught], "mmapped_again": mmapped_again(), "threads": threads}}
 
 torch.set_num_threads(3)  # the caller's pool, sized before the fork
@@ -350,6 +352,7 @@ def test_fsdp_from_a_notebook_gets_what_multigpu_launch_gives_its_workers() -> N
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert not [w for w in result["warnings"] if "GLIBC_TUNABLES" in w], result["warnings"]
     assert result["strategy"] == "fsdp", result
+    assert result["told"] == {"MULTIGPU_STRATEGY": "fsdp"}, result  # not the outer launch's settings
     assert result["threads"] == 1, result  # OMP_NUM_THREADS=1 in the caller: 1 per rank, not the caller's 3
     if platform.libc_ver()[0] == "glibc":
         assert result["mmapped_again"] is True, result

@@ -27,6 +27,7 @@ from typing import Any
 from multigpu.errors import LaunchError, LaunchTimeoutError, ResultError
 from multigpu.launcher.forked_start import apply_after_fork
 from multigpu.launcher.process_groups import end_sessions
+from multigpu.runtime.worker_env import WorkerEnv
 
 _GRACE_S = 5.0  # how long the other ranks get to exit after one failed (or the timeout), before SIGKILL
 _POLL_S = 0.1  # how often the caller looks at children whose exit no descriptor announces
@@ -68,6 +69,8 @@ def _child(
 ) -> None:
     """One rank: its own session (so the caller can kill all it starts), the launcher's variables, ``fn``."""
     os.setsid()
+    for name in WorkerEnv.variables():  # an outer launch's settings, if the caller is a launched process itself
+        os.environ.pop(name, None)
     os.environ.update(env)
     apply_after_fork(env)  # forked, not started: what the caller's libraries read at start, applied now
     rank = int(env["RANK"])

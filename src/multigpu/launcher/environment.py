@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from multigpu.devices import process_device_type
 from multigpu.launcher.config import LaunchConfig, logs_requested
@@ -61,3 +62,14 @@ def worker_env(
         # shared rendezvous store and fail to connect (pytorch/pytorch#135712).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
+
+
+def inherited(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` as a launch's workers inherit it: without the settings an outer launch left there.
+
+    A launch started from inside a launched process (a script that runs ``multigpu launch``, or ``advise
+    --measure``, in a worker) inherits that worker's ``MULTIGPU_*`` settings; its own workers would record
+    their failures in the outer run's folder, or run under its ``--debug``, where this launch sets none.
+    """
+    stale = WorkerEnv.variables()
+    return {name: value for name, value in environ.items() if name not in stale}

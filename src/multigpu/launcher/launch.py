@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from multigpu.devices import parse_devices
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.launcher.config import LaunchConfig, logs_requested
-from multigpu.launcher.environment import worker_env
+from multigpu.launcher.environment import inherited, worker_env
 from multigpu.launcher.preemption import maybe_requeue
 from multigpu.launcher.preflight import check_log_dir
 from multigpu.launcher.supervise import run_supervised
@@ -83,7 +83,7 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
     if config.devices is not None:
         parse_devices(config.devices)  # a DeviceError here, not after the script started
     if not STRATEGIES[strategy].needs_processes:
-        env = {**os.environ, **worker_env(config, strategy, 1)}
+        env = {**inherited(os.environ), **worker_env(config, strategy, 1)}
         code = run_supervised([sys.executable, script, *script_args], env, grace_s=config.grace_period_s)
         return maybe_requeue(config, code)
     if config.log_dir is not None:

@@ -39,7 +39,7 @@ from multigpu.core.run_files import UnreadableFile, entries, read_bytes, read_js
 from multigpu.errors import ConfigError
 from multigpu.launcher import _measure_worker
 from multigpu.launcher.config import LaunchConfig
-from multigpu.launcher.environment import worker_env
+from multigpu.launcher.environment import inherited, worker_env
 from multigpu.launcher.process_groups import end_sessions, exit_status
 from multigpu.planning.measured import Measurement
 from multigpu.runtime import peers
@@ -135,7 +135,7 @@ def _argv(run: MeasureRun, spec_path: Path) -> tuple[list[str], dict[str, str]]:
         argv += ["--nproc-per-node", str(run.devices), "--grace-period", str(_KILL_GRACE_S), worker, str(spec_path)]
         return argv, dict(os.environ)
     devices = _dp_devices(run.devices) if run.strategy == "dp" else None
-    env = {**os.environ, **worker_env(LaunchConfig(strategy=run.strategy, devices=devices), run.strategy, 1)}
+    env = {**inherited(os.environ), **worker_env(LaunchConfig(strategy=run.strategy, devices=devices), run.strategy, 1)}
     return [sys.executable, worker, str(spec_path)], env
 
 

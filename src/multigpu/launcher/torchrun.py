@@ -151,7 +151,8 @@ def run_torchrun(config: LaunchConfig, args: list[str], env: dict[str, str], scr
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
-    with _environment(env), _signal_handlers_restored():
+    # an outer launch's settings in this process's environment are not this launch's (environment.inherited)
+    with _environment(env, drop=WorkerEnv.variables()), _signal_handlers_restored():
         try:
             run(parse_args(args))
         except (RendezvousError, DistError) as exc:  # before any worker ran: the nodes never met
@@ -204,11 +205,13 @@ def _signal_handlers_restored() -> Iterator[None]:
 
 
 @contextmanager
-def _environment(extra: dict[str, str]) -> Iterator[None]:
-    """Set ``extra`` in os.environ (torchrun hands its environment to the workers), then put the whole
+def _environment(extra: dict[str, str], *, drop: Sequence[str] = ()) -> Iterator[None]:
+    """Set ``extra`` in os.environ, less ``drop`` (torchrun hands its environment to the workers), then put the whole
     environment back: torch's launcher also sets variables in its caller's process
     (``TORCHELASTIC_SIGNALS_TO_HANDLE``, ``OMP_NUM_THREADS``), which a library caller must not inherit."""
     saved = dict(os.environ)
+    for name in drop:
+        os.environ.pop(name, None)
     os.environ.update(extra)
     try:
         yield

@@ -194,6 +194,16 @@ class WorkerEnv:
         return _CODEC[attribute][0]
 
     @staticmethod
+    def variables() -> tuple[str, ...]:
+        """multigpu's own variables of the codec (not ``OMP_NUM_THREADS``, which is also the user's).
+
+        Example:
+            >>> "MULTIGPU_DEBUG" in WorkerEnv.variables(), "OMP_NUM_THREADS" in WorkerEnv.variables()
+            (True, False)
+        """
+        return tuple(name for name, _, _ in _CODEC.values() if name.startswith(PREFIX))
+
+    @staticmethod
     def read(environ: Mapping[str, str], attribute: str) -> Any:
         """One field of ``environ``, the others unread (where one malformed variable must not stop another's use)."""
         name, read, _ = _CODEC[attribute]
