@@ -226,6 +226,11 @@ def test_threads_per_process_split_the_cores_unless_set(monkeypatch: pytest.Monk
     assert worker_env(LaunchConfig(threads_per_process=3), "ddp", 2)["OMP_NUM_THREADS"] == "3"
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     assert worker_env(LaunchConfig(), "ddp", 2)["OMP_NUM_THREADS"] == "5"
+    # launch_function(env={"OMP_NUM_THREADS": "4"}) and LaunchConfig(extra_env=...): the count asked for wins
+    assert worker_env(LaunchConfig(extra_env={"OMP_NUM_THREADS": "4"}), "ddp", 2)["OMP_NUM_THREADS"] == "4"
+    assert worker_env(LaunchConfig(extra_env={"OMP_NUM_THREADS": "4,2"}), "ddp", 2)["OMP_NUM_THREADS"] == "4,2"
+    with pytest.raises(ConfigError, match=r"threads_per_process=3 and extra_env's OMP_NUM_THREADS='4'.*keep one"):
+        LaunchConfig(threads_per_process=3, extra_env={"OMP_NUM_THREADS": "4"})
 
 
 def test_worker_env_carries_the_collective_timeout_and_the_restart_setting() -> None:

@@ -125,6 +125,11 @@ class LaunchConfig:
         check_log_options(self)
         check_rendezvous_options(self)
         check_extra_env(self.extra_env)
+        if self.threads_per_process is not None and "OMP_NUM_THREADS" in self.extra_env:
+            raise ConfigError(
+                f"threads_per_process={self.threads_per_process} and extra_env's "
+                f"OMP_NUM_THREADS={self.extra_env['OMP_NUM_THREADS']!r} both set the threads per process; keep one"
+            )
         chosen = get_strategy(self.strategy) if self.strategy != "auto" else None
         one_process = chosen is not None and not chosen.needs_processes
         if one_process and isinstance(self.nproc_per_node, int) and self.nproc_per_node > 1:

@@ -55,7 +55,9 @@ def worker_env(
         stderr_copy=entry and not logs_requested(config),
         debug=config.debug,  # the worker turns on torch's checks too (runtime.tracking.setup_worker)
     )
-    env = {**config.extra_env, **settings.to_environ()}  # the launch's own settings win (OMP_NUM_THREADS)
+    # extra_env holds none of the launch's own variables (LaunchConfig refuses them) but OMP_NUM_THREADS, in
+    # any of OpenMP's forms: the user's, as launch_function(env=...) always took it
+    env = {**settings.to_environ(), **config.extra_env}
     env.update(chosen.launch_env(device_type, {**os.environ, **env}))
     if config.max_restarts > 0:
         # Restarted gloo workers otherwise may read the previous attempt's addresses from the
