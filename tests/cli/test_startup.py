@@ -79,7 +79,7 @@ def test_choices_written_in_the_cli_match_the_library() -> None:
     from multigpu.checkpoint.formats import DEFAULT_MAX_EXPANSION, FORMATS
     from multigpu.cli import ckpt, demo, launch
     from multigpu.demo.train import TrainConfig
-    from multigpu.launcher.launch import LAUNCH_STRATEGIES
+    from multigpu.launcher.config import LAUNCH_STRATEGIES
 
     assert launch.LAUNCH_STRATEGIES == LAUNCH_STRATEGIES
     assert ckpt.FORMATS == FORMATS

@@ -226,6 +226,11 @@ def test_threads_per_process_split_the_cores_unless_set(monkeypatch: pytest.Monk
     assert worker_env(LaunchConfig(threads_per_process=3), "ddp", 2)["OMP_NUM_THREADS"] == "3"
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     assert worker_env(LaunchConfig(), "ddp", 2)["OMP_NUM_THREADS"] == "5"
+    # launch_function(env={"OMP_NUM_THREADS": "4"}) and LaunchConfig(extra_env=...): the count asked for wins
+    assert worker_env(LaunchConfig(extra_env={"OMP_NUM_THREADS": "4"}), "ddp", 2)["OMP_NUM_THREADS"] == "4"
+    assert worker_env(LaunchConfig(extra_env={"OMP_NUM_THREADS": "4,2"}), "ddp", 2)["OMP_NUM_THREADS"] == "4,2"
+    with pytest.raises(ConfigError, match=r"threads_per_process=3 and extra_env's OMP_NUM_THREADS='4'.*keep one"):
+        LaunchConfig(threads_per_process=3, extra_env={"OMP_NUM_THREADS": "4"})
 
 
 def test_worker_env_carries_the_collective_timeout_and_the_restart_setting() -> None:
@@ -435,3 +440,28 @@ def test_core_share_splits_evenly_and_leaves_the_remainder_unbound() -> None:
     assert env["MULTIGPU_BIND_CORES"] == "1"
     assert "MULTIGPU_BIND_CORES" not in worker_env(LaunchConfig(bind_cores=False), "ddp", 2)
     assert "MULTIGPU_BIND_CORES" not in worker_env(LaunchConfig(bind_cores=True), "dp", 1)  # threads need every core
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["single", "ddp"])
+def test_a_launch_from_inside_a_launched_process_does_not_hand_on_the_outer_runs_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, strategy: str
+) -> None:
+    """A script that runs multigpu launch in a worker: its workers must not record into the outer run's failure
+    folder nor run under its --debug (the one process's path and torchrun's)."""
+    stale = tmp_path / "outer-run"
+    monkeypatch.setenv("MULTIGPU_FAILURE_DIR", str(stale))
+    monkeypatch.setenv("MULTIGPU_DEBUG", "1")
+    told = tmp_path / "told.json"
+    script = tmp_path / "tell.py"
+    script.write_text(
+        "import json, os\n"
+        f"json.dump({{k: v for k, v in os.environ.items() if k.startswith('MULTIGPU_')}}, open({str(told)!r}, 'w'))\n"
+    )
+    assert launch(LaunchConfig(strategy=strategy, nproc_per_node=1), str(script)) == 0
+    seen = json.loads(told.read_text())
+    assert seen["MULTIGPU_STRATEGY"] == strategy
+    assert "MULTIGPU_DEBUG" not in seen, seen
+    assert seen.get("MULTIGPU_FAILURE_DIR") != str(stale), seen
+    assert os.environ["MULTIGPU_DEBUG"] == "1"  # the launcher's own environment is left as it was

@@ -296,3 +296,63 @@ def test_bad_inputs_are_refused_by_name_before_any_fork(call: dict[str, object],
 def test_a_function_that_is_not_callable_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"fn=42 is not callable; pass the function itself"):
         launch_function(42)  # type: ignore[arg-type]
+
+
+_FSDP_SCRIPT = """
+import ctypes, json, os, warnings
+os.environ.pop("GLIBC_TUNABLES", None)  # started as a user's notebook is: without fsdp's malloc settings
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ.update(MULTIGPU_DEBUG="1", MULTIGPU_FAILURE_DIR="/tmp/outer-run")  # a notebook a launch started
+import torch
+import multigpu
+from multigpu.session import Session
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+def mmapped_again():
+    # glibc raises its mmap threshold when a mapped block is freed, unless the threshold was fixed (fsdp's
+    # setting): then a second block of the same size is mapped again instead of coming from the heap
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.mallinfo2.restype = MallInfo2
+    libc.free(libc.malloc(1 << 20))
+    before = libc.mallinfo2().hblks
+    block = libc.malloc(1 << 20)
+    again = libc.mallinfo2().hblks > before
+    libc.free(block)
+    return again
+
+def train():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Session(strategy="auto") as session:
+            session.setup_model(torch.nn.Linear(4, 4))
+            threads, strategy = torch.get_num_threads(), session.strategy_name
+    told = {{k: v for k, v in os.environ.items() if k.startswith("MULTIGPU_")}}
+    return {{"strategy": strategy, "told": told,
+            "warnings": [str(w.message) for w in caught], "mmapped_again": mmapped_again(), "threads": threads}}
+
+torch.set_num_threads(3)  # the caller's pool, sized before the fork
+print(json.dumps(multigpu.launch_function(train, nproc_per_node=2, strategy="fsdp", timeout=120)))
+"""
+
+
+@pytest.mark.multiprocess
+def test_fsdp_from_a_notebook_gets_what_multigpu_launch_gives_its_workers() -> None:
+    """launch_function builds its ranks' environment as multigpu launch does, the strategy's own settings
+    included, and a forked rank applies them: fsdp does not warn about missing malloc settings, the malloc
+    threshold is really fixed, and the ranks share the cores instead of each keeping the caller's pool."""
+    import platform
+
+    done = run_python_stdin(_FSDP_SCRIPT.format(), timeout_s=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not [w for w in result["warnings"] if "GLIBC_TUNABLES" in w], result["warnings"]
+    assert result["strategy"] == "fsdp", result
+    assert result["told"] == {"MULTIGPU_STRATEGY": "fsdp"}, result  # not the outer launch's settings
+    assert result["threads"] == 1, result  # OMP_NUM_THREADS=1 in the caller: 1 per rank, not the caller's 3
+    if platform.libc_ver()[0] == "glibc":
+        assert result["mmapped_again"] is True, result

@@ -10,7 +10,8 @@ from torch import nn
 
 from multigpu.devices import get_device_type, parse_devices
 from multigpu.errors import ConfigError, LaunchError
-from multigpu.launcher.launch import LAUNCH_STRATEGIES, LaunchConfig, worker_env
+from multigpu.launcher.config import LAUNCH_STRATEGIES, LaunchConfig
+from multigpu.launcher.launch import worker_env
 from multigpu.runtime.data import ShardSpec
 from multigpu.runtime.world import LaunchEnv
 from multigpu.session import SessionConfig

@@ -16,6 +16,7 @@ import argparse
 import shlex
 from typing import TYPE_CHECKING, Any
 
+from multigpu.cli._advise_plan import INPUT_DTYPES, batch_flags, build_plan, parse_shape, plan_inputs, write_result
 from multigpu.core.lookup import lookup
 from multigpu.errors import ConfigError, MultigpuError
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 def devices_present() -> int:
     """Devices a measured run may use here: every GPU, else the processes ``multigpu launch`` starts on a CPU."""
-    from multigpu.launcher.launch import LaunchConfig
+    from multigpu.launcher.config import LaunchConfig
     from multigpu.launcher.torchrun import resolve_nproc
 
     return resolve_nproc(LaunchConfig())
@@ -44,8 +45,6 @@ def present_accelerator() -> str | None:
 
 def device_counts(args: argparse.Namespace, present: int) -> list[int]:
     """``--devices`` limited to what is present; by default ``1`` and every device present."""
-    from multigpu.cli.advise import parse_shape
-
     if args.devices is None:
         return sorted({1, present})
     asked = list(parse_shape(args.devices, flag="--devices") or ())
@@ -91,7 +90,6 @@ def build_runs(counts: list[int], chosen: list[str], rows: list[Row], batch: dic
 
 
 def measure_spec(args: argparse.Namespace) -> MeasureSpec:
-    from multigpu.cli.advise import INPUT_DTYPES, parse_shape
     from multigpu.launcher.measure import MeasureSpec
 
     factory = args.model if args.model and ":" in args.model else None
@@ -136,7 +134,6 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
     """Plan (when a factory model is given), measure each strategy, print or emit JSON; 2 on bad input."""
     from rich.console import Console as RichConsole
 
-    from multigpu.cli import advise
     from multigpu.launcher.measure import measure
     from multigpu.planning.advise import print_plan, recommend, to_json
     from multigpu.planning.measured import check, measured_json, plot_measured, print_measured, recommend_measured
@@ -151,13 +148,13 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
         plan: dict[str, Any] = {"inputs": {"script": args.script}, "rows": [], "recommendation": None}
         rows: list[Row] = []
         planned: tuple[Any, Any] | None = None  # the CPU plan's workload and platform, for the feedback
-        batch = advise._batches(args)
+        batch = batch_flags(args)
         if args.model:
             args.devices = ",".join(map(str, counts))
-            w, plat, rows, batch = advise._plan(args)
+            w, plat, rows, batch = build_plan(args)
             planned = (w, plat) if _plans_what_runs(args) else None
             rec = recommend(rows, plat.memory_bytes)
-            plan = to_json(rows, rec, advise._inputs(w, plat, rows, batch))
+            plan = to_json(rows, rec, plan_inputs(w, plat, rows, batch))
             if not args.json:
                 print_plan(console, w, plat, rows, rec)
                 if args.gpu is None and args.gpu_tflops is None and present_accelerator() is not None:
@@ -189,9 +186,7 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
     if fed_back is not None:
         result_json["measured"]["fed_back"] = fed_back
     title = f"{args.model or args.script}: measured here"
-    written = advise.write_result(
-        args, result_json, lambda out: plot_measured(checked, out / "advise-measured.png", title)
-    )
+    written = write_result(args, result_json, lambda out: plot_measured(checked, out / "advise-measured.png", title))
     if written is not None:
         print_measured(console, checked, rec_measured, args.budget)
         if fed_back is not None:

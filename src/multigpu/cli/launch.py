@@ -25,7 +25,7 @@ from multigpu.errors import ConfigError, MultigpuError
 from multigpu.strategies.registry import strategy_names
 
 if TYPE_CHECKING:
-    from multigpu.launcher.launch import LaunchConfig
+    from multigpu.launcher.config import LaunchConfig
 
 # torch and the launcher are imported when the command runs, so that building the parser stays
 # cheap; the strategy names come from the strategies' registry, which lists them without importing
@@ -255,7 +255,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """The :class:`LaunchConfig` the command line describes (with --config and the scheduler's values)."""
-    from multigpu.launcher.launch import LaunchConfig
+    from multigpu.launcher.config import LaunchConfig
 
     args = resolve(args)
     return LaunchConfig(

@@ -1,6 +1,8 @@
 """The parent process of a launch: ``multigpu launch`` builds torchrun's arguments, supervises, explains failures.
 
-- :mod:`~multigpu.launcher.launch`: :class:`LaunchConfig` and :func:`launch` (one process, or torchrun).
+- :mod:`~multigpu.launcher.config`: :class:`LaunchConfig`, how to start a script, checked when built.
+- :mod:`~multigpu.launcher.launch`: :func:`launch` (one process, or torchrun).
+- :mod:`~multigpu.launcher.environment`: what every launched worker is told (every launch path builds it there).
 - :mod:`~multigpu.launcher.torchrun`: torchrun's argument list and the call into ``torch.distributed.run``.
 - :mod:`~multigpu.launcher.preflight`: checks before anything starts (the master address and port).
 - :mod:`~multigpu.launcher.supervise`: the one worker of a ``single``/``dp`` launch, never left behind.
@@ -16,7 +18,8 @@
 Nothing below this package imports it: the workers' side is :mod:`multigpu.runtime`.
 """
 
+from multigpu.launcher.config import LaunchConfig
 from multigpu.launcher.function import launch_function
-from multigpu.launcher.launch import LaunchConfig, launch
+from multigpu.launcher.launch import launch
 
 __all__ = ["LaunchConfig", "launch", "launch_function"]

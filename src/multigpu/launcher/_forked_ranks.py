@@ -7,16 +7,15 @@ would wait for the helper too, and a pipe a dying rank had half-written would bl
 record is written whole (to a side file, then renamed), so a rank killed while writing leaves none.
 
 On the way out every process of each rank's session is killed: the rank's own process group (its
-DataLoader workers) and any group a helper made for itself within the session.
+DataLoader workers) and any group a helper made for itself within the session
+(:func:`multigpu.launcher.process_groups.end_sessions`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import pickle
-import signal
 import tempfile
 import time
 import traceback
@@ -26,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from multigpu.errors import LaunchError, LaunchTimeoutError, ResultError
+from multigpu.launcher.forked_start import apply_after_fork
+from multigpu.launcher.process_groups import end_sessions
+from multigpu.runtime.worker_env import WorkerEnv
 
 _GRACE_S = 5.0  # how long the other ranks get to exit after one failed (or the timeout), before SIGKILL
 _POLL_S = 0.1  # how often the caller looks at children whose exit no descriptor announces
@@ -67,7 +69,10 @@ def _child(
 ) -> None:
     """One rank: its own session (so the caller can kill all it starts), the launcher's variables, ``fn``."""
     os.setsid()
+    for name in WorkerEnv.variables():  # an outer launch's settings, if the caller is a launched process itself
+        os.environ.pop(name, None)
     os.environ.update(env)
+    apply_after_fork(env)  # forked, not started: what the caller's libraries read at start, applied now
     rank = int(env["RANK"])
     try:
         try:
@@ -194,61 +199,9 @@ def exit_code(process: Any) -> int | None:
 
 
 def _end_all(children: list[Any]) -> None:
-    """Stop every child still running (SIGTERM, then SIGKILL after the grace), then kill what each started and
-    wait until it is gone: the call returns with no process of theirs left."""
-    for process in children:
-        if exit_code(process) is None:
-            _signal(process.pid, signal.SIGTERM)
-    _wait_until(lambda: all(exit_code(p) is not None for p in children), _GRACE_S)
-    for process in children:
-        if exit_code(process) is None:
-            _signal(process.pid, signal.SIGKILL)
-    # a rank is dead but unreaped now, so its pid still names its session and process group alone
-    _wait_until(lambda: all(exit_code(p) is not None for p in children), _GRACE_S)
-    sessions = {p.pid for p in children if p.pid is not None}
-    for pid in sessions:
-        _signal(pid, signal.SIGKILL)
-
-    def nothing_left() -> bool:
-        left = _session_members(sessions)  # a helper that made a process group of its own too
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        return not left
-
-    _wait_until(nothing_left, _GRACE_S)
+    """Stop every child still running (SIGTERM, then SIGKILL after the grace), kill what each started, and
+    wait until it is gone (:func:`multigpu.launcher.process_groups.end_sessions`): the call returns with no
+    process of theirs left."""
+    end_sessions([p.pid for p in children if p.pid is not None], grace_s=_GRACE_S)
     for process in children:
         process.join()
-
-
-def _wait_until(done: Callable[[], bool], limit_s: float) -> None:
-    deadline = time.monotonic() + limit_s
-    while not done() and time.monotonic() < deadline:
-        time.sleep(0.02)
-
-
-def _session_members(sessions: set[int]) -> list[int]:
-    """The running processes (zombies excluded) whose session is one of ``sessions`` (Linux's /proc;
-    elsewhere none are found, and the process groups' SIGKILL is what ends them)."""
-    found = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = Path(entry.path, "stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
-            if len(fields) > 3 and fields[0] != "Z" and int(fields[3]) in sessions:
-                found.append(int(entry.name))
-    return found
-
-
-def _signal(pid: int | None, signum: int) -> None:
-    """``signum`` to the child and to its process group (the child may not have made its group yet)."""
-    if pid is None:
-        return
-    for send in (os.kill, os.killpg):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            send(pid, signum)

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from multigpu.core.run_files import UnreadableFile, read_json
 from multigpu.devices import backend_device_type, get_device_type, process_device_type
 from multigpu.errors import ConfigError, DeviceError
-from multigpu.launcher.launch import LaunchConfig, launch
+from multigpu.launcher.config import LaunchConfig
+from multigpu.launcher.launch import launch
 from multigpu.profiling import _allreduce_worker
 from multigpu.profiling.bandwidth import BandwidthPoint
 

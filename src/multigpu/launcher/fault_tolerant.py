@@ -34,45 +34,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from multigpu.errors import ConfigError
 from multigpu.launcher.supervise import FORWARDED
+from multigpu.launcher.torchrun import LOOPBACK
+from multigpu.runtime.worker_env import WorkerEnv, WorkerRank
 
 if TYPE_CHECKING:
-    from multigpu.launcher.launch import LaunchConfig
+    from multigpu.launcher.config import LaunchConfig
 
 LIGHTHOUSE = {"heartbeat_timeout_ms": 1000, "join_timeout_ms": 5000, "quorum_tick_ms": 50, "min_replicas": 1}
 _POLL_S = 0.05
 # once one group has finished the script, how long the others get to finish theirs (they run in lockstep, so
 # a healthy one is done within a step) before they are stopped: a group still restarting would wait forever
 FINISH_GRACE_S = 10.0
-
-
-def check_fault_tolerant_options(config: LaunchConfig) -> None:
-    """Refuse ``--fault-tolerant`` settings that cannot run, naming the flag (called by ``LaunchConfig``)."""
-    replicas = config.replicas
-    if not config.fault_tolerant:
-        if replicas is not None or config.lighthouse is not None:
-            raise ConfigError(
-                f"--replicas {replicas} / --lighthouse {config.lighthouse} apply to fault-tolerant replica groups; "
-                "add --fault-tolerant (or drop them)"
-            )
-        return
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 2:
-        raise ConfigError(
-            f"--fault-tolerant needs --replicas R with R >= 2 replica groups (got replicas={replicas!r}): one group "
-            "has nobody to survive it; pass e.g. --replicas 2"
-        )
-    if config.strategy != "ddp":
-        raise ConfigError(f"--fault-tolerant runs ddp replica groups; pass --strategy ddp (got {config.strategy!r})")
-    if config.multi_node and config.lighthouse is None:
-        raise ConfigError(
-            f"--fault-tolerant over nnodes={config.nnodes!r}: pass --lighthouse HOST:PORT to every node's launcher "
-            "(node 0's starts it there)"
-        )
-    if config.lighthouse is not None and (
-        ":" not in config.lighthouse or not config.lighthouse.rsplit(":", 1)[1].isdigit()
-    ):
-        raise ConfigError(f"--lighthouse {config.lighthouse!r} is not HOST:PORT; pass e.g. --lighthouse 10.0.0.1:29600")
 
 
 def launch_fault_tolerant(
@@ -90,7 +63,7 @@ def launch_fault_tolerant(
     else:
         address = f"http://{config.lighthouse}"
     # each group's ranks count from 0: binding by local rank would put every group on the same cores
-    env = {key: value for key, value in env.items() if key != "MULTIGPU_BIND_CORES"}
+    env = {key: value for key, value in env.items() if key != WorkerEnv.variable("bind_cores")}
     try:
         return run_groups(
             script=script,
@@ -278,15 +251,17 @@ def _start(
     for rank in range(nproc):
         worker = {
             **env,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "MULTIGPU_REPLICA_GROUP": str(group.index),
-            "MULTIGPU_REPLICA_GROUPS": str(total),
-            "MULTIGPU_LIGHTHOUSE": lighthouse,
+            **WorkerRank(
+                rank=rank,
+                local_rank=rank,
+                world_size=nproc,
+                local_world_size=nproc,
+                master_addr=LOOPBACK,
+                master_port=port,
+            ).to_environ(),
+            WorkerEnv.variable("replica_group"): str(group.index),
+            WorkerEnv.variable("replica_groups"): str(total),
+            WorkerEnv.variable("lighthouse"): lighthouse,
             "TORCHELASTIC_RESTART_COUNT": str(group.restarts),
         }
         argv = [sys.executable, "-m", "multigpu.launcher._entry", script, *args]

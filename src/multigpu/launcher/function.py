@@ -36,29 +36,19 @@ from __future__ import annotations
 
 import math
 import multiprocessing
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from multigpu.devices import device_type_names, get_device_type
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.launcher._forked_ranks import run_ranks
+from multigpu.launcher.config import LaunchConfig
+from multigpu.launcher.environment import worker_env
 from multigpu.launcher.preflight import check_process_count
+from multigpu.runtime.worker_env import WorkerRank, owned_variable
 from multigpu.strategies import STRATEGIES
 
 LOOPBACK = "127.0.0.1"
-
-# what launch_function sets in every rank: an env= that names one would split or misdirect the world
-OWNED_VARIABLES = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "MULTIGPU_STRATEGY",
-)
 
 
 def launch_function(
@@ -81,7 +71,8 @@ def launch_function(
             this machine (and at least 8 allowed), since every rank is forked here.
         strategy: ``ddp`` or ``fsdp``: what ``Session(strategy="auto")`` inside ``fn`` picks.
         env: more environment variables for the children (strings); the ones the launch sets itself
-            (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ... :data:`OWNED_VARIABLES`) are refused.
+            (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ``MULTIGPU_*``: :func:`~multigpu.runtime.worker_env.owned_variable`)
+            are refused.
         timeout: seconds the whole call may take (keyword-only; None, the default: no limit). Ranks
             still running then get SIGTERM, 5 s later SIGKILL, and :class:`~multigpu.errors.LaunchTimeoutError`
             names them.
@@ -109,18 +100,26 @@ def launch_function(
     from torch.distributed import TCPStore  # the caller hosts the store; every rank is its client
 
     store = TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False)
-    variables = {
-        "MASTER_ADDR": LOOPBACK,
-        "MASTER_PORT": str(store.port),
-        "WORLD_SIZE": str(nproc_per_node),
-        "LOCAL_WORLD_SIZE": str(nproc_per_node),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # rank 0 connects to this store instead of hosting one
-        "MULTIGPU_STRATEGY": strategy,
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc_per_node)),
-        **extra,
-    }
+    # what multigpu launch tells its workers (the strategy's own launch_env included), but no core binding
+    # or stderr copy: the ranks run a function, not the launcher's entry script
+    config = LaunchConfig(strategy=strategy, nproc_per_node=nproc_per_node, extra_env=extra)
+    shared = worker_env(config, strategy, nproc_per_node, entry=False)
     try:
-        envs = [{**variables, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(nproc_per_node)]
+        envs = [
+            {
+                **shared,
+                **WorkerRank(
+                    rank=rank,
+                    local_rank=rank,
+                    world_size=nproc_per_node,
+                    local_world_size=nproc_per_node,
+                    master_addr=LOOPBACK,
+                    master_port=store.port,
+                    agent_store=True,  # rank 0 connects to this store instead of hosting one
+                ).to_environ(),
+            }
+            for rank in range(nproc_per_node)
+        ]
         return run_ranks(fn, call_args, call_kwargs, envs, timeout=timeout)
     finally:
         del store
@@ -174,7 +173,7 @@ def _check_env(env: Mapping[str, str] | None) -> dict[str, str]:
             raise ConfigError(f"env key {key!r} is not a variable name; pass names such as 'NCCL_DEBUG'")
         if not isinstance(value, str) or "\0" in value:
             raise ConfigError(f"env[{key!r}]={value!r}: variable values are strings, e.g. env={{{key!r}: '1'}}")
-    owned = sorted(set(env) & set(OWNED_VARIABLES))
+    owned = sorted(key for key in env if owned_variable(key))
     if owned:
         raise ConfigError(
             f"env sets {', '.join(f'{k}={env[k]!r}' for k in owned)}, which launch_function sets itself for every "

@@ -3,7 +3,7 @@
 Each strategy runs :mod:`multigpu.launcher._measure_worker` in processes of its own, as a real run
 would start: ``ddp`` and ``fsdp`` through ``multigpu launch --strategy S --nproc-per-node N`` (torchrun,
 the launcher's environment, its failure summary), ``single`` and ``dp`` as one plain process with the
-environment ``multigpu launch`` gives one (:func:`multigpu.launcher.launch.worker_env`). They run one
+environment ``multigpu launch`` gives one (:func:`multigpu.launcher.environment.worker_env`). They run one
 after another, never together (they would share the cores). A run that fails (an exception, out of
 memory, killed) is reported with the last line of its error and the others still run; a run past its
 share of the budget is killed with everything it started.
@@ -38,7 +38,9 @@ from typing import Any
 from multigpu.core.run_files import UnreadableFile, entries, read_bytes, read_json, read_tail
 from multigpu.errors import ConfigError
 from multigpu.launcher import _measure_worker
-from multigpu.launcher.launch import LaunchConfig, worker_env
+from multigpu.launcher.config import LaunchConfig
+from multigpu.launcher.environment import inherited, worker_env
+from multigpu.launcher.process_groups import end_sessions, exit_status
 from multigpu.planning.measured import Measurement
 from multigpu.runtime import peers
 from multigpu.strategies import get_strategy
@@ -133,7 +135,7 @@ def _argv(run: MeasureRun, spec_path: Path) -> tuple[list[str], dict[str, str]]:
         argv += ["--nproc-per-node", str(run.devices), "--grace-period", str(_KILL_GRACE_S), worker, str(spec_path)]
         return argv, dict(os.environ)
     devices = _dp_devices(run.devices) if get_strategy(run.strategy).launch_devices else None
-    env = {**os.environ, **worker_env(LaunchConfig(strategy=run.strategy, devices=devices), run.strategy, 1)}
+    env = {**inherited(os.environ), **worker_env(LaunchConfig(strategy=run.strategy, devices=devices), run.strategy, 1)}
     return [sys.executable, worker, str(spec_path)], env
 
 
@@ -164,9 +166,11 @@ def _measure_one(
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             try:
                 timed_out = _wait(proc, run, started, share, limit, progress)
-            finally:  # Ctrl-C here (its own session does not get the terminal's signal) or any error: end it
-                if proc.poll() is None:
-                    _kill_group(proc)
+            finally:  # past its share, Ctrl-C here (its own session does not get the terminal's signal), any
+                # error, or a run that left helpers behind: end its session; the launcher forwards the SIGTERM to
+                # its workers and kills them after its own grace period (_KILL_GRACE_S), so it gets 5 s more
+                end_sessions([proc.pid], grace_s=_KILL_GRACE_S + 5.0)
+                proc.wait()
                 _kill_workers(Path(folder), spec_path)  # in sessions of their own (torch elastic): not in proc's group
         wall = time.monotonic() - started
         if progress is not None:
@@ -218,34 +222,17 @@ def _wait(
     limit: float,
     progress: Progress | None,
 ) -> bool:
-    """Wait for ``proc`` until ``limit`` seconds after ``started``; True when it had to be killed."""
-    while True:
-        try:
-            proc.wait(timeout=0.2)
-            return False
-        except subprocess.TimeoutExpired:
-            pass
+    """Wait for ``proc`` until ``limit`` seconds after ``started``; True when it was still running then.
+
+    It is left unreaped, so its pid names its session until :func:`end_sessions` has swept it."""
+    while exit_status(proc.pid) is None:
         elapsed = time.monotonic() - started
         if progress is not None:
             progress(run, elapsed, share)
         if elapsed > limit:
-            _kill_group(proc)
             return True
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """Stop ``proc`` and everything in its session: SIGTERM, then SIGKILL once the launcher's own grace
-    period for its workers (``_KILL_GRACE_S``) has passed."""
-    for sig, wait_s in ((signal.SIGTERM, _KILL_GRACE_S + 5.0), (signal.SIGKILL, 10.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait_s)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    with contextlib.suppress(ProcessLookupError):  # workers of a launcher that already exited
-        os.killpg(proc.pid, signal.SIGKILL)
+        time.sleep(0.2)
+    return False
 
 
 def _kill_workers(folder: Path, spec_path: Path) -> None:

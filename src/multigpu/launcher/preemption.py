@@ -15,19 +15,17 @@ pre-emption's.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import threading
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 from multigpu.errors import LaunchError
+from multigpu.launcher.config import LaunchConfig
+from multigpu.launcher.process_groups import end_sessions
 from multigpu.runtime.world import slurm_job_id
-
-if TYPE_CHECKING:
-    from multigpu.launcher.launch import LaunchConfig
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # scontrol answers in a second when SLURM's controller does; SLURM kills the job KillWait (30 s by default)
@@ -110,8 +108,7 @@ def _run(argv: list[str], *, timeout_s: float) -> tuple[int, str]:
     try:
         returncode = child.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(child.pid, signal.SIGKILL)
+        end_sessions([child.pid], grace_s=0.0, first=None)  # a hung scontrol: SIGKILL, with all it started
         child.wait()
         raise
     finally:

@@ -8,8 +8,9 @@ too; a plain ``subprocess.call`` left it running. :func:`run_supervised`:
   workers, so a terminal's Ctrl-C reaches the launcher once and the launcher forwards it once;
 - forwards SIGINT, SIGTERM, SIGHUP and SIGUSR1 to the child's process group (the script and anything it
   started, e.g. DataLoader workers);
-- after the first forwarded signal, gives the group ``grace_s`` seconds to exit, then SIGKILLs it;
-- once the child has exited after a signal, SIGKILLs whatever is left in its process group.
+- after the first forwarded signal, gives the child ``grace_s`` seconds to exit, then SIGKILLs its
+  group, and once it has exited after a signal, whatever is left of its session
+  (:func:`multigpu.launcher.process_groups.end_sessions`, the launcher's one terminator).
 
 ddp launches get the same from torch elastic's agent (it handles SIGINT, SIGTERM, SIGHUP and
 SIGQUIT, and kills its workers after its shutdown timeout, which ``multigpu launch`` sets to the
@@ -31,6 +32,8 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 from typing import Any
+
+from multigpu.launcher.process_groups import end_sessions, exit_status
 
 # SIGUSR1: what SLURM sends before a pre-emption (sbatch --signal=USR1@120): the workers save and stop
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
@@ -70,34 +73,30 @@ def run_supervised(argv: Sequence[str], env: dict[str, str], *, grace_s: float) 
     for signum in received:
         _signal_group(child.pid, signum)
     try:
-        return _wait(child, received, grace_s)
+        return _wait(child.pid, received, grace_s)
     finally:
         _restore(previous)
-        if received or child.poll() is None:  # stopped by a signal (or by an error here): sweep the group
-            _signal_group(child.pid, signal.SIGKILL)
-            child.wait()
+        if received or exit_status(child.pid) is None:  # stopped by a signal (or by an error here): sweep the group
+            end_sessions([child.pid], grace_s=0.0, first=None)
+        child.wait()  # reaped only now: until here its pid named its group alone
 
 
-def _wait(child: subprocess.Popen[bytes], received: list[int], grace_s: float) -> int:
-    deadline: float | None = None
-    while True:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            code = child.wait(timeout=_POLL_S)
-            if code == 0 and received:  # it saved and stopped on the signal: report the stop, as torchrun's agent does
-                return 128 + received[0]
-            return 128 - code if code < 0 else code
-        if received and deadline is None:
-            deadline = time.monotonic() + grace_s
-        if deadline is not None and time.monotonic() >= deadline:
+def _wait(pid: int, received: list[int], grace_s: float) -> int:
+    while (code := exit_status(pid)) is None and not received:
+        time.sleep(_POLL_S)
+    if code is None:  # a signal was forwarded: the grace period, then SIGKILL (process_groups.end_sessions)
+        code = None if end_sessions([pid], grace_s=grace_s, first=None) else exit_status(pid)
+        if code is None:  # still running when the grace ended (killed now)
             name = signal.Signals(received[0]).name
             print(
-                f"multigpu launch: the script did not exit within {grace_s:g} s of {name}; killing it",
+                f"multigpu launch: the script did not exit within {grace_s:g} s of {name}; killed it",
                 file=sys.stderr,
                 flush=True,
             )
-            _signal_group(child.pid, signal.SIGKILL)
-            child.wait()
             return 128 + received[0]
+    if code == 0 and received:  # it saved and stopped on the signal: report the stop, as torchrun's agent does
+        return 128 + received[0]
+    return 128 - code if code < 0 else code
 
 
 def _restore(previous: dict[signal.Signals, Any]) -> None:

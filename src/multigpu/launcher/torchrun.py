@@ -8,7 +8,7 @@ the nodes never met). Single-node runs bind the rendezvous store to the loopback
 given port after checking it is free, or else on a port the store picks itself (c10d on port 0).
 
 Example:
-    >>> from multigpu.launcher.launch import LaunchConfig
+    >>> from multigpu.launcher.config import LaunchConfig
     >>> build_torchrun_args(LaunchConfig(nproc_per_node=2, master_port=29555), "t.py", [])[:4]
     ['--nnodes', '1', '--nproc-per-node', '2']
 """
@@ -22,19 +22,17 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 from multigpu.devices import process_device_type
-from multigpu.errors import ConfigError, LaunchError
+from multigpu.errors import LaunchError
 from multigpu.launcher import evidence, slow_ranks
+from multigpu.launcher.config import STREAMS, LaunchConfig
 from multigpu.launcher.preflight import check_listen_address, check_process_count
 from multigpu.launcher.root_cause import format_summary, from_torch, merge
 from multigpu.runtime import failure_records
 from multigpu.runtime.scheduler_world import DEFAULT_PORT
+from multigpu.runtime.worker_env import WorkerEnv
 from multigpu.runtime.world import check_world_matches_devices
-
-if TYPE_CHECKING:
-    from multigpu.launcher.launch import LaunchConfig
 
 LOOPBACK = "127.0.0.1"
 ENTRY_MODULE = "multigpu.launcher._entry"
@@ -56,45 +54,6 @@ def resolve_nproc(config: LaunchConfig) -> int:
     if kind.name == "cpu":  # ... that the node can run
         check_process_count(nproc, "--nproc-per-node ", fix="spread the world over several nodes (--nnodes)")
     return nproc
-
-
-def check_rendezvous_options(config: LaunchConfig) -> None:
-    """Refuse rendezvous options torchrun would fail on with a traceback, or silently misread, naming the flag
-    (called by :class:`~multigpu.launcher.launch.LaunchConfig`).
-
-    Raises:
-        ConfigError: an empty address or run id (torchrun would pick the loopback address, or a random id that
-            the other nodes cannot share), an endpoint whose port is not one, or ``--rdzv-conf`` that is not
-            ``KEY=VALUE,...``.
-    """
-    for flag, value in (
-        ("--master-addr", config.master_addr),
-        ("--local-addr", config.local_addr),
-        ("--rdzv-endpoint", config.rdzv_endpoint),
-    ):
-        if value is not None and (not isinstance(value, str) or not value.strip()):
-            raise ConfigError(f"{flag} {value!r} is empty; pass an address (e.g. 10.0.0.1) or leave the flag out")
-    if not isinstance(config.rdzv_id, str) or not config.rdzv_id.strip():
-        raise ConfigError(
-            f"--rdzv-id {config.rdzv_id!r} is empty (torchrun would make up a different one on every node); pass one "
-            "id that every node shares, e.g. --rdzv-id job42, or leave it out"
-        )
-    if config.rdzv_endpoint is not None:
-        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
-        try:
-            parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=29400)
-        except ValueError as exc:
-            raise ConfigError(
-                f"--rdzv-endpoint {config.rdzv_endpoint!r}: {exc} Pass HOST:PORT, e.g. 10.0.0.1:29400"
-            ) from None
-    pairs = [part.split("=", 1) for part in config.rdzv_conf.split(",")] if config.rdzv_conf else []
-    bad = [part for part in pairs if len(part) != 2 or not part[0].strip() or not part[1].strip()]
-    if bad:
-        raise ConfigError(
-            f"--rdzv-conf {config.rdzv_conf!r}: {'='.join(bad[0])!r} is not KEY=VALUE; pass settings as "
-            "KEY=VALUE,... e.g. --rdzv-conf join_timeout=600"
-        )
 
 
 def build_torchrun_args(
@@ -163,7 +122,7 @@ def log_args(config: LaunchConfig, log_dir: str) -> list[str]:
     a file on a full disk would otherwise take the workers' errors off the console. torchrun's layout: ``LOG_DIR/<run id>_<random>/attempt_<k>/<local_rank>/{stdout,stderr}.log``.
 
     Example:
-        >>> from multigpu.launcher.launch import LaunchConfig
+        >>> from multigpu.launcher.config import LaunchConfig
         >>> log_args(LaunchConfig(log_dir="/tmp/logs"), "/tmp/logs")
         ['--log-dir', '/tmp/logs', '--redirects', '3', '--tee', '3']
     """
@@ -172,15 +131,6 @@ def log_args(config: LaunchConfig, log_dir: str) -> list[str]:
     if config.local_ranks_filter is not None:
         args += ["--local-ranks-filter", ",".join(str(r) for r in config.local_ranks_filter)]
     return args
-
-
-def logs_requested(config: LaunchConfig) -> bool:
-    """Whether the user asked for per-rank logs (``--log-dir``, ``--tee`` or ``--local-ranks-filter``)."""
-    return config.log_dir is not None or config.tee is not None or config.local_ranks_filter is not None
-
-
-# torchrun's numbers for the standard streams (its Std flags), by the names --tee takes
-STREAMS = {"none": 0, "stdout": 1, "stderr": 2, "both": 3}
 
 
 def run_torchrun(config: LaunchConfig, args: list[str], env: dict[str, str], script: str) -> int:
@@ -202,7 +152,9 @@ def run_torchrun(config: LaunchConfig, args: list[str], env: dict[str, str], scr
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
-    with _environment(env), _signal_handlers_restored(), _slow_ranks_told(env.get("MULTIGPU_FAILURE_DIR")):
+    # an outer launch's settings in this process's environment are not this launch's (environment.inherited)
+    failure_dir = WorkerEnv.read(env, "failure_dir")
+    with _environment(env, drop=WorkerEnv.variables()), _signal_handlers_restored(), _slow_ranks_told(failure_dir):
         try:
             run(parse_args(args))
         except (RendezvousError, DistError) as exc:  # before any worker ran: the nodes never met
@@ -223,7 +175,7 @@ def run_torchrun(config: LaunchConfig, args: list[str], env: dict[str, str], scr
             # rank that failed only because the cause's rank exited: name the cause instead
             # and the agent reports only the ranks that had exited by then: add the workers' own records
             # (of the last attempt: the agent gives up once its restarts are spent)
-            folder = env["MULTIGPU_FAILURE_DIR"]
+            folder = WorkerEnv.read(env, "failure_dir")
             skipped: list[str] = []  # garbage in the run folder: named in the summary, never a crash or a hang
             recorded = failure_records.read(folder, attempt=config.max_restarts, skipped=skipped)
             finished = failure_records.read_finished(folder, attempt=config.max_restarts)
@@ -265,11 +217,13 @@ def _signal_handlers_restored() -> Iterator[None]:
 
 
 @contextmanager
-def _environment(extra: dict[str, str]) -> Iterator[None]:
-    """Set ``extra`` in os.environ (torchrun hands its environment to the workers), then put the whole
+def _environment(extra: dict[str, str], *, drop: Sequence[str] = ()) -> Iterator[None]:
+    """Set ``extra`` in os.environ, less ``drop`` (torchrun hands its environment to the workers), then put the whole
     environment back: torch's launcher also sets variables in its caller's process
     (``TORCHELASTIC_SIGNALS_TO_HANDLE``, ``OMP_NUM_THREADS``), which a library caller must not inherit."""
     saved = dict(os.environ)
+    for name in drop:
+        os.environ.pop(name, None)
     os.environ.update(extra)
     try:
         yield

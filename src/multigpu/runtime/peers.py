@@ -25,6 +25,7 @@ import os
 import signal
 
 from multigpu.core.run_files import UnreadableFile, read_bytes
+from multigpu.runtime.worker_env import WorkerEnv
 
 _ENVIRON_BYTES = 1 << 20  # the kernel passes at most a few MiB; a worker's is a few KiB
 
@@ -119,6 +120,7 @@ def _is_worker(pid: int, *, rank: int, start: int, run_dir: str) -> bool:
         return False
     with contextlib.suppress(UnreadableFile):
         environ = read_bytes(f"/proc/{pid}/environ", limit=_ENVIRON_BYTES).split(b"\0")
-        wanted = {f"MULTIGPU_FAILURE_DIR={run_dir}".encode(), f"RANK={rank}".encode()}
+        told = {**WorkerEnv(failure_dir=run_dir).to_environ(), "RANK": str(rank)}  # what its launcher told it
+        wanted = {f"{name}={value}".encode() for name, value in told.items()}
         return wanted <= set(environ)
     return False

@@ -1,15 +1,13 @@
 """The process's place in a multi-process run: launch environment, process group, main process.
 
-This is the one module that reads the launcher's environment variables (``RANK``,
-``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
-multigpu's own (``MULTIGPU_STRATEGY``, ``MULTIGPU_DEVICES``, ``MULTIGPU_COLLECTIVE_TIMEOUT``,
-``MULTIGPU_BIND_CORES``, ``MULTIGPU_FAILURE_DIR``, ``MULTIGPU_DEBUG``, ``MULTIGPU_STDERR_COPY``, and the
-fault-tolerant launch's ``MULTIGPU_REPLICA_GROUP``, ``MULTIGPU_REPLICA_GROUPS``, ``MULTIGPU_LIGHTHOUSE``, set by
-``multigpu launch``), torch elastic's ``TORCHELASTIC_RESTART_COUNT``, torch's ``TORCH_DISTRIBUTED_DEBUG``
-(set for ``--debug``: :func:`enable_torch_debug`), and the user's ``OMP_NUM_THREADS``, ``MULTIGPU_CACHE_DIR`` and
-``XDG_CACHE_HOME``; which scheduler started the
-process and the world its variables say (torchrun's ``RANK``/``WORLD_SIZE``, a PyTorchJob pod's, MPI's,
-SLURM's) it asks :mod:`multigpu.runtime.schedulers`, whose one priority tuple decides.
+This is the one module that reads the launcher's environment variables: torch's (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, through
+:mod:`multigpu.runtime.schedulers`), multigpu's own ``MULTIGPU_*`` settings and ``OMP_NUM_THREADS``, decoded
+by :class:`~multigpu.runtime.worker_env.WorkerEnv` (:func:`worker_settings`), torch elastic's
+``TORCHELASTIC_RESTART_COUNT``, torch's ``TORCH_DISTRIBUTED_DEBUG`` (set for ``--debug``:
+:func:`enable_torch_debug`) and the user's ``MULTIGPU_CACHE_DIR`` / ``XDG_CACHE_HOME`` (:func:`cache_dir`); which
+scheduler started the process and the world its variables say (torchrun's, a PyTorchJob pod's, MPI's, SLURM's)
+it asks :mod:`multigpu.runtime.schedulers`, whose one priority tuple decides.
 Everything else asks :func:`read_launch_env`. It is also the one place that answers "which rank
 am I, is a process group up, am I the main process" (:func:`global_rank`, :func:`world_size`,
 :func:`in_process_group`, :func:`is_main_process`): the collectives, the failure messages, the
@@ -25,9 +23,7 @@ One process's life under ``multigpu launch`` (or torchrun)::
 
 from __future__ import annotations
 
-import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,12 +32,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from multigpu.core.limits import WEEK_S, seconds_bound
 from multigpu.devices import device_type_names, get_device_type, process_device_type
 from multigpu.errors import DeviceError, LaunchError
 from multigpu.runtime import schedulers
 from multigpu.runtime.group_store import group_store
-from multigpu.runtime.scheduler_world import parse_count, shown
+from multigpu.runtime.scheduler_world import parse_count
+from multigpu.runtime.worker_env import WorkerEnv
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -105,7 +101,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | Non
     env = os.environ if environ is None else environ
     # the one process of a multigpu launch (single, dp): the launcher was the scheduler's task; SLURM's or
     # MPI's variables it inherited are not its world (torch's, set for it, still are)
-    found = schedulers.detect_worker(env, launched_alone=bool(env.get("MULTIGPU_STRATEGY")))
+    found = schedulers.detect_worker(env, launched_alone=bool(env.get(WorkerEnv.variable("strategy"))))
     if found is None:
         return None
     return LaunchEnv(
@@ -168,51 +164,49 @@ def scheduler_report() -> dict[str, str]:
     return rows
 
 
+def worker_settings() -> WorkerEnv:
+    """What the launcher asked of this process (``MULTIGPU_*``, ``OMP_NUM_THREADS``); a plain process: the defaults.
+
+    Raises:
+        LaunchError: one of the variables does not parse (named, with its value and the fix).
+    """
+    return WorkerEnv.from_environ(os.environ)
+
+
 def requested_strategy() -> str | None:
     """The strategy ``multigpu launch --strategy`` asked for (``MULTIGPU_STRATEGY``), if any."""
-    return os.environ.get("MULTIGPU_STRATEGY") or None
+    return worker_settings().strategy
 
 
 def requested_devices() -> str | None:
     """The devices ``multigpu launch --devices`` asked for (``MULTIGPU_DEVICES``), if any."""
-    return os.environ.get("MULTIGPU_DEVICES") or None
+    return worker_settings().devices
 
 
 def bind_cores_requested() -> bool:
     """Whether ``multigpu launch`` asked this worker to bind to its share of the cores (``MULTIGPU_BIND_CORES``)."""
-    return os.environ.get("MULTIGPU_BIND_CORES") == "1"
+    return worker_settings().bind_cores
 
 
 def collective_timeout_s() -> float:
     """Seconds a collective waits for a missing rank (``multigpu launch --collective-timeout``, else 600)."""
-    value = os.environ.get("MULTIGPU_COLLECTIVE_TIMEOUT", "")
-    if not value:
-        return DEFAULT_TIMEOUT_S
-    try:
-        seconds = float(value) if value.isascii() else math.nan
-    except ValueError:
-        seconds = math.nan
-    if not 0 < seconds <= WEEK_S:  # nan, 0, or inf, which would overflow torch's timer in every worker
-        raise LaunchError(
-            f"{shown('MULTIGPU_COLLECTIVE_TIMEOUT', value)} is not a number of seconds > 0 and at most "
-            f"{seconds_bound(WEEK_S)}; pass multigpu launch --collective-timeout SECONDS (e.g. 600)"
-        )
-    return seconds
+    seconds = worker_settings().collective_timeout_s
+    return DEFAULT_TIMEOUT_S if seconds is None else seconds
 
 
 def failure_dir() -> str | None:
     """Where this worker records its failure for the launcher's summary (``MULTIGPU_FAILURE_DIR``), if set."""
-    return os.environ.get("MULTIGPU_FAILURE_DIR") or None
+    return worker_settings().failure_dir
 
 
 def stderr_copy_requested() -> bool:
     """Whether ``multigpu launch`` asked this worker to copy its stderr for the summary (``MULTIGPU_STDERR_COPY``)."""
-    return os.environ.get("MULTIGPU_STDERR_COPY") == "1"
+    return worker_settings().stderr_copy
 
 
 def debug_requested() -> bool:
     """Whether ``multigpu launch --debug`` asked for the collective checks (``MULTIGPU_DEBUG``)."""
-    return os.environ.get("MULTIGPU_DEBUG") == "1"
+    return worker_settings().debug
 
 
 def enable_torch_debug() -> None:
@@ -260,10 +254,10 @@ def restart_count() -> int:
 
 
 def configured_threads() -> int | None:
-    """The per-process thread count the user set (``OMP_NUM_THREADS``), if any."""
-    value = os.environ.get("OMP_NUM_THREADS", "")
-    # ASCII digits, few enough for int(): OpenMP's own forms ('4,2') and the rest are left to OpenMP
-    return int(value) if re.fullmatch(r"0*[1-9][0-9]{0,5}", value) else None
+    """The per-process thread count the user set (``OMP_NUM_THREADS``), if any (only it is read: the launcher
+    asks this before it starts workers, whatever ``MULTIGPU_*`` variables its own environment holds)."""
+    threads: int | None = WorkerEnv.read(os.environ, "threads")
+    return threads
 
 
 def cache_dir() -> Path:
@@ -422,29 +416,17 @@ def is_main_process() -> bool:
 
 def replica_group() -> int | None:
     """This worker's replica group, 0..R-1 (``MULTIGPU_REPLICA_GROUP``); None outside ``--fault-tolerant``."""
-    return _replica_count("MULTIGPU_REPLICA_GROUP", minimum=0)
+    return worker_settings().replica_group
 
 
 def replica_groups() -> int | None:
     """How many replica groups the run has (``MULTIGPU_REPLICA_GROUPS``); None outside ``--fault-tolerant``."""
-    return _replica_count("MULTIGPU_REPLICA_GROUPS", minimum=1)
+    return worker_settings().replica_groups
 
 
 def lighthouse_address() -> str | None:
     """The torchft lighthouse the replica groups meet at (``MULTIGPU_LIGHTHOUSE``, ``http://host:port``)."""
-    return os.environ.get("MULTIGPU_LIGHTHOUSE") or None
-
-
-def _replica_count(name: str, *, minimum: int) -> int | None:
-    value = os.environ.get(name, "")
-    if not value:
-        return None
-    if not (value.isascii() and value.isdigit()) or int(value) < minimum:
-        raise LaunchError(
-            f"{shown(name, value)} is not a count >= {minimum}; it is set by "
-            "'multigpu launch --fault-tolerant --replicas R': start the script that way"
-        )
-    return int(value)
+    return worker_settings().lighthouse
 
 
 def _url_host(addr: str) -> str:
