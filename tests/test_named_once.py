@@ -34,12 +34,15 @@ _COLLECTIVES = {
     "reduce_scatter_tensor",
     "all_to_all",
 }
-# the exceptions ARCHITECTURE.md names: the pre-emption flag, --debug's own check, the probes that time collectives
+# the exceptions ARCHITECTURE.md names: the pre-emption flag, --debug's own check, the probes that time
+# collectives, a background checkpoint write's (on a group of its own, beside the training loop's ledger)
 _OUTSIDE_THE_DOOR = {
     "runtime/preemption.py",
     "runtime/tracking.py",
     "planning/calibrate.py",
+    "planning/_machine_probe_worker.py",
     "profiling/_allreduce_worker.py",
+    "checkpoint/ranks.py",  # its _door is issuing on the training thread, and not on a background write's group
 }
 
 

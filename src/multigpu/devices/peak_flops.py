@@ -26,14 +26,20 @@ import json
 import platform
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from multigpu.core.run_files import UnreadableFile, read_json, write_replacing
 
-if TYPE_CHECKING:
-    from multigpu.devices.base import DeviceType
+
+class DeviceType(Protocol):
+    """What this module asks of :class:`multigpu.devices.base.DeviceType` (which imports it)."""
+
+    def synchronize(self, device: torch.device) -> None: ...
+
+    def device_name(self, device: torch.device) -> str: ...
+
 
 # Dense peak FLOP/s by name fragment (checked in order: the first fragment in the device's name wins),
 # from NVIDIA's datasheets: H100 (SXM5, PCIe, NVL), H200, A100 (SXM4 and PCIe alike), V100 (SXM2).

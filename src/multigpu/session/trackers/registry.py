@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Mapping, Sequence
 
+from multigpu.core.lookup import lookup
 from multigpu.errors import ConfigError
 from multigpu.session.trackers.aim_run import AimTracker
 from multigpu.session.trackers.base import Tracker
@@ -34,8 +35,7 @@ def check_trackers(names: object, options: object) -> tuple[str, ...]:
     if isinstance(names, str) or not isinstance(names, Sequence):
         raise ConfigError(f"trackers={names!r} must be a tuple of tracker names, e.g. trackers=('csv', 'mlflow')")
     for name in names:
-        if name not in TRACKERS:
-            raise ConfigError(f"trackers={names!r}: {name!r} is not one of {sorted(TRACKERS)}")
+        lookup(TRACKERS, name, f"trackers={names!r}: {{value!r}} is not one of {{choices}}", choices=sorted(TRACKERS))
     if len(set(names)) != len(names):
         raise ConfigError(f"trackers={names!r} names a tracker twice; list each once")
     if not isinstance(options, Mapping) or not all(isinstance(v, Mapping) for v in options.values()):
