@@ -15,7 +15,8 @@ the end of one to the end of the next, after 20 warm-up steps). Target: at most 
 Kill: a fault-tolerant run of 2 groups, each step sleeping 100 ms until the restarted group is back (so the
 run outlasts the restart); after 20 steps group 1's worker is SIGKILLed at a random point of a step. Reported: the committed steps the survivor lost (its
 ``global_step`` never going back: target 0), and the restarted group's first committed step after its
-process started and after the kill (targets 2 s and 5 s, on a quiet machine). This file is also the
+process started and after the kill (targets 2 s and 5 s, on a quiet machine), beside the time a fresh
+interpreter takes to import torch, torchft and multigpu at that moment. This file is also the
 worker (``--worker``).
 """
 
@@ -139,8 +140,12 @@ def kill_run(steps: int) -> dict[str, float]:
         before = max(r["global_step"] for r in read(out, 0) if r["time"] <= killed_at)
         after = min(r["global_step"] for r in read(out, 0) if r["time"] > killed_at)
         lost = max(0, before - after)  # the survivor's first step after the kill starts from where it stood
+        started = time.perf_counter()  # what a restarted worker spends importing, on this machine now
+        subprocess.run([sys.executable, "-c", "import torch, torchft.manager, multigpu.session"], check=True)
+        imports = time.perf_counter() - started
         return {
             "committed steps lost": float(lost),
+            "of which importing torch, torchft and multigpu (s)": imports,
             "survivor never went back": float(all(b >= a for a, b in itertools.pairwise(survivor))),
             "restarted: first commit after its process started (s)": back["time"] - back["started"],
             "restarted: first commit after the kill (s)": back["time"] - killed_at,
