@@ -7,7 +7,7 @@ Each step sleeps SLEEP_S inside its micro-step (a kill then lands inside the ste
 ``OUT_DIR/hold`` exists, so that a test can keep the run going until a restarted group is back.
 
 Each worker appends one JSON line per ``session.step`` to ``OUT_DIR/group<g>-rank<r>.jsonl``: the group,
-the step's result, ``global_step``, the digest of the weights after the step, the loader's position, the
+the step's result, ``global_step``, the digest of the weights after the step and the weights, the loader's position, the
 first sample of the batch it trained, the pid and the time. A test kills workers by pid from these lines.
 """
 
@@ -62,6 +62,7 @@ def main() -> None:
                         "committed": committed,
                         "global_step": session.global_step,
                         "digest": digest(session.unwrap(model)),
+                        "weights": [float(v) for v in nn.utils.parameters_to_vector(model.parameters())],
                         "position": loader.state_dict()["batch"],
                         "epoch": loader.state_dict()["epoch"],
                         "first": float(x[0, 0]),

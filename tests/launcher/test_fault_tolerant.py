@@ -3,7 +3,8 @@
 One launch of three groups checks most of it (each launch costs the workers' imports, slow on a loaded
 machine): group 1 is SIGKILLed at a random point inside a step, then, once restarted and back, group 2 is;
 the groups that stay go on in the same processes, the step of a kill is committed nowhere, each restarted
-group receives the state live and every group holds the same weights at every committed step.
+group receives the state live and every group holds the same weights at every committed step. The oracle:
+until the first kill, the three groups' weights equal those of one ddp run of 3 processes (to float rounding).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 from multigpu.cli.main import main
 from multigpu.errors import ConfigError
 from multigpu.launcher.launch import LaunchConfig
-from tests.launching import kill_tree, start_launch
+from tests.launching import kill_tree, launch_workers, start_launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -129,6 +130,17 @@ def test_groups_outlive_two_kills_in_sequence_and_the_restarted_ones_rejoin_with
                     r["epoch"],
                     r["position"],
                 ), (group, r)
+    # until the first kill the groups trained as one ddp run of 3 processes does (the oracle), to float rounding:
+    # DDP divides each rank's gradient by 3 before summing, torchft the sum
+    last_before_kill = [r for r in by_group[1] if r["pid"] == first_pid][-1]
+    before_kill = [r for r in survivor if r["time"] <= last_before_kill["time"]]
+    ddp_out = tmp_path / "ddp"
+    ddp_out.mkdir()
+    launch_workers(WORKER, str(ddp_out), str(len(before_kill)), nproc=3)
+    ddp = records(ddp_out, 0)
+    assert len(before_kill) >= 3
+    for ours, theirs in zip(before_kill, ddp):
+        assert max(abs(a - b) for a, b in zip(ours["weights"], theirs["weights"])) < 1e-6
     # the killed groups were restarted once each and took up the run where it stood, not at step 1
     for group, old in ((1, first_pid), (2, second_pid)):
         restarted = [r for r in by_group[group] if r["pid"] != old]
