@@ -331,7 +331,7 @@ def train():
         with Session(strategy="auto") as session:
             session.setup_model(torch.nn.Linear(4, 4))
             threads, strategy = torch.get_num_threads(), session.strategy_name
-    told = {{k: v for k, v in os.environ.items() if k.startswith("MULTIGPU_")}}
+    told = {{k: v for k, v in os.environ.items() if k.startswith("MULTIGPU_") and k != "MULTIGPU_CACHE_DIR"}}
     return {{"strategy": strategy, "told": told,
             "warnings": [str(w.message) for w in caught], "mmapped_again": mmapped_again(), "threads": threads}}
 
