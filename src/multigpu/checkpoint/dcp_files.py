@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from multigpu.checkpoint.file_kinds import open_regular
 from multigpu.checkpoint.folders import (
     DATA_NAME,
     FIX,
@@ -42,7 +43,6 @@ from multigpu.checkpoint.folders import (
     read_manifest,
 )
 from multigpu.checkpoint.formats import check_total
-from multigpu.checkpoint.regular_files import open_regular
 from multigpu.errors import CheckpointError
 
 MAX_METADATA_BYTES = 256 << 20  # an index of millions of tensors stays far below

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
 from multigpu.checkpoint.atomic import ASIDE_MARKER, atomic_write_file, remove_tree
-from multigpu.checkpoint.regular_files import open_regular
+from multigpu.checkpoint.file_kinds import entry_is, open_regular, refuse
 from multigpu.checkpoint.safetensors_file import read_header
 from multigpu.errors import CheckpointError, ConfigError
 
@@ -371,6 +371,4 @@ def recorded_step(folder: Path) -> int | None:
 
 
 def bad(path: Path, entry: str, found: Any, expected: str) -> NoReturn:
-    shown = repr(found)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    raise CheckpointError(f"{str(path)!r}: {entry} is {shown}; expected {expected}. The checkpoint is damaged. {FIX}")
+    refuse(path, entry_is(entry, found, expected) + ". The checkpoint is damaged", FIX)

@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
+from multigpu.checkpoint.file_kinds import entry_is, refuse
 from multigpu.checkpoint.folders import MAX_STEP, MAX_WORLD_SIZE
 from multigpu.checkpoint.formats import check_plain_tensor
 from multigpu.checkpoint.ranks import device_rng_keys
@@ -61,11 +62,12 @@ class Refusal:
         self.file = file
 
     def fail(self, entry: str, found: Any, expected: str) -> NoReturn:
-        raise CheckpointError(
-            f"{str(self.file)!r}: {entry} is {_SHORT.repr(found)}; expected {expected}. Nothing was "
-            "loaded (model, optimizer, scheduler, scaler and random state are as before). The "
-            "checkpoint is damaged or was written for another setup: resume from another step "
-            "(Checkpointer.resume(path=...)) or pass the objects it was saved with."
+        refuse(
+            self.file,
+            entry_is(entry, found, expected) + ". Nothing was loaded (model, optimizer, scheduler, scaler and "
+            "random state are as before)",
+            "The checkpoint is damaged or was written for another setup: resume from another step "
+            "(Checkpointer.resume(path=...)) or pass the objects it was saved with.",
         )
 
 
