@@ -2,9 +2,8 @@
 
 :class:`Staging` copies a save's state into host buffers on the caller's thread (tensors that share
 memory keep sharing it, so tied weights are written once as in a blocking save); the buffers are kept
-and reused by the next save (pinned where the device wants it, e.g. CUDA). :class:`Staged` is the
-one-file storage of :mod:`protocol` over that snapshot, so the write is the same protocol step as a
-blocking save, only on another thread.
+and reused by the next save (pinned where the device wants it, e.g. CUDA). The storage written over
+that snapshot (``OneFile.staged``) runs the same protocol step as a blocking save, only on another thread.
 
 :class:`BackgroundWrite` owns that thread: at most one write in flight, started by :meth:`start` and
 joined by :meth:`join`, which hands back what the write raised (once). The thread is not a daemon:
@@ -22,14 +21,10 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from multigpu.checkpoint.folders import MODEL_FILE
-from multigpu.checkpoint.formats import write_tensors
-from multigpu.checkpoint.safetensors_file import CHECKSUM_KEY, read_header
 from multigpu.devices import get_device_type
 from multigpu.errors import CheckpointError
 
@@ -97,25 +92,6 @@ class Staging:
         result = walk(state)
         del self._buffers[used:]  # what this state no longer needs
         return result
-
-
-class Staged:
-    """The one-file storage (:class:`~multigpu.checkpoint.protocol.OneFile`'s save side) over a snapshot."""
-
-    collective = False
-
-    def __init__(self, weights: Mapping[str, torch.Tensor], optimizer: dict[str, Any] | None) -> None:
-        self.weights, self.optimizer = weights, optimizer
-
-    def saved_optimizer(self) -> dict[str, Any] | None:
-        return self.optimizer
-
-    def write(self, tmp: Path, target: Path, step: int) -> str:
-        write_tensors(self.weights, tmp / MODEL_FILE, metadata={"step": str(step)})
-        return read_header(tmp / MODEL_FILE).metadata[CHECKSUM_KEY]
-
-    def seal(self, tmp: Path, written: list[Any], step: int, world_size: int) -> str:
-        return str(written[0])
 
 
 class BackgroundWrite:

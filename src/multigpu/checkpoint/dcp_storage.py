@@ -11,9 +11,10 @@ with the same error; then each rank's slices are read into fresh tensors, and on
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,16 +37,28 @@ from multigpu.checkpoint.dcp_files import (
     MODEL,
     _quiet,
     check_files,
+    checked_index,
     dcp_load,
     describe_failure,
     failure_causes,
+    files_bytes,
+    model_entries,
     read_metadata,
 )
-from multigpu.checkpoint.folders import STATE_FILE, FileRecord, own_files, read_manifest, write_manifest
+from multigpu.checkpoint.folders import (
+    MANIFEST_FILE,
+    METADATA_FILE,
+    STATE_FILE,
+    FileRecord,
+    own_files,
+    read_manifest,
+    recorded_step,
+    regular_files,
+    write_manifest,
+)
 from multigpu.checkpoint.ranks import agreed
 from multigpu.checkpoint.torch_file import load_torch_file
-from multigpu.checkpoint.validate import Refusal, TrainingState
-from multigpu.checkpoint.weights import describe_mismatch
+from multigpu.checkpoint.validate import Refusal, TrainingState, describe_mismatch
 from multigpu.core.keys import unwrap
 from multigpu.errors import CheckpointError, MultigpuError
 from multigpu.runtime.collective_failures import explain_collective_failures
@@ -159,7 +172,43 @@ class Sharded:
         folder: the step folder being resumed (names it in errors of the ranks' agreement).
     """
 
-    collective = True
+    name: ClassVar[str] = "dcp"
+    files: ClassVar[tuple[str, ...]] = (MANIFEST_FILE, METADATA_FILE)
+    collective: ClassVar[bool] = True
+
+    # --- the folder ---
+
+    @classmethod
+    def serves(cls, model: nn.Module) -> bool:
+        return is_sharded_model(model)
+
+    @classmethod
+    def holds(cls, folder: Path) -> bool:
+        # Any entry of these names counts (a pipe, a folder, a dangling link): reading it then says what is wrong.
+        return any(os.path.lexists(folder / name) for name in cls.files)
+
+    @classmethod
+    def is_complete(cls, folder: Path) -> bool:
+        return regular_files(folder, (*cls.files, STATE_FILE))
+
+    @classmethod
+    def recorded_step(cls, folder: Path) -> int | None:
+        return recorded_step(folder)
+
+    @classmethod
+    def describe(
+        cls, folder: Path, *, allow_unsafe_pickle: bool
+    ) -> tuple[Path, str, int, list[tuple[str, tuple[int, ...], Any]], dict[str, str], dict[str, Any]]:
+        index, _ = checked_index(folder, crc=False)  # sizes only: inspect reads no data
+        structure = [(key, tuple(e.size), e.properties.dtype) for key, (_, e) in model_entries(index).items()]
+        facts: dict[str, Any] = {"shard files": len({i.relative_path for i in index.storage_data.values()})}
+        if any(k.startswith(f"{OPTIMIZER}.") for k in index.state_dict_metadata):
+            facts["optimizer"] = True  # in the shards (state.pt holds it only before its first step)
+        return folder, cls.name, files_bytes(folder), structure, {}, facts
+
+    @classmethod
+    def weights(cls, folder: Path) -> Path:
+        return folder
 
     def __init__(self, model: nn.Module, optimizer: Any | None, *, folder: Path | None = None) -> None:
         self.model, self.optimizer, self.folder = model, optimizer, folder
@@ -174,6 +223,9 @@ class Sharded:
         # What DCP writes is taken here, once, on every rank (it does not communicate).
         self._shards, plain = live_state(self.model, self.optimizer)
         return plain
+
+    def staged(self, weights: Mapping[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> Sharded:
+        raise NotImplementedError("every rank writes its shards: a sharded save is not staged")  # (collective)
 
     def write(self, tmp: Path, target: Path, step: int) -> dict[str, FileRecord] | str:
         try:

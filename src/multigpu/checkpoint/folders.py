@@ -1,12 +1,10 @@
-"""The step-N folders of a Checkpointer: their names, which are complete, and a sharded one's manifest.
+"""The step-N folders of a Checkpointer: their names, and the manifest of a sharded one.
 
 A checkpoint folder is named exactly ``f"step-{step:08d}"`` (ASCII digits, the step at most
-:data:`MAX_STEP`); anything else is someone else's folder, never read, never pruned. It is complete
-when it is a real folder holding its files as regular files: ``model.safetensors`` and ``state.pt``,
-or, sharded, ``manifest.json``, DCP's ``.metadata`` and ``state.pt``. A step whose replacement was
-interrupted is found under its hidden aside name (:func:`~multigpu.checkpoint.atomic.install_folder`).
-``manifest.json`` marks a sharded folder and records every DCP file's size and CRC-32; ``state.pt``
-records its digest. Layout and rules: docs/checkpoints.md.
+:data:`MAX_STEP`); a step being replaced waits under a hidden aside name
+(:func:`~multigpu.checkpoint.atomic.install_folder`). Which folders are checkpoints, the storages say
+(:mod:`storages`). ``manifest.json`` marks a sharded folder and records every DCP file's size and
+CRC-32; ``state.pt`` records its digest. Layout and rules: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -15,18 +13,15 @@ import json
 import os
 import re
 import stat
-import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
-from multigpu.checkpoint.atomic import ASIDE_MARKER, atomic_write_file, remove_tree
+from multigpu.checkpoint.atomic import atomic_write_file
 from multigpu.checkpoint.file_kinds import entry_is, open_regular, refuse
-from multigpu.checkpoint.safetensors_file import read_header
 from multigpu.errors import CheckpointError, ConfigError
 
-MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
 METADATA_FILE = ".metadata"  # DCP's name for its index
@@ -87,160 +82,11 @@ def check_count(value: object, name: str, *, maximum: int = MAX_STEP) -> int:
     return value
 
 
-# --- discovery ---
-
-
-@dataclass(frozen=True, order=True)
-class Found:
-    step: int
-    path: Path
-
-
-def complete_checkpoints(folder: Path, *, warn: bool = True) -> list[Found]:
-    """The complete checkpoints in ``folder``, oldest step first.
-
-    Entries named like checkpoints that are not (``step-99999999999999999999``, ``step-5``,
-    a symlink, a file, a folder missing a file) are skipped with one warning listing them.
-    """
-    found: dict[int, Found] = {}
-    asides: dict[int, Path] = {}
-    ignored: list[str] = []
-    for entry in _entries(folder):
-        name = entry.name
-        step = parse_step(name)
-        if step is not None and is_complete(entry):
-            found[step] = Found(step, entry)
-        elif step is not None or name.startswith(PREFIX):
-            ignored.append(name)
-        else:
-            aside_step = parse_aside(name)
-            if aside_step is not None and _is_aside_of(entry, aside_step):
-                asides[aside_step] = entry
-    for step, path in asides.items():
-        found.setdefault(step, Found(step, path))
-    if ignored and warn:
-        shown = ", ".join(sorted(ignored)[:5]) + (f" (+{len(ignored) - 5} more)" if len(ignored) > 5 else "")
-        warnings.warn(
-            f"ignoring {len(ignored)} entries of {str(folder)!r} that are not complete checkpoints: {shown}. "
-            f"Checkpoint folders are named {PREFIX}NNNNNNNN and hold {MODEL_FILE} (or, sharded, {MANIFEST_FILE} "
-            f"and {METADATA_FILE}) and {STATE_FILE}.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return sorted(found.values())
-
-
-def find_latest(folder: str | os.PathLike[str]) -> Path | None:
-    """The complete ``step-N`` checkpoint folder with the highest N in ``folder``, or ``None``.
-
-    Temporary folders of interrupted saves are never returned.
-
-    Example:
-        >>> find_latest("/nonexistent") is None
-        True
-    """
-    complete = complete_checkpoints(Path(folder))
-    return complete[-1].path if complete else None
-
-
-def is_complete(path: Path) -> bool:
-    """Whether ``path`` is a real folder holding a checkpoint's files as regular files (either format)."""
-    try:
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            return False
-    except OSError:
-        return False
-    return _regular_files(path, (MODEL_FILE, STATE_FILE)) or _regular_files(
-        path, (MANIFEST_FILE, METADATA_FILE, STATE_FILE)
-    )
-
-
-def _regular_files(folder: Path, names: tuple[str, ...]) -> bool:
+def regular_files(folder: Path, names: tuple[str, ...]) -> bool:
     try:
         return all(stat.S_ISREG(os.lstat(folder / name).st_mode) for name in names)
     except OSError:
         return False
-
-
-def recorded_step_of(folder: Path) -> int | None:
-    """The step a checkpoint's own files record (weights header or manifest), or ``None``.
-
-    A Checkpointer writes it into every checkpoint; a folder without it was not written by one.
-    """
-    if is_sharded_folder(folder):
-        return recorded_step(folder)
-    try:
-        text = read_header(folder / MODEL_FILE).metadata.get("step")
-    except (CheckpointError, OSError):
-        return None
-    if text is None or not (text.isascii() and text.isdigit()) or len(text) > 19 or str(int(text)) != text:
-        return None
-    return int(text)
-
-
-def recover_asides(folder: Path) -> list[Path]:
-    """Put back steps whose replacement was interrupted; drop asides whose step is complete again.
-
-    Call only while holding the folder's lock (:func:`~multigpu.checkpoint.atomic.folder_lock`).
-
-    Returns:
-        The step folders restored.
-    """
-    restored = []
-    for entry in _entries(folder):
-        step = parse_aside(entry.name)
-        if step is None:
-            continue
-        final = entry.with_name(entry.name[1:].split(ASIDE_MARKER, 1)[0])
-        if is_complete(final):
-            remove_tree(entry)  # the replacement finished; this is the old copy
-        elif not os.path.lexists(final) and _is_aside_of(entry, step):
-            os.rename(entry, final)
-            restored.append(final)
-        # else: something else sits under the step's name; leave both alone
-    return restored
-
-
-def check_replaceable(target: Path) -> None:
-    """Refuse to save over ``target`` (a ``step-N`` path) unless it is absent or a checkpoint of step N a Checkpointer wrote.
-
-    A re-save replaces the step's folder whole; a folder of that name that a Checkpointer did not
-    write (someone's files, a foreign or incomplete checkpoint), a file or a link would be lost.
-
-    Raises:
-        CheckpointError: naming the entry, what it is, and the fix.
-    """
-    step = parse_step(target.name)
-    try:
-        mode = os.lstat(target).st_mode
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(mode) and is_complete(target) and recorded_step_of(target) == step:
-        return
-    if stat.S_ISLNK(mode):
-        what = "a symbolic link"
-    elif not stat.S_ISDIR(mode):
-        what = "not a folder"
-    elif is_complete(target):
-        what = "a checkpoint no Checkpointer wrote for this step (its files do not record it)"
-    else:
-        what = "a folder without a complete checkpoint"
-    raise CheckpointError(
-        f"cannot save step {step}: {str(target)!r} exists and is {what}; saving would replace it and lose what "
-        "it holds. Move it away (or delete it if it is not needed), or save into another folder."
-    )
-
-
-def _is_aside_of(path: Path, step: int) -> bool:
-    # Hidden entries are ours only if complete and their weights record the step (a cheap header read).
-    return is_complete(path) and recorded_step_of(path) == step
-
-
-def _entries(folder: Path) -> list[Path]:
-    try:
-        return list(folder.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 
 # --- manifest.json ---

@@ -37,27 +37,17 @@ from typing import Any, NoReturn, Protocol
 from torch import nn
 
 from multigpu.checkpoint.atomic import remove_tree
-from multigpu.checkpoint.background import BackgroundWrite, Staged, Staging
-from multigpu.checkpoint.dcp_storage import Sharded, is_sharded_model
-from multigpu.checkpoint.folders import (
-    METADATA_FILE,
-    MODEL_FILE,
-    STATE_FILE,
-    check_count,
-    complete_checkpoints,
-    find_latest,
-    folder_name,
-    is_sharded_folder,
-    recorded_step_of,
-)
-from multigpu.checkpoint.protocol import OneFile, Storage, resume_step, save_step
+from multigpu.checkpoint.background import BackgroundWrite, Staging
+from multigpu.checkpoint.folders import STATE_FILE, check_count, folder_name
+from multigpu.checkpoint.protocol import resume_step, save_step
 from multigpu.checkpoint.ranks import capture_rng, gather_on_main, run_on_main
+from multigpu.checkpoint.storages import complete_checkpoints, find_latest, recorded_step_of, storage_for, storage_of
 from multigpu.checkpoint.validate import FORMAT_VERSION, TrainingState, walk_plain
 from multigpu.core.keys import unwrap
 from multigpu.errors import CheckpointError, ConfigError
 from multigpu.runtime.world import world_size
 
-__all__ = ["MODEL_FILE", "STATE_FILE", "Checkpointer", "Resumed", "Stateful", "find_latest"]
+__all__ = ["STATE_FILE", "Checkpointer", "Resumed", "Stateful", "find_latest"]
 
 
 class Stateful(Protocol):
@@ -232,8 +222,7 @@ class Checkpointer:
                 **counters,
             }
 
-        sharded = is_sharded_model(model)  # fsdp: every rank writes its own shards (dcp_storage)
-        storage: Storage = Sharded(model, optimizer) if sharded else OneFile(model, optimizer)
+        storage = storage_for(model)(model, optimizer)  # fsdp's: every rank writes its own shards (dcp_storage)
 
         def write() -> None:
             save_step(
@@ -245,14 +234,14 @@ class Checkpointer:
                 prune=lambda just_written: self._prune(just_written=just_written),
             )
 
-        if self._writer is not None and self._staging is not None and not sharded:
+        if self._writer is not None and self._staging is not None and not storage.collective:
             writer, staging = self._writer, self._staging
 
             def start() -> None:  # the main process: snapshot now, write in the background
                 snapshot = staging.copy(
                     {"state": entries(), "optimizer": storage.saved_optimizer(), "model": unwrap(model).state_dict()}
                 )
-                staged = Staged(snapshot["model"], snapshot["optimizer"])
+                staged = storage.staged(snapshot["model"], snapshot["optimizer"])
                 prune = lambda just_written: self._prune(just_written=just_written)  # noqa: E731
                 writer.start(
                     lambda: save_step(
@@ -262,7 +251,7 @@ class Checkpointer:
                 )
 
             run_on_main(start, f"copying checkpoint {target} into memory")
-        elif sharded:
+        elif storage.collective:
             if self.async_save and not self._warned_sharded:
                 self._warned_sharded = True
                 warnings.warn(
@@ -312,16 +301,12 @@ class Checkpointer:
         locate = (lambda: Path(path)) if path is not None else self.latest
         parts = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
         first = locate()
-        storage: Storage
-        # A sharded model and a DCP index without its manifest: the manifest's absence is the fault to name.
-        if first is not None and (
-            is_sharded_folder(first) or (is_sharded_model(model) and os.path.lexists(first / METADATA_FILE))
-        ):
-            storage, locate = Sharded(model, optimizer, folder=first), lambda: first
-        elif first is not None and is_sharded_model(model):
-            raise CheckpointError(_UNSHARDED_INTO_SHARDED.format(folder=str(first)))
-        else:
-            storage = OneFile(model, optimizer)
+        # The storage that holds the folder (a sharded one whose manifest is missing too: its index names it),
+        # else the one that would save this model; a collective one reads the folder the ranks agreed on.
+        kind = (storage_of(first) if first is not None else None) or storage_for(model)
+        storage = kind(model, optimizer, folder=first)
+        if storage.collective:
+            locate = lambda: first  # noqa: E731
 
         def holds_loader(folder: Path, checked: TrainingState) -> None:
             if loader is None:
@@ -385,15 +370,9 @@ class Checkpointer:
 
 _LOADER_KEY = "loader"  # data_position's entry for save(loader=...)
 
-_UNSHARDED_INTO_SHARDED = (
-    "{folder!r} is an unsharded checkpoint (model.safetensors, saved without fsdp) and the model is sharded "
-    "by fsdp: resuming its optimizer state into shards is not supported. Load its weights with "
-    "multigpu.load(model, '{folder}/model.safetensors') and start a fresh optimizer, or resume it without fsdp."
-)
-
 
 def _written_here(folder: Path, step: int) -> bool:
-    # Prune only what a Checkpointer wrote: its weights header (or manifest) records the folder's step.
+    # Prune only what a Checkpointer wrote: its storage's files record the folder's step.
     return recorded_step_of(folder) == step
 
 
