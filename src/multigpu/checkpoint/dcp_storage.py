@@ -34,7 +34,10 @@ from torch.distributed.tensor import DTensor
 from multigpu.checkpoint.atomic import explain_os_errors
 from multigpu.checkpoint.dcp_files import (
     DCP_FAILURES,
+    MANIFEST_FILE,
+    METADATA_FILE,
     MODEL,
+    FileRecord,
     _quiet,
     check_files,
     checked_index,
@@ -43,19 +46,14 @@ from multigpu.checkpoint.dcp_files import (
     failure_causes,
     files_bytes,
     model_entries,
-    read_metadata,
-)
-from multigpu.checkpoint.folders import (
-    MANIFEST_FILE,
-    METADATA_FILE,
-    STATE_FILE,
-    FileRecord,
     own_files,
     read_manifest,
+    read_metadata,
+    read_sharded_weights,
     recorded_step,
-    regular_files,
     write_manifest,
 )
+from multigpu.checkpoint.folders import STATE_FILE, regular_files
 from multigpu.checkpoint.ranks import agreed
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import Refusal, TrainingState, describe_mismatch
@@ -207,8 +205,11 @@ class Sharded:
         return folder, cls.name, files_bytes(folder), structure, {}, facts
 
     @classmethod
-    def weights(cls, folder: Path) -> Path:
-        return folder
+    def read_weights(
+        cls, folder: Path, *, allow_unsafe_pickle: bool, max_expansion: float
+    ) -> tuple[Mapping[str, torch.Tensor], dict[str, str]]:
+        step = recorded_step(folder)  # a DCP folder written elsewhere has none
+        return read_sharded_weights(folder, max_expansion=max_expansion), {} if step is None else {"step": str(step)}
 
     def __init__(self, model: nn.Module, optimizer: Any | None, *, folder: Path | None = None) -> None:
         self.model, self.optimizer, self.folder = model, optimizer, folder

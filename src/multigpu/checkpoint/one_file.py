@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from multigpu.checkpoint.folders import MAX_STEP, STATE_FILE, regular_files
-from multigpu.checkpoint.formats import detect_format, read_structure, read_tensors, write_tensors
+from multigpu.checkpoint.formats import check_expansion, detect_format, read_structure, read_tensors, write_tensors
 from multigpu.checkpoint.safetensors_file import CHECKSUM_KEY, read_header
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import Refusal, TrainingState, plan_load
@@ -86,8 +86,12 @@ class OneFile:
         return path, detect_format(path), path.stat().st_size, structure, metadata, {}
 
     @classmethod
-    def weights(cls, folder: Path) -> Path:
-        return folder / MODEL_FILE
+    def read_weights(
+        cls, folder: Path, *, allow_unsafe_pickle: bool, max_expansion: float
+    ) -> tuple[Mapping[str, torch.Tensor], dict[str, str]]:
+        tensors, metadata = read_tensors(folder / MODEL_FILE, allow_unsafe_pickle=allow_unsafe_pickle)
+        check_expansion(tensors, folder / MODEL_FILE, max_expansion=max_expansion)
+        return tensors, metadata
 
     # --- save ---
 

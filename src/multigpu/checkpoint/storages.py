@@ -89,8 +89,11 @@ class Storage(Writes, Protocol):
         tensor's key, shape and dtype, metadata, and facts beyond ``state.pt``'s (e.g. ``{"shard files": 2}``)."""
 
     @classmethod
-    def weights(cls, folder: Path) -> Path:
-        """What ``multigpu ckpt convert`` reads the whole weights of ``folder`` from (a file or the folder)."""
+    def read_weights(
+        cls, folder: Path, *, allow_unsafe_pickle: bool, max_expansion: float
+    ) -> tuple[Mapping[str, torch.Tensor], dict[str, str]]:
+        """The whole tensors of ``folder``'s model and their metadata (``multigpu.load``, ``ckpt convert``), read
+        by this process alone; refuses tensors that take more than ``max_expansion`` times their bytes on disk."""
 
     def staged(self, weights: Mapping[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> Writes:
         """This storage's writer over a snapshot in memory (``async_save``); only a storage that is not collective."""

@@ -26,8 +26,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from multigpu.checkpoint.dcp_files import is_dcp_folder, read_sharded_weights
-from multigpu.checkpoint.folders import recorded_step
 from multigpu.checkpoint.formats import Format, check_expansion, read_tensors, write_tensors
 from multigpu.checkpoint.ranks import run_on_main
 from multigpu.checkpoint.storages import STORAGES, storage_of
@@ -124,19 +122,15 @@ def load(
 def read_weights(
     path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False, max_expansion: float = math.inf
 ) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
-    """The whole tensors and metadata of a weights file, a DCP folder or a Checkpointer's step folder, checked first.
+    """The whole tensors and metadata of a weights file, or of a folder a storage holds (a step folder, any DCP folder).
 
-    A DCP folder (a Checkpointer's under fsdp) is read by this process alone; its metadata is the
-    step its manifest records. A step folder is read from its storage's weights (:mod:`storages`).
+    A folder is read by its storage (:mod:`storages`), by this process alone.
 
     Raises:
         CheckpointError: the file or folder is damaged, or its tensors, made contiguous, would take
             more than ``max_expansion`` times its bytes on disk.
     """
     folder = Path(path)
-    if is_dcp_folder(folder):
-        step = recorded_step(folder)
-        return read_sharded_weights(folder, max_expansion=max_expansion), {} if step is None else {"step": str(step)}
     if folder.is_dir():
         storage = storage_of(folder)
         if storage is None:
@@ -144,9 +138,10 @@ def read_weights(
                 f"{str(path)!r} is a folder without {' or '.join(s.files[0] for s in STORAGES)} (a checkpoint's "
                 "weights); give a weights file, or a step-N folder a Checkpointer wrote."
             )
-        return read_weights(
-            storage.weights(folder), allow_unsafe_pickle=allow_unsafe_pickle, max_expansion=max_expansion
+        tensors, metadata = storage.read_weights(
+            folder, allow_unsafe_pickle=allow_unsafe_pickle, max_expansion=max_expansion
         )
+        return OrderedDict(tensors), metadata
     tensors, metadata = read_tensors(path, allow_unsafe_pickle=allow_unsafe_pickle)
     check_expansion(tensors, path, max_expansion=max_expansion)
     return tensors, metadata
