@@ -15,10 +15,11 @@ holds completely. A step whose replacement was interrupted is found under its hi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -133,6 +134,18 @@ def storage_for(model: nn.Module) -> type[Storage]:
     if found is None:
         raise CheckpointError(f"no checkpoint storage serves a {type(model).__name__}: {[s.name for s in STORAGES]}")
     return found
+
+
+@contextlib.contextmanager
+def reading(folder: Path) -> Iterator[None]:
+    """A storage's file missing while ``folder`` is read whole (a dangling link, a file removed): a CheckpointError."""
+    try:
+        yield
+    except FileNotFoundError as exc:
+        raise CheckpointError(
+            f"{str(folder)!r} is not a complete checkpoint folder: {str(exc.filename or exc)!r} is missing. Give a "
+            "step-N folder a Checkpointer wrote, or the folder it saved into (its latest step is read)."
+        ) from exc
 
 
 def is_complete(path: Path) -> bool:

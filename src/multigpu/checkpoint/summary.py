@@ -23,7 +23,7 @@ import torch
 from multigpu.checkpoint.dcp_files import files_bytes
 from multigpu.checkpoint.folders import MAX_STEP, STATE_FILE, parse_aside, parse_step
 from multigpu.checkpoint.formats import detect_format, read_structure
-from multigpu.checkpoint.storages import STORAGES, Structure, find_latest, storage_of
+from multigpu.checkpoint.storages import STORAGES, Structure, find_latest, reading, storage_of
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import check_counters
 from multigpu.core.keys import find_prefixes
@@ -97,7 +97,10 @@ def summarize(path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False
     if storage is None:
         structure, metadata = read_structure(found, allow_unsafe_pickle=allow_unsafe_pickle)
         return _summary(found, detect_format(found), found.stat().st_size, structure, metadata, _step_in(metadata), {})
-    shown, format, size, structure, metadata, facts = storage.describe(found, allow_unsafe_pickle=allow_unsafe_pickle)
+    with reading(found):
+        shown, format, size, structure, metadata, facts = storage.describe(
+            found, allow_unsafe_pickle=allow_unsafe_pickle
+        )
     state = _training_state(found, allow_unsafe_pickle)
     if state:
         facts = {**state, **facts, "optimizer": state["optimizer"] or facts.get("optimizer", False)}

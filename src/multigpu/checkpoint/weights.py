@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from multigpu.checkpoint.formats import Format, check_expansion, read_tensors, write_tensors
 from multigpu.checkpoint.ranks import run_on_main
-from multigpu.checkpoint.storages import STORAGES, storage_of
+from multigpu.checkpoint.storages import STORAGES, reading, storage_of
 from multigpu.checkpoint.validate import plan_load
 from multigpu.core.keys import clean_state_dict, unwrap
 from multigpu.errors import CheckpointError
@@ -138,9 +138,10 @@ def read_weights(
                 f"{str(path)!r} is a folder without {' or '.join(s.files[0] for s in STORAGES)} (a checkpoint's "
                 "weights); give a weights file, or a step-N folder a Checkpointer wrote."
             )
-        tensors, metadata = storage.read_weights(
-            folder, allow_unsafe_pickle=allow_unsafe_pickle, max_expansion=max_expansion
-        )
+        with reading(folder):
+            tensors, metadata = storage.read_weights(
+                folder, allow_unsafe_pickle=allow_unsafe_pickle, max_expansion=max_expansion
+            )
         return OrderedDict(tensors), metadata
     tensors, metadata = read_tensors(path, allow_unsafe_pickle=allow_unsafe_pickle)
     check_expansion(tensors, path, max_expansion=max_expansion)
