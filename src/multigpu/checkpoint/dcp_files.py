@@ -187,11 +187,6 @@ def bad(path: Path, entry: str, found: Any, expected: str) -> NoReturn:
     refuse(path, entry_is(entry, found, expected) + ". The checkpoint is damaged", FIX)
 
 
-def is_dcp_folder(path: Path) -> bool:
-    """Whether ``path`` is a folder holding a DCP checkpoint (DCP's index, or a sharded checkpoint's manifest)."""
-    return path.is_dir() and ((path / METADATA_FILE).is_file() or is_sharded_folder(path))
-
-
 # --- .metadata: DCP's pickled index, read without running code -------------------------------
 
 _METADATA_CLASSES = {
