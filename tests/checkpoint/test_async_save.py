@@ -9,9 +9,11 @@ leaves the previous checkpoint whole and the latest.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,13 +27,15 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.atomic import is_temporary
 from multigpu.checkpoint.background import Staging
+from multigpu.checkpoint.dcp_storage import Sharded, live_state
 from multigpu.errors import CheckpointError, ConfigError
 from tests.checkpoint import _sharded as sh
-from tests.launching import launch_workers, start_python
+from tests.launching import launch_workers, multigpu_launch, start_python
 
 WORKER = Path(__file__).parent / "workers" / "async_saves.py"
 
@@ -166,6 +170,20 @@ def test_resume_waits_for_a_failed_write_and_the_next_wait_raises_it(tmp_path: P
     assert checkpointer.latest() == tmp_path / "step-00000001"
 
 
+@pytest.mark.filterwarnings("ignore:ignoring 1 entries")
+def test_a_failure_of_a_dropped_checkpointer_is_printed(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "step-00000001").write_text("not a checkpoint")  # the write of step 1 must refuse it
+    checkpointer = ckpt.Checkpointer(folder=tmp_path, async_save=True)
+    checkpointer.save(step=1, model=nn.Linear(8, 8))
+    for thread in threading.enumerate():
+        if thread.name.startswith("multigpu-checkpoint-"):
+            thread.join(timeout=60)
+    del checkpointer
+    gc.collect()
+    err = capfd.readouterr().err
+    assert "multigpu: " in err and "step-00000001" in err, err
+
+
 def _communicate(child: Any, timeout: float = 120) -> tuple[str, str]:
     try:
         return child.communicate(timeout=timeout)  # type: ignore[no-any-return]
@@ -235,7 +253,9 @@ def test_a_failed_write_on_rank_0_is_raised_on_every_rank(tmp_path: Path) -> Non
         line = next((x for x in output.splitlines() if f"rank {rank} wait:" in x), "")
         assert "step-00000002" in line and "file-size limit" in line, output[-3000:]
     assert "rank 0 failed writing the last checkpoint in the background" in output
-    assert ckpt.Checkpointer(folder=tmp_path / "ckpt").steps() == [1, 3]
+    assert ckpt.Checkpointer(folder=tmp_path / "ckpt").steps() == [3, 4]
+    for rank in (0, 1):  # every rank's resume waited for rank 0's write of step 4
+        assert f"rank {rank} resumed: 4 4.0" in output, output[-3000:]
 
 
 def test_staging_keeps_views_and_values_and_reuses_its_buffers() -> None:
@@ -267,11 +287,111 @@ def one_rank() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def test_under_fsdp_async_save_warns_and_saves_blocking(one_rank: None, tmp_path: Path) -> None:
+def test_under_fsdp_save_returns_before_the_shards_are_written_and_resumes_bit_identical(
+    one_rank: None, tmp_path: Path
+) -> None:
+    run = sh.build_run(sh.sharded_model())
+    parts = lambda r: sh.local([r.model.state_dict(), r.optimizer.state_dict(), r.scheduler.state_dict()])  # noqa: E731
+    saved = {0: parts(run)}  # step 0: an optimizer that has not stepped (its param groups go into state.pt)
+    with ckpt.Checkpointer(folder=tmp_path, async_save=True, keep_last=None) as checkpointer:
+        for step in (0, 1, 2):
+            if step:
+                saved[step] = parts(run)
+            checkpointer.save(step=step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler)
+            sh.train_step(run, step)  # at once: the shards were staged
+            with torch.no_grad():
+                for p in run.model.parameters():
+                    p.add_(1.0)
+        checkpointer.wait()
+        assert checkpointer.steps() == [0, 1, 2]
+        for step in (0, 1, 2):
+            again = sh.build_run(sh.sharded_model())
+            resumed = checkpointer.resume(
+                path=tmp_path / f"step-{step:08d}",
+                model=again.model,
+                optimizer=again.optimizer,
+                scheduler=again.scheduler,
+            )
+            assert resumed is not None and resumed.step == step
+            assert _same(saved[step], parts(again)), step
+    assert (tmp_path / "step-00000002" / "manifest.json").is_file()
+
+
+def test_under_fsdp_checkpointers_share_one_group_and_take_turns(one_rank: None, tmp_path: Path) -> None:
     run = sh.build_run(sh.sharded_model())
     sh.train_step(run, 0)
-    checkpointer = ckpt.Checkpointer(folder=tmp_path, async_save=True)
-    with pytest.warns(RuntimeWarning, match="a model sharded by fsdp is still saved blocking"):
-        checkpointer.save(step=1, model=run.model, optimizer=run.optimizer)
-    assert checkpointer.steps() == [1]  # on disk when save returned
-    checkpointer.close()
+    groups = dist.distributed_c10d.get_pg_count()
+    checkpointers = [ckpt.Checkpointer(folder=tmp_path / str(i), async_save=True) for i in range(3)]
+    for i, checkpointer in enumerate(checkpointers):  # one writes while the next saves: it waits for it
+        checkpointer.save(step=i + 1, model=run.model, optimizer=run.optimizer)
+    assert dist.distributed_c10d.get_pg_count() == groups + 1  # not a group per Checkpointer
+    for i, checkpointer in enumerate(checkpointers):
+        checkpointer.close()
+        assert checkpointer.steps() == [i + 1]
+
+
+def test_sharded_staging_copies_into_the_same_host_memory_at_every_save(one_rank: None) -> None:
+    run = sh.build_run(sh.sharded_model())
+    sh.train_step(run, 0)
+    staging = Staging()  # a Checkpointer's, kept between saves
+    first = Sharded(run.model, run.optimizer).staged(staging)._shards
+    where = {k: v.to_local().data_ptr() if isinstance(v, DTensor) else v.data_ptr() for k, v in _leaves(first)}
+    sh.train_step(run, 1)
+    live = live_state(run.model, run.optimizer)[0]
+    second = Sharded(run.model, run.optimizer).staged(staging)._shards
+    assert _same(sh.local(second), sh.local(live))  # this save's values
+    assert where == {k: v.to_local().data_ptr() if isinstance(v, DTensor) else v.data_ptr() for k, v in _leaves(second)}
+    assert all(
+        v.to_local().data_ptr() != w.to_local().data_ptr()
+        for (_, v), (_, w) in zip(_leaves(live), _leaves(second))
+        if isinstance(v, DTensor)
+    )
+
+
+def _leaves(shards: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [
+        (f"{part}.{k}", v) for part, values in shards.items() for k, v in values.items() if isinstance(v, torch.Tensor)
+    ]
+
+
+FSDP_WORKER = Path(__file__).parent / "workers" / "fsdp_async.py"
+
+
+@pytest.mark.multiprocess
+def test_fsdp_async_saves_round_trip_fail_on_every_rank_survive_a_kill_and_finish_at_a_stop(tmp_path: Path) -> None:
+    folder, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    done = multigpu_launch(
+        "--strategy", "fsdp", "--nproc-per-node", "2", "--max-restarts", "1", str(FSDP_WORKER), str(folder), str(out),
+        timeout_s=240,
+    )  # fmt: skip
+    report = f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, report
+    # A failure in the background write (rank 1's file-size limit) is raised on both ranks by the next save,
+    # and again by wait, with its real cause; step 1 stays whole and the latest.
+    for rank in (0, 1):
+        save, wait, steps = (out / f"failure-rank{rank}.txt").read_text().splitlines()
+        for line, where in ((save, "save"), (wait, "wait")):
+            assert line.startswith(f"{where}: ") and "step-00000002" in line, line
+            assert "a file-size limit was hit, not a full disk" in line and "is full" not in line, line
+        assert steps == f"steps: [1] latest: {folder / 'step-00000001'}", steps
+    # Rank 1 was killed inside its background write of step 2, after save had returned; the restart resumed
+    # step 1 on both ranks, bit for bit as it was when save was called, random states included.
+    assert (out / "returned-rank1.txt").is_file()
+    killed = (out / "killed.txt").read_text().split()
+    assert killed[-1] == "multigpu-checkpoint-step-00000002" and ".step-00000002.tmp" in killed[1], killed
+    for rank in (0, 1):
+        expected = torch.load(out / f"expected-rank{rank}.pt")
+        found = torch.load(out / f"resumed-rank{rank}.pt")
+        assert found.pop("step") == 1
+        assert _same(expected, found), rank
+    # Stopped by a SIGTERM to rank 1: the last save's write (slowed) was finished before the group closed.
+    stop = int((out / "stopped.txt").read_text())
+    assert "multigpu: writing checkpoint" not in done.stderr, report
+    checkpointer = ckpt.Checkpointer(folder=folder)
+    assert checkpointer.latest() == folder / f"step-{stop:08d}" and checkpointer.steps() == [stop - 1, stop]
+    assert not [p for p in folder.iterdir() if is_temporary(p)]
+    whole = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    with pytest.warns(RuntimeWarning, match="resuming at world_size=1 from a checkpoint saved at world_size=2"):
+        resumed = checkpointer.resume(model=whole)  # one process reads the sharded checkpoint whole: it is complete
+    assert resumed is not None and resumed.step == stop and resumed.saved_world_size == 2

@@ -319,6 +319,24 @@ def test_a_size_limit_during_the_shard_write_leaves_the_previous_checkpoint_and_
     assert not [p for p in tmp_path.iterdir() if is_temporary(p)]
 
 
+def test_a_size_limit_inside_a_tensor_write_is_named_as_such(group: None, tmp_path: Path) -> None:
+    # DCP writes a tensor with torch.save, which turns the EFBIG into "RuntimeError: ... unexpected pos"
+    # (the OSError only its context, lost when DCP gathers the ranks' failures): here the first tensor.
+    folder = _saved(tmp_path)
+    run = _fresh_run()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8192, hard))
+    try:
+        with pytest.raises(
+            CheckpointError, match=r"File too large \(errno 27\): a file-size limit was hit, not a full"
+        ):
+            ckpt.Checkpointer(folder=tmp_path).save(step=3, model=run.model)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert ckpt.find_latest(tmp_path) == folder
+    assert not [p for p in tmp_path.iterdir() if is_temporary(p)]
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # torch's own save, alone: as meant
 def test_a_folder_that_passes_the_checks_but_fails_in_dcp_is_a_checkpoint_error(tmp_path: Path) -> None:
     # A DCP folder written by torch itself (no manifest, so no checksums), whose index sends each

@@ -25,6 +25,7 @@ from torch import nn
 import multigpu
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint import storages
+from multigpu.checkpoint.background import Staging
 from multigpu.checkpoint.folders import STATE_FILE, regular_files
 from multigpu.checkpoint.summary import summarize
 from multigpu.checkpoint.torch_file import load_torch_file
@@ -88,9 +89,10 @@ class Toy:
         saved = load_torch_file(folder / TOY_FILE)
         return dict(saved["model"]), {"step": str(saved["step"])}
 
-    def staged(self, weights: Mapping[str, torch.Tensor], optimizer_state: Any) -> Toy:
+    def staged(self, staging: Staging) -> Toy:
+        assert self.model is not None
         copy = Toy(None, None)
-        copy.snapshot = (weights, optimizer_state)
+        copy.snapshot = staging.copy((unwrap(self.model).state_dict(), self.saved_optimizer()))
         return copy
 
     def saved_optimizer(self) -> Any:

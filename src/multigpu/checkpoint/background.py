@@ -2,14 +2,18 @@
 
 :class:`Staging` copies a save's state into host buffers on the caller's thread (tensors that share
 memory keep sharing it, so tied weights are written once as in a blocking save); the buffers are kept
-and reused by the next save (pinned where the device wants it, e.g. CUDA). The storage written over
-that snapshot (``OneFile.staged``) runs the same protocol step as a blocking save, only on another thread.
+and reused by the next save (pinned where the device wants it, e.g. CUDA). A storage's ``staged`` makes
+its writer over such a snapshot, which runs the same protocol step as a blocking save, only on another
+thread. A collective storage's (fsdp's) is written by every rank on its own thread, its collectives
+(DCP's and the protocol's) on a gloo group of their own (:func:`side_group`,
+:func:`~multigpu.checkpoint.ranks.on_group`), as ``torch.distributed.checkpoint.async_save`` asks for:
+they never meet the training loop's collectives on the default group.
 
 :class:`BackgroundWrite` owns that thread: at most one write in flight, started by :meth:`start` and
 joined by :meth:`join`, which hands back what the write raised (once). The thread is not a daemon:
 the interpreter waits for it before exiting (a run that leaves after a pre-emption stop keeps its
-last checkpoint); a failure nobody collected is printed at exit. A SIGKILL mid-write leaves only a
-temporary folder, as for a blocking save.
+last checkpoint); a failure nobody collected is printed at exit, or when its Checkpointer is dropped.
+A SIGKILL mid-write leaves only a temporary folder, as for a blocking save.
 """
 
 from __future__ import annotations
@@ -21,12 +25,16 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from multigpu.checkpoint.ranks import on_group
 from multigpu.devices import get_device_type
 from multigpu.errors import CheckpointError
+from multigpu.runtime.world import collective_timeout_s
 
 
 class Staging:
@@ -34,6 +42,7 @@ class Staging:
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
+        self.kept: dict[str, Any] = {}  # what a storage's staged() keeps between saves besides (DCP's stager)
 
     def copy(self, state: Any) -> Any:
         """``state`` with every tensor copied into a staging buffer; containers are rebuilt, other values kept.
@@ -94,6 +103,29 @@ class Staging:
         return result
 
 
+_side: tuple[Any, Any] | None = None  # (the default group, the background writes' group)
+
+
+def side_group() -> Any:
+    """The gloo group of every rank that this process's collective background writes use, one per default group.
+
+    Creating it is a collective: every rank calls this at the same save (the first asynchronous one
+    of a collective storage, or the first after the default group was made again). It copies the default group's
+    timeout (``--collective-timeout``, ``Session(timeout_s=...)``). One for all Checkpointers, so
+    that a Checkpointer made for each save does not leave a group behind each time: their writes
+    take turns (:meth:`BackgroundWrite.start`).
+    """
+    global _side
+    world = dist.group.WORLD
+    if _side is None or _side[0] is not world:
+        try:  # torch keeps a gloo group's timeout in its options (2.13)
+            timeout = world._get_backend(torch.device("cpu")).options._timeout  # type: ignore[union-attr]
+        except Exception:  # no CPU backend (nccl alone) or another torch: the launch's
+            timeout = timedelta(seconds=collective_timeout_s())
+        _side = (world, dist.new_group(backend="gloo", timeout=timeout))
+    return _side[1]
+
+
 class BackgroundWrite:
     """One write at a time on a thread of its own; what it raised is kept for :meth:`join`."""
 
@@ -101,21 +133,27 @@ class BackgroundWrite:
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._what = ""
+        self._group: Any = None
         _live.add(self)
 
     @property
     def pending(self) -> bool:
         return self._thread is not None
 
-    def start(self, write: Callable[[], Any], what: str) -> None:
-        """Run ``write`` on a new thread; the previous write must have been joined."""
+    def start(self, write: Callable[[], Any], what: str, *, group: Any = None) -> None:
+        """Run ``write`` on a new thread (its checkpoint collectives over ``group``); join the previous first."""
         if self._thread is not None:
             raise RuntimeError("a background checkpoint write is still pending: join it first")
-        self._what, self._failure = what, None
+        if group is not None:  # one write at a time on a group: another Checkpointer's goes first
+            for other in list(_live):  # (every rank saves in the same order, so they wait for the same)
+                if other._group is group:
+                    other.finish()  # its failure stays for its own wait()
+        self._what, self._failure, self._group = what, None, group
 
         def run() -> None:
             try:
-                write()
+                with on_group(group):
+                    write()
             except BaseException as exc:  # kept for the caller's thread, which raises it
                 self._failure = exc
 
@@ -140,6 +178,10 @@ class BackgroundWrite:
         )
         error.__cause__ = failure
         return error
+
+    def __del__(self) -> None:  # a Checkpointer dropped with a failure nobody collected: said, as at exit
+        if self._failure is not None:
+            print(f"multigpu: {self.join()}", file=sys.stderr, flush=True)
 
 
 _live: weakref.WeakSet[BackgroundWrite] = weakref.WeakSet()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -54,13 +55,17 @@ from multigpu.checkpoint.dcp_files import (
     write_manifest,
 )
 from multigpu.checkpoint.folders import STATE_FILE, regular_files
-from multigpu.checkpoint.ranks import agreed
+from multigpu.checkpoint.ranks import agreed, thread_group
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import Refusal, TrainingState, describe_mismatch
 from multigpu.core.keys import unwrap
+from multigpu.devices import get_device_type
 from multigpu.errors import CheckpointError, MultigpuError
 from multigpu.runtime.collective_failures import explain_collective_failures
 from multigpu.runtime.world import global_rank, world_size
+
+if TYPE_CHECKING:
+    from multigpu.checkpoint.background import Staging
 
 T = TypeVar("T")
 OPTIMIZER = "optimizer"
@@ -129,10 +134,32 @@ def apply_state(model: nn.Module, optimizer: Any | None, loaded: dict[str, Any])
 def write_shards(folder: Path, state: dict[str, Any]) -> None:
     """Save ``state`` into ``folder`` with DCP: each rank its slices, rank 0 the index.
 
-    Every rank of the process group must call it. Every file is flushed and ``fsync``ed.
+    Every rank of the process group must call it (DCP's collectives go over this thread's checkpoint
+    group, :func:`~multigpu.checkpoint.ranks.thread_group`). Every file is flushed and ``fsync``ed.
     """
+    writer = _Writer(folder, sync_files=True)
+    if _grouped():  # (no warnings filter: catch_warnings is not thread-safe, and this may run in the background)
+        dcp.save(state, storage_writer=writer, process_group=thread_group())
+        return
     with _quiet():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), no_dist=not _grouped())
+        dcp.save(state, storage_writer=writer, no_dist=True)
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, raising the ``OSError`` behind a short write of a tensor as itself.
+
+    DCP writes each tensor with ``torch.save``, which reports a write past a file-size limit or onto a full
+    disk as ``RuntimeError: ... unexpected pos``, the ``OSError`` only its context; the context does not
+    travel when DCP gathers the ranks' failures, so no rank could tell the cause.
+    """
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            return super().write_data(plan, planner)  # (one thread: a failure is raised here)
+        except RuntimeError as exc:
+            if isinstance(exc.__context__, OSError):
+                raise exc.__context__ from exc
+            raise
 
 
 def read_shards(folder: Path, target: dict[str, Any], metadata: Metadata, *, allow_unsafe_pickle: bool = False) -> None:
@@ -217,16 +244,38 @@ class Sharded:
         self._metadata: Metadata | None = None
         # What an optimizer that has not stepped yet looks like: loading targets initialize its state.
         self._fresh = None if optimizer is None or optimizer.state else optimizer.state_dict()
+        self._shards: dict[str, Any] = {}
+        self._plain: dict[str, Any] | None = None
+        self._staged = False  # a snapshot (staged()): writes what was copied then
 
     # --- save ---
 
     def saved_optimizer(self) -> dict[str, Any] | None:
-        # What DCP writes is taken here, once, on every rank (it does not communicate).
-        self._shards, plain = live_state(self.model, self.optimizer)
-        return plain
+        if not self._staged:  # what DCP writes is taken here, once, on every rank (it does not communicate)
+            self._shards, self._plain = live_state(self.model, self.optimizer)
+        return self._plain
 
-    def staged(self, weights: Mapping[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> Sharded:
-        raise NotImplementedError("every rank writes its shards: a sharded save is not staged")  # (collective)
+    def staged(self, staging: Staging) -> Sharded:
+        """This rank's shards copied into host memory by DCP's stager, the rest through ``staging``.
+
+        DCP's ``DefaultStager`` (what ``torch.distributed.checkpoint.async_save`` stages with) keeps one host
+        copy per source storage, weakly keyed, pinned where the device wants it; kept in ``staging`` between
+        saves, it copies into the same memory again. ``async_save`` itself is not called: its thread would
+        write into a folder the protocol creates only on the write's side (under the folder's lock), and the
+        sealing, rename and agreement of the ranks come after DCP's write on the same thread.
+        """
+        shards, plain = live_state(self.model, self.optimizer)
+        stager = staging.kept.get(self.name)
+        if stager is None:
+            local = [v.to_local() if isinstance(v, DTensor) else v for part in shards.values() for v in part.values()]
+            devices = {t.device for t in local if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
+            pin = any(get_device_type(d).pin_memory for d in devices)
+            stager = staging.kept[self.name] = DefaultStager(StagingOptions(pin, False, False, False))  # synchronous
+        snapshot = Sharded(self.model, None)
+        copied = stager.stage(shards)  # synchronous staging: the copy, not a future of it
+        snapshot._shards = copied if isinstance(copied, dict) else copied.result()
+        snapshot._plain, snapshot._staged = staging.copy(plain), True
+        return snapshot
 
     def write(self, tmp: Path, target: Path, step: int) -> dict[str, FileRecord] | str:
         try:

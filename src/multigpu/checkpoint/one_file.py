@@ -14,7 +14,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import Refusal, TrainingState, plan_load
 from multigpu.core.keys import unwrap
 from multigpu.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from multigpu.checkpoint.background import Staging
 
 T = TypeVar("T")
 MODEL_FILE = "model.safetensors"
@@ -95,10 +98,11 @@ class OneFile:
 
     # --- save ---
 
-    def staged(self, weights: Mapping[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> OneFile:
-        """The storage over a snapshot in memory (``async_save``: :class:`~multigpu.checkpoint.background.Staging`)."""
+    def staged(self, staging: Staging) -> OneFile:
+        """The storage over a copy of the weights and the optimizer state made now through ``staging``."""
+        snapshot = staging.copy((unwrap(self._model()).state_dict(), self.saved_optimizer()))
         storage = OneFile(None, None)
-        storage._snapshot = (weights, optimizer_state)
+        storage._snapshot = (snapshot[0], snapshot[1])
         return storage
 
     def saved_optimizer(self) -> dict[str, Any] | None:

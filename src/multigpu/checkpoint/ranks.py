@@ -18,8 +18,10 @@ CUDA device), so a checkpoint written before there were device objects restores 
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -28,10 +30,38 @@ import torch.distributed as dist
 
 from multigpu.devices import capture_device_rng, device_type_names, restore_device_rng
 from multigpu.errors import CheckpointError
+from multigpu.runtime.collective_failures import explain_collective_failures
 from multigpu.runtime.collectives import issuing
 from multigpu.runtime.world import in_process_group, is_main_process, world_size
 
 T = TypeVar("T")
+_thread = threading.local()  # .group: the process group of this thread's checkpoint collectives
+
+
+@contextlib.contextmanager
+def on_group(group: Any) -> Iterator[None]:
+    """This thread's checkpoint collectives (here and DCP's) go over ``group`` instead of the default group.
+
+    For a write in the background (:mod:`background`): its collectives must not interleave with the
+    training loop's on the default group. ``group`` spans every rank, so its rank 0 is rank 0. They
+    stay outside :func:`~multigpu.runtime.collectives.issuing` (the ledger and ``--debug``'s check
+    follow the training loop's order, which a background thread does not keep); failures are still
+    explained.
+    """
+    _thread.group = group
+    try:
+        yield
+    finally:
+        _thread.group = None
+
+
+def thread_group() -> Any:
+    """The process group this thread's checkpoint collectives use (``None``: the default group)."""
+    return getattr(_thread, "group", None)
+
+
+def _door(what: str) -> contextlib.AbstractContextManager[None]:
+    return issuing(what) if thread_group() is None else explain_collective_failures(what)
 
 
 def is_distributed() -> bool:
@@ -79,8 +109,8 @@ def _from_main(compute: Callable[[], T], what: str, *, share: bool) -> T | None:
         None if failure is None else f"{type(failure).__name__}: {failure}",
     ]
     # Sync point: the other ranks wait here until the main process has finished (or failed).
-    with issuing(f"waiting for rank 0 to finish {what}"):
-        dist.broadcast_object_list(message, src=0)
+    with _door(f"waiting for rank 0 to finish {what}"):
+        dist.broadcast_object_list(message, src=0, group=thread_group())
     if failure is not None:
         raise failure
     if message[1] is not None:
@@ -96,8 +126,8 @@ def gather_on_main(obj: Any, what: str) -> list[Any] | None:
     if not is_distributed():
         return [obj] if is_main_process() else None
     gathered: list[Any] | None = [None] * world_size() if is_main_process() else None
-    with issuing(f"gathering {what} on rank 0"):
-        dist.gather_object(obj, gathered, dst=0)
+    with _door(f"gathering {what} on rank 0"):
+        dist.gather_object(obj, gathered, dst=0, group=thread_group())
     return gathered
 
 
@@ -117,8 +147,10 @@ def agreed(compute: Callable[[], T], what: str) -> T:
             raise failure
         return result  # type: ignore[no-any-return]
     problems: list[Any] = [None] * world_size()
-    with issuing(what):
-        dist.all_gather_object(problems, None if failure is None else f"{type(failure).__name__}: {failure}")
+    with _door(what):
+        dist.all_gather_object(
+            problems, None if failure is None else f"{type(failure).__name__}: {failure}", group=thread_group()
+        )
     if failure is not None:
         raise failure
     for rank, problem in enumerate(problems):

@@ -37,13 +37,19 @@ from typing import Any, NoReturn, Protocol
 from torch import nn
 
 from multigpu.checkpoint.atomic import remove_tree
-from multigpu.checkpoint.background import BackgroundWrite, Staging
+from multigpu.checkpoint.background import BackgroundWrite, Staging, side_group
 from multigpu.checkpoint.folders import STATE_FILE, check_count, folder_name
 from multigpu.checkpoint.protocol import resume_step, save_step
-from multigpu.checkpoint.ranks import capture_rng, gather_on_main, run_on_main
-from multigpu.checkpoint.storages import complete_checkpoints, find_latest, recorded_step_of, storage_for, storage_of
+from multigpu.checkpoint.ranks import agreed, capture_rng, gather_on_main, run_on_main
+from multigpu.checkpoint.storages import (
+    Writes,
+    complete_checkpoints,
+    find_latest,
+    recorded_step_of,
+    storage_for,
+    storage_of,
+)
 from multigpu.checkpoint.validate import FORMAT_VERSION, TrainingState, walk_plain
-from multigpu.core.keys import unwrap
 from multigpu.errors import CheckpointError, ConfigError
 from multigpu.runtime.world import world_size
 
@@ -83,8 +89,8 @@ class Checkpointer:
         async_save: ``save`` returns once the state is copied into memory and the write (the same
             atomic protocol) goes on in the background; :meth:`wait` blocks until it is on disk, and
             the next ``save``, ``wait`` or ``close`` raises its failure on every rank. The process
-            waits for a pending write before it exits. Under fsdp saves still block (see
-            docs/checkpoints.md).
+            waits for a pending write before it exits. Under fsdp every rank stages its shards
+            and writes them on its own thread (see docs/checkpoints.md).
 
     Used as a context manager, it waits for a pending write on exit (:meth:`close`).
     """
@@ -94,8 +100,11 @@ class Checkpointer:
     lock_timeout_s: float = 300.0
     async_save: bool = False
     _writer: BackgroundWrite | None = field(default=None, init=False, repr=False, compare=False)
-    _staging: Staging | None = field(default=None, init=False, repr=False, compare=False)
-    _warned_sharded: bool = field(default=False, init=False, repr=False, compare=False)
+    # The storage's snapshot's and state.pt's entries', each reused by the next save (background.Staging).
+    _staging: tuple[Staging, Staging] | None = field(default=None, init=False, repr=False, compare=False)
+    # Who writes the last asynchronous save that wait() has not collected: "main" (rank 0 alone), "every"
+    # rank (a collective storage: fsdp's), None. The same on every rank: saves and waits are collective.
+    _pending: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.folder = Path(self.folder)
@@ -109,7 +118,7 @@ class Checkpointer:
         if not isinstance(self.async_save, bool):
             raise ConfigError(f"async_save={self.async_save!r} must be True or False.")
         if self.async_save:
-            self._writer, self._staging = BackgroundWrite(), Staging()
+            self._writer, self._staging = BackgroundWrite(), (Staging(), Staging())
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -129,8 +138,8 @@ class Checkpointer:
             CheckpointError: that write failed (on every rank: under a process group every rank
                 must call it); the previous checkpoint is whole and still the latest.
         """
-        writer = self._writer
-        if writer is None:
+        writer, pending = self._writer, self._pending
+        if writer is None or pending is None:
             return
 
         def collect() -> None:
@@ -138,7 +147,11 @@ class Checkpointer:
             if failure is not None:
                 raise failure
 
-        run_on_main(collect, "writing the last checkpoint in the background")
+        self._pending = None  # collected now, raised or not
+        if pending == "every":  # fsdp: each rank joins its own write; all raise if one failed
+            agreed(collect, "writing the last checkpoint in the background")
+        else:
+            run_on_main(collect, "writing the last checkpoint in the background")
 
     def close(self) -> None:
         """Wait for a pending background write (see :meth:`wait`); the Checkpointer stays usable."""
@@ -224,42 +237,34 @@ class Checkpointer:
 
         storage = storage_for(model)(model, optimizer)  # fsdp's: every rank writes its own shards (dcp_storage)
 
+        prune = lambda just_written: self._prune(just_written=just_written)  # noqa: E731
+
         def write() -> None:
-            save_step(
-                self.folder,
-                target,
-                storage,
-                entries(),
-                lock_timeout_s=self.lock_timeout_s,
-                prune=lambda just_written: self._prune(just_written=just_written),
-            )
+            save_step(self.folder, target, storage, entries(), lock_timeout_s=self.lock_timeout_s, prune=prune)
 
-        if self._writer is not None and self._staging is not None and not storage.collective:
-            writer, staging = self._writer, self._staging
+        if self._writer is not None and self._staging is not None:
+            writer, (staging, state_staging) = self._writer, self._staging
+            group = side_group() if storage.collective else None  # the first time: a collective, every rank is here
 
-            def start() -> None:  # the main process: snapshot now, write in the background
-                snapshot = staging.copy(
-                    {"state": entries(), "optimizer": storage.saved_optimizer(), "model": unwrap(model).state_dict()}
-                )
-                staged = storage.staged(snapshot["model"], snapshot["optimizer"])
-                prune = lambda just_written: self._prune(just_written=just_written)  # noqa: E731
+            def stage() -> tuple[Writes, dict[str, Any]]:  # the state into memory now
+                return storage.staged(staging), state_staging.copy(entries())
+
+            def start(snapshot: tuple[Writes, dict[str, Any]]) -> None:  # then written in the background
+                staged, state = snapshot
                 writer.start(
                     lambda: save_step(
-                        self.folder, target, staged, snapshot["state"], lock_timeout_s=self.lock_timeout_s, prune=prune
+                        self.folder, target, staged, state, lock_timeout_s=self.lock_timeout_s, prune=prune
                     ),
                     target.name,
+                    group=group,
                 )
 
-            run_on_main(start, f"copying checkpoint {target} into memory")
+            if storage.collective:  # every rank stages its part (all raise if one failed), then writes it
+                start(agreed(stage, f"copying checkpoint {target} into memory"))
+            else:  # the main process alone
+                run_on_main(lambda: start(stage()), f"copying checkpoint {target} into memory")
+            self._pending = "every" if storage.collective else "main"
         elif storage.collective:
-            if self.async_save and not self._warned_sharded:
-                self._warned_sharded = True
-                warnings.warn(
-                    "async_save=True: a model sharded by fsdp is still saved blocking (each rank writes its "
-                    "shards before save returns).",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
             write()
         else:  # the main process writes, the others wait for it
             run_on_main(write, f"saving checkpoint {target}")
@@ -294,10 +299,15 @@ class Checkpointer:
         of ranks that did not exist before (a warning says so: the run then differs from the
         uninterrupted one). A sharded checkpoint (saved under fsdp) is read with
         torch.distributed.checkpoint: under a process group every rank must call it (the ranks
-        check the folder and read it together); without one, one process reads it whole.
+        check the folder and read it together); without one, one process reads it whole. After
+        an asynchronous save that :meth:`wait` has not collected, every rank must call it: each
+        waits for the write first (under DDP for rank 0's).
         """
-        if self._writer is not None:  # the pending write first; its failure is raised by the next
-            self._writer.finish()  # save/wait/close, where every rank takes part (resume may run on one)
+        if self._writer is not None:  # the pending write first; its failure is raised by the next save/wait/close
+            if self._pending == "main":  # rank 0's: every rank waits for it (else a rank reads the step before)
+                run_on_main(self._writer.finish, "writing the last checkpoint in the background")
+            else:
+                self._writer.finish()
         locate = (lambda: Path(path)) if path is not None else self.latest
         parts = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
         first = locate()

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from multigpu.checkpoint.folders import PREFIX, STATE_FILE, parse_aside, parse_s
 from multigpu.checkpoint.one_file import OneFile
 from multigpu.checkpoint.validate import TrainingState
 from multigpu.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from multigpu.checkpoint.background import Staging
 
 T = TypeVar("T")
 
@@ -96,8 +99,11 @@ class Storage(Writes, Protocol):
         """The whole tensors of ``folder``'s model and their metadata (``multigpu.load``, ``ckpt convert``), read
         by this process alone; refuses tensors that take more than ``max_expansion`` times their bytes on disk."""
 
-    def staged(self, weights: Mapping[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> Writes:
-        """This storage's writer over a snapshot in memory (``async_save``); only a storage that is not collective."""
+    def staged(self, staging: Staging) -> Writes:
+        """This storage's writer over a copy in memory of what :meth:`write` would write, made now (``async_save``)
+        through ``staging``, which the Checkpointer keeps so that the next save reuses its buffers. By the main
+        process, or by every rank if collective (each then writes on its own thread, its collectives on a group
+        of their own: :mod:`background`)."""
 
     def read(self, locate: Callable[[], Path | None], *, allow_unsafe_pickle: bool) -> tuple[Path, Any] | None:
         """The folder ``locate()`` names and its unpickled ``state.pt``, the storage read as one version."""

@@ -9,10 +9,12 @@ the process group's timeout.
 Every collective multigpu issues passes through :func:`issuing` (one door): it notes the collective in
 this rank's ledger, checks under ``--debug`` that every rank issues the same one
 (:mod:`multigpu.runtime.tracking`), and explains a timed-out or broken collective
-(:mod:`multigpu.runtime.collective_failures`). New collectives go through it too. Three stay outside
+(:mod:`multigpu.runtime.collective_failures`). New collectives go through it too. Four stay outside
 on purpose: the pre-emption flag's asynchronous all-reduce (:mod:`multigpu.runtime.preemption`: a
-fingerprint exchange would make it blocking), and the collectives that the DDP profiler and the
-planner's calibration time (the door's cost would be in their figures). DDP's bucketed all-reduce
+fingerprint exchange would make it blocking), the collectives that the DDP profiler and the
+planner's calibration time (the door's cost would be in their figures), and those of a checkpoint
+written in the background, on a group of its own (:func:`multigpu.checkpoint.ranks.on_group`: a
+thread beside the training loop keeps no order with it; their failures are still explained). DDP's bucketed all-reduce
 is entered as one collective per ``session.backward``; its buckets are torch's, checked by
 ``TORCH_DISTRIBUTED_DEBUG``.
 

@@ -8,7 +8,8 @@ background write of step 2 fails; prints ``<where>: <message>`` for the call tha
 the next save, close). ``killed``: step 1 whole, then the background write of a 64 MiB step 2, while
 the caller goes on (the test kills it mid-write). ``exit``: saves step 1 and leaves at once, without
 wait (the interpreter must wait for the write). ``ddp-failure``: rank 0's file size is limited before
-step 2; every rank prints ``rank R wait: <message>``.
+step 2; every rank prints ``rank R wait: <message>``; then
+step 4 is saved (rank 0's write slowed) and resumed at once: ``rank R resumed: <step> <a weight>``.
 """
 
 from __future__ import annotations
@@ -100,6 +101,18 @@ def ddp_failure(folder: Path) -> None:
     except CheckpointError as exc:
         print(f"rank {rank} wait: {exc}", flush=True)
     checkpointer.save(step=3, model=filled(64, 3.0))  # the ranks go on together afterwards
+    # resume waits for the pending write on every rank, not only on rank 0 (whose write is slowed here)
+    root = str(folder.resolve())
+
+    def slow_rename(event: str, args: tuple[object, ...]) -> None:
+        if event == "os.rename" and args and str(args[0]).startswith(root):
+            time.sleep(0.5)
+
+    sys.addaudithook(slow_rename)
+    checkpointer.save(step=4, model=filled(64, 4.0))
+    into = filled(64, 0.0)
+    resumed = checkpointer.resume(model=into)
+    print(f"rank {rank} resumed: {resumed.step if resumed else None} {into.weight.detach()[0, 0].item()}", flush=True)
     checkpointer.close()
     dist.destroy_process_group()
 
