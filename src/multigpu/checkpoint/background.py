@@ -42,7 +42,7 @@ class Staging:
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
-        self.kept: dict[str, Any] = {}  # what a storage's staged() keeps between saves besides (DCP's stager)
+        self.kept: dict[str, Any] = {}  # a storage's own stager, kept between saves too (the sharded one's: DCP's)
 
     def copy(self, state: Any) -> Any:
         """``state`` with every tensor copied into a staging buffer; containers are rebuilt, other values kept.
@@ -109,8 +109,8 @@ _side: tuple[Any, Any] | None = None  # (the default group, the background write
 def side_group() -> Any:
     """The gloo group of every rank that this process's collective background writes use, one per default group.
 
-    Creating it is a collective: every rank calls this at the same save (the first asynchronous one
-    of a collective storage, or the first after the default group was made again). It copies the default group's
+    Creating it is a collective: every rank calls this at the same save (the first asynchronous one of
+    a collective storage, or the first after the default group was made again). It copies the default group's
     timeout (``--collective-timeout``, ``Session(timeout_s=...)``). One for all Checkpointers, so
     that a Checkpointer made for each save does not leave a group behind each time: their writes
     take turns (:meth:`BackgroundWrite.start`).

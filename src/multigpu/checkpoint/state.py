@@ -100,7 +100,7 @@ class Checkpointer:
     lock_timeout_s: float = 300.0
     async_save: bool = False
     _writer: BackgroundWrite | None = field(default=None, init=False, repr=False, compare=False)
-    # The storage's snapshot's and state.pt's entries', each reused by the next save (background.Staging).
+    # Host buffers the next save reuses (background.Staging): one for the storage's part, one for state.pt's.
     _staging: tuple[Staging, Staging] | None = field(default=None, init=False, repr=False, compare=False)
     # Who writes the last asynchronous save that wait() has not collected: "main" (rank 0 alone), "every"
     # rank (a collective storage: fsdp's), None. The same on every rank: saves and waits are collective.
