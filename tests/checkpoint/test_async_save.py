@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor
 
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.atomic import is_temporary
-from multigpu.checkpoint.background import ShardStaging, Staging
-from multigpu.checkpoint.dcp_storage import live_state
+from multigpu.checkpoint.background import Staging
+from multigpu.checkpoint.dcp_storage import Sharded, live_state
 from multigpu.errors import CheckpointError, ConfigError
 from tests.checkpoint import _sharded as sh
 from tests.launching import launch_workers, multigpu_launch, start_python
@@ -330,15 +330,15 @@ def test_under_fsdp_checkpointers_share_one_group_and_take_turns(one_rank: None,
         assert checkpointer.steps() == [i + 1]
 
 
-def test_shard_staging_copies_into_the_same_host_memory_at_every_save(one_rank: None) -> None:
+def test_sharded_staging_copies_into_the_same_host_memory_at_every_save(one_rank: None) -> None:
     run = sh.build_run(sh.sharded_model())
     sh.train_step(run, 0)
-    staging = ShardStaging()
-    first = staging.copy(live_state(run.model, run.optimizer)[0])
+    staging = Staging()  # a Checkpointer's, kept between saves
+    first = Sharded(run.model, run.optimizer).staged(staging)._shards
     where = {k: v.to_local().data_ptr() if isinstance(v, DTensor) else v.data_ptr() for k, v in _leaves(first)}
     sh.train_step(run, 1)
     live = live_state(run.model, run.optimizer)[0]
-    second = staging.copy(live)
+    second = Sharded(run.model, run.optimizer).staged(staging)._shards
     assert _same(sh.local(second), sh.local(live))  # this save's values
     assert where == {k: v.to_local().data_ptr() if isinstance(v, DTensor) else v.data_ptr() for k, v in _leaves(second)}
     assert all(

@@ -16,7 +16,8 @@ import pytest
 from torch import nn
 
 import multigpu.checkpoint as ckpt
-from multigpu.checkpoint.folders import MANIFEST_FILE, METADATA_FILE, STATE_FILE
+from multigpu.checkpoint.dcp_files import MANIFEST_FILE, METADATA_FILE
+from multigpu.checkpoint.folders import STATE_FILE
 from multigpu.cli.main import main
 from multigpu.errors import CheckpointError
 from tests.checkpoint import _sharded as sh
@@ -112,3 +113,16 @@ def test_a_sharded_step_missing_its_manifest_says_so(sharded_steps: Path) -> Non
     run = sh.build_run(sh.sharded_model())
     with pytest.raises(CheckpointError, match=r"cannot read .*manifest\.json'?: No such file"):
         ckpt.Checkpointer(folder=sharded_steps).resume(model=run.model, optimizer=run.optimizer, path=folder)
+
+
+def test_a_step_whose_weights_are_a_dangling_link_is_named_by_inspect_and_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by its storage (the link's name is there), read whole: a CheckpointError, not a FileNotFoundError."""
+    folder = ckpt.Checkpointer(folder=tmp_path).save(step=1, model=nn.Linear(2, 2))
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").symlink_to(tmp_path / "gone")
+    assert main(["ckpt", "inspect", str(folder)]) == 1
+    assert "is not a complete checkpoint folder" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match=r"step-00000001' is not a complete checkpoint folder: .*is missing"):
+        ckpt.load(nn.Linear(2, 2), folder)

@@ -72,7 +72,7 @@ def test_find_latest_ignores_temporary_and_incomplete_folders(tmp_path: Path) ->
     # What an interrupted save of step 20 leaves behind, and a step folder missing its state file.
     leftover = temporary_name(tmp_path / "step-00000020")
     leftover.mkdir()
-    (leftover / ckpt.state.MODEL_FILE).write_bytes(b"partial")
+    (leftover / ckpt.one_file.MODEL_FILE).write_bytes(b"partial")
     (tmp_path / "step-00000030").mkdir()
     assert ckpt.find_latest(tmp_path) == tmp_path / "step-00000010"
     assert checkpointer.steps() == [4, 10]

@@ -236,7 +236,7 @@ def _explain(exc: OSError, final: Path) -> str:
     if exc.errno == errno.EISDIR and os.fspath(final) in (exc.filename, exc.filename2) and final.is_dir():
         return (
             f"could not write checkpoint {str(final)!r}: it is an existing folder. Give the path of a file "
-            f"(e.g. {str(final / 'model.safetensors')!r}), or move the folder away. Nothing was changed."
+            f"(e.g. {str(final / 'weights.safetensors')!r}), or move the folder away. Nothing was changed."
         )
     if exc.errno == errno.ENOENT and not folder.exists():
         return (

@@ -2,26 +2,18 @@
 
 :class:`Staging` copies a save's state into host buffers on the caller's thread (tensors that share
 memory keep sharing it, so tied weights are written once as in a blocking save); the buffers are kept
-and reused by the next save (pinned where the device wants it, e.g. CUDA). :class:`Staged` is the
-one-file storage of :mod:`protocol` over that snapshot, so the write is the same protocol step as a
-blocking save, only on another thread.
-
-Under fsdp every rank writes: :class:`ShardStaging` stages each rank's shards with DCP's own stager
-(what ``torch.distributed.checkpoint.async_save`` stages with, kept between saves so that its host
-copies are reused), :class:`StagedShards` is the sharded storage over that snapshot, and every rank
-runs the same protocol step on its own thread, its collectives (DCP's and the protocol's) on a
-gloo group of their own (:func:`side_group`, :func:`~multigpu.checkpoint.ranks.on_group`), as
-``async_save`` asks for: they never meet the training loop's collectives on the default group.
-``async_save`` itself is not called: its thread would write into a folder the protocol creates only
-on the write's side (under the folder's lock), and the sealing, rename and agreement of the ranks come
-after DCP's write on the same thread.
+and reused by the next save (pinned where the device wants it, e.g. CUDA). A storage's ``staged`` makes
+its writer over such a snapshot, which runs the same protocol step as a blocking save, only on another
+thread. A collective storage's (fsdp's) is written by every rank on its own thread, its collectives
+(DCP's and the protocol's) on a gloo group of their own (:func:`side_group`,
+:func:`~multigpu.checkpoint.ranks.on_group`), as ``torch.distributed.checkpoint.async_save`` asks for:
+they never meet the training loop's collectives on the default group.
 
 :class:`BackgroundWrite` owns that thread: at most one write in flight, started by :meth:`start` and
 joined by :meth:`join`, which hands back what the write raised (once). The thread is not a daemon:
 the interpreter waits for it before exiting (a run that leaves after a pre-emption stop keeps its
-last checkpoint); a failure nobody collected is printed at exit, or when its Checkpointer is dropped. A
-SIGKILL mid-write leaves only a
-temporary folder, as for a blocking save.
+last checkpoint); a failure nobody collected is printed at exit, or when its Checkpointer is dropped.
+A SIGKILL mid-write leaves only a temporary folder, as for a blocking save.
 """
 
 from __future__ import annotations
@@ -34,19 +26,12 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.tensor import DTensor
 
-from multigpu.checkpoint.dcp_storage import seal_step_shards, write_step_shards
-from multigpu.checkpoint.folders import MODEL_FILE
-from multigpu.checkpoint.formats import write_tensors
 from multigpu.checkpoint.ranks import on_group
-from multigpu.checkpoint.safetensors_file import CHECKSUM_KEY, read_header
 from multigpu.devices import get_device_type
 from multigpu.errors import CheckpointError
 from multigpu.runtime.world import collective_timeout_s
@@ -57,6 +42,7 @@ class Staging:
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
+        self.kept: dict[str, Any] = {}  # a storage's own stager, kept between saves too (the sharded one's: DCP's)
 
     def copy(self, state: Any) -> Any:
         """``state`` with every tensor copied into a staging buffer; containers are rebuilt, other values kept.
@@ -117,74 +103,14 @@ class Staging:
         return result
 
 
-class Staged:
-    """The one-file storage (:class:`~multigpu.checkpoint.protocol.OneFile`'s save side) over a snapshot."""
-
-    collective = False
-
-    def __init__(self, weights: Mapping[str, torch.Tensor], optimizer: dict[str, Any] | None) -> None:
-        self.weights, self.optimizer = weights, optimizer
-
-    def saved_optimizer(self) -> dict[str, Any] | None:
-        return self.optimizer
-
-    def write(self, tmp: Path, target: Path, step: int) -> str:
-        write_tensors(self.weights, tmp / MODEL_FILE, metadata={"step": str(step)})
-        return read_header(tmp / MODEL_FILE).metadata[CHECKSUM_KEY]
-
-    def seal(self, tmp: Path, written: list[Any], step: int, world_size: int) -> str:
-        return str(written[0])
-
-
-class ShardStaging:
-    """Host copies of a rank's DCP state (its DTensors' local slices), by DCP's stager, reused between saves.
-
-    DCP's ``DefaultStager`` keeps one host copy per source storage (weakly keyed: a storage that is
-    gone frees its copy) and copies into it again at the next save; pinned where the device wants
-    it. The rest of ``state.pt`` goes through a :class:`Staging`.
-    """
-
-    def __init__(self) -> None:
-        self._stager: DefaultStager | None = None
-        self.plain = Staging()
-
-    def copy(self, shards: dict[str, Any]) -> dict[str, Any]:
-        """``shards`` (from :func:`~multigpu.checkpoint.dcp_storage.live_state`) copied to host memory."""
-        if self._stager is None:
-            local = [v.to_local() if isinstance(v, DTensor) else v for part in shards.values() for v in part.values()]
-            devices = {t.device for t in local if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
-            pin = any(get_device_type(d).pin_memory for d in devices)
-            self._stager = DefaultStager(StagingOptions(pin, False, False, False))  # copies before it returns
-        staged = self._stager.stage(shards)  # synchronous staging: the copy, not a future of it
-        return staged if isinstance(staged, dict) else staged.result()
-
-
-class StagedShards:
-    """The sharded storage's save side (:class:`~multigpu.checkpoint.dcp_storage.Sharded`) over a snapshot."""
-
-    collective = True
-
-    def __init__(self, shards: dict[str, Any], optimizer: dict[str, Any] | None) -> None:
-        self.shards, self.optimizer = shards, optimizer
-
-    def saved_optimizer(self) -> dict[str, Any] | None:
-        return self.optimizer
-
-    def write(self, tmp: Path, target: Path, step: int) -> Any:
-        return write_step_shards(tmp, target, self.shards)
-
-    def seal(self, tmp: Path, written: list[Any], step: int, world_size: int) -> str:
-        return seal_step_shards(tmp, written, step, world_size)
-
-
 _side: tuple[Any, Any] | None = None  # (the default group, the background writes' group)
 
 
 def side_group() -> Any:
-    """The gloo group of every rank that this process's sharded background writes use, one per default group.
+    """The gloo group of every rank that this process's collective background writes use, one per default group.
 
-    Creating it is a collective: every rank calls this at the same save (the first asynchronous one
-    under fsdp, or the first after the default group was made again). It copies the default group's
+    Creating it is a collective: every rank calls this at the same save (the first asynchronous one of
+    a collective storage, or the first after the default group was made again). It copies the default group's
     timeout (``--collective-timeout``, ``Session(timeout_s=...)``). One for all Checkpointers, so
     that a Checkpointer made for each save does not leave a group behind each time: their writes
     take turns (:meth:`BackgroundWrite.start`).

@@ -11,9 +11,10 @@ with the same error; then each rank's slices are read into fresh tensors, and on
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -33,23 +35,37 @@ from torch.distributed.tensor import DTensor
 from multigpu.checkpoint.atomic import explain_os_errors
 from multigpu.checkpoint.dcp_files import (
     DCP_FAILURES,
+    MANIFEST_FILE,
+    METADATA_FILE,
     MODEL,
+    FileRecord,
     _quiet,
     check_files,
+    checked_index,
     dcp_load,
     describe_failure,
     failure_causes,
+    files_bytes,
+    model_entries,
+    own_files,
+    read_manifest,
     read_metadata,
+    read_sharded_weights,
+    recorded_step,
+    write_manifest,
 )
-from multigpu.checkpoint.folders import STATE_FILE, FileRecord, own_files, read_manifest, write_manifest
+from multigpu.checkpoint.folders import STATE_FILE, regular_files
 from multigpu.checkpoint.ranks import agreed, thread_group
 from multigpu.checkpoint.torch_file import load_torch_file
-from multigpu.checkpoint.validate import Refusal, TrainingState
-from multigpu.checkpoint.weights import describe_mismatch
+from multigpu.checkpoint.validate import Refusal, TrainingState, describe_mismatch
 from multigpu.core.keys import unwrap
+from multigpu.devices import get_device_type
 from multigpu.errors import CheckpointError, MultigpuError
 from multigpu.runtime.collective_failures import explain_collective_failures
 from multigpu.runtime.world import global_rank, world_size
+
+if TYPE_CHECKING:
+    from multigpu.checkpoint.background import Staging
 
 T = TypeVar("T")
 OPTIMIZER = "optimizer"
@@ -181,7 +197,46 @@ class Sharded:
         folder: the step folder being resumed (names it in errors of the ranks' agreement).
     """
 
-    collective = True
+    name: ClassVar[str] = "dcp"
+    files: ClassVar[tuple[str, ...]] = (MANIFEST_FILE, METADATA_FILE)
+    collective: ClassVar[bool] = True
+
+    # --- the folder ---
+
+    @classmethod
+    def serves(cls, model: nn.Module) -> bool:
+        return is_sharded_model(model)
+
+    @classmethod
+    def holds(cls, folder: Path) -> bool:
+        # Any entry of these names counts (a pipe, a folder, a dangling link): reading it then says what is wrong.
+        return any(os.path.lexists(folder / name) for name in cls.files)
+
+    @classmethod
+    def is_complete(cls, folder: Path) -> bool:
+        return regular_files(folder, (*cls.files, STATE_FILE))
+
+    @classmethod
+    def recorded_step(cls, folder: Path) -> int | None:
+        return recorded_step(folder)
+
+    @classmethod
+    def describe(
+        cls, folder: Path, *, allow_unsafe_pickle: bool
+    ) -> tuple[Path, str, int, list[tuple[str, tuple[int, ...], Any]], dict[str, str], dict[str, Any]]:
+        index, _ = checked_index(folder, crc=False)  # sizes only: inspect reads no data
+        structure = [(key, tuple(e.size), e.properties.dtype) for key, (_, e) in model_entries(index).items()]
+        facts: dict[str, Any] = {"shard files": len({i.relative_path for i in index.storage_data.values()})}
+        if any(k.startswith(f"{OPTIMIZER}.") for k in index.state_dict_metadata):
+            facts["optimizer"] = True  # in the shards (state.pt holds it only before its first step)
+        return folder, cls.name, files_bytes(folder), structure, {}, facts
+
+    @classmethod
+    def read_weights(
+        cls, folder: Path, *, allow_unsafe_pickle: bool, max_expansion: float
+    ) -> tuple[Mapping[str, torch.Tensor], dict[str, str]]:
+        step = recorded_step(folder)  # a DCP folder written elsewhere has none
+        return read_sharded_weights(folder, max_expansion=max_expansion), {} if step is None else {"step": str(step)}
 
     def __init__(self, model: nn.Module, optimizer: Any | None, *, folder: Path | None = None) -> None:
         self.model, self.optimizer, self.folder = model, optimizer, folder
@@ -189,19 +244,59 @@ class Sharded:
         self._metadata: Metadata | None = None
         # What an optimizer that has not stepped yet looks like: loading targets initialize its state.
         self._fresh = None if optimizer is None or optimizer.state else optimizer.state_dict()
+        self._shards: dict[str, Any] = {}
+        self._plain: dict[str, Any] | None = None
+        self._staged = False  # a snapshot (staged()): writes what was copied then
 
     # --- save ---
 
     def saved_optimizer(self) -> dict[str, Any] | None:
-        # What DCP writes is taken here, once, on every rank (it does not communicate).
-        self._shards, plain = live_state(self.model, self.optimizer)
-        return plain
+        if not self._staged:  # what DCP writes is taken here, once, on every rank (it does not communicate)
+            self._shards, self._plain = live_state(self.model, self.optimizer)
+        return self._plain
+
+    def staged(self, staging: Staging) -> Sharded:
+        """This rank's shards copied into host memory by DCP's stager, the rest through ``staging``.
+
+        DCP's ``DefaultStager`` (what ``torch.distributed.checkpoint.async_save`` stages with) keeps one host
+        copy per source storage, weakly keyed, pinned where the device wants it; kept in ``staging`` between
+        saves, it copies into the same memory again. ``async_save`` itself is not called: its thread would
+        write into a folder the protocol creates only on the write's side (under the folder's lock), and the
+        sealing, rename and agreement of the ranks come after DCP's write on the same thread.
+        """
+        shards, plain = live_state(self.model, self.optimizer)
+        stager = staging.kept.get(self.name)
+        if stager is None:
+            local = [v.to_local() if isinstance(v, DTensor) else v for part in shards.values() for v in part.values()]
+            devices = {t.device for t in local if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
+            pin = any(get_device_type(d).pin_memory for d in devices)
+            stager = staging.kept[self.name] = DefaultStager(StagingOptions(pin, False, False, False))  # synchronous
+        snapshot = Sharded(self.model, None)
+        copied = stager.stage(shards)  # synchronous staging: the copy, not a future of it
+        snapshot._shards = copied if isinstance(copied, dict) else copied.result()
+        snapshot._plain, snapshot._staged = staging.copy(plain), True
+        return snapshot
 
     def write(self, tmp: Path, target: Path, step: int) -> dict[str, FileRecord] | str:
-        return write_step_shards(tmp, target, self._shards)
+        try:
+            with explain_collective_failures(f"writing the shards of checkpoint {target}"):
+                write_shards(tmp, self._shards)
+        except MultigpuError:
+            raise  # already explained (a collective timed out, a peer exited, ...)
+        except DCP_FAILURES as exc:  # DCP gathers every rank's failure into one exception
+            _raise_write_failure(target, exc)
+        # A failure is sent to rank 0 as text rather than raised here, where rank 0 would wait for it.
+        try:
+            return own_files(tmp, global_rank())
+        except OSError as exc:
+            return f"rank {global_rank()} could not read back its files in {str(tmp)!r}: {exc}"
 
     def seal(self, tmp: Path, written: list[Any], step: int, world_size: int) -> str:
-        return seal_step_shards(tmp, written, step, world_size)
+        failed = [r for r in written if isinstance(r, str)]
+        if failed:
+            raise CheckpointError(f"{failed[0]}. The previous checkpoint is unchanged.")
+        files = {name: record for per_rank in written for name, record in per_rank.items()}
+        return write_manifest(tmp, step=step, world_size=world_size, files=files)
 
     # --- resume ---
 
@@ -247,31 +342,6 @@ class Sharded:
 
     def agreed(self, compute: Callable[[], T]) -> T:
         return agreed(compute, f"checking checkpoint {self.folder}")
-
-
-def write_step_shards(tmp: Path, target: Path, shards: dict[str, Any]) -> dict[str, FileRecord] | str:
-    """:meth:`Sharded.write` of ``shards`` (live or a snapshot): this rank's files, or why it has none."""
-    try:
-        with explain_collective_failures(f"writing the shards of checkpoint {target}"):
-            write_shards(tmp, shards)
-    except MultigpuError:
-        raise  # already explained (a collective timed out, a peer exited, ...)
-    except DCP_FAILURES as exc:  # DCP gathers every rank's failure into one exception
-        _raise_write_failure(target, exc)
-    # A failure is sent to rank 0 as text rather than raised here, where rank 0 would wait for it.
-    try:
-        return own_files(tmp, global_rank())
-    except OSError as exc:
-        return f"rank {global_rank()} could not read back its files in {str(tmp)!r}: {exc}"
-
-
-def seal_step_shards(tmp: Path, written: list[Any], step: int, world_size: int) -> str:
-    """:meth:`Sharded.seal`: ``manifest.json`` from every rank's files; its digest."""
-    failed = [r for r in written if isinstance(r, str)]
-    if failed:
-        raise CheckpointError(f"{failed[0]}. The previous checkpoint is unchanged.")
-    files = {name: record for per_rank in written for name, record in per_rank.items()}
-    return write_manifest(tmp, step=step, world_size=world_size, files=files)
 
 
 def _raise_write_failure(target: Path, exc: BaseException) -> NoReturn:

@@ -1,6 +1,12 @@
-"""What a weights or state file is, decided by the file's own structure: never by its name or one byte.
+"""Opening a checkpoint file, telling what it is, and refusing it: the first thing every reader does.
 
-Every reader of the checkpoint package asks :func:`kind_of` (through
+Only regular files are read (:func:`open_regular`): ``open()`` of a named pipe (FIFO) waits for a
+writer forever, and a character device such as ``/dev/zero`` never ends, so a path naming one where
+a checkpoint file is expected is an error, not a hang. The file is opened without blocking and what
+was opened is looked at (``fstat`` of the descriptor, so a path swapped meanwhile cannot slip through).
+
+What a file is, its own structure decides, never its name or one byte. Every reader asks
+:func:`kind_of` (through
 :func:`~multigpu.checkpoint.formats.detect_format`, or :mod:`torch_file` for its messages):
 
 * **safetensors**: an 8-byte little-endian header length ``n`` (2 to 100 MB) whose header fits in
@@ -14,18 +20,27 @@ Every reader of the checkpoint package asks :func:`kind_of` (through
 A file that is none of these but has ``{`` at byte 8 is read as a damaged safetensors file, so that
 its reader says what is wrong with the header (a length past the end, ...). Anything else is a
 :class:`~multigpu.errors.CheckpointError` naming the file and its first bytes.
+
+Every reader refuses a file through :func:`refuse`: one message shape, the file, what is wrong, the fix.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import reprlib
+import stat
 import zipfile
-from typing import BinaryIO, Literal
+from pathlib import Path
+from typing import Any, BinaryIO, Literal, NoReturn
 
-from multigpu.checkpoint.safetensors_file import MAX_HEADER_BYTES
 from multigpu.errors import CheckpointError
 
 Kind = Literal["safetensors", "torch zip", "legacy torch"]
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+REPLACE = "Use another checkpoint, or re-save this one from its source."
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
 
 ZIP_LOCAL_SIGNATURE = b"PK\x03\x04"
 # torch's legacy format starts with a pickle of this number (torch/serialization.py, MAGIC_NUMBER),
@@ -84,3 +99,61 @@ def _has_zip_directory(f: BinaryIO) -> bool:
         return zipfile.is_zipfile(f)
     except OSError:
         return False
+
+
+_KINDS = {
+    stat.S_IFIFO: "a named pipe (FIFO)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """``open(path, "rb")``, refusing anything but a regular file (symlinks are followed).
+
+    Raises:
+        IsADirectoryError: ``path`` is a folder (as ``open`` raises).
+        OSError: ``path`` is a pipe, socket or device (``errno.EINVAL``; the message says which and
+            the fix), or cannot be opened.
+
+    Example:
+        >>> open_regular("/dev/null")
+        Traceback (most recent call last):
+        ...
+        OSError: [Errno 22] it is a character device, not a regular file; give the path of a checkpoint file: '/dev/null'
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # O_NONBLOCK: a FIFO opens at once
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
+        if not stat.S_ISREG(mode):
+            kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+            raise OSError(
+                errno.EINVAL,
+                f"it is {kind}, not a regular file; give the path of a checkpoint file",
+                os.fspath(path),
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def refuse(path: str | os.PathLike[str], what: str, fix: str = REPLACE) -> NoReturn:
+    """Raise the :class:`CheckpointError` of a file: ``'<path>'<what>. <fix>`` (``what`` starts with its own verb).
+
+    Example:
+        >>> refuse("w.pt", " is damaged: record 'a/data/0' does not match its CRC-32")
+        Traceback (most recent call last):
+        ...
+        multigpu.errors.CheckpointError: 'w.pt' is damaged: record 'a/data/0' does not match its CRC-32. Use another checkpoint, or re-save this one from its source.
+    """
+    raise CheckpointError(f"{str(Path(path))!r}{what}. {fix}".rstrip())
+
+
+def entry_is(entry: str, found: Any, expected: str) -> str:
+    """``": <entry> is <found, shortened>; expected <expected>"``: what :func:`refuse` says of one field."""
+    return f": {entry} is {_SHORT.repr(found)}; expected {expected}"

@@ -28,8 +28,7 @@ import safetensors.torch
 import torch
 
 from multigpu.checkpoint.atomic import atomic_write_file, atomic_write_path
-from multigpu.checkpoint.file_kinds import kind_of
-from multigpu.checkpoint.regular_files import open_regular
+from multigpu.checkpoint.file_kinds import kind_of, open_regular
 from multigpu.checkpoint.safetensors_file import (
     CHECKSUM_KEY,
     DTYPES,

@@ -1,11 +1,9 @@
-"""One save path and one resume path for a step folder, written once over two storages.
+"""One save path and one resume path for a step folder, written once over every storage.
 
 A step folder holds ``state.pt`` (step, epoch, random states, scheduler, scaler, the optimizer
-when it is not sharded) beside the model's storage, which is either
-
-* one file, ``model.safetensors`` (:class:`OneFile`), written by the main process, or
-* sharded, torch.distributed.checkpoint's files and ``manifest.json``
-  (:class:`~multigpu.checkpoint.dcp_storage.Sharded`), written by every rank.
+when the storage does not hold it) beside the model's storage, one of :data:`~multigpu.checkpoint.storages.STORAGES`:
+one file, ``model.safetensors`` (:mod:`one_file`), written by the main process, or sharded,
+torch.distributed.checkpoint's files and ``manifest.json`` (:mod:`dcp_storage`), written by every rank.
 
 Save (:func:`save_step`): take the folder's lock and build ``.step-N.tmp-...`` (main process);
 write the model's storage into it; seal it (record its checksum in ``state.pt``), then put the
@@ -24,15 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
-from torch import nn
 
 from multigpu.checkpoint.atomic import (
     atomic_write_file,
@@ -44,18 +39,9 @@ from multigpu.checkpoint.atomic import (
     remove_tree,
     temporary_name,
 )
-from multigpu.checkpoint.folders import (
-    MODEL_FILE,
-    STATE_FILE,
-    check_replaceable,
-    parse_aside,
-    parse_step,
-    recover_asides,
-)
-from multigpu.checkpoint.formats import read_tensors, write_tensors
+from multigpu.checkpoint.folders import STATE_FILE, parse_aside, parse_step
 from multigpu.checkpoint.ranks import capture_rng, gather_on_main, restore_rng, run_on_main, shared_from_main
-from multigpu.checkpoint.safetensors_file import CHECKSUM_KEY, read_header
-from multigpu.checkpoint.torch_file import load_torch_file
+from multigpu.checkpoint.storages import Storage, Writes, check_replaceable, recover_asides
 from multigpu.checkpoint.validate import (
     Refusal,
     TrainingState,
@@ -64,50 +50,10 @@ from multigpu.checkpoint.validate import (
     check_scaler,
     check_training_state,
 )
-from multigpu.checkpoint.weights import plan_load
-from multigpu.core.keys import unwrap
 from multigpu.errors import CheckpointError, MultigpuError
 from multigpu.runtime.world import global_rank, is_main_process, world_size
 
 T = TypeVar("T")
-_ATTEMPTS = 3
-
-
-class Writes(Protocol):
-    """The save side of a :class:`Storage` (all :func:`save_step` needs: a snapshot in memory has only this)."""
-
-    collective: bool  # every rank writes and reads its own part (else the main process writes alone)
-
-    def saved_optimizer(self) -> dict[str, Any] | None:
-        """The optimizer state that goes into ``state.pt`` (``None``: none, or it is in the storage)."""
-
-    def write(self, tmp: Path, target: Path, step: int) -> Any:
-        """Write the model's files into ``tmp``; what it returns reaches :meth:`seal` (every rank's, if collective)."""
-
-    def seal(self, tmp: Path, written: list[Any], step: int, world_size: int) -> str:
-        """Finish the files (main process); returns the checksum ``state.pt`` records for them."""
-
-
-class Storage(Writes, Protocol):
-    """Where a step folder keeps the model (and perhaps the optimizer): what differs between the two kinds."""
-
-    def read(self, locate: Callable[[], Path | None], *, allow_unsafe_pickle: bool) -> tuple[Path, Any] | None:
-        """The folder ``locate()`` names and its unpickled ``state.pt``, the storage read as one version."""
-
-    def check(self, folder: Path, checked: TrainingState) -> bool:
-        """Check the storage against the model (and ``state.pt``); returns whether it holds the optimizer state."""
-
-    def load(self, folder: Path, *, allow_unsafe_pickle: bool) -> None:
-        """Read what :meth:`check` accepted into fresh tensors (the model is not changed yet)."""
-
-    def apply(self) -> None:
-        """Copy what was read into the model (and the optimizer, if the storage holds it)."""
-
-    def discard(self) -> None:
-        """Undo what checking or loading did to the live objects (resume failed before applying)."""
-
-    def agreed(self, compute: Callable[[], T]) -> T:
-        """``compute()``; for a collective storage, every rank raises if it failed on any rank."""
 
 
 # --- save -----------------------------------------------------------------------------------------
@@ -299,96 +245,3 @@ def as_error(exc: Exception, folder: Path, stage: str, note: str) -> MultigpuErr
     return CheckpointError(
         f"{str(folder)!r}: applying the {stage} state failed ({type(exc).__name__}: {str(exc)[:300]}); {note}"
     )
-
-
-# --- the one-file storage: model.safetensors --------------------------------------------------------
-
-
-class OneFile:
-    """``model.safetensors`` beside ``state.pt``, written by the main process alone.
-
-    Reading takes both files as one version: another process re-saving the step swaps the folder
-    (:func:`~multigpu.checkpoint.atomic.install_folder`), so reading is retried until the folder is
-    the same before and after.
-    """
-
-    collective = False
-
-    def __init__(self, model: nn.Module, optimizer: Any | None) -> None:
-        self.model, self.optimizer = model, optimizer
-        self._tensors: Mapping[str, torch.Tensor] = {}
-        self._metadata: Mapping[str, str] = {}
-        self._weights: dict[str, torch.Tensor] = {}
-
-    def saved_optimizer(self) -> dict[str, Any] | None:
-        return None if self.optimizer is None else self.optimizer.state_dict()
-
-    def write(self, tmp: Path, target: Path, step: int) -> str:
-        write_tensors(unwrap(self.model).state_dict(), tmp / MODEL_FILE, metadata={"step": str(step)})
-        return read_header(tmp / MODEL_FILE).metadata[CHECKSUM_KEY]
-
-    def seal(self, tmp: Path, written: list[Any], step: int, world_size: int) -> str:
-        return str(written[0])  # state.pt names the weights it belongs with (see safetensors_file.py)
-
-    def read(self, locate: Callable[[], Path | None], *, allow_unsafe_pickle: bool) -> tuple[Path, Any] | None:
-        for _ in range(_ATTEMPTS):
-            folder = locate()
-            if folder is None:
-                return None
-            try:
-                before = _identity(folder)
-                state = load_torch_file(folder / STATE_FILE, allow_unsafe_pickle=allow_unsafe_pickle)
-                self._tensors, self._metadata = read_tensors(
-                    folder / MODEL_FILE, allow_unsafe_pickle=allow_unsafe_pickle
-                )
-                if _identity(folder) == before:
-                    return folder, state
-            except CheckpointError:
-                if _still(folder, before):
-                    raise  # damaged, not replaced while we read it
-            except OSError as exc:
-                missing = [name for name in (MODEL_FILE, STATE_FILE) if not (folder / name).is_file()]
-                if not isinstance(exc, FileNotFoundError) or (missing and locate() == folder):
-                    # Not a race with another saver: the folder is incomplete or not a folder.
-                    raise CheckpointError(
-                        f"{str(folder)!r} is not a complete checkpoint folder ({', '.join(missing) or exc.strerror} "
-                        "missing or unreadable). Give a step-N folder written by a Checkpointer, or resume without "
-                        "path= to use the latest."
-                    ) from exc
-        raise CheckpointError(
-            f"the checkpoint kept changing while it was read ({_ATTEMPTS} attempts): another process is "
-            "saving into this folder right now. Resume when it is done."
-        )
-
-    def check(self, folder: Path, checked: TrainingState) -> bool:
-        stored = self._metadata.get(CHECKSUM_KEY)
-        if checked.model_checksum is not None and stored != checked.model_checksum:
-            Refusal(folder / MODEL_FILE).fail(
-                "its checksum", stored, f"{checked.model_checksum}, the weights saved with state.pt"
-            )
-        self._weights = plan_load(self.model, self._tensors, strict=True, source=repr(str(folder / MODEL_FILE)))
-        return False
-
-    def load(self, folder: Path, *, allow_unsafe_pickle: bool) -> None:
-        pass  # read whole by read()
-
-    def apply(self) -> None:
-        unwrap(self.model).load_state_dict(self._weights, strict=False)
-
-    def discard(self) -> None:
-        self._tensors, self._weights = OrderedDict(), {}
-
-    def agreed(self, compute: Callable[[], T]) -> T:
-        return compute()  # no collective: any rank may resume alone
-
-
-def _identity(folder: Path) -> tuple[int, ...]:
-    stats = [os.stat(folder), os.stat(folder / MODEL_FILE), os.stat(folder / STATE_FILE)]
-    return tuple(x for s in stats for x in (s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns))
-
-
-def _still(folder: Path, before: tuple[int, ...]) -> bool:
-    try:
-        return _identity(folder) == before
-    except OSError:
-        return False

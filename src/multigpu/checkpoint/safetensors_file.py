@@ -31,10 +31,9 @@ from typing import Any, BinaryIO, NoReturn
 import numpy as np
 import torch
 
-from multigpu.checkpoint.regular_files import open_regular
+from multigpu.checkpoint.file_kinds import MAX_HEADER_BYTES, open_regular, refuse
 from multigpu.errors import CheckpointError
 
-MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 MAX_DIMS = 64
 METADATA_KEY = "__metadata__"
 
@@ -210,7 +209,7 @@ def _short(value: Any) -> str:
 
 
 def _fail(path: str | os.PathLike[str], what: str) -> NoReturn:
-    raise CheckpointError(f"{str(Path(path))!r} is not a valid safetensors file: {what}.")
+    refuse(path, f" is not a valid safetensors file: {what}")
 
 
 # --- the checksum ---
@@ -276,7 +275,10 @@ def verify_header(path: str | os.PathLike[str], described: Described, metadata: 
     """Check the header part of a stored checksum (no-op for files without one)."""
     stored = _stored(path, metadata)
     if stored is not None and f"{_header_crc(described, metadata):08x}" != stored[0]:
-        raise _damaged(path, "header (tensor names, dtypes, shapes or metadata)")
+        refuse(
+            path,
+            " is damaged: its header (tensor names, dtypes, shapes or metadata) does not match the checksum it was written with",
+        )
 
 
 def verify_tensors(
@@ -285,7 +287,7 @@ def verify_tensors(
     """Check the tensor part of a stored checksum against the CRC-32s of the tensors read from ``path``."""
     stored = _stored(path, metadata)
     if stored is not None and f"{combined(crcs):08x}" != stored[1]:
-        raise _damaged(path, "tensor data")
+        refuse(path, " is damaged: its tensor data does not match the checksum it was written with")
 
 
 def _header_crc(described: Described, metadata: Mapping[str, str]) -> int:
@@ -303,7 +305,7 @@ def _stored(path: str | os.PathLike[str], metadata: Mapping[str, str]) -> tuple[
         return None
     parts = stored.split(":")
     if len(parts) != 3 or parts[0] != "crc32" or not all(len(p) == 8 and _is_hex(p) for p in parts[1:]):
-        raise CheckpointError(f"{str(Path(path))!r} has a malformed {CHECKSUM_KEY!r} entry ({stored[:60]!r}).")
+        refuse(path, f" has a malformed {CHECKSUM_KEY!r} entry ({stored[:60]!r})")
     return parts[1], parts[2]
 
 
@@ -313,18 +315,8 @@ def _refuse_a_damaged_entry(path: str | os.PathLike[str], metadata: Mapping[str,
     for key, value in metadata.items():
         near = len(key) == len(CHECKSUM_KEY) and sum(a != b for a, b in zip(key, CHECKSUM_KEY)) <= 3
         if near or _CHECKSUM_VALUE.fullmatch(value):
-            raise CheckpointError(
-                f"{str(Path(path))!r} is damaged: its metadata entry {key[:40]!r} looks like a damaged "
-                f"{CHECKSUM_KEY!r}. Use another checkpoint, or re-save this one from its source."
-            )
+            refuse(path, f" is damaged: its metadata entry {key[:40]!r} looks like a damaged {CHECKSUM_KEY!r}")
 
 
 def _is_hex(text: str) -> bool:
     return all(c in "0123456789abcdef" for c in text)
-
-
-def _damaged(path: str | os.PathLike[str], part: str) -> CheckpointError:
-    return CheckpointError(
-        f"{str(Path(path))!r} is damaged: its {part} does not match the checksum it was written with. "
-        "Use another checkpoint, or re-save this one from its source."
-    )

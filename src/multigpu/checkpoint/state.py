@@ -37,28 +37,24 @@ from typing import Any, NoReturn, Protocol
 from torch import nn
 
 from multigpu.checkpoint.atomic import remove_tree
-from multigpu.checkpoint.background import BackgroundWrite, ShardStaging, Staged, StagedShards, Staging, side_group
-from multigpu.checkpoint.dcp_storage import Sharded, is_sharded_model, live_state
-from multigpu.checkpoint.folders import (
-    METADATA_FILE,
-    MODEL_FILE,
-    STATE_FILE,
-    check_count,
+from multigpu.checkpoint.background import BackgroundWrite, Staging, side_group
+from multigpu.checkpoint.folders import STATE_FILE, check_count, folder_name
+from multigpu.checkpoint.protocol import resume_step, save_step
+from multigpu.checkpoint.ranks import agreed, capture_rng, gather_on_main, run_on_main
+from multigpu.checkpoint.storages import (
+    Writes,
     complete_checkpoints,
     find_latest,
-    folder_name,
-    is_sharded_folder,
     recorded_step_of,
+    storage_for,
+    storage_of,
 )
-from multigpu.checkpoint.protocol import OneFile, Storage, resume_step, save_step
-from multigpu.checkpoint.ranks import agreed, capture_rng, gather_on_main, run_on_main
 from multigpu.checkpoint.validate import FORMAT_VERSION, TrainingState, walk_plain
-from multigpu.core.keys import unwrap
 from multigpu.errors import CheckpointError, ConfigError
 from multigpu.runtime.committed_steps import committed_steps, set_committed_steps
 from multigpu.runtime.world import world_size
 
-__all__ = ["MODEL_FILE", "STATE_FILE", "Checkpointer", "Resumed", "Stateful", "find_latest"]
+__all__ = ["STATE_FILE", "Checkpointer", "Resumed", "Stateful", "find_latest"]
 
 
 class Stateful(Protocol):
@@ -105,10 +101,10 @@ class Checkpointer:
     lock_timeout_s: float = 300.0
     async_save: bool = False
     _writer: BackgroundWrite | None = field(default=None, init=False, repr=False, compare=False)
-    _staging: Staging | None = field(default=None, init=False, repr=False, compare=False)
-    _shard_staging: ShardStaging | None = field(default=None, init=False, repr=False, compare=False)
+    # Host buffers the next save reuses (background.Staging): one for the storage's part, one for state.pt's.
+    _staging: tuple[Staging, Staging] | None = field(default=None, init=False, repr=False, compare=False)
     # Who writes the last asynchronous save that wait() has not collected: "main" (rank 0 alone), "every"
-    # rank (fsdp), None. The same on every rank: saves and waits are collective.
+    # rank (a collective storage: fsdp's), None. The same on every rank: saves and waits are collective.
     _pending: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -123,7 +119,7 @@ class Checkpointer:
         if not isinstance(self.async_save, bool):
             raise ConfigError(f"async_save={self.async_save!r} must be True or False.")
         if self.async_save:
-            self._writer, self._staging, self._shard_staging = BackgroundWrite(), Staging(), ShardStaging()
+            self._writer, self._staging = BackgroundWrite(), (Staging(), Staging())
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -242,50 +238,36 @@ class Checkpointer:
                 **counters,
             }
 
-        sharded = is_sharded_model(model)  # fsdp: every rank writes its own shards (dcp_storage)
-        storage: Storage = Sharded(model, optimizer) if sharded else OneFile(model, optimizer)
+        storage = storage_for(model)(model, optimizer)  # fsdp's: every rank writes its own shards (dcp_storage)
 
         prune = lambda just_written: self._prune(just_written=just_written)  # noqa: E731
 
         def write() -> None:
             save_step(self.folder, target, storage, entries(), lock_timeout_s=self.lock_timeout_s, prune=prune)
 
-        if self._writer is not None and self._shard_staging is not None and sharded:
-            writer, shard_staging = self._writer, self._shard_staging
-            group = side_group()  # the first time: a collective, every rank is here
+        if self._writer is not None and self._staging is not None:
+            writer, (staging, state_staging) = self._writer, self._staging
+            group = side_group() if storage.collective else None  # the first time: a collective, every rank is here
 
-            def stage() -> tuple[StagedShards, dict[str, Any]]:  # every rank: its shards into memory now
-                shards, plain = live_state(model, optimizer)
-                snapshot = shard_staging.plain.copy({"state": entries(), "optimizer": plain})
-                return StagedShards(shard_staging.copy(shards), snapshot["optimizer"]), snapshot["state"]
+            def stage() -> tuple[Writes, dict[str, Any]]:  # the state into memory now
+                return storage.staged(staging), state_staging.copy(entries())
 
-            staged_shards, state = agreed(stage, f"copying checkpoint {target} into memory")
-            writer.start(
-                lambda: save_step(
-                    self.folder, target, staged_shards, state, lock_timeout_s=self.lock_timeout_s, prune=prune
-                ),
-                target.name,
-                group=group,
-            )
-            self._pending = "every"
-        elif self._writer is not None and self._staging is not None and not sharded:
-            writer, staging = self._writer, self._staging
-
-            def start() -> None:  # the main process: snapshot now, write in the background
-                snapshot = staging.copy(
-                    {"state": entries(), "optimizer": storage.saved_optimizer(), "model": unwrap(model).state_dict()}
-                )
-                staged = Staged(snapshot["model"], snapshot["optimizer"])
+            def start(snapshot: tuple[Writes, dict[str, Any]]) -> None:  # then written in the background
+                staged, state = snapshot
                 writer.start(
                     lambda: save_step(
-                        self.folder, target, staged, snapshot["state"], lock_timeout_s=self.lock_timeout_s, prune=prune
+                        self.folder, target, staged, state, lock_timeout_s=self.lock_timeout_s, prune=prune
                     ),
                     target.name,
+                    group=group,
                 )
 
-            run_on_main(start, f"copying checkpoint {target} into memory")
-            self._pending = "main"
-        elif sharded:
+            if storage.collective:  # every rank stages its part (all raise if one failed), then writes it
+                start(agreed(stage, f"copying checkpoint {target} into memory"))
+            else:  # the main process alone
+                run_on_main(lambda: start(stage()), f"copying checkpoint {target} into memory")
+            self._pending = "every" if storage.collective else "main"
+        elif storage.collective:
             write()
         else:  # the main process writes, the others wait for it
             run_on_main(write, f"saving checkpoint {target}")
@@ -332,16 +314,12 @@ class Checkpointer:
         locate = (lambda: Path(path)) if path is not None else self.latest
         parts = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
         first = locate()
-        storage: Storage
-        # A sharded model and a DCP index without its manifest: the manifest's absence is the fault to name.
-        if first is not None and (
-            is_sharded_folder(first) or (is_sharded_model(model) and os.path.lexists(first / METADATA_FILE))
-        ):
-            storage, locate = Sharded(model, optimizer, folder=first), lambda: first
-        elif first is not None and is_sharded_model(model):
-            raise CheckpointError(_UNSHARDED_INTO_SHARDED.format(folder=str(first)))
-        else:
-            storage = OneFile(model, optimizer)
+        # The storage that holds the folder (a sharded one whose manifest is missing too: its index names it),
+        # else the one that would save this model; a collective one reads the folder the ranks agreed on.
+        kind = (storage_of(first) if first is not None else None) or storage_for(model)
+        storage = kind(model, optimizer, folder=first)
+        if storage.collective:
+            locate = lambda: first  # noqa: E731
 
         def holds_loader(folder: Path, checked: TrainingState) -> None:
             if loader is None:
@@ -407,15 +385,9 @@ class Checkpointer:
 
 _LOADER_KEY = "loader"  # data_position's entry for save(loader=...)
 
-_UNSHARDED_INTO_SHARDED = (
-    "{folder!r} is an unsharded checkpoint (model.safetensors, saved without fsdp) and the model is sharded "
-    "by fsdp: resuming its optimizer state into shards is not supported. Load its weights with "
-    "multigpu.load(model, '{folder}/model.safetensors') and start a fresh optimizer, or resume it without fsdp."
-)
-
 
 def _written_here(folder: Path, step: int) -> bool:
-    # Prune only what a Checkpointer wrote: its weights header (or manifest) records the folder's step.
+    # Prune only what a Checkpointer wrote: its storage's files record the folder's step.
     return recorded_step_of(folder) == step
 
 

@@ -1,12 +1,12 @@
 """What a checkpoint holds, without a model: keys, shapes, dtypes, sizes, step, format, prefixes.
 
 Backs ``multigpu ckpt inspect`` and ``multigpu ckpt convert``. Accepts a weights file
-(safetensors or torch), a ``step-N`` checkpoint folder (either format: ``model.safetensors``, or
-sharded with torch.distributed.checkpoint, :mod:`dcp_files`), any DCP checkpoint folder, or a
-:class:`Checkpointer` folder (its latest step). Nothing here executes code from a file (see
-:mod:`formats`), and a summary reads headers only: the safetensors header, a torch file's pickle
-with its tensors mapped to the ``meta`` device (shapes without data), or DCP's index (its
-``.metadata``, unpickled safely). Every field shown is type- and range-checked first.
+(safetensors or torch), a folder one of the storages holds (a ``step-N`` checkpoint folder, or any
+DCP checkpoint folder), or a :class:`Checkpointer` folder (its latest step). A folder's model part
+is described by its storage (:mod:`storages`), its ``state.pt`` here. Nothing here executes code
+from a file (see :mod:`formats`), and a summary reads headers only: the safetensors header, a torch
+file's pickle with its tensors mapped to the ``meta`` device (shapes without data), or DCP's index
+(its ``.metadata``, unpickled safely). Every field shown is type- and range-checked first.
 """
 
 from __future__ import annotations
@@ -16,27 +16,14 @@ import os
 import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from multigpu.checkpoint.dcp_files import (
-    checked_index,
-    files_bytes,
-    is_dcp_folder,
-    model_entries,
-)
-from multigpu.checkpoint.folders import (
-    MAX_STEP,
-    METADATA_FILE,
-    MODEL_FILE,
-    STATE_FILE,
-    find_latest,
-    is_sharded_folder,
-    parse_aside,
-    parse_step,
-)
-from multigpu.checkpoint.formats import Format, detect_format, read_structure
+from multigpu.checkpoint.dcp_files import files_bytes
+from multigpu.checkpoint.folders import MAX_STEP, STATE_FILE, parse_aside, parse_step
+from multigpu.checkpoint.formats import detect_format, read_structure
+from multigpu.checkpoint.storages import STORAGES, Structure, find_latest, reading, storage_of
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import check_counters
 from multigpu.core.keys import find_prefixes
@@ -59,7 +46,7 @@ class Summary:
     """A checkpoint described: see :func:`summarize`."""
 
     path: Path  # the weights file (or sharded checkpoint folder) described
-    format: Format | Literal["dcp"]
+    format: str  # "safetensors", "torch", or the storage's name ("dcp")
     size_on_disk: int  # bytes of the file (or of the whole step folder)
     tensors: list[TensorInfo]
     prefixes: dict[str, int]  # wrapper prefix -> number of keys carrying it
@@ -73,9 +60,9 @@ class Summary:
 
 
 def weights_file(path: str | os.PathLike[str]) -> Path:
-    """The weights behind ``path``: the file itself, a step folder's file, the latest step's, or a DCP folder.
+    """The checkpoint behind ``path``: the file itself, a folder a storage holds, or a Checkpointer folder's latest step.
 
-    A sharded checkpoint (a folder holding DCP's ``.metadata``) is returned as the folder itself.
+    A folder of a storage (a step folder, or any DCP checkpoint folder) is returned as the folder.
     """
     path = Path(path)
     if path.is_file():
@@ -84,21 +71,19 @@ def weights_file(path: str | os.PathLike[str]) -> Path:
         raise CheckpointError(
             f"{str(path)!r} is not a file or folder (or does not exist); give a weights file or a checkpoint folder."
         )
-    if (path / MODEL_FILE).is_file():
-        return path / MODEL_FILE
-    if is_dcp_folder(path):
+    if storage_of(path) is not None:
         return path
     latest = find_latest(path)
     if latest is None:
         raise CheckpointError(
-            f"{str(path)!r} holds no checkpoint: no {MODEL_FILE}, no DCP {METADATA_FILE} and no complete step-N "
+            f"{str(path)!r} holds no checkpoint: none of {[s.files[0] for s in STORAGES]} and no complete step-N "
             "folder. Give a weights file, a step folder, or the folder a Checkpointer saved into."
         )
-    return latest if is_sharded_folder(latest) else latest / MODEL_FILE
+    return latest
 
 
 def summarize(path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False) -> Summary:
-    """Describe the checkpoint at ``path``.
+    """Describe the checkpoint at ``path``: a weights file, or a folder through the storage that holds it.
 
     Example:
         >>> import tempfile, torch
@@ -107,16 +92,36 @@ def summarize(path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False
         >>> s = summarize(p); (s.format, [t.key for t in s.tensors], s.prefixes)
         ('safetensors', ['w'], {})
     """
-    weights = weights_file(path)
-    if weights.is_dir():
-        return _summarize_sharded(weights, allow_unsafe_pickle)
-    structure, metadata = read_structure(weights, allow_unsafe_pickle=allow_unsafe_pickle)
-    state = _training_state(weights.parent, allow_unsafe_pickle) if weights.name == MODEL_FILE else {}
-    step = state["step"] if state else _step_in(metadata)
+    found = weights_file(path)
+    storage = storage_of(found) if found.is_dir() else None
+    if storage is None:
+        structure, metadata = read_structure(found, allow_unsafe_pickle=allow_unsafe_pickle)
+        return _summary(found, detect_format(found), found.stat().st_size, structure, metadata, _step_in(metadata), {})
+    with reading(found):
+        shown, format, size, structure, metadata, facts = storage.describe(
+            found, allow_unsafe_pickle=allow_unsafe_pickle
+        )
+    state = _training_state(found, allow_unsafe_pickle)
+    if state:
+        facts = {**state, **facts, "optimizer": state["optimizer"] or facts.get("optimizer", False)}
+        size = files_bytes(found)
+    step = state["step"] if state else storage.recorded_step(found)
+    return _summary(shown, format, size, structure, metadata, step, facts)
+
+
+def _summary(
+    path: Path,
+    format: str,
+    size: int,
+    structure: Structure,
+    metadata: dict[str, str],
+    step: int | None,
+    facts: dict[str, Any],
+) -> Summary:
     return Summary(
-        path=weights,
-        format=detect_format(weights),
-        size_on_disk=_size_on_disk(weights, bool(state)),
+        path=path,
+        format=format,
+        size_on_disk=size,
         tensors=[
             TensorInfo(key=k, shape=shape, dtype=str(dtype).replace("torch.", ""), nbytes=_nbytes(shape, dtype))
             for k, shape, dtype in structure
@@ -124,29 +129,7 @@ def summarize(path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False
         prefixes=find_prefixes(k for k, _, _ in structure),
         step=step,
         metadata=metadata,
-        training_state=state,
-    )
-
-
-def _summarize_sharded(folder: Path, allow_unsafe_pickle: bool) -> Summary:
-    index, manifest = checked_index(folder, crc=False)  # sizes only: inspect reads no data
-    structure = [(key, tuple(e.size), e.properties.dtype) for key, (_, e) in model_entries(index).items()]
-    state = _training_state(folder, allow_unsafe_pickle) if (folder / STATE_FILE).is_file() else {}
-    if state:  # the optimizer's state lies in the shards, unless it had not stepped yet (then in state.pt)
-        state["optimizer"] = state["optimizer"] or any(k.startswith("optimizer.") for k in index.state_dict_metadata)
-    shards = sorted({i.relative_path for i in index.storage_data.values()})
-    step = state["step"] if state else (manifest.step if manifest else None)
-    return Summary(
-        path=folder,
-        format="dcp",
-        size_on_disk=files_bytes(folder),
-        tensors=[
-            TensorInfo(key=k, shape=shape, dtype=str(dtype).replace("torch.", ""), nbytes=_nbytes(shape, dtype))
-            for k, shape, dtype in structure
-        ],
-        prefixes=find_prefixes(k for k, _, _ in structure),
-        step=step,
-        training_state={**state, "shard files": len(shards)},
+        training_state=facts,
     )
 
 
@@ -181,9 +164,3 @@ def _training_state(folder: Path, allow_unsafe_pickle: bool) -> dict[str, Any]:
         "scaler": bool(checked.scaler),
         "random states": len(checked.rng),
     }
-
-
-def _size_on_disk(weights: Path, whole_folder: bool) -> int:
-    if not whole_folder:
-        return weights.stat().st_size
-    return sum(p.stat().st_size for p in weights.parent.iterdir() if p.is_file())

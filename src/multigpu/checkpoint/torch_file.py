@@ -28,11 +28,8 @@ from typing import Any, BinaryIO, NoReturn
 
 import torch
 
-from multigpu.checkpoint.file_kinds import ZIP_LOCAL_SIGNATURE, kind_of
-from multigpu.checkpoint.regular_files import open_regular
+from multigpu.checkpoint.file_kinds import ZIP_LOCAL_SIGNATURE, kind_of, open_regular, refuse
 from multigpu.errors import CheckpointError
-
-_CHUNK = 16 << 20  # zip records are read in pieces of this size
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, 30 bytes
 
@@ -95,9 +92,10 @@ def check_torch_file(f: BinaryIO, path: str | os.PathLike[str], *, verify_record
             if f"{root}/version" not in names and f"{root}/.data/version" not in names:
                 _fail(path, f"the archive has no {root + '/version'!r} record")
             data = archive.read(pickle_name)  # zipfile checks its CRC-32
-            _check_storages(path, data, {i.filename: i.file_size for i in infos}, root)
-            if verify_records:
-                verify_zip_records(path, archive)
+            _check_storages(f, path, data, {i.filename: i.file_size for i in infos}, root)
+            damaged = archive.testzip() if verify_records else None  # reads every record, checking its CRC-32
+            if damaged is not None:
+                refuse(path, f" is damaged: record {damaged!r} does not match its CRC-32")
     except CheckpointError:
         raise
     except Exception as exc:  # zipfile raises many types for broken archives
@@ -120,24 +118,24 @@ def _not_a_zip_at_0(f: BinaryIO, path: str | os.PathLike[str]) -> str:
     return "it is a safetensors file (read it with multigpu.load, or give the torch file it should be)"
 
 
-def _check_storages(path: str | os.PathLike[str], data: bytes, sizes: dict[str, int], root: str) -> None:
-    # The pickle is read with only the globals plain tensors and containers need (any other one is
-    # refused before it is built), into stand-ins for its storages and tensors; then what it declares
-    # (each storage's dtype and length, each tensor's place in its storage) is held against the zip
-    # directory's record sizes: torch.load checks these only when it reads the data.
+def _check_storages(f: BinaryIO, path: str | os.PathLike[str], data: bytes, sizes: dict[str, int], root: str) -> None:
+    # The pickle is read with only the globals plain tensors and containers need (the first other one
+    # stops it before it is built; torch's own lister then names every global the file wants), into
+    # stand-ins for its storages and tensors; then what it declares (each storage's dtype and length,
+    # each tensor's place in its storage) is held against the zip directory's record sizes:
+    # torch.load checks these only when it reads the data.
     declared = _Declared(data, path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TypedStorage classes warn that they are deprecated
             declared.load()
+    except _Unsafe as exc:
+        f.seek(0)
+        raise CheckpointError(unsafe_message(path, sorted({exc.args[0], *_pickled_globals(f)}))) from None
     except CheckpointError:
-        if not declared.refused:
-            raise
+        raise
     except Exception as exc:  # a damaged pickle raises anything: EOFError, UnpicklingError, TypeError, ...
-        if not declared.refused:
-            _fail(path, f"its data.pkl is not a valid pickle ({type(exc).__name__}: {str(exc)[:200]})")
-    if declared.refused:
-        raise CheckpointError(unsafe_message(path, sorted(set(declared.refused))))
+        _fail(path, f"its data.pkl is not a valid pickle ({type(exc).__name__}: {str(exc)[:200]})")
     for key, (dtype, numel) in declared.storages.items():
         record = f"{root}/data/{key}"
         if record not in sizes:
@@ -168,23 +166,8 @@ class _StorageType:
     dtype: torch.dtype
 
 
-class _Refused:
-    """Stands for a global the pickle may not have: every use of it does nothing."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> _Refused:
-        return self
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-    def append(self, item: Any) -> None:
-        pass
-
-    def extend(self, items: Any) -> None:
-        pass
+class _Unsafe(Exception):
+    """A global beyond plain tensors and containers (its ``module.name``): the pickle is not read further."""
 
 
 class _Declared(pickle.Unpickler):
@@ -195,7 +178,6 @@ class _Declared(pickle.Unpickler):
         self.path = path
         self.storages: dict[str, tuple[torch.dtype, int]] = {}  # key -> (dtype, number of elements)
         self.views: list[tuple[str, int, int, tuple[Any, ...], tuple[Any, ...]]] = []  # key, itemsize, offset, ...
-        self.refused: list[str] = []  # globals beyond plain tensors and containers, never looked up
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -209,8 +191,7 @@ class _Declared(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if f"{module} {name}" not in ALLOWED_GLOBALS:  # also reached by INST, OBJ and EXT opcodes
-            self.refused.append(f"{module} {name}")
-            return _Refused()  # read on, to name every global the file wants
+            raise _Unsafe(f"{module}.{name}")
         if name.endswith("Storage"):  # a stand-in, not the class: a pickle may not call it (allocate)
             return _StorageType(torch.uint8 if name == "UntypedStorage" else getattr(torch, name).dtype)
         if name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
@@ -229,13 +210,11 @@ class _Declared(pickle.Unpickler):
 
 
 def _damaged(path: str | os.PathLike[str], what: str) -> NoReturn:
-    raise CheckpointError(
-        f"{str(Path(path))!r} is a damaged torch file: {what}. Use another checkpoint, or re-save this one from its source."
-    )
+    refuse(path, f" is a damaged torch file: {what}")
 
 
 def unsafe_message(path: str | os.PathLike[str], wanted: list[str]) -> str:
-    shown = ", ".join(repr(w.replace(" ", "."))[1:-1] for w in wanted[:5]) + (" ..." if len(wanted) > 5 else "")
+    shown = ", ".join(repr(w)[1:-1] for w in wanted[:5]) + (" ..." if len(wanted) > 5 else "")
     return (
         f"refusing to load {str(Path(path))!r}: it needs arbitrary unpickling ({shown}); unpickling "
         "such objects can run code the file's author chose or allocate memory without bound. If you "
@@ -296,21 +275,7 @@ def _check_layout(
 
 
 def _fail(path: str | os.PathLike[str], what: str) -> NoReturn:
-    raise CheckpointError(f"{str(Path(path))!r} is not a valid torch checkpoint: {what}.")
-
-
-def verify_zip_records(path: str | os.PathLike[str], archive: zipfile.ZipFile) -> None:
-    """Read every record of a torch zip through :mod:`zipfile`, which checks each CRC-32."""
-    for info in archive.infolist():
-        with archive.open(info) as record:
-            try:
-                while record.read(_CHUNK):
-                    pass
-            except zipfile.BadZipFile as exc:
-                raise CheckpointError(
-                    f"{str(Path(path))!r} is damaged: record {info.filename!r} does not match its CRC-32 ({exc}). "
-                    "Use another checkpoint, or re-save this one from its source."
-                ) from exc
+    refuse(path, f" is not a valid torch checkpoint: {what}")
 
 
 def load_torch_file(
@@ -347,15 +312,15 @@ def load_torch_file(
         missing = [name for name in _pickled_globals(path) if not _importable(name)] if allow_unsafe_pickle else []
         if missing:
             raise CheckpointError(_missing_class_message(path, missing, exc)) from exc
-        raise CheckpointError(_damaged_message(path, exc)) from exc
+        _damaged(path, f"{type(exc).__name__}: {str(exc)[:300]}")
     except Exception as exc:  # torch reports damaged records as RuntimeError, AssertionError, ...
-        raise CheckpointError(_damaged_message(path, exc)) from exc
+        _damaged(path, f"{type(exc).__name__}: {str(exc)[:300]}")
 
 
-def _pickled_globals(path: str | os.PathLike[str]) -> list[str]:
-    """The ``module.name`` globals a torch file's pickle needs beyond tensors and containers (read, not run)."""
+def _pickled_globals(file: str | os.PathLike[str] | BinaryIO) -> list[str]:
+    """The ``module.name`` globals a torch file's pickle needs beyond torch's weights-only set (read, not run)."""
     try:
-        return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(file if hasattr(file, "read") else str(file)))
     except Exception:  # not a zip-format torch file, or a torch without this helper
         return []
 
@@ -367,13 +332,6 @@ def _importable(qualified: str) -> bool:
     except Exception:  # no such module or attribute, or a module that fails to import
         return False
     return True
-
-
-def _damaged_message(path: str | os.PathLike[str], exc: BaseException) -> str:
-    return (
-        f"{str(path)!r} is a damaged torch file: {type(exc).__name__}: {str(exc)[:300]}. "
-        "Use another checkpoint, or re-save this one from its source."
-    )
 
 
 def _missing_class_message(path: str | os.PathLike[str], missing: list[str], exc: BaseException) -> str:

@@ -26,14 +26,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from multigpu.checkpoint.dcp_files import is_dcp_folder, read_sharded_weights
-from multigpu.checkpoint.folders import MODEL_FILE, recorded_step
 from multigpu.checkpoint.formats import Format, check_expansion, read_tensors, write_tensors
 from multigpu.checkpoint.ranks import run_on_main
-from multigpu.core.keys import clean_state_dict, collision_message, match_keys, unwrap
+from multigpu.checkpoint.storages import STORAGES, reading, storage_of
+from multigpu.checkpoint.validate import plan_load
+from multigpu.core.keys import clean_state_dict, unwrap
 from multigpu.errors import CheckpointError
-
-_SHOWN = 6  # keys listed per category in a mismatch message
 
 
 def save(
@@ -124,28 +122,30 @@ def load(
 def read_weights(
     path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False, max_expansion: float = math.inf
 ) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
-    """The whole tensors and metadata of a weights file or a Checkpointer's step folder, checked first.
+    """The whole tensors and metadata of a weights file, or of a folder a storage holds (a step folder, any DCP folder).
 
-    A DCP folder (a Checkpointer's under fsdp) is read by this process alone; its metadata is the
-    step its manifest records.
+    A folder is read by its storage (:mod:`storages`), by this process alone.
 
     Raises:
         CheckpointError: the file or folder is damaged, or its tensors, made contiguous, would take
             more than ``max_expansion`` times its bytes on disk.
     """
-    if not is_dcp_folder(Path(path)):
-        if os.path.isdir(path):  # a Checkpointer's step folder without fsdp: its one weights file
-            if not os.path.lexists(Path(path) / MODEL_FILE):
-                raise CheckpointError(
-                    f"{str(path)!r} is a folder without {MODEL_FILE} or a sharded checkpoint's index; give a "
-                    "weights file, or a step-N folder a Checkpointer wrote."
-                )
-            path = Path(path) / MODEL_FILE
-        tensors, metadata = read_tensors(path, allow_unsafe_pickle=allow_unsafe_pickle)
-        check_expansion(tensors, path, max_expansion=max_expansion)
-        return tensors, metadata
-    step = recorded_step(Path(path))
-    return read_sharded_weights(Path(path), max_expansion=max_expansion), {} if step is None else {"step": str(step)}
+    folder = Path(path)
+    if folder.is_dir():
+        storage = storage_of(folder)
+        if storage is None:
+            raise CheckpointError(
+                f"{str(path)!r} is a folder without {' or '.join(s.files[0] for s in STORAGES)} (a checkpoint's "
+                "weights); give a weights file, or a step-N folder a Checkpointer wrote."
+            )
+        with reading(folder):
+            tensors, metadata = storage.read_weights(
+                folder, allow_unsafe_pickle=allow_unsafe_pickle, max_expansion=max_expansion
+            )
+        return OrderedDict(tensors), metadata
+    tensors, metadata = read_tensors(path, allow_unsafe_pickle=allow_unsafe_pickle)
+    check_expansion(tensors, path, max_expansion=max_expansion)
+    return tensors, metadata
 
 
 def load_tensors(
@@ -160,114 +160,6 @@ def load_tensors(
     usable = plan_load(model, tensors, strict=strict, strip=strip, source=source)
     bare = unwrap(model)
     bare.load_state_dict(shard_like(bare.state_dict(), usable), strict=False)  # fsdp: each rank takes its slices
-
-
-def plan_load(
-    model: nn.Module,
-    tensors: Mapping[str, torch.Tensor],
-    *,
-    strict: bool = True,
-    strip: Sequence[str] = (),
-    source: str = "the state dict",
-) -> dict[str, torch.Tensor]:
-    """The tensors to load into the bare model, by its keys; checks everything, changes nothing.
-
-    Raises:
-        CheckpointError: keys collide, or (``strict``) keys or shapes differ.
-    """
-    bare = unwrap(model)
-    found = _strip_extra(tensors, strip, source)
-    expected = bare.state_dict()
-    mapping = match_keys(found, expected, source=source)
-    renamed = OrderedDict((mapping.get(k, k), v) for k, v in found.items())
-    problem = describe_mismatch(expected, renamed)
-    if problem and strict:
-        raise CheckpointError(f"{source} does not match {type(bare).__name__}: {problem}")
-    for key, value in renamed.items():
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointError(f"{source}: {key!r} is a {type(value).__name__}, not a tensor.")
-    return {k: v for k, v in renamed.items() if k in expected and v.shape == expected[k].shape}
-
-
-def describe_mismatch(expected: Mapping[str, torch.Tensor], found: Mapping[str, torch.Tensor]) -> str:
-    """Missing, unexpected and shape-different keys with the likely cause; ``""`` when they match."""
-    missing = [k for k in expected if k not in found]
-    unexpected = [k for k in found if k not in expected]
-    shapes = [
-        f"{k}: file {tuple(found[k].shape)} vs model {tuple(expected[k].shape)}"
-        for k in expected
-        if k in found and found[k].shape != expected[k].shape
-    ]
-    if not (missing or unexpected or shapes):
-        return ""
-    parts = [
-        _listing("missing", missing),
-        _listing("unexpected", unexpected),
-        _listing("shape differs", shapes),
-    ]
-    listing = "; ".join(p for p in parts if p)
-    return f"{listing}. Likely cause: {_likely_cause(list(expected), list(found), missing, unexpected, shapes)}"
-
-
-def _listing(label: str, items: list[str]) -> str:
-    if not items:
-        return ""
-    more = f" (+{len(items) - _SHOWN} more)" if len(items) > _SHOWN else ""
-    return f"{len(items)} {label}: {', '.join(items[:_SHOWN])}{more}"
-
-
-def _likely_cause(
-    expected: list[str], found: list[str], missing: list[str], unexpected: list[str], shapes: list[str]
-) -> str:
-    prefix = _common_extra_prefix(found, expected)
-    if prefix:
-        return (
-            f"the file's keys carry the prefix {prefix!r} the model does not have; load with "
-            f"strip=({prefix!r},) or convert the file (multigpu ckpt convert --strip-prefix {prefix})."
-        )
-    prefix = _common_extra_prefix(expected, found)
-    if prefix:
-        return (
-            f"the model's keys carry the prefix {prefix!r}: the file holds only a part of it; load "
-            f"into that submodule ({prefix.rstrip('.')})."
-        )
-    if shapes and not missing and not unexpected:
-        return "the same architecture with different sizes (e.g. another number of classes or width)."
-    common = len(set(expected) & set(found))
-    if common < max(1, len(expected) // 2):
-        return f"a different model: only {common} of the model's {len(expected)} keys are in the file."
-    return "a different version of the model (layers added, removed or renamed); strict=False loads the rest."
-
-
-def _common_extra_prefix(longer: list[str], shorter: list[str]) -> str:
-    # The first dotted component shared by every key of ``longer`` whose removal yields ``shorter``.
-    if not longer or not shorter:
-        return ""
-    heads = {k.split(".", 1)[0] for k in longer}
-    if len(heads) != 1 or "." not in longer[0]:
-        return ""
-    prefix = heads.pop() + "."
-    stripped = {k[len(prefix) :] for k in longer}
-    return prefix if len(stripped & set(shorter)) >= max(1, len(shorter) // 2) else ""
-
-
-def _strip_extra(
-    tensors: Mapping[str, torch.Tensor], strip: Sequence[str], source: str
-) -> OrderedDict[str, torch.Tensor]:
-    out: OrderedDict[str, torch.Tensor] = OrderedDict()
-    origins: dict[str, list[str]] = {}
-    for original, value in tensors.items():
-        key = original
-        for prefix in strip:
-            if key.startswith(prefix):
-                key = key[len(prefix) :]
-                break
-        origins.setdefault(key, []).append(original)
-        out[key] = value
-    collisions = {name: keys for name, keys in origins.items() if len(keys) > 1}
-    if collisions:
-        raise CheckpointError(collision_message(source, collisions))
-    return out
 
 
 # --- models sharded by fsdp: whole tensors gathered to save, each rank's slices cut out to load ---
