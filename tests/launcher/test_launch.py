@@ -295,6 +295,9 @@ def test_cli_flags_are_the_documented_surface() -> None:
             "--log-dir",
             "--tee",
             "--local-ranks-filter",
+            "--fault-tolerant",
+            "--replicas",
+            "--lighthouse",
         ]
     )
     args = parser.parse_args(["--nproc-per-node", "2", "t.py", "--epochs", "1"])
