@@ -62,7 +62,7 @@ def main() -> None:
                         "committed": committed,
                         "global_step": session.global_step,
                         "digest": digest(session.unwrap(model)),
-                        "weights": [float(v) for v in nn.utils.parameters_to_vector(model.parameters())],
+                        "weights": [float(v) for v in nn.utils.parameters_to_vector(model.parameters()).detach()],
                         "position": loader.state_dict()["batch"],
                         "epoch": loader.state_dict()["epoch"],
                         "first": float(x[0, 0]),

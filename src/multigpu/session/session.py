@@ -220,9 +220,11 @@ class Session(Toolkit):
 
     @property
     def replicas(self) -> int:
-        """How many copies of the model train together: processes times dp's replicas per process."""
+        """How many copies of the model train together: processes times dp's replicas per process (times the
+        replica groups under ``--fault-tolerant``)."""
         strategy = self._started()[0]
-        return strategy.shard.world_size * strategy.replicas_per_process
+        groups = self._replicas.groups if self._replicas is not None else 1  # --fault-tolerant: every group's
+        return strategy.shard.world_size * strategy.replicas_per_process * groups
 
     @property
     def global_rank(self) -> int:
