@@ -39,6 +39,7 @@ def test_profile_reports_samples_per_second_and_mfu_by_the_hand_count(
 
     # matplotlib keeps its font cache under XDG_CACHE_HOME too: keep it where it is (a new one runs fc-list)
     monkeypatch.setenv("MPLCONFIGDIR", matplotlib.get_cachedir())
+    monkeypatch.delenv("MULTIGPU_CACHE_DIR", raising=False)  # which would win over XDG_CACHE_HOME
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the peak FLOPs measured for mfu go here
     script, out = tmp_path / "train.py", tmp_path / "report"
     script.write_text(TRAIN)

@@ -133,7 +133,8 @@ def test_groups_outlive_two_kills_in_sequence_and_the_restarted_ones_rejoin_with
     # until the first kill the groups trained as one ddp run of 3 processes does (the oracle), to float rounding:
     # DDP divides each rank's gradient by 3 before summing, torchft the sum
     last_before_kill = [r for r in by_group[1] if r["pid"] == first_pid][-1]
-    before_kill = [r for r in survivor if r["time"] <= last_before_kill["time"]]
+    # (by step, not by clock: the survivor may write its record of a step after group 1 wrote its own)
+    before_kill = [r for r in survivor if r["committed"] and r["global_step"] <= last_before_kill["global_step"]]
     ddp_out = tmp_path / "ddp"
     ddp_out.mkdir()
     launch_workers(WORKER, str(ddp_out), str(len(before_kill)), nproc=3)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from multigpu.errors import LaunchError
-from multigpu.runtime.schedulers import SCHEDULERS, detect_worker, launcher_defaults, not_started_reason
+from multigpu.runtime.schedulers import SCHEDULERS, Torchrun, detect_worker, launcher_defaults, not_started_reason
 from multigpu.runtime.world import read_launch_env
 
 _TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
@@ -20,13 +20,13 @@ _SRUN |= {"SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST"
 
 
 def test_the_one_order() -> None:
-    assert [s.name for s in SCHEDULERS] == ["torchrun", "pytorchjob", "openmpi", "mpich", "slurm"]
+    assert [s.name for s in SCHEDULERS] == [Torchrun.name, "pytorchjob", "openmpi", "mpich", "slurm"]
 
 
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ({**_SRUN, **_MPICH, **_OMPI, **_TORCHRUN}, "torchrun"),  # torchrun's workers inherit mpirun's and srun's
+        ({**_SRUN, **_MPICH, **_OMPI, **_TORCHRUN}, Torchrun.name),  # torchrun's workers inherit mpirun's and srun's
         ({**_SRUN, **_OMPI, **_POD}, "pytorchjob"),
         ({**_SRUN, **_OMPI}, "openmpi"),  # mpirun inside an sbatch job
         ({**_SRUN, **_MPICH, "PMI_RANK": "0"}, "mpich"),
@@ -51,7 +51,7 @@ def test_the_launcher_walks_the_workers_order() -> None:
         {"nnodes": "2", "node-rank": "1", "master-addr": "train-master-0", "master-port": "29500"},
     )
     assert launcher_defaults(_OMPI)[0] == "openmpi"
-    assert launcher_defaults({**_POD, "PET_NNODES": "2", "PET_NODE_RANK": "1"})[0] == "torchrun"
+    assert launcher_defaults({**_POD, "PET_NNODES": "2", "PET_NODE_RANK": "1"})[0] == Torchrun.name
 
 
 def test_the_answers_read_the_mapping_given_not_the_process(monkeypatch: pytest.MonkeyPatch) -> None:

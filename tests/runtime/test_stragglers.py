@@ -34,6 +34,7 @@ def _metrics(run_dir: Path) -> dict[str, list[float]]:
 def test_a_slowed_rank_is_named_once_and_a_healthy_run_names_nobody(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("MULTIGPU_CACHE_DIR", raising=False)  # which would win over XDG_CACHE_HOME
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the peak FLOPs measured for mfu go here
     # The sleep is 1.4x: the threshold is 1.2, and the model's own compute and the sleeps' overshoot on a
     # loaded machine add the same milliseconds to both ranks, which pulls the measured ratio down (1.3x read 1.24)

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from multigpu.launcher.process_groups import end_sessions
 from multigpu.launcher.supervise import FORWARDED
 from multigpu.launcher.torchrun import LOOPBACK
 from multigpu.runtime.worker_env import WorkerEnv, WorkerRank
@@ -270,12 +271,14 @@ def _start(
 
 def _signal_group(group: Group, signum: int) -> None:
     for process in group.processes:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signum)
+        if process.returncode is None:  # a reaped worker's pid (its group's id) may name another process by now
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signum)
 
 
 def _kill(group: Group) -> None:
-    _signal_group(group, signal.SIGKILL)
+    """SIGKILL the group's workers and everything they started (the launcher's one terminator), then reap them."""
+    end_sessions([p.pid for p in group.processes if p.returncode is None], grace_s=0.0, first=None)
     for process in group.processes:
         process.wait()
     group.processes = []
