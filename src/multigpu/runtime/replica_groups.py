@@ -28,6 +28,7 @@ Every rank of a group must call each method at the same point of each step.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -40,6 +41,17 @@ from multigpu.errors import LaunchError
 BUCKET_BYTES = 1 << 20  # a bucket's all-reduce starts once backward has this many bytes of gradients ready
 QUORUM_TIMEOUT_S = 60.0  # how long a quorum may wait for the lighthouse (a group that just restarted imports torch)
 JOIN_TIMEOUT_S = 60.0  # how long the first groups wait for all R to arrive before the run starts
+
+
+class _NoNcclRecorderNote(logging.Filter):
+    """Drops torchft's warning that it cannot reset NCCL's flight recorder: these groups run gloo, which has none
+    (torch builds without NCCL print it at every reconfiguration, once per group per quorum change)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unable to reset NCCL flight recorder" not in record.getMessage()
+
+
+NO_NCCL_RECORDER_NOTE = _NoNcclRecorderNote()
 
 
 class ReplicaSync:
@@ -201,6 +213,7 @@ class ReplicaSync:
         from torchft.manager import Manager  # the optional extra: imported only in a fault-tolerant run
         from torchft.process_group import ProcessGroupGloo
 
+        logging.getLogger("torchft.manager").addFilter(NO_NCCL_RECORDER_NOTE)  # once: a filter is kept as a set
         timeout = timedelta(seconds=self.timeout_s)
         return Manager(
             pg=ProcessGroupGloo(timeout=timeout),
