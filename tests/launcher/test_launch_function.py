@@ -307,21 +307,17 @@ import torch
 import multigpu
 from multigpu.session import Session
 
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
 def mmapped_again():
     # glibc raises its mmap threshold when a mapped block is freed, unless the threshold was fixed (fsdp's
-    # setting): then a second block of the same size is mapped again instead of coming from the heap
+    # setting): then a second block of the same size is mapped again instead of coming from the heap. The
+    # block's own chunk header says so (IS_MMAPPED, bit 1 of the size word before it): a count of mapped
+    # blocks would also move with what the rank's other threads map and free meanwhile
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
-    libc.mallinfo2.restype = MallInfo2
     libc.free(libc.malloc(1 << 20))
-    before = libc.mallinfo2().hblks
     block = libc.malloc(1 << 20)
-    again = libc.mallinfo2().hblks > before
+    again = bool(ctypes.c_size_t.from_address(block - ctypes.sizeof(ctypes.c_size_t)).value & 2)
     libc.free(block)
     return again
 
