@@ -76,12 +76,16 @@ class Events:
             time.sleep(0.5)  # the session is closing meanwhile: it must wait for this write
 
 
-def first_attempt(session: Session, folder: Path, out: Path) -> None:
-    rank = session.global_rank
-    events = Events(folder, out)
+def start(session: Session, folder: Path, out: Path) -> tuple[int, Events, Any, torch.optim.Optimizer, Any]:
+    """What both attempts begin with: this rank, its event log, the model, its optimizer, an async Checkpointer."""
     model = session.setup_model(build())
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     checkpointer = ckpt.Checkpointer(folder=folder, keep_last=2, async_save=True)
+    return session.global_rank, Events(folder, out), model, optimizer, checkpointer
+
+
+def first_attempt(session: Session, folder: Path, out: Path) -> None:
+    rank, events, model, optimizer, checkpointer = start(session, folder, out)
     step(model, optimizer, rank)
     expected = {"model": sh.local(model.state_dict()), "optimizer": sh.local(optimizer.state_dict())}
     checkpointer.save(step=1, model=model, optimizer=optimizer)
@@ -119,11 +123,7 @@ def first_attempt(session: Session, folder: Path, out: Path) -> None:
 
 
 def second_attempt(session: Session, folder: Path, out: Path) -> None:
-    rank = session.global_rank
-    events = Events(folder, out)
-    model = session.setup_model(build())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    checkpointer = ckpt.Checkpointer(folder=folder, keep_last=2, async_save=True)
+    rank, events, model, optimizer, checkpointer = start(session, folder, out)
     torch.manual_seed(123)  # other random states: resume must restore the saved ones
     resumed = checkpointer.resume(model=model, optimizer=optimizer)
     assert resumed is not None
