@@ -8,7 +8,7 @@ Each step sleeps SLEEP_S inside its micro-step (a kill then lands inside the ste
 
 Each worker appends one JSON line per ``session.step`` to ``OUT_DIR/group<g>-rank<r>.jsonl``: the group,
 the step's result, ``global_step``, the digest of the weights after the step and the weights, the loader's position, the
-first sample of the batch it trained, the pid and the time. A test kills workers by pid from these lines.
+first sample of the batch it trained, the pid, the parent's pid and the time. A test kills workers by pid from these lines.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def main() -> None:
                         "epoch": loader.state_dict()["epoch"],
                         "first": float(x[0, 0]),
                         "pid": os.getpid(),
+                        "ppid": os.getppid(),
                         "started": started,
                         "time": time.time(),
                     }

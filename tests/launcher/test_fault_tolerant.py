@@ -1,14 +1,17 @@
 """Fault-tolerant replica groups (``multigpu launch --fault-tolerant``) with real gloo processes and real kills.
 
 One launch of three groups checks most of it (each launch costs the workers' imports, slow on a loaded
-machine): group 1 is SIGKILLed at a random point inside a step, then, once restarted and back, group 2 is;
-the groups that stay go on in the same processes, the step of a kill is committed nowhere, each restarted
+machine): group 1 is SIGKILLed at a random point inside a step and comes back forked from the launcher's
+zygote; then the zygote is killed (its forked worker with it: group 1 is restarted again, as a new
+interpreter), and once group 1 is back, group 2 is killed (a new interpreter too: no zygote is left).
+The groups that stay go on in the same processes, the step of a kill is committed nowhere, each restarted
 group receives the state live and every group holds the same weights at every committed step. The oracle:
 until the first kill, the three groups' weights equal those of one ddp run of 3 processes (to float rounding).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -22,7 +25,7 @@ import pytest
 from multigpu.cli.main import main
 from multigpu.errors import ConfigError
 from multigpu.launcher.launch import LaunchConfig
-from tests.launching import kill_tree, launch_workers, start_launch
+from tests.launching import descendants, kill_tree, launch_workers, start_launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -82,9 +85,18 @@ def kill_inside_a_step(out: Path, group: int) -> int:
     return last["pid"]
 
 
-def back_after(out: Path, group: int, old_pid: int, commits: int) -> bool:
-    new = [r for r in records(out, group) if r["pid"] != old_pid and r["committed"]]
+def back_after(out: Path, group: int, old_pids: set[int], commits: int) -> bool:
+    new = [r for r in records(out, group) if r["pid"] not in old_pids and r["committed"]]
     return len(new) >= commits
+
+
+def zygote_of(launcher: int) -> int:
+    """The pid of the launcher's zygote (its child running multigpu.launcher.fault_tolerant_zygote)."""
+    for pid in descendants(launcher):
+        with contextlib.suppress(OSError):
+            if b"fault_tolerant_zygote" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    raise AssertionError(f"launcher {launcher} has no zygote")
 
 
 def test_groups_outlive_two_kills_in_sequence_and_the_restarted_ones_rejoin_with_the_same_weights(
@@ -93,20 +105,25 @@ def test_groups_outlive_two_kills_in_sequence_and_the_restarted_ones_rejoin_with
     total = 1000  # held at PAUSE_S a step for up to 200 s (restarts under load); fast once the test removes the file
     (tmp_path / "hold").touch()
     launch = Launch(
-        "--strategy", "ddp", "--fault-tolerant", "--replicas", "3", "--nproc-per-node", "1", "--max-restarts", "1",
+        "--strategy", "ddp", "--fault-tolerant", "--replicas", "3", "--nproc-per-node", "1", "--max-restarts", "2",
         WORKER, str(tmp_path), str(total), str(PAUSE_S),
     )  # fmt: skip
     try:
         wait_for(lambda: all(len(records(tmp_path, g)) >= 3 for g in range(3)), "3 steps in every group", launch)
         first_pid = kill_inside_a_step(tmp_path, 1)
-        wait_for(lambda: back_after(tmp_path, 1, first_pid, 2), "group 1 committing again", launch)
+        wait_for(lambda: back_after(tmp_path, 1, {first_pid}, 2), "group 1 committing again", launch)
+        forked = [r for r in records(tmp_path, 1) if r["pid"] != first_pid][-1]
+        zygote = zygote_of(launch.proc.pid)
+        assert forked["ppid"] == zygote  # the restart was forked from the warm spare
+        os.kill(zygote, signal.SIGKILL)  # its worker cannot be watched any more: ended, and group 1 restarted
+        wait_for(lambda: back_after(tmp_path, 1, {first_pid, forked["pid"]}, 2), "group 1 back again", launch)
         second_pid = kill_inside_a_step(tmp_path, 2)
-        wait_for(lambda: back_after(tmp_path, 2, second_pid, 2), "group 2 committing again", launch)
+        wait_for(lambda: back_after(tmp_path, 2, {second_pid}, 2), "group 2 committing again", launch)
         (tmp_path / "hold").unlink()
         assert launch.wait(120) == 0, launch.err[-3000:]
     finally:
         launch.stop()
-    assert "replica group 1" in launch.err and "restarting it (1 of 1)" in launch.err
+    assert "replica group 1" in launch.err and "restarting it (2 of 2)" in launch.err
     assert "NCCL flight recorder" not in launch.err  # torchft's note has no meaning on gloo
 
     by_group = {g: records(tmp_path, g) for g in range(3)}
@@ -143,12 +160,14 @@ def test_groups_outlive_two_kills_in_sequence_and_the_restarted_ones_rejoin_with
     assert len(before_kill) >= 3
     for ours, theirs in zip(before_kill, ddp):
         assert max(abs(a - b) for a, b in zip(ours["weights"], theirs["weights"])) < 1e-6
-    # the killed groups were restarted once each and took up the run where it stood, not at step 1
-    for group, old in ((1, first_pid), (2, second_pid)):
-        restarted = [r for r in by_group[group] if r["pid"] != old]
+    # the killed groups took up the run where it stood, not at step 1; without the zygote, as new interpreters
+    for group, old in ((1, {first_pid, forked["pid"]}), (2, {second_pid})):
+        restarted = [r for r in by_group[group] if r["pid"] not in old]
         assert len({r["pid"] for r in restarted}) == 1
+        assert restarted[0]["ppid"] == launch.proc.pid  # started by the launcher itself: the fallback
         assert restarted[0]["global_step"] > 3
         assert restarted[-1]["global_step"] == total
+    assert forked["global_step"] > 3
 
 
 def test_every_group_dead_ends_the_launch_non_zero_naming_each_group(tmp_path: Path) -> None:

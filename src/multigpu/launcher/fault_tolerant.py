@@ -24,16 +24,18 @@ are in the quorum (a fresh run never starts alone).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from multigpu.launcher.fault_tolerant_zygote import ForkedWorker, Zygote
 from multigpu.launcher.process_groups import end_sessions
 from multigpu.launcher.supervise import FORWARDED
 from multigpu.launcher.torchrun import LOOPBACK
@@ -88,7 +90,7 @@ class Group:
     """One replica group: its processes, its restarts, and why it last stopped."""
 
     index: int
-    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    processes: list[subprocess.Popen[bytes] | ForkedWorker] = field(default_factory=list)
     restarts: int = 0
     started_at: float = 0.0
     finished: bool = False
@@ -150,25 +152,31 @@ def run_groups(
             _signal_group(group, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    zygote: Zygote | None = None
     try:
         for group in groups:
-            _start(group, script, script_args, env, nproc, lighthouse, total)
-        return _supervise(groups, script, script_args, env, nproc, lighthouse, total, max_restarts, stopping, grace_s)
+            _start(group, script, script_args, env, nproc, lighthouse, total, None)
+        if max_restarts > 0:  # the warm spare restarts fork from, started after the groups it would slow down
+            zygote = Zygote(env)
+        start = functools.partial(
+            _start, script=script, args=script_args, env=env, nproc=nproc, lighthouse=lighthouse, total=total,
+            zygote=zygote,
+        )  # fmt: skip
+        return _supervise(groups, start, zygote, script, max_restarts, stopping, grace_s)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for group in groups:
-            _kill(group)
+            _kill(group, zygote)
+        if zygote is not None:
+            zygote.close()
 
 
 def _supervise(
     groups: list[Group],
+    start: Callable[[Group], None],
+    zygote: Zygote | None,
     script: str,
-    script_args: Sequence[str],
-    env: dict[str, str],
-    nproc: int,
-    lighthouse: str,
-    total: int,
     max_restarts: int,
     stopping: list[int],
     grace_s: float,
@@ -188,7 +196,7 @@ def _supervise(
                         file=sys.stderr,
                         flush=True,
                     )
-                    _kill(group)
+                    _kill(group, zygote)
                     group.dead_reason = f"killed {grace_s:g} s after {name}"
         if finished_at is None and any(g.finished for g in groups):
             finished_at = time.monotonic()
@@ -201,21 +209,22 @@ def _supervise(
                         file=sys.stderr,
                         flush=True,
                     )
-                    _kill(group)
+                    _kill(group, zygote)
                     group.dead_reason = "stopped after another group finished"
         for group in groups:
             if not group.running:
                 continue
             codes = [p.poll() for p in group.processes]
             if all(code == 0 for code in codes):
-                group.finished, group.processes = True, []
+                _kill(group, zygote)  # reaps them (forked workers are the zygote's to reap), and what they left
+                group.finished = True
                 continue
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
             if not failed:
                 continue
             rank, code = failed[0]
             reason = f"rank {rank} {_exit_text(code)}"  # type: ignore[arg-type]
-            _kill(group)
+            _kill(group, zygote)
             if stopping or any(g.finished for g in groups) or group.restarts >= max_restarts:
                 group.dead_reason = reason + (f" (restarts used: {group.restarts} of {max_restarts})")
                 continue
@@ -226,7 +235,7 @@ def _supervise(
                 file=sys.stderr,
                 flush=True,
             )
-            _start(group, script, script_args, env, nproc, lighthouse, total)
+            start(group)
         if not any(g.running for g in groups):
             break
         time.sleep(_POLL_S)
@@ -244,8 +253,16 @@ def _supervise(
 
 
 def _start(
-    group: Group, script: str, args: Sequence[str], env: dict[str, str], nproc: int, lighthouse: str, total: int
+    group: Group,
+    script: str,
+    args: Sequence[str],
+    env: dict[str, str],
+    nproc: int,
+    lighthouse: str,
+    total: int,
+    zygote: Zygote | None,
 ) -> None:
+    """Start the group's workers: a restart forks them from the zygote when it can serve, else new interpreters."""
     port = free_port()
     group.started_at = time.monotonic()
     group.processes = []
@@ -265,6 +282,10 @@ def _start(
             WorkerEnv.variable("lighthouse"): lighthouse,
             "TORCHELASTIC_RESTART_COUNT": str(group.restarts),
         }
+        forked = zygote.fork(worker, [script, *args]) if zygote is not None and group.restarts > 0 else None
+        if forked is not None:
+            group.processes.append(forked)
+            continue
         argv = [sys.executable, "-m", "multigpu.launcher._entry", script, *args]
         group.processes.append(subprocess.Popen(argv, env=worker, start_new_session=True))
 
@@ -276,11 +297,15 @@ def _signal_group(group: Group, signum: int) -> None:
                 os.killpg(process.pid, signum)
 
 
-def _kill(group: Group) -> None:
+def _kill(group: Group, zygote: Zygote | None) -> None:
     """SIGKILL the group's workers and everything they started (the launcher's one terminator), then reap them."""
-    end_sessions([p.pid for p in group.processes if p.returncode is None], grace_s=0.0, first=None)
-    for process in group.processes:
+    spawned = [p for p in group.processes if isinstance(p, subprocess.Popen)]
+    end_sessions([p.pid for p in spawned if p.returncode is None], grace_s=0.0, first=None)
+    for process in spawned:
         process.wait()
+    forked = [p for p in group.processes if isinstance(p, ForkedWorker)]
+    if forked and zygote is not None:
+        zygote.end(forked)  # they are the zygote's children: it kills what is left of their sessions and reaps them
     group.processes = []
 
 
