@@ -1,8 +1,9 @@
 """Fault-tolerant replica groups: the step's cost against plain ddp, and what a SIGKILL costs.
 
     pip install -e '.[fault-tolerant]'
-    python benchmarks/fault_tolerance.py                   # 3 repeats of 300 steps each way, then one kill
+    python benchmarks/fault_tolerance.py                   # 3 repeats of 300 steps each way, then the kills
     python benchmarks/fault_tolerance.py --repeats 5 --steps 500
+    python benchmarks/fault_tolerance.py --kill-only --kills 5
 
 Step cost: the same 1.4M-parameter MLP, data and global batch (64) under
 ``multigpu launch --strategy ddp --nproc-per-node 2`` (one process group of 2) and under
@@ -12,12 +13,15 @@ fault-tolerant launch does not bind its groups). The two alternate within each r
 median over repeats of the per-repeat ratio of median step times (rank 0 of group 0 times each step, from
 the end of one to the end of the next, after 20 warm-up steps). Target: at most 1.15.
 
-Kill: a fault-tolerant run of 2 groups, each step sleeping 100 ms until the restarted group is back (so the
-run outlasts the restart); after 20 steps group 1's worker is SIGKILLed at a random point of a step. Reported: the committed steps the survivor lost (its
-``global_step`` never going back: target 0), and the restarted group's first committed step after its
-process started and after the kill (targets 2 s and 5 s, on a quiet machine), beside the time a fresh
-interpreter takes to import torch, torchft and multigpu at that moment. This file is also the
-worker (``--worker``).
+Kill: a fault-tolerant run of 2 groups, each step sleeping 100 ms (so the run outlasts the restarts). Group
+1's worker is SIGKILLed at a random point of a step ``--kills`` times (each once its worker has committed 20
+steps): its restarts fork from the launcher's zygote; then the zygote is killed and group 1 ``--kills`` times
+more: those restarts start new interpreters (the fallback, and the way every restart went before the
+zygote). Reported per kill and as medians per way: the restarted group's first committed step after its
+process started and after the kill (targets 2 s and 5 s, on a quiet machine); the committed steps the
+survivor lost at the first kill (its ``global_step`` never going back: target 0); and the time a fresh
+interpreter takes to import torch, torchft and multigpu at that moment. This file is also the worker
+(``--worker``).
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ def worker(out: Path, steps: int, pause_s: float) -> None:
         times: list[float] = []
         log = (out / f"group{session.replica_group}-rank{session.rank}.jsonl").open("a")
         last = time.perf_counter()
-        while session.global_step < steps:
+        while session.global_step < steps and not (out / "stop").exists():
             for x, y in session.batches(loader):
                 with session.micro_step(model):
                     loss = nn.functional.cross_entropy(model(x), y)
@@ -81,10 +85,15 @@ def worker(out: Path, steps: int, pause_s: float) -> None:
                 now = time.perf_counter()
                 times.append(now - last)
                 last = now
-                record = {"committed": committed, "global_step": session.global_step, "pid": os.getpid()}
+                record = {
+                    "committed": committed,
+                    "global_step": session.global_step,
+                    "pid": os.getpid(),
+                    "ppid": os.getppid(),
+                }
                 log.write(json.dumps({**record, "started": started, "time": time.time()}) + "\n")
                 log.flush()
-                if session.global_step >= steps:
+                if session.global_step >= steps or (out / "stop").exists():  # the kill run ends when it is done
                     break
         if session.is_main_process:
             (out / "times.json").write_text(json.dumps(times[WARMUP:]))
@@ -110,44 +119,87 @@ def read(out: Path, group: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
 
 
-def kill_run(steps: int) -> dict[str, float]:
+def kill_and_wait(out: Path, proc: subprocess.Popen[bytes], pause: float, deadline: float) -> dict[str, float]:
+    """SIGKILL group 1's worker at a random point of a step; the restarted one's first commit after its start
+    and after the kill, and whether it was forked (its parent is not the launcher)."""
+    victim = read(out, 1)[-1]["pid"]
+    time.sleep(random.uniform(0, pause))
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    gone = {r["pid"] for r in read(out, 1)}
+    while not [r for r in read(out, 1) if r["pid"] not in gone and r["committed"]]:
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise SystemExit("the restarted group did not commit")
+        time.sleep(0.01)
+    back = next(r for r in read(out, 1) if r["pid"] not in gone and r["committed"])
+    return {
+        "after its process started": back["time"] - back["started"],
+        "after the kill": back["time"] - killed_at,
+        "forked": float(back["ppid"] != proc.pid),
+        "killed at": killed_at,
+    }
+
+
+def settled(out: Path, steps: int) -> bool:
+    """Group 1's current worker has committed ``steps`` steps (the run is back in its stride)."""
+    rows = read(out, 1)
+    return bool(rows) and sum(r["committed"] for r in rows if r["pid"] == rows[-1]["pid"]) >= steps
+
+
+def zygote_of(launcher: int) -> int | None:
+    """The launcher's zygote (its child running multigpu.launcher.fault_tolerant_zygote), if any."""
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == launcher and b"fault_tolerant_zygote" in command:
+            return int(entry.name)
+    return None
+
+
+def kill_run(steps: int, kills: int) -> tuple[dict[str, float], dict[str, list[dict[str, float]]]]:
+    """``kills`` SIGKILLs of group 1 with the zygote, then the zygote killed, then ``kills`` more (new interpreters)."""
     pause = 0.1
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder)
-        flags = ["--fault-tolerant", "--replicas", "2", "--nproc-per-node", "1", "--max-restarts", "1"]
+        restarts = 2 * kills + 1  # the zygote's death ends its forked worker: one restart more
+        flags = ["--fault-tolerant", "--replicas", "2", "--nproc-per-node", "1", "--max-restarts", str(restarts)]
         (out / "hold").touch()
         proc = launch(flags, out, steps, pause)
-        deadline = time.monotonic() + 300
-        while len(read(out, 1)) < 20:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit("the fault-tolerant run did not reach step 20")
-            time.sleep(0.01)
-        victim = read(out, 1)[-1]["pid"]
-        time.sleep(random.uniform(0, pause))
-        killed_at = time.time()
-        os.kill(victim, signal.SIGKILL)
-        while not [r for r in read(out, 1) if r["pid"] != victim and r["committed"]]:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit("the restarted group did not commit")
-            time.sleep(0.01)
-        (out / "hold").unlink()
-        back = next(r for r in read(out, 1) if r["pid"] != victim and r["committed"])
+        deadline = time.monotonic() + 600
+        results: dict[str, list[dict[str, float]]] = {"zygote": [], "new interpreter": []}
+        for mode in results:
+            if mode == "new interpreter":
+                zygote = zygote_of(proc.pid)
+                if zygote is not None:
+                    os.kill(zygote, signal.SIGKILL)
+            for _ in range(kills):
+                while not settled(out, 20):
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise SystemExit("the fault-tolerant run did not settle before a kill")
+                    time.sleep(0.01)
+                results[mode].append(kill_and_wait(out, proc, pause, deadline))
+                shown = {k: v for k, v in results[mode][-1].items() if k != "killed at"}
+                print(f"{mode}: " + ", ".join(f"{k} {v:.3f}" for k, v in shown.items()), flush=True)
+        (out / "stop").touch()
         if proc.wait(timeout=600) != 0:
             raise SystemExit("the fault-tolerant run failed")
         survivor = [r["global_step"] for r in read(out, 0)]
-        before = max(r["global_step"] for r in read(out, 0) if r["time"] <= killed_at)
-        after = min(r["global_step"] for r in read(out, 0) if r["time"] > killed_at)
+        first_kill = results["zygote"][0]["killed at"]
+        before = max(r["global_step"] for r in read(out, 0) if r["time"] <= first_kill)
+        after = min(r["global_step"] for r in read(out, 0) if r["time"] > first_kill)
         lost = max(0, before - after)  # the survivor's first step after the kill starts from where it stood
         started = time.perf_counter()  # what a restarted worker spends importing, on this machine now
         subprocess.run([sys.executable, "-c", "import torch, torchft.manager, multigpu.session"], check=True)
         imports = time.perf_counter() - started
-        return {
-            "committed steps lost": float(lost),
-            "of which importing torch, torchft and multigpu (s)": imports,
+        summary = {
+            "committed steps lost at the first kill": float(lost),
             "survivor never went back": float(all(b >= a for a, b in itertools.pairwise(survivor))),
-            "restarted: first commit after its process started (s)": back["time"] - back["started"],
-            "restarted: first commit after the kill (s)": back["time"] - killed_at,
+            "a fresh interpreter importing torch, torchft and multigpu (s)": imports,
         }
+        return summary, results
 
 
 def main() -> None:
@@ -155,6 +207,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--kill-only", action="store_true", help="only the SIGKILL run")
+    parser.add_argument("--kills", type=int, default=5, help="kills with the zygote, then as many without")
     parser.add_argument("--worker", nargs=3, metavar=("OUT", "STEPS", "PAUSE"))
     args = parser.parse_args()
     if args.worker:
@@ -169,8 +222,17 @@ def main() -> None:
         print(f"repeat {repeat}: ddp {a * 1e3:.2f} ms, fault-tolerant {b * 1e3:.2f} ms, ratio {b / a:.3f}", flush=True)
     if ratios:
         print(f"fault-tolerant step / ddp step: median {statistics.median(ratios):.3f} (target <= 1.15)")
-    for name, value in kill_run(500).items():
+    summary, results = kill_run(100_000, args.kills)
+    for name, value in summary.items():
         print(f"{name}: {value:.3f}")
+    for mode, rows in results.items():
+        started = statistics.median(r["after its process started"] for r in rows)
+        killed = statistics.median(r["after the kill"] for r in rows)
+        forked = sum(int(r["forked"]) for r in rows)
+        print(
+            f"restarted by {mode} ({forked} of {len(rows)} forked): first commit {started:.3f} s after its process "
+            f"started, {killed:.3f} s after the kill (medians of {len(rows)}; targets 2 s and 5 s)"
+        )
 
 
 if __name__ == "__main__":

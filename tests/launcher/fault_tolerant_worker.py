@@ -6,6 +6,9 @@
 Each step sleeps SLEEP_S inside its micro-step (a kill then lands inside the step) while the file
 ``OUT_DIR/hold`` exists, so that a test can keep the run going until a restarted group is back.
 
+Each step reads ``session.should_stop``: once a SIGTERM has stopped the group, the worker writes
+``OUT_DIR/stopped-group<g>-<pid>.json`` (its ``global_step``) and returns, as a script that saves there would.
+
 Each worker appends one JSON line per ``session.step`` to ``OUT_DIR/group<g>-rank<r>.jsonl``: the group,
 the step's result, ``global_step``, the digest of the weights after the step and the weights, the loader's position, the
 first sample of the batch it trained, the pid, the parent's pid and the time. A test kills workers by pid from these lines.
@@ -73,6 +76,12 @@ def main() -> None:
                     }
                     log.write(json.dumps(record) + "\n")
                     log.flush()
+                    if session.should_stop:  # SIGTERM (the launcher's, or this group's alone): leave, as a save would
+                        stopped = {"global_step": session.global_step, "pid": os.getpid()}
+                        (out / f"stopped-group{session.replica_group}-{os.getpid()}.json").write_text(
+                            json.dumps(stopped)
+                        )
+                        return
                     if session.global_step >= total:
                         break
 

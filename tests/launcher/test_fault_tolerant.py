@@ -25,7 +25,7 @@ import pytest
 from multigpu.cli.main import main
 from multigpu.errors import ConfigError
 from multigpu.launcher.launch import LaunchConfig
-from tests.launching import descendants, kill_tree, launch_workers, start_launch
+from tests.launching import alive, descendants, kill_tree, launch_workers, start_launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -168,6 +168,61 @@ def test_groups_outlive_two_kills_in_sequence_and_the_restarted_ones_rejoin_with
         assert restarted[0]["global_step"] > 3
         assert restarted[-1]["global_step"] == total
     assert forked["global_step"] > 3
+
+
+def test_sigterm_to_the_launcher_stops_every_group_at_its_loop_in_bounded_time_and_leaves_no_process(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "hold").touch()
+    launch = Launch(
+        "--strategy", "ddp", "--fault-tolerant", "--replicas", "2", "--nproc-per-node", "1", "--max-restarts", "1",
+        "--grace-period", "60", WORKER, str(tmp_path), "1000", str(PAUSE_S),
+    )  # fmt: skip
+    try:
+        wait_for(lambda: all(len(records(tmp_path, g)) >= 3 for g in range(2)), "3 steps in every group", launch)
+        started = descendants(launch.proc.pid)  # the workers and the zygote
+        assert zygote_of(launch.proc.pid) in started
+        signalled = time.monotonic()
+        launch.proc.send_signal(signal.SIGTERM)  # a scheduler pre-empting the whole job
+        code = launch.wait(90)
+        took = time.monotonic() - signalled
+    finally:
+        launch.stop()
+    assert code == 128 + signal.SIGTERM, launch.err[-3000:]
+    assert took < 60, "a group was killed at the end of the grace period instead of leaving its loop"
+    assert "SIGTERM: every replica group stopped" in launch.err
+    for group in (0, 1):
+        # each group left at session.should_stop (where a script saves), none was restarted or killed
+        assert f"replica group {group}: rank 0 left its loop at SIGTERM" in launch.err
+        (stopped,) = tmp_path.glob(f"stopped-group{group}-*.json")
+        assert json.loads(stopped.read_text())["global_step"] >= 3
+    assert "restarting it" not in launch.err
+    assert not alive(started)  # no worker, no zygote left
+
+
+def test_sigterm_to_one_worker_is_its_groups_loss_the_group_is_restarted_and_the_run_finishes(tmp_path: Path) -> None:
+    (tmp_path / "hold").touch()
+    launch = Launch(
+        "--strategy", "ddp", "--fault-tolerant", "--replicas", "2", "--nproc-per-node", "1", "--max-restarts", "1",
+        WORKER, str(tmp_path), "400", str(PAUSE_S),
+    )  # fmt: skip
+    try:
+        wait_for(lambda: all(len(records(tmp_path, g)) >= 3 for g in range(2)), "3 steps in every group", launch)
+        victim = records(tmp_path, 1)[-1]["pid"]
+        os.kill(victim, signal.SIGTERM)  # not through the launcher: only this group is stopped
+        wait_for(lambda: back_after(tmp_path, 1, {victim}, 2), "group 1 committing again", launch)
+        (tmp_path / "hold").unlink()
+        assert launch.wait(120) == 0, launch.err[-3000:]
+    finally:
+        launch.stop()
+    # the script left its loop at the signal (where it would save), and the launcher took the group as lost
+    assert (tmp_path / f"stopped-group1-{victim}.json").exists()
+    assert "replica group 1: rank 0 left its loop at SIGTERM (session.should_stop; exit code 143); restarting it" in (
+        launch.err
+    )
+    assert len({r["pid"] for r in records(tmp_path, 0)}) == 1  # the other group went on in its process
+    assert records(tmp_path, 1)[-1]["global_step"] == 400
+    assert not list(tmp_path.glob("stopped-group0-*.json"))
 
 
 def test_every_group_dead_ends_the_launch_non_zero_naming_each_group(tmp_path: Path) -> None:

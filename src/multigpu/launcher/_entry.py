@@ -29,7 +29,7 @@ from multigpu.core.run_files import open_appending
 from multigpu.core.script import run_as_main
 from multigpu.launcher import signal_witness
 from multigpu.launcher.affinity import bind_to_core_share
-from multigpu.runtime import failure_records, tracking, world
+from multigpu.runtime import failure_records, preemption, tracking, world
 
 
 @record
@@ -52,13 +52,24 @@ def main() -> None:
         if exc.code not in (None, 0):
             failure_records.record(exc)
         else:
+            _left_at_a_stop_signal()
             failure_records.record_finished()
         raise
     except BaseException as exc:
         failure_records.record(exc)  # a no-op when the Session already recorded it before closing its group
         raise
+    _left_at_a_stop_signal()
     # the script is done: a death from here on (a library's thread aborting at exit) is named as one
     failure_records.record_finished()
+
+
+def _left_at_a_stop_signal() -> None:
+    """Under ``--fault-tolerant``, a script that returned after a stop signal (``session.should_stop``) ends with
+    ``128 + signal``: its replica group stopped, it did not finish the run (:mod:`multigpu.launcher.fault_tolerant`
+    restarts it, or ends the launch when the signal came through the launcher)."""
+    signum = preemption.stop_signal_received()
+    if signum is not None and world.replica_group() is not None:
+        raise SystemExit(128 + signum)
 
 
 def _copy_stderr(path: os.PathLike[str]) -> None:

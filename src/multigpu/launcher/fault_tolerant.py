@@ -225,7 +225,10 @@ def _supervise(
             rank, code = failed[0]
             reason = f"rank {rank} {_exit_text(code)}"  # type: ignore[arg-type]
             _kill(group, zygote)
-            if stopping or any(g.finished for g in groups) or group.restarts >= max_restarts:
+            if stopping:  # the launcher's signal: the group's end, not a loss
+                group.dead_reason = reason
+                continue
+            if any(g.finished for g in groups) or group.restarts >= max_restarts:
                 group.dead_reason = reason + (f" (restarts used: {group.restarts} of {max_restarts})")
                 continue
             group.restarts += 1
@@ -240,6 +243,11 @@ def _supervise(
             break
         time.sleep(_POLL_S)
     if stopping:
+        lines = [f"  replica group {g.index}: {'finished the script' if g.finished else g.dead_reason}" for g in groups]
+        name = signal.Signals(stopping[0]).name
+        print(
+            f"multigpu launch: {name}: every replica group stopped:\n" + "\n".join(lines), file=sys.stderr, flush=True
+        )
         return 128 + stopping[0]
     if any(g.finished for g in groups):
         return 0
@@ -312,4 +320,6 @@ def _kill(group: Group, zygote: Zygote | None) -> None:
 def _exit_text(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
+    if code - 128 in (signal.SIGTERM, signal.SIGUSR1):  # the entry point's code for a script that stopped at it
+        return f"left its loop at {signal.Signals(code - 128).name} (session.should_stop; exit code {code})"
     return f"exited with code {code}"

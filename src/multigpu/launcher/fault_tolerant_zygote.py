@@ -143,8 +143,8 @@ class Zygote:
         """End the zygote: it kills every worker it forked, reaps them, and exits."""
         with contextlib.suppress(OSError):
             os.close(self._requests)
-        try:
-            self.process.wait(timeout=END_TIMEOUT_S)
+        try:  # a zygote still importing has forked nothing and reads no request yet: ended at once
+            self.process.wait(timeout=END_TIMEOUT_S if self.ready.is_set() else 0)
         except subprocess.TimeoutExpired:
             end_sessions([self.process.pid], grace_s=0.0, first=None)
             self.process.wait()

@@ -42,6 +42,16 @@ from multigpu.runtime.collectives import reduce_value
 from multigpu.runtime.world import global_rank, in_process_group
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_received: int | None = None  # the first stop signal any StopSignals of this process recorded
+
+
+def stop_signal_received() -> int | None:
+    """The first stop signal a :class:`StopSignals` recorded in this process (None while none came).
+
+    The worker's entry point asks it under ``--fault-tolerant``, where a group that left its loop at a
+    signal has not finished the run (:mod:`multigpu.launcher._entry`).
+    """
+    return _received
 
 
 class StopSignals:
@@ -76,8 +86,11 @@ class StopSignals:
         self._previous = {}
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
+        global _received
         if self.received is None:  # only a flag: no I/O, no collective, inside whatever step is running
             self.received = signum
+        if _received is None:
+            _received = signum
 
 
 def agree(local_stop: bool) -> bool:
