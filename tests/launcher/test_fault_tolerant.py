@@ -38,8 +38,8 @@ EPOCH_BATCHES = 10  # the worker's 240 samples in global batches of 24
 class Launch:
     """A running fault-tolerant launch whose output is drained in the background (a full pipe would block it)."""
 
-    def __init__(self, *args: str) -> None:
-        self.proc = start_launch(*args, env=QUIET)
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.proc = start_launch(*args, env={**QUIET, **(env or {})})
         self.out = self.err = ""
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
@@ -174,9 +174,14 @@ def test_sigterm_to_the_launcher_stops_every_group_at_its_loop_in_bounded_time_a
     tmp_path: Path,
 ) -> None:
     (tmp_path / "hold").touch()
+    scontrol = tmp_path / "bin" / "scontrol"  # SLURM's, which --requeue runs once the launch was pre-empted
+    scontrol.parent.mkdir()
+    scontrol.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "requeued"}\n')
+    scontrol.chmod(0o755)
     launch = Launch(
         "--strategy", "ddp", "--fault-tolerant", "--replicas", "2", "--nproc-per-node", "1", "--max-restarts", "1",
-        "--grace-period", "60", WORKER, str(tmp_path), "1000", str(PAUSE_S),
+        "--grace-period", "60", "--requeue", WORKER, str(tmp_path), "1000", str(PAUSE_S),
+        env={"PATH": f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"},
     )  # fmt: skip
     try:
         wait_for(lambda: all(len(records(tmp_path, g)) >= 3 for g in range(2)), "3 steps in every group", launch)
@@ -198,6 +203,7 @@ def test_sigterm_to_the_launcher_stops_every_group_at_its_loop_in_bounded_time_a
         assert json.loads(stopped.read_text())["global_step"] >= 3
     assert "restarting it" not in launch.err
     assert not alive(started)  # no worker, no zygote left
+    assert (tmp_path / "requeued").read_text().split() == ["requeue", "4242"]  # --requeue holds here too
 
 
 def test_sigterm_to_one_worker_is_its_groups_loss_the_group_is_restarted_and_the_run_finishes(tmp_path: Path) -> None:

@@ -11,8 +11,13 @@ same address). The workers average their gradients over the groups alive in each
 This process supervises the groups: when a worker of a group dies, the group's other processes are
 killed and the group is started again (up to ``--max-restarts`` times per group) on a fresh port; it
 receives the current state live from a healthy group and rejoins. The others go on in the same
-processes. The run succeeds once a group has finished its script; it fails, naming every group and
-why, once every group is dead with no restart left.
+processes; a restart forks the group's workers from a warm zygote that has done their imports
+(:mod:`multigpu.launcher.fault_tolerant_zygote`), or starts new interpreters when it cannot. The run
+succeeds once a group has finished its script; it fails, naming every group and why, once every group
+is dead with no restart left. A signal to this process (a pre-emption) is forwarded to every worker and
+ends the launch with ``128 + N`` once every group has stopped, restarting none; a stop signal that
+reaches one worker alone is its group's loss (a script that leaves its loop at ``session.should_stop``
+exits ``128 + N``, :mod:`multigpu.launcher._entry`).
 
 The lighthouse's settings, chosen for a small job (:data:`LIGHTHOUSE`): a group whose heartbeat has
 been silent for 1 s is dropped from the next quorum (the survivors wait about that long after a kill);

@@ -93,7 +93,7 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
     if config.fault_tolerant:
         # the node's cores are shared by every group's processes (OMP_NUM_THREADS)
         env = worker_env(config, strategy, nproc * (config.replicas or 1))
-        return launch_fault_tolerant(config, script, script_args, env=env, nproc=nproc)
+        return maybe_requeue(config, launch_fault_tolerant(config, script, script_args, env=env, nproc=nproc))
     with tempfile.TemporaryDirectory(prefix="multigpu-failures-") as failure_dir:
         log_dir = (config.log_dir or os.path.join(failure_dir, "logs")) if logs_requested(config) else None
         args = build_torchrun_args(config, script, script_args, log_dir=log_dir)
