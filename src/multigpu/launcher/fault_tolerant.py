@@ -162,7 +162,8 @@ def run_groups(
         for group in groups:
             _start(group, script, script_args, env, nproc, lighthouse, total, None)
         if max_restarts > 0:  # the warm spare restarts fork from, started after the groups it would slow down
-            zygote = Zygote(env)
+            with contextlib.suppress(OSError):  # none (no pipe or process left): restarts start new interpreters
+                zygote = Zygote(env)
         start = functools.partial(
             _start, script=script, args=script_args, env=env, nproc=nproc, lighthouse=lighthouse, total=total,
             zygote=zygote,

@@ -256,8 +256,8 @@ def _handle(message: dict[str, Any], children: dict[int, int | None], answer: An
         if pid == 0:
             children.clear()  # the zygote's, not this worker's: nothing to end on the way out
             os.setsid()  # a session of its own, as the launcher starts workers: it ends the session with the worker
-            for pipe in pipes:
-                os.close(pipe.fileno())
+            for pipe in pipes:  # closed through their file objects: a stale one would close a reused descriptor
+                pipe.close()
             raise _Forked(message["fork"]["env"], message["fork"]["argv"])
         children[pid] = None
         answer({"pid": pid})
