@@ -48,8 +48,11 @@ def exists(pid: int) -> bool:
 
 
 def test_a_forked_worker_runs_the_script_as_a_started_one_with_its_variables_and_its_exit_code(tmp_path: Path) -> None:
-    zygote = ready_zygote(base_env())
+    zygote = Zygote(base_env())
     try:
+        # still importing (seconds): a restart now does not wait for it, it starts a new interpreter
+        assert zygote.fork(base_env(), [SCRIPT, str(tmp_path / "never"), "exit=0"]) is None
+        assert zygote.ready.wait(READY_S), "the zygote did not finish its imports"
         assert zygote.refused is None
         out = tmp_path / "record.json"
         worker = zygote.fork(
