@@ -4,7 +4,7 @@ A step folder holds ``state.pt`` beside one storage's files. Each storage is one
 format: its files, how a folder is recognised as its own (:meth:`Storage.holds`), whether it is
 complete, the step its files record, what ``multigpu ckpt inspect`` shows of it, its checksum, and
 writing and reading it for :mod:`protocol`. :data:`STORAGES` lists them; everything here and in
-:mod:`protocol`, :mod:`state` and :mod:`summary` asks the list and never names a format. Adding one is
+:mod:`protocol`, :mod:`state` and :mod:`weights` asks the list and never names a format. Adding one is
 a module and a line in :data:`STORAGES` (ARCHITECTURE.md, "Where to change a given thing").
 
 Discovery: a checkpoint folder is named exactly ``f"step-{step:08d}"`` (:mod:`folders`); anything else is
