@@ -30,16 +30,18 @@ from typing import Any, TypeVar
 import torch
 
 from multigpu.checkpoint.atomic import (
+    STATE_FILE,
     atomic_write_file,
     explain_os_errors,
     folder_lock,
     fsync,
     install_folder,
+    parse_aside,
+    parse_step,
     remove_stale_temporaries,
     remove_tree,
     temporary_name,
 )
-from multigpu.checkpoint.folders import STATE_FILE, parse_aside, parse_step
 from multigpu.checkpoint.ranks import capture_rng, gather_on_main, restore_rng, run_on_main, shared_from_main
 from multigpu.checkpoint.storages import Storage, Writes, check_replaceable, recover_asides
 from multigpu.checkpoint.validate import (

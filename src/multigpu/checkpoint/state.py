@@ -36,9 +36,8 @@ from typing import Any, NoReturn, Protocol
 
 from torch import nn
 
-from multigpu.checkpoint.atomic import remove_tree
+from multigpu.checkpoint.atomic import MAX_STEP, STATE_FILE, folder_name, remove_tree
 from multigpu.checkpoint.background import BackgroundWrite, Staging, side_group
-from multigpu.checkpoint.folders import STATE_FILE, check_count, folder_name
 from multigpu.checkpoint.protocol import resume_step, save_step
 from multigpu.checkpoint.ranks import agreed, capture_rng, gather_on_main, run_on_main
 from multigpu.checkpoint.storages import (
@@ -201,8 +200,11 @@ class Checkpointer:
         copied into memory: the model may change at once, the checkpoint is on disk after :meth:`wait`.
         """
         self.wait()
-        check_count(step, "step")
-        check_count(epoch, "epoch")
+        for what, count in (("step", step), ("epoch", epoch)):
+            if not isinstance(count, int) or isinstance(count, bool):
+                raise ConfigError(f"{what}={count!r} must be an int (got {type(count).__name__}).")
+            if not 0 <= count <= MAX_STEP:
+                raise ConfigError(f"{what}={count} must be between 0 and {MAX_STEP}.")
         counters = {"data_position": dict(data_position or {}), "extra": dict(extra or {})}
         if loader is not None:
             if not callable(getattr(loader, "state_dict", None)):

@@ -7,7 +7,7 @@ writing and reading it for :mod:`protocol`. :data:`STORAGES` lists them; everyth
 :mod:`protocol`, :mod:`state` and :mod:`weights` asks the list and never names a format. Adding one is
 a module and a line in :data:`STORAGES` (ARCHITECTURE.md, "Where to change a given thing").
 
-Discovery: a checkpoint folder is named exactly ``f"step-{step:08d}"`` (:mod:`folders`); anything else is
+Discovery: a checkpoint folder is named exactly ``f"step-{step:08d}"`` (:mod:`atomic`); anything else is
 someone else's folder, never read, never pruned. It is complete when it is a real folder that a storage
 holds completely. A step whose replacement was interrupted is found under its hidden aside name
 (:func:`~multigpu.checkpoint.atomic.install_folder`). Layout and rules: docs/checkpoints.md.
@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 import torch
 from torch import nn
 
-from multigpu.checkpoint.atomic import ASIDE_MARKER, remove_tree
+from multigpu.checkpoint.atomic import ASIDE_MARKER, PREFIX, STATE_FILE, parse_aside, parse_step, remove_tree
 from multigpu.checkpoint.dcp_storage import Sharded
-from multigpu.checkpoint.folders import PREFIX, STATE_FILE, parse_aside, parse_step
 from multigpu.checkpoint.one_file import OneFile
 from multigpu.checkpoint.validate import TrainingState
 from multigpu.errors import CheckpointError

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from multigpu.checkpoint.atomic import MAX_STEP, MAX_WORLD_SIZE
 from multigpu.checkpoint.file_kinds import entry_is, refuse
-from multigpu.checkpoint.folders import MAX_STEP, MAX_WORLD_SIZE
 from multigpu.checkpoint.formats import check_plain_tensor
 from multigpu.checkpoint.ranks import device_rng_keys
 from multigpu.core.keys import collision_message, match_keys, unwrap

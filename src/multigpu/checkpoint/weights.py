@@ -34,8 +34,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from multigpu.checkpoint.atomic import MAX_STEP, STATE_FILE, parse_aside, parse_step
 from multigpu.checkpoint.dcp_files import files_bytes
-from multigpu.checkpoint.folders import MAX_STEP, STATE_FILE, parse_aside, parse_step
 from multigpu.checkpoint.formats import (
     Format,
     check_expansion,
