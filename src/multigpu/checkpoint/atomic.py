@@ -289,8 +289,9 @@ def _file_size_limit() -> str:
 def folder_lock(folder: Path, *, timeout_s: float) -> Iterator[None]:
     """Hold the folder's lock, the kernel's ``flock`` on ``<folder>/.multigpu.lock``, for the block.
 
-    The lock belongs to the open file, so the kernel drops it however its holder exits. The file stays (removing it would let a waiter lock a file that is no longer the folder's), and
-    holds the holder's host and pid while it is held, for the message of a save that waits too long.
+    The lock belongs to the open file, so the kernel drops it however its holder exits. The file stays
+    (removing it would let a waiter lock a file that is no longer the folder's), and holds the holder's
+    host and pid while it is held, for the message of a save that waits too long.
     (Written on ``fcntl`` directly: filelock 3 truncates the file when a waiter opens it, which erased
     the holder's record, and filelock 4 conflicts with trackers such as aim that pin filelock<4.)
 
