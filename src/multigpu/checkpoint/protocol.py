@@ -25,7 +25,7 @@ import copy
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -52,11 +52,8 @@ from multigpu.checkpoint.validate import (
     check_scaler,
     check_training_state,
 )
-from multigpu.errors import CheckpointError, MultigpuError
+from multigpu.errors import CheckpointError
 from multigpu.runtime.world import global_rank, is_main_process, world_size
-
-T = TypeVar("T")
-
 
 # --- save -----------------------------------------------------------------------------------------
 
@@ -214,7 +211,16 @@ def _apply(folder: Path, checked: TrainingState, storage: Storage, parts: Mappin
         stage = "model"
         storage.apply()
         stage = "random state"
-        restore_rank_rng(checked)
+        if checked.world_size != world_size():
+            warnings.warn(
+                f"resuming at world_size={world_size()} from a checkpoint saved at world_size="
+                f"{checked.world_size}: model and optimizer load, but random streams differ from the "
+                "original run, so results will not match it bit for bit.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        if global_rank() < len(checked.rng):
+            restore_rng(checked.rng[global_rank()])
     except Exception as exc:
         for live, before in reversed(applied):
             live.load_state_dict(before)
@@ -224,26 +230,6 @@ def _apply(folder: Path, checked: TrainingState, storage: Storage, parts: Mappin
             note += "; the model (and an optimizer saved in shards) may be partly loaded."
         else:
             note += "; the model is unchanged."
-        raise as_error(exc, folder, stage, note) from exc
-
-
-def restore_rank_rng(checked: TrainingState, *, stacklevel: int = 5) -> None:
-    """Restore this rank's saved random state; warn when the world size changed since the save."""
-    rank = global_rank()
-    if checked.world_size != world_size():
-        warnings.warn(
-            f"resuming at world_size={world_size()} from a checkpoint saved at world_size="
-            f"{checked.world_size}: model and optimizer load, but random streams differ from the "
-            "original run, so results will not match it bit for bit.",
-            RuntimeWarning,
-            stacklevel=stacklevel,
-        )
-    if rank < len(checked.rng):
-        restore_rng(checked.rng[rank])
-
-
-def as_error(exc: Exception, folder: Path, stage: str, note: str) -> MultigpuError:
-    """A CheckpointError for an unexpected failure while applying ``stage`` from ``folder``."""
-    return CheckpointError(
-        f"{str(folder)!r}: applying the {stage} state failed ({type(exc).__name__}: {str(exc)[:300]}); {note}"
-    )
+        raise CheckpointError(
+            f"{str(folder)!r}: applying the {stage} state failed ({type(exc).__name__}: {str(exc)[:300]}); {note}"
+        ) from exc
