@@ -44,9 +44,9 @@ from multigpu.checkpoint.storages import (
     Writes,
     complete_checkpoints,
     find_latest,
-    recorded_step_of,
     storage_for,
     storage_of,
+    written_for,
 )
 from multigpu.checkpoint.validate import FORMAT_VERSION, TrainingState, walk_plain
 from multigpu.errors import CheckpointError, ConfigError
@@ -380,17 +380,12 @@ class Checkpointer:
             )
         if self.keep_last is None:
             return
-        older = [found for found in complete if found.step < just_written and _written_here(found.path, found.step)]
+        older = [found for found in complete if found.step < just_written and written_for(found.path, found.step)]
         for found in older[: max(0, len(older) + 1 - self.keep_last)]:
             remove_tree(found.path)
 
 
 _LOADER_KEY = "loader"  # data_position's entry for save(loader=...)
-
-
-def _written_here(folder: Path, step: int) -> bool:
-    # Prune only what a Checkpointer wrote: its storage's files record the folder's step.
-    return recorded_step_of(folder) == step
 
 
 def _refuse_at_save(where: str, found: Any, expected: str) -> NoReturn:
