@@ -13,7 +13,6 @@ themselves are refused, and a container reached twice (pickles share objects) is
 from __future__ import annotations
 
 import random
-import reprlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import torch
 from torch import nn
 
 from multigpu.checkpoint.atomic import MAX_STEP, MAX_WORLD_SIZE
-from multigpu.checkpoint.file_kinds import entry_is, refuse
+from multigpu.checkpoint.file_kinds import SHORT, entry_is, refuse
 from multigpu.checkpoint.formats import check_plain_tensor
 from multigpu.checkpoint.ranks import device_rng_keys
 from multigpu.core.keys import collision_message, match_keys, unwrap
@@ -38,8 +37,6 @@ _NUMBER = (int, float)
 _LEAVES = (int, float, str, bool, type(None), complex)
 # Per-parameter buffers of torch's optimizers: each has its parameter's shape.
 _PER_PARAMETER = {"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum"}
-_SHORT = reprlib.Repr()
-_SHORT.maxstring = _SHORT.maxother = 60
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,11 +56,11 @@ class TrainingState:
     global_step: int | None = None  # session.global_step when it was saved (older checkpoints: None)
 
 
+@dataclass(frozen=True)
 class Refusal:
     """Raises the CheckpointError of one file: ``fail(entry, found, expected)``."""
 
-    def __init__(self, file: Path) -> None:
-        self.file = file
+    file: Path
 
     def fail(self, entry: str, found: Any, expected: str) -> NoReturn:
         refuse(
@@ -91,9 +88,8 @@ def check_training_state(
         CheckpointError: the first entry that is missing or wrong.
     """
     checked = check_counters(obj, file, folder_step=folder_step, allow_objects=allow_objects)
-    r = Refusal(file)
     for rank, state in enumerate(checked.rng):
-        check_rng(r, state, f"entry 'rng'[{rank}]")
+        check_rng(Refusal(file), state, f"entry 'rng'[{rank}]")
     return checked
 
 
@@ -160,43 +156,36 @@ def walk_plain(
 
     ``fail(where, found, expected)`` is called for the first offending item.
     """
-    _walk(value, where, fail, depth=0, seen=set(), path=set(), device=device)
+    seen: set[int] = set()  # containers already checked (the pickle memo shares them)
+    path: set[int] = set()  # the containers above this one: one of them again is a cycle
 
+    def walk(value: Any, where: str, depth: int) -> None:
+        if isinstance(value, _LEAVES):
+            return
+        if isinstance(value, torch.Tensor):
+            try:
+                check_plain_tensor(value, where, device=device)
+            except CheckpointError as exc:
+                fail(where, value, f"a plain dense tensor ({exc})")
+            return
+        if not isinstance(value, (dict, list, tuple)):
+            fail(where, value, "tensors, numbers, strings, lists, tuples and dicts")
+        if depth >= MAX_DEPTH:
+            fail(where, "a deeper container", f"nesting of at most {MAX_DEPTH} levels")
+        if id(value) in path:
+            fail(where, "a container holding itself", "no reference cycles")
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        path.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(value, dict) and not isinstance(key, (str, int, float, bool, type(None))):
+                fail(f"{where}[{SHORT.repr(key)}]", key, "a key that is a string or a number")
+            walk(item, f"{where}[{SHORT.repr(key)}]", depth + 1)
+        path.discard(id(value))
 
-def _walk(
-    value: Any,
-    where: str,
-    fail: Callable[..., NoReturn],
-    *,
-    depth: int,
-    seen: set[int],
-    path: set[int],
-    device: str | None,
-) -> None:
-    if isinstance(value, _LEAVES):
-        return
-    if isinstance(value, torch.Tensor):
-        try:
-            check_plain_tensor(value, where, device=device)
-        except CheckpointError as exc:
-            fail(where, value, f"a plain dense tensor ({exc})")
-        return
-    if not isinstance(value, (dict, list, tuple)):
-        fail(where, value, "tensors, numbers, strings, lists, tuples and dicts")
-    if depth >= MAX_DEPTH:
-        fail(where, "a deeper container", f"nesting of at most {MAX_DEPTH} levels")
-    if id(value) in path:
-        fail(where, "a container holding itself", "no reference cycles")
-    if id(value) in seen:
-        return  # shared (the pickle memo): already checked
-    seen.add(id(value))
-    path.add(id(value))
-    items = value.items() if isinstance(value, dict) else enumerate(value)
-    for key, item in items:
-        if isinstance(value, dict) and not isinstance(key, (str, int, float, bool, type(None))):
-            fail(f"{where}[{_SHORT.repr(key)}]", key, "a key that is a string or a number")
-        _walk(item, f"{where}[{_SHORT.repr(key)}]", fail, depth=depth + 1, seen=seen, path=path, device=device)
-    path.discard(id(value))
+    walk(value, where, 0)
 
 
 def check_rng(r: Refusal, state: Any, where: str) -> None:
@@ -205,12 +194,8 @@ def check_rng(r: Refusal, state: Any, where: str) -> None:
     Each part is set on a private generator (python, numpy, torch), never on the global ones.
     """
     devices = device_rng_keys()
-    if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= set(state) <= {
-        "python",
-        "numpy",
-        "torch",
-        *devices,
-    }:
+    required = {"python", "numpy", "torch"}
+    if not isinstance(state, dict) or not required <= set(state) <= required | set(devices):
         maybe = ", ".join(repr(name) for name in devices)
         r.fail(where, state, f"a dict with 'python', 'numpy', 'torch' (and maybe {maybe}) random states")
     _try(r, f"{where}['python']", state["python"], "a python random state", _python_state)
@@ -284,7 +269,7 @@ def check_like(r: Refusal, saved: Any, live: Any, where: str, depth: int = 0) ->
         walk_plain(saved, where, r.fail)
     elif isinstance(live, Mapping):
         if not isinstance(saved, dict):
-            r.fail(where, saved, f"a dict like the live object's ({_SHORT.repr(dict(live))})")
+            r.fail(where, saved, f"a dict like the live object's ({SHORT.repr(dict(live))})")
         unknown = [k for k in saved if k not in live]
         if unknown:
             r.fail(where, f"keys {unknown[:5]}", f"only the keys of the live object ({sorted(map(str, live))[:12]})")
@@ -339,7 +324,7 @@ def check_optimizer(r: Refusal, saved: dict[str, Any], optimizer: Any) -> None:
     if not isinstance(state, dict):
         r.fail("entry 'optimizer'['state']", state, "a dict from parameter id to its state")
     for pid, per_param in state.items():
-        where = f"entry 'optimizer'['state'][{_SHORT.repr(pid)}]"
+        where = f"entry 'optimizer'['state'][{SHORT.repr(pid)}]"
         if type(pid) is not int or pid not in params:
             r.fail(where, pid, "the id of a parameter listed in param_groups")
         if not isinstance(per_param, dict) or not all(isinstance(k, str) for k in per_param):
