@@ -8,19 +8,12 @@
         ckpt.save(step=step + 1, model=model, optimizer=opt, scheduler=sched, scaler=scaler,
                   epoch=epoch, data_position={"batch": i + 1})
 
-A checkpoint is a folder ``step-00000042/`` holding ``model.safetensors`` (clean keys; loads
-into the bare model at any world size with :func:`multigpu.load`) and ``state.pt`` (optimizer,
-LR scheduler, gradient scaler, step, epoch, data position, and every rank's random state; plain
-tensors and containers only, so it loads weights-only). The folder appears in one atomic
-rename, so a crash mid-save leaves the previous step as the latest; re-saving a step swaps the
-folders atomically, and one process saves into a folder at a time (:mod:`atomic`). Saving and
-resuming follow one protocol (:mod:`protocol`): resume checks the whole state before it changes
-anything (:mod:`validate`).
-
-A model sharded by fsdp is saved without gathering it: each rank writes its slices of the weights
-and optimizer state with torch.distributed.checkpoint into the same ``step-N`` scheme, next to
-``state.pt`` and a ``manifest.json`` that marks the format (:mod:`dcp_storage`, :mod:`dcp_files`).
-Resume reads either format; a sharded one at any world size, into a sharded model or not.
+A checkpoint is a folder ``step-00000042/`` holding the model's storage (``model.safetensors``, or
+under fsdp each rank's shards through torch.distributed.checkpoint: :mod:`storages`) and ``state.pt``
+(optimizer, scheduler, scaler, step, epoch, data position, every rank's random state; plain tensors and
+containers only, so it loads weights-only). Saving and resuming follow one protocol
+(:mod:`protocol`): the folder appears in one atomic rename (:mod:`atomic`), and resume checks the whole
+state before it changes anything (:mod:`validate`).
 """
 
 from __future__ import annotations
@@ -242,10 +235,8 @@ class Checkpointer:
 
         storage = storage_for(model)(model, optimizer)  # fsdp's: every rank writes its own shards (dcp_storage)
 
-        prune = lambda just_written: self._prune(just_written=just_written)  # noqa: E731
-
-        def write() -> None:
-            save_step(self.folder, target, storage, entries(), lock_timeout_s=self.lock_timeout_s, prune=prune)
+        def write(writes: Writes, state: dict[str, Any]) -> None:
+            save_step(self.folder, target, writes, state, lock_timeout_s=self.lock_timeout_s, prune=self._prune)
 
         if self._writer is not None and self._staging is not None:
             writer, (staging, state_staging) = self._writer, self._staging
@@ -256,13 +247,7 @@ class Checkpointer:
 
             def start(snapshot: tuple[Writes, dict[str, Any]]) -> None:  # then written in the background
                 staged, state = snapshot
-                writer.start(
-                    lambda: save_step(
-                        self.folder, target, staged, state, lock_timeout_s=self.lock_timeout_s, prune=prune
-                    ),
-                    target.name,
-                    group=group,
-                )
+                writer.start(lambda: write(staged, state), target.name, group=group)
 
             if storage.collective:  # every rank stages its part (all raise if one failed), then writes it
                 start(agreed(stage, f"copying checkpoint {target} into memory"))
@@ -270,9 +255,9 @@ class Checkpointer:
                 run_on_main(lambda: start(stage()), f"copying checkpoint {target} into memory")
             self._pending = "every" if storage.collective else "main"
         elif storage.collective:
-            write()
+            write(storage, entries())
         else:  # the main process writes, the others wait for it
-            run_on_main(write, f"saving checkpoint {target}")
+            run_on_main(lambda: write(storage, entries()), f"saving checkpoint {target}")
         return target
 
     def resume(
@@ -367,7 +352,7 @@ class Checkpointer:
         """The steps of the complete checkpoints in the folder, oldest first."""
         return [found.step for found in complete_checkpoints(self.folder)]
 
-    def _prune(self, *, just_written: int) -> None:
+    def _prune(self, just_written: int) -> None:
         complete = complete_checkpoints(self.folder)
         later = [found.step for found in complete if found.step > just_written]
         if later:
