@@ -1,9 +1,8 @@
 """One save path and one resume path for a step folder, written once over every storage.
 
 A step folder holds ``state.pt`` (step, epoch, random states, scheduler, scaler, the optimizer
-when the storage does not hold it) beside the model's storage, one of :data:`~multigpu.checkpoint.storages.STORAGES`:
-one file, ``model.safetensors`` (:mod:`one_file`), written by the main process, or sharded,
-torch.distributed.checkpoint's files and ``manifest.json`` (:mod:`dcp_storage`), written by every rank.
+when the storage does not hold it) beside the model's storage, one of
+:data:`~multigpu.checkpoint.storages.STORAGES`, written by the main process or, collective, by every rank.
 
 Save (:func:`save_step`): take the folder's lock and build ``.step-N.tmp-...`` (main process);
 write the model's storage into it; seal it (record its checksum in ``state.pt``), then put the
@@ -36,8 +35,6 @@ from multigpu.checkpoint.atomic import (
     folder_lock,
     fsync,
     install_folder,
-    parse_aside,
-    parse_step,
     remove_stale_temporaries,
     remove_tree,
     temporary_name,
@@ -152,9 +149,7 @@ def resume_step(
         if read is None:
             return None
         folder, state = read
-        step = parse_step(folder.name)
-        step = parse_aside(folder.name) if step is None else step
-        checked = check_training_state(state, folder / STATE_FILE, folder_step=step, allow_objects=allow_unsafe_pickle)
+        checked = check_training_state(state, folder, allow_objects=allow_unsafe_pickle)
         in_storage = storage.check(folder, checked)
         _check_parts(folder, checked, parts, optimizer_in_storage=in_storage)
         if also_check is not None:

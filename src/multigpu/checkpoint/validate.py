@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from multigpu.checkpoint.atomic import MAX_STEP, MAX_WORLD_SIZE
+from multigpu.checkpoint.atomic import MAX_STEP, MAX_WORLD_SIZE, STATE_FILE, parse_aside, parse_step
 from multigpu.checkpoint.file_kinds import SHORT, entry_is, refuse
 from multigpu.checkpoint.formats import check_plain_tensor
 from multigpu.checkpoint.ranks import device_rng_keys
@@ -72,32 +72,21 @@ class Refusal:
         )
 
 
-def check_training_state(
-    obj: Any, file: Path, *, folder_step: int | None, allow_objects: bool = False
-) -> TrainingState:
-    """The checked training state of ``file`` (the loaded object ``obj``).
+def check_training_state(obj: Any, folder: Path, *, allow_objects: bool = False, meta: bool = False) -> TrainingState:
+    """The checked ``state.pt`` of ``folder`` (``obj``: what it unpickled to).
 
     Args:
-        obj: what ``state.pt`` unpickled to.
-        file: its path, for messages.
-        folder_step: the step in the folder's name, which the state must repeat (``None``: any).
+        folder: the step folder; the state must repeat the step in its name (or aside name), if it has one.
         allow_objects: accept any object in ``data_position`` and ``extra`` (the file was loaded
             with ``allow_unsafe_pickle=True``, so the caller trusts it).
+        meta: the file was loaded onto the ``meta`` device (a summary): random states are not tried.
 
     Raises:
         CheckpointError: the first entry that is missing or wrong.
     """
-    checked = check_counters(obj, file, folder_step=folder_step, allow_objects=allow_objects)
-    for rank, state in enumerate(checked.rng):
-        check_rng(Refusal(file), state, f"entry 'rng'[{rank}]")
-    return checked
-
-
-def check_counters(
-    obj: Any, file: Path, *, folder_step: int | None, device: str = "cpu", allow_objects: bool = False
-) -> TrainingState:
-    """Like :func:`check_training_state` without trying the random states (which may be on ``device`` "meta")."""
-    r = Refusal(file)
+    r = Refusal(folder / STATE_FILE)
+    folder_step = parse_step(folder.name)
+    folder_step = parse_aside(folder.name) if folder_step is None else folder_step
     if not isinstance(obj, dict):
         r.fail("the state", obj, "a dict of the entries a Checkpointer writes")
     for entry in (*_ENTRIES, "data_position", "extra"):
@@ -121,13 +110,13 @@ def check_counters(
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             r.fail(f"entry {entry!r}", value, "a dict with string keys")
         if not allow_objects:
-            walk_plain(value, f"entry {entry!r}", r.fail, device=device)
+            walk_plain(value, f"entry {entry!r}", r.fail, device="meta" if meta else "cpu")
         counters[entry] = value
     checksum = obj.get("model_checksum")
     if checksum is not None and (not isinstance(checksum, str) or len(checksum) > 100):
         r.fail("entry 'model_checksum'", checksum, "a checksum string")
     global_step = None if obj.get("global_step") is None else _count(r, obj, "global_step", 0, MAX_STEP)
-    return TrainingState(
+    checked = TrainingState(
         global_step=global_step,
         model_checksum=checksum,
         step=step,
@@ -140,6 +129,9 @@ def check_counters(
         data_position=counters["data_position"],
         extra=counters["extra"],
     )
+    for rank, state in enumerate([] if meta else checked.rng):
+        check_rng(r, state, f"entry 'rng'[{rank}]")
+    return checked
 
 
 def _count(r: Refusal, obj: dict[str, Any], entry: str, low: int, high: int) -> int:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from multigpu.checkpoint.atomic import MAX_STEP, STATE_FILE, parse_aside, parse_step
+from multigpu.checkpoint.atomic import MAX_STEP, STATE_FILE
 from multigpu.checkpoint.dcp_files import files_bytes
 from multigpu.checkpoint.formats import (
     Format,
@@ -47,7 +47,7 @@ from multigpu.checkpoint.formats import (
 from multigpu.checkpoint.ranks import run_on_main
 from multigpu.checkpoint.storages import STORAGES, Structure, find_latest, reading, storage_of
 from multigpu.checkpoint.torch_file import load_torch_file
-from multigpu.checkpoint.validate import check_counters, plan_load
+from multigpu.checkpoint.validate import check_training_state, plan_load
 from multigpu.core.keys import clean_state_dict, find_prefixes, unwrap
 from multigpu.errors import CheckpointError
 
@@ -136,7 +136,9 @@ def load(
         'DataParallel'
     """
     tensors, _ = read_weights(path, allow_unsafe_pickle=allow_unsafe_pickle)
-    load_tensors(model, tensors, strict=strict, strip=strip, source=str(path))
+    usable = plan_load(model, tensors, strict=strict, strip=strip, source=str(path))
+    bare = unwrap(model)
+    bare.load_state_dict(shard_like(bare.state_dict(), usable), strict=False)  # fsdp: each rank takes its slices
     return model
 
 
@@ -169,26 +171,7 @@ def read_weights(
     return tensors, metadata
 
 
-def load_tensors(
-    model: nn.Module,
-    tensors: Mapping[str, torch.Tensor],
-    *,
-    strict: bool = True,
-    strip: Sequence[str] = (),
-    source: str = "the state dict",
-) -> None:
-    """Copy ``tensors`` into ``model`` after checking keys and shapes (see :func:`load`)."""
-    usable = plan_load(model, tensors, strict=strict, strip=strip, source=source)
-    bare = unwrap(model)
-    bare.load_state_dict(shard_like(bare.state_dict(), usable), strict=False)  # fsdp: each rank takes its slices
-
-
 # --- models sharded by fsdp: whole tensors gathered to save, each rank's slices cut out to load ---
-
-
-def is_sharded(state: Mapping[str, object]) -> bool:
-    """Whether any entry of ``state`` is a DTensor (a slice of a tensor spread over the ranks)."""
-    return any(isinstance(value, DTensor) for value in state.values())
 
 
 def full_state_dict(model: nn.Module) -> Mapping[str, torch.Tensor]:
@@ -209,7 +192,7 @@ def full_state_dict(model: nn.Module) -> Mapping[str, torch.Tensor]:
         ['weight', 'bias']
     """
     state = model.state_dict()
-    if not is_sharded(state):
+    if not any(isinstance(value, DTensor) for value in state.values()):  # not sharded by fsdp
         return state
     # Imported here: torch.distributed.checkpoint is only needed for sharded models.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -221,15 +204,8 @@ def full_state_dict(model: nn.Module) -> Mapping[str, torch.Tensor]:
 
 
 def shard_like(expected: Mapping[str, object], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` (whole, e.g. read from a file) cut into this rank's slices wherever ``expected`` is sharded.
-
-    Args:
-        expected: the target model's ``state_dict()`` (DTensors where it is sharded).
-        tensors: whole tensors under the same keys (shapes already checked).
-
-    Returns:
-        ``tensors`` with each entry whose ``expected`` counterpart is a DTensor turned into a DTensor
-        of the same mesh and placements, holding this rank's slice; ready for ``load_state_dict``.
+    """``tensors`` (whole, shapes checked) cut into this rank's slices wherever ``expected`` (the target model's
+    ``state_dict()``) holds a DTensor: a DTensor of the same mesh and placements, ready for ``load_state_dict``.
 
     Does not communicate: every rank holds the whole tensors and keeps its own slice.
     """
@@ -361,10 +337,7 @@ def _training_state(folder: Path, allow_unsafe_pickle: bool) -> dict[str, Any]:
     if not path.is_file():
         return {}
     loaded = load_torch_file(path, allow_unsafe_pickle=allow_unsafe_pickle, map_location="meta")
-    folder_step = parse_step(folder.name)
-    checked = check_counters(
-        loaded, path, folder_step=folder_step if folder_step is not None else parse_aside(folder.name), device="meta"
-    )
+    checked = check_training_state(loaded, folder, meta=True)
     return {
         "step": checked.step,  # shown as the saved step
         "epoch": checked.epoch,
