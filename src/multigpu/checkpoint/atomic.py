@@ -232,43 +232,39 @@ def _os_error_in_chain(exc: BaseException | None) -> OSError | None:
 
 
 def _explain(exc: OSError, final: Path) -> str:
-    folder = final.parent
+    folder, lost = final.parent, f"could not write checkpoint {str(final)!r}"
+    code, kept = f"{exc.strerror} (errno {exc.errno})", "The previous checkpoint is unchanged."
     if exc.errno == errno.EFBIG:
         return (
-            f"could not write checkpoint {str(final)!r}: {exc.strerror} (errno {exc.errno}): a file-size limit "
-            f"was hit, not a full disk: {_file_size_limit()}. The previous checkpoint is unchanged. Raise the "
+            f"{lost}: {code}: a file-size limit was hit, not a full disk: {_file_size_limit()}. {kept} Raise the "
             "limit where the run starts (ulimit -f unlimited, or the job scheduler's file-size limit), or save "
             "to a file system that allows larger files."
         )
     if exc.errno == errno.EDQUOT:
         return (
-            f"could not write checkpoint {str(final)!r}: {exc.strerror} (errno {exc.errno}): the disk quota of "
-            f"this user on {str(folder)!r} is used up. The previous checkpoint is unchanged. Free space within "
-            "the quota, lower keep_last, or save to another folder."
+            f"{lost}: {code}: the disk quota of this user on {str(folder)!r} is used up. {kept} Free space "
+            "within the quota, lower keep_last, or save to another folder."
         )
     if exc.errno in _SPACE_ERRNOS:
         return (
-            f"could not write checkpoint {str(final)!r}: {exc.strerror} (errno {exc.errno}). The disk "
-            f"holding {str(folder)!r} is full. The previous checkpoint is unchanged. Free space there, "
-            "lower keep_last, or save to another folder."
+            f"{lost}: {code}. The disk holding {str(folder)!r} is full. {kept} Free space there, lower "
+            "keep_last, or save to another folder."
         )
     if exc.errno in _PERMISSION_ERRNOS:
         return (
-            f"could not write checkpoint {str(final)!r}: the folder {str(folder)!r} is not writable "
-            f"({exc.strerror}). The previous checkpoint is unchanged. Fix the folder's permissions "
-            "or save to a folder this process may write to."
+            f"{lost}: the folder {str(folder)!r} is not writable ({exc.strerror}). {kept} Fix the folder's "
+            "permissions or save to a folder this process may write to."
         )
     if exc.errno == errno.EISDIR and os.fspath(final) in (exc.filename, exc.filename2) and final.is_dir():
         return (
-            f"could not write checkpoint {str(final)!r}: it is an existing folder. Give the path of a file "
-            f"(e.g. {str(final / 'weights.safetensors')!r}), or move the folder away. Nothing was changed."
+            f"{lost}: it is an existing folder. Give the path of a file (e.g. "
+            f"{str(final / 'weights.safetensors')!r}), or move the folder away. Nothing was changed."
         )
     if exc.errno == errno.ENOENT and not folder.exists():
         return (
-            f"could not write checkpoint {str(final)!r}: the folder {str(folder)!r} does not exist. "
-            "Create it first (mkdir -p) or pick an existing folder."
+            f"{lost}: the folder {str(folder)!r} does not exist. Create it first (mkdir -p) or pick an existing folder."
         )
-    return f"could not write checkpoint {str(final)!r}: {exc}. The previous checkpoint is unchanged."
+    return f"{lost}: {exc}. {kept}"
 
 
 def _file_size_limit() -> str:
