@@ -53,7 +53,7 @@ from torch import nn
 
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.formats import read_tensors
-from multigpu.checkpoint.summary import summarize
+from multigpu.checkpoint.weights import summarize
 from multigpu.cli.main import main
 from multigpu.errors import CheckpointError
 from tests.checkpoint import _craft

@@ -14,7 +14,7 @@ from torch import nn
 
 import multigpu
 import multigpu.checkpoint as ckpt
-from multigpu.checkpoint.summary import summarize
+from multigpu.checkpoint.weights import summarize
 
 FIXTURE = Path(__file__).parent / "fixtures" / "one-file-63f0a3b"
 

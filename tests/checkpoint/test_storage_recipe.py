@@ -25,11 +25,11 @@ from torch import nn
 import multigpu
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint import storages
+from multigpu.checkpoint.atomic import STATE_FILE, regular_files
 from multigpu.checkpoint.background import Staging
-from multigpu.checkpoint.folders import STATE_FILE, regular_files
-from multigpu.checkpoint.summary import summarize
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import Refusal, TrainingState, plan_load
+from multigpu.checkpoint.weights import summarize
 from multigpu.cli.main import main
 from multigpu.core.keys import unwrap
 from multigpu.errors import CheckpointError
@@ -259,6 +259,6 @@ def test_the_recipe_names_every_module_that_knows_a_storage() -> None:
         "storage does not list them among the storages' modules: ask storages.STORAGES there instead"
     )
     assert {f"{s.__module__.rsplit('.', 1)[1]}.py" for s in storages.STORAGES} <= own
-    for consumer in ("storages.py", "protocol.py", "state.py", "summary.py", "weights.py"):
+    for consumer in ("storages.py", "protocol.py", "state.py", "weights.py"):
         assert consumer in asking, f"the recipe must say that checkpoint/{consumer} asks the list"
     assert "`STORAGES`" in recipe

@@ -1,11 +1,14 @@
-"""Crash-safe writes: a file or a folder appears under its final name complete, or not at all; one writer per folder.
+"""A Checkpointer's folder on disk: the names in it, and crash-safe writes into it, one writer at a time.
 
+A checkpoint folder is named exactly ``f"step-{step:08d}"`` (ASCII digits, the step at most
+:data:`MAX_STEP`) and holds ``state.pt`` beside its storage's files (:mod:`storages` says which
+folders are checkpoints). A file or folder appears under its final name complete, or not at all.
 Files go through a hidden temporary sibling (``.<name>.tmp-<host>-<pid>-<random>``: nothing that
 looks for checkpoints picks it up), flushed and ``fsync``ed, then ``os.replace``d onto the final
 name, then the folder is ``fsync``ed. A complete step folder is put in place by
 :func:`install_folder`: one ``rename``, or, to replace a step, ``renameat2(RENAME_EXCHANGE)`` where
-the file system has it and a hidden *aside* copy of the old folder elsewhere (discovery reads it as
-the same step, :mod:`folders`). The folder lock is the kernel's ``flock``, so a SIGKILL never
+the file system has it and a hidden *aside* copy of the old folder elsewhere (``.step-N.prev-...``,
+which discovery reads as the same step). The folder lock is the kernel's ``flock``, so a SIGKILL never
 leaves a folder locked. OS errors become a :class:`~multigpu.errors.CheckpointError` naming the
 path and the fix. The whole story, and which test kills which step, is in docs/checkpoints.md.
 """
@@ -18,6 +21,7 @@ import errno
 import fcntl
 import os
 import platform
+import re
 import shutil
 import socket
 import stat
@@ -30,13 +34,58 @@ from typing import BinaryIO
 
 from multigpu.errors import CheckpointError
 
+STATE_FILE = "state.pt"
+MAX_STEP = 2**63 - 1  # int64, what loggers and torch store steps as
+MAX_WORLD_SIZE = 1 << 24
+FIX = (
+    "Resume from another step (Checkpointer.resume(path=...)), or move this folder away so that the "
+    "previous step is the latest."
+)
+PREFIX = "step-"
 TEMP_MARKER = ".tmp-"
 LOCK_NAME = ".multigpu.lock"
 ASIDE_MARKER = ".prev-"
+_STEP = re.compile(r"step-([0-9]{8,19})", re.ASCII)
+_ASIDE = re.compile(r"\.(step-[0-9]{8,19})\.prev-.+", re.ASCII)
 
 _MAX_PID = 1 << 22  # Linux's PID_MAX_LIMIT
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _PERMISSION_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def folder_name(step: int) -> str:
+    """The folder name of ``step``.
+
+    Example:
+        >>> folder_name(42), folder_name(123456789)
+        ('step-00000042', 'step-123456789')
+    """
+    return f"{PREFIX}{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step a folder name stands for, or ``None`` if it is not exactly a name we write.
+
+    Example:
+        >>> parse_step("step-00000042"), parse_step("step-42"), parse_step("step-99999999999999999999")
+        (42, None, None)
+    """
+    match = _STEP.fullmatch(name)
+    step = int(match.group(1)) if match else -1
+    return step if 0 <= step <= MAX_STEP and folder_name(step) == name else None
+
+
+def parse_aside(name: str) -> int | None:
+    """The step of an aside folder name (:func:`aside_name`), or ``None``."""
+    match = _ASIDE.fullmatch(name)
+    return parse_step(match.group(1)) if match else None
+
+
+def regular_files(folder: Path, names: tuple[str, ...]) -> bool:
+    try:
+        return all(stat.S_ISREG(os.lstat(folder / name).st_mode) for name in names)
+    except OSError:
+        return False
 
 
 def temporary_name(final: Path) -> Path:
@@ -70,24 +119,11 @@ def fsync(path: Path) -> None:
 
 
 def atomic_write_file(final: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> Path:
-    """Write a file through ``write(fileobj)`` so that ``final`` is either the old or the new file.
-
-    Args:
-        final: where the file should end up; its folder must exist.
-        write: called with a binary file object open on the temporary file.
-
-    Returns:
-        The final path.
+    """Write ``final`` (its folder must exist) through ``write(fileobj)``: it is either the old or the new file.
 
     Raises:
         CheckpointError: the disk is full, a quota or file-size limit was hit, or the folder is not writable;
             the previous file under ``final`` is unchanged.
-
-    Example:
-        >>> import tempfile
-        >>> p = atomic_write_file(Path(tempfile.mkdtemp()) / "x.bin", lambda f: f.write(b"hi"))
-        >>> p.read_bytes()
-        b'hi'
     """
 
     def write_to(tmp: Path) -> None:
@@ -130,24 +166,16 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def remove_stale_temporaries(folder: Path, *, name: str | None = None) -> list[Path]:
-    """Delete temporary entries in ``folder`` left by processes of this host that are gone.
-
-    Args:
-        folder: where to look.
-        name: only the temporaries of this final name (e.g. ``"w.safetensors"``); all by default.
+def remove_stale_temporaries(folder: Path, *, name: str | None = None) -> None:
+    """Delete the temporaries in ``folder`` (only those of the final ``name`` if given) of this host's dead processes.
 
     Temporaries of other hosts are left alone: whether their writer still runs is unknown here.
-
-    Returns:
-        The entries that were removed.
     """
-    removed = []
     host = socket.gethostname().replace(".", "_")
     try:
         entries = list(folder.iterdir())
     except OSError:
-        return []
+        return
     for entry in entries:
         if not is_temporary(entry) or (name is not None and not entry.name.startswith(f".{name}{TEMP_MARKER}")):
             continue
@@ -155,11 +183,8 @@ def remove_stale_temporaries(folder: Path, *, name: str | None = None) -> list[P
         parts = entry.name.split(TEMP_MARKER, 1)[1].rsplit("-", 2)
         if len(parts) != 3 or parts[0] != host or not (parts[1].isdigit() and 0 < int(parts[1]) <= _MAX_PID):
             continue  # not a name this module wrote (os.kill would overflow on a pid of 20 digits)
-        if _pid_alive(int(parts[1])):
-            continue
-        _remove_quietly(entry)
-        removed.append(entry)
-    return removed
+        if not _pid_alive(int(parts[1])):
+            _remove_quietly(entry)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -167,8 +192,8 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, someone else's
+        pass
     return True
 
 
@@ -207,43 +232,39 @@ def _os_error_in_chain(exc: BaseException | None) -> OSError | None:
 
 
 def _explain(exc: OSError, final: Path) -> str:
-    folder = final.parent
+    folder, lost = final.parent, f"could not write checkpoint {str(final)!r}"
+    code, kept = f"{exc.strerror} (errno {exc.errno})", "The previous checkpoint is unchanged."
     if exc.errno == errno.EFBIG:
         return (
-            f"could not write checkpoint {str(final)!r}: {exc.strerror} (errno {exc.errno}): a file-size limit "
-            f"was hit, not a full disk: {_file_size_limit()}. The previous checkpoint is unchanged. Raise the "
+            f"{lost}: {code}: a file-size limit was hit, not a full disk: {_file_size_limit()}. {kept} Raise the "
             "limit where the run starts (ulimit -f unlimited, or the job scheduler's file-size limit), or save "
             "to a file system that allows larger files."
         )
     if exc.errno == errno.EDQUOT:
         return (
-            f"could not write checkpoint {str(final)!r}: {exc.strerror} (errno {exc.errno}): the disk quota of "
-            f"this user on {str(folder)!r} is used up. The previous checkpoint is unchanged. Free space within "
-            "the quota, lower keep_last, or save to another folder."
+            f"{lost}: {code}: the disk quota of this user on {str(folder)!r} is used up. {kept} Free space "
+            "within the quota, lower keep_last, or save to another folder."
         )
     if exc.errno in _SPACE_ERRNOS:
         return (
-            f"could not write checkpoint {str(final)!r}: {exc.strerror} (errno {exc.errno}). The disk "
-            f"holding {str(folder)!r} is full. The previous checkpoint is unchanged. Free space there, "
-            "lower keep_last, or save to another folder."
+            f"{lost}: {code}. The disk holding {str(folder)!r} is full. {kept} Free space there, lower "
+            "keep_last, or save to another folder."
         )
     if exc.errno in _PERMISSION_ERRNOS:
         return (
-            f"could not write checkpoint {str(final)!r}: the folder {str(folder)!r} is not writable "
-            f"({exc.strerror}). The previous checkpoint is unchanged. Fix the folder's permissions "
-            "or save to a folder this process may write to."
+            f"{lost}: the folder {str(folder)!r} is not writable ({exc.strerror}). {kept} Fix the folder's "
+            "permissions or save to a folder this process may write to."
         )
     if exc.errno == errno.EISDIR and os.fspath(final) in (exc.filename, exc.filename2) and final.is_dir():
         return (
-            f"could not write checkpoint {str(final)!r}: it is an existing folder. Give the path of a file "
-            f"(e.g. {str(final / 'weights.safetensors')!r}), or move the folder away. Nothing was changed."
+            f"{lost}: it is an existing folder. Give the path of a file (e.g. "
+            f"{str(final / 'weights.safetensors')!r}), or move the folder away. Nothing was changed."
         )
     if exc.errno == errno.ENOENT and not folder.exists():
         return (
-            f"could not write checkpoint {str(final)!r}: the folder {str(folder)!r} does not exist. "
-            "Create it first (mkdir -p) or pick an existing folder."
+            f"{lost}: the folder {str(folder)!r} does not exist. Create it first (mkdir -p) or pick an existing folder."
         )
-    return f"could not write checkpoint {str(final)!r}: {exc}. The previous checkpoint is unchanged."
+    return f"{lost}: {exc}. {kept}"
 
 
 def _file_size_limit() -> str:
@@ -262,29 +283,28 @@ def _file_size_limit() -> str:
 
 @contextlib.contextmanager
 def folder_lock(folder: Path, *, timeout_s: float) -> Iterator[None]:
-    """Hold the folder's lock for the duration of the block (see the module docstring).
+    """Hold the folder's lock, the kernel's ``flock`` on ``<folder>/.multigpu.lock``, for the block.
 
-    The lock is the kernel's ``flock`` on ``<folder>/.multigpu.lock``: it belongs to the open file, so
-    the kernel drops it when the holder exits, however it exits (a SIGKILL never leaves it held). The
-    file itself stays (removing it would let a waiter lock a file that is no longer the folder's), and
-    holds the holder's host and pid while it is held, for the message of a save that waits too long.
+    The lock belongs to the open file, so the kernel drops it however its holder exits. The file stays
+    (removing it would let a waiter lock a file that is no longer the folder's), and holds the holder's
+    host and pid while it is held, for the message of a save that waits too long.
     (Written on ``fcntl`` directly: filelock 3 truncates the file when a waiter opens it, which erased
     the holder's record, and filelock 4 conflicts with trackers such as aim that pin filelock<4.)
 
     Raises:
         CheckpointError: another process held it for ``timeout_s`` seconds (the message names it), or
             something other than a regular file sits under the lock's name.
-
-    Example:
-        >>> import tempfile
-        >>> with folder_lock(Path(tempfile.mkdtemp()), timeout_s=1):
-        ...     pass
     """
     path = folder / LOCK_NAME
     fd = _open_lock_file(path, folder)
     try:
         deadline = time.monotonic() + timeout_s
-        while not _try_flock(fd):
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # EWOULDBLOCK: another open file holds it
+                pass
             if time.monotonic() >= deadline:
                 raise CheckpointError(
                     f"another process is saving into {str(folder)!r} and held its lock for "
@@ -324,14 +344,6 @@ def _not_a_lock_file(path: Path, folder: Path, why: str) -> str:
         "regular file (or absent); remove what sits under that name (no save can hold it: none could open "
         "it), or save into another folder."
     )
-
-
-def _try_flock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # EWOULDBLOCK: another open file holds it
-        return False
-    return True
 
 
 def _write_holder(fd: int) -> None:

@@ -136,10 +136,6 @@ class BackgroundWrite:
         self._group: Any = None
         _live.add(self)
 
-    @property
-    def pending(self) -> bool:
-        return self._thread is not None
-
     def start(self, write: Callable[[], Any], what: str, *, group: Any = None) -> None:
         """Run ``write`` on a new thread (its checkpoint collectives over ``group``); join the previous first."""
         if self._thread is not None:

@@ -35,9 +35,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from multigpu.checkpoint.atomic import atomic_write_file
+from multigpu.checkpoint.atomic import FIX, MAX_STEP, MAX_WORLD_SIZE, atomic_write_file
 from multigpu.checkpoint.file_kinds import entry_is, open_regular, refuse
-from multigpu.checkpoint.folders import FIX, MAX_STEP, MAX_WORLD_SIZE
 from multigpu.checkpoint.formats import check_total
 from multigpu.errors import CheckpointError
 

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from multigpu.checkpoint.atomic import explain_os_errors
+from multigpu.checkpoint.atomic import STATE_FILE, explain_os_errors, regular_files
 from multigpu.checkpoint.dcp_files import (
     DCP_FAILURES,
     MANIFEST_FILE,
@@ -54,7 +54,6 @@ from multigpu.checkpoint.dcp_files import (
     recorded_step,
     write_manifest,
 )
-from multigpu.checkpoint.folders import STATE_FILE, regular_files
 from multigpu.checkpoint.ranks import agreed, thread_group
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import Refusal, TrainingState, describe_mismatch

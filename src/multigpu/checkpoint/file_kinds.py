@@ -39,8 +39,8 @@ from multigpu.errors import CheckpointError
 Kind = Literal["safetensors", "torch zip", "legacy torch"]
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 REPLACE = "Use another checkpoint, or re-save this one from its source."
-_SHORT = reprlib.Repr()
-_SHORT.maxstring = _SHORT.maxother = 60
+SHORT = reprlib.Repr()
+SHORT.maxstring = SHORT.maxother = 60
 
 ZIP_LOCAL_SIGNATURE = b"PK\x03\x04"
 # torch's legacy format starts with a pickle of this number (torch/serialization.py, MAGIC_NUMBER),
@@ -156,4 +156,4 @@ def refuse(path: str | os.PathLike[str], what: str, fix: str = REPLACE) -> NoRet
 
 def entry_is(entry: str, found: Any, expected: str) -> str:
     """``": <entry> is <found, shortened>; expected <expected>"``: what :func:`refuse` says of one field."""
-    return f": {entry} is {_SHORT.repr(found)}; expected {expected}"
+    return f": {entry} is {SHORT.repr(found)}; expected {expected}"

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from multigpu.checkpoint.folders import MAX_STEP, STATE_FILE, regular_files
+from multigpu.checkpoint.atomic import MAX_STEP, STATE_FILE, regular_files
 from multigpu.checkpoint.formats import check_expansion, detect_format, read_structure, read_tensors, write_tensors
 from multigpu.checkpoint.safetensors_file import CHECKSUM_KEY, read_header
 from multigpu.checkpoint.torch_file import load_torch_file

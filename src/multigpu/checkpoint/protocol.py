@@ -1,9 +1,8 @@
 """One save path and one resume path for a step folder, written once over every storage.
 
 A step folder holds ``state.pt`` (step, epoch, random states, scheduler, scaler, the optimizer
-when the storage does not hold it) beside the model's storage, one of :data:`~multigpu.checkpoint.storages.STORAGES`:
-one file, ``model.safetensors`` (:mod:`one_file`), written by the main process, or sharded,
-torch.distributed.checkpoint's files and ``manifest.json`` (:mod:`dcp_storage`), written by every rank.
+when the storage does not hold it) beside the model's storage, one of
+:data:`~multigpu.checkpoint.storages.STORAGES`, written by the main process or, collective, by every rank.
 
 Save (:func:`save_step`): take the folder's lock and build ``.step-N.tmp-...`` (main process);
 write the model's storage into it; seal it (record its checksum in ``state.pt``), then put the
@@ -25,11 +24,12 @@ import copy
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from multigpu.checkpoint.atomic import (
+    STATE_FILE,
     atomic_write_file,
     explain_os_errors,
     folder_lock,
@@ -39,7 +39,6 @@ from multigpu.checkpoint.atomic import (
     remove_tree,
     temporary_name,
 )
-from multigpu.checkpoint.folders import STATE_FILE, parse_aside, parse_step
 from multigpu.checkpoint.ranks import capture_rng, gather_on_main, restore_rng, run_on_main, shared_from_main
 from multigpu.checkpoint.storages import Storage, Writes, check_replaceable, recover_asides
 from multigpu.checkpoint.validate import (
@@ -50,11 +49,8 @@ from multigpu.checkpoint.validate import (
     check_scaler,
     check_training_state,
 )
-from multigpu.errors import CheckpointError, MultigpuError
+from multigpu.errors import CheckpointError
 from multigpu.runtime.world import global_rank, is_main_process, world_size
-
-T = TypeVar("T")
-
 
 # --- save -----------------------------------------------------------------------------------------
 
@@ -153,9 +149,7 @@ def resume_step(
         if read is None:
             return None
         folder, state = read
-        step = parse_step(folder.name)
-        step = parse_aside(folder.name) if step is None else step
-        checked = check_training_state(state, folder / STATE_FILE, folder_step=step, allow_objects=allow_unsafe_pickle)
+        checked = check_training_state(state, folder, allow_objects=allow_unsafe_pickle)
         in_storage = storage.check(folder, checked)
         _check_parts(folder, checked, parts, optimizer_in_storage=in_storage)
         if also_check is not None:
@@ -212,7 +206,16 @@ def _apply(folder: Path, checked: TrainingState, storage: Storage, parts: Mappin
         stage = "model"
         storage.apply()
         stage = "random state"
-        restore_rank_rng(checked)
+        if checked.world_size != world_size():
+            warnings.warn(
+                f"resuming at world_size={world_size()} from a checkpoint saved at world_size="
+                f"{checked.world_size}: model and optimizer load, but random streams differ from the "
+                "original run, so results will not match it bit for bit.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        if global_rank() < len(checked.rng):
+            restore_rng(checked.rng[global_rank()])
     except Exception as exc:
         for live, before in reversed(applied):
             live.load_state_dict(before)
@@ -222,26 +225,6 @@ def _apply(folder: Path, checked: TrainingState, storage: Storage, parts: Mappin
             note += "; the model (and an optimizer saved in shards) may be partly loaded."
         else:
             note += "; the model is unchanged."
-        raise as_error(exc, folder, stage, note) from exc
-
-
-def restore_rank_rng(checked: TrainingState, *, stacklevel: int = 5) -> None:
-    """Restore this rank's saved random state; warn when the world size changed since the save."""
-    rank = global_rank()
-    if checked.world_size != world_size():
-        warnings.warn(
-            f"resuming at world_size={world_size()} from a checkpoint saved at world_size="
-            f"{checked.world_size}: model and optimizer load, but random streams differ from the "
-            "original run, so results will not match it bit for bit.",
-            RuntimeWarning,
-            stacklevel=stacklevel,
-        )
-    if rank < len(checked.rng):
-        restore_rng(checked.rng[rank])
-
-
-def as_error(exc: Exception, folder: Path, stage: str, note: str) -> MultigpuError:
-    """A CheckpointError for an unexpected failure while applying ``stage`` from ``folder``."""
-    return CheckpointError(
-        f"{str(folder)!r}: applying the {stage} state failed ({type(exc).__name__}: {str(exc)[:300]}); {note}"
-    )
+        raise CheckpointError(
+            f"{str(folder)!r}: applying the {stage} state failed ({type(exc).__name__}: {str(exc)[:300]}); {note}"
+        ) from exc

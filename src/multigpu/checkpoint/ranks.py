@@ -1,15 +1,11 @@
 """What each rank does in a checkpoint: the main process writes, every rank keeps its own random state.
 
-Which rank this is, whether a process group is up and which process is the main one are
-answered by :mod:`multigpu.runtime.world`, as everywhere else. Inside a process group of
-several ranks rank 0 writes and the others wait (:func:`run_on_main`), and a check every rank
-makes fails on every rank if it fails on one (:func:`agreed`), so no rank is left waiting; outside
-one, nothing here communicates and the main process (every process not started by a launcher)
-writes alone.
+Inside a process group of several ranks rank 0 writes and the others wait (:func:`run_on_main`),
+and a check every rank makes fails on every rank if it fails on one (:func:`agreed`), so no rank is
+left waiting; outside one, nothing here communicates and the main process writes alone.
 
-Each rank has its own random state (under a Session they differ per rank after ``setup_model``, so
-dropout masks do; with ``seed_per_rank=False`` they start equal): :func:`capture_rng` takes it
-as tensors, ints and tuples only, so a checkpoint holding it loads with
+Each rank has its own random state (under a Session they differ per rank after ``setup_model``):
+:func:`capture_rng` takes it as tensors, ints and tuples only, so ``state.pt`` loads with
 ``torch.load(weights_only=True)``; a save gathers every rank's on the main process and resume gives
 each rank its own back. The accelerators' generators are read and set by their device objects
 (:func:`multigpu.devices.capture_device_rng`), one entry per type name (``"cuda"``: a state per
@@ -136,16 +132,14 @@ def agreed(compute: Callable[[], T], what: str) -> T:
 
     Every rank must call this. Without a process group it is ``compute()``.
     """
+    if not is_distributed():
+        return compute()
     failure: BaseException | None = None
     result: Any = None
     try:
         result = compute()
     except Exception as exc:
         failure = exc
-    if not is_distributed():
-        if failure is not None:
-            raise failure
-        return result  # type: ignore[no-any-return]
     problems: list[Any] = [None] * world_size()
     with _door(what):
         dist.all_gather_object(

@@ -8,19 +8,12 @@
         ckpt.save(step=step + 1, model=model, optimizer=opt, scheduler=sched, scaler=scaler,
                   epoch=epoch, data_position={"batch": i + 1})
 
-A checkpoint is a folder ``step-00000042/`` holding ``model.safetensors`` (clean keys; loads
-into the bare model at any world size with :func:`multigpu.load`) and ``state.pt`` (optimizer,
-LR scheduler, gradient scaler, step, epoch, data position, and every rank's random state; plain
-tensors and containers only, so it loads weights-only). The folder appears in one atomic
-rename, so a crash mid-save leaves the previous step as the latest; re-saving a step swaps the
-folders atomically, and one process saves into a folder at a time (:mod:`atomic`). Saving and
-resuming follow one protocol (:mod:`protocol`): resume checks the whole state before it changes
-anything (:mod:`validate`).
-
-A model sharded by fsdp is saved without gathering it: each rank writes its slices of the weights
-and optimizer state with torch.distributed.checkpoint into the same ``step-N`` scheme, next to
-``state.pt`` and a ``manifest.json`` that marks the format (:mod:`dcp_storage`, :mod:`dcp_files`).
-Resume reads either format; a sharded one at any world size, into a sharded model or not.
+A checkpoint is a folder ``step-00000042/`` holding the model's storage (``model.safetensors``, or
+under fsdp each rank's shards through torch.distributed.checkpoint: :mod:`storages`) and ``state.pt``
+(optimizer, scheduler, scaler, step, epoch, data position, every rank's random state; plain tensors and
+containers only, so it loads weights-only). Saving and resuming follow one protocol
+(:mod:`protocol`): the folder appears in one atomic rename (:mod:`atomic`), and resume checks the whole
+state before it changes anything (:mod:`validate`).
 """
 
 from __future__ import annotations
@@ -36,18 +29,17 @@ from typing import Any, NoReturn, Protocol
 
 from torch import nn
 
-from multigpu.checkpoint.atomic import remove_tree
+from multigpu.checkpoint.atomic import MAX_STEP, STATE_FILE, folder_name, remove_tree
 from multigpu.checkpoint.background import BackgroundWrite, Staging, side_group
-from multigpu.checkpoint.folders import STATE_FILE, check_count, folder_name
 from multigpu.checkpoint.protocol import resume_step, save_step
 from multigpu.checkpoint.ranks import agreed, capture_rng, gather_on_main, run_on_main
 from multigpu.checkpoint.storages import (
     Writes,
     complete_checkpoints,
     find_latest,
-    recorded_step_of,
     storage_for,
     storage_of,
+    written_for,
 )
 from multigpu.checkpoint.validate import FORMAT_VERSION, TrainingState, walk_plain
 from multigpu.errors import CheckpointError, ConfigError
@@ -201,8 +193,11 @@ class Checkpointer:
         copied into memory: the model may change at once, the checkpoint is on disk after :meth:`wait`.
         """
         self.wait()
-        check_count(step, "step")
-        check_count(epoch, "epoch")
+        for what, count in (("step", step), ("epoch", epoch)):
+            if not isinstance(count, int) or isinstance(count, bool):
+                raise ConfigError(f"{what}={count!r} must be an int (got {type(count).__name__}).")
+            if not 0 <= count <= MAX_STEP:
+                raise ConfigError(f"{what}={count} must be between 0 and {MAX_STEP}.")
         counters = {"data_position": dict(data_position or {}), "extra": dict(extra or {})}
         if loader is not None:
             if not callable(getattr(loader, "state_dict", None)):
@@ -240,10 +235,8 @@ class Checkpointer:
 
         storage = storage_for(model)(model, optimizer)  # fsdp's: every rank writes its own shards (dcp_storage)
 
-        prune = lambda just_written: self._prune(just_written=just_written)  # noqa: E731
-
-        def write() -> None:
-            save_step(self.folder, target, storage, entries(), lock_timeout_s=self.lock_timeout_s, prune=prune)
+        def write(writes: Writes, state: dict[str, Any]) -> None:
+            save_step(self.folder, target, writes, state, lock_timeout_s=self.lock_timeout_s, prune=self._prune)
 
         if self._writer is not None and self._staging is not None:
             writer, (staging, state_staging) = self._writer, self._staging
@@ -254,13 +247,7 @@ class Checkpointer:
 
             def start(snapshot: tuple[Writes, dict[str, Any]]) -> None:  # then written in the background
                 staged, state = snapshot
-                writer.start(
-                    lambda: save_step(
-                        self.folder, target, staged, state, lock_timeout_s=self.lock_timeout_s, prune=prune
-                    ),
-                    target.name,
-                    group=group,
-                )
+                writer.start(lambda: write(staged, state), target.name, group=group)
 
             if storage.collective:  # every rank stages its part (all raise if one failed), then writes it
                 start(agreed(stage, f"copying checkpoint {target} into memory"))
@@ -268,9 +255,9 @@ class Checkpointer:
                 run_on_main(lambda: start(stage()), f"copying checkpoint {target} into memory")
             self._pending = "every" if storage.collective else "main"
         elif storage.collective:
-            write()
+            write(storage, entries())
         else:  # the main process writes, the others wait for it
-            run_on_main(write, f"saving checkpoint {target}")
+            run_on_main(lambda: write(storage, entries()), f"saving checkpoint {target}")
         return target
 
     def resume(
@@ -365,7 +352,7 @@ class Checkpointer:
         """The steps of the complete checkpoints in the folder, oldest first."""
         return [found.step for found in complete_checkpoints(self.folder)]
 
-    def _prune(self, *, just_written: int) -> None:
+    def _prune(self, just_written: int) -> None:
         complete = complete_checkpoints(self.folder)
         later = [found.step for found in complete if found.step > just_written]
         if later:
@@ -378,17 +365,12 @@ class Checkpointer:
             )
         if self.keep_last is None:
             return
-        older = [found for found in complete if found.step < just_written and _written_here(found.path, found.step)]
+        older = [found for found in complete if found.step < just_written and written_for(found.path, found.step)]
         for found in older[: max(0, len(older) + 1 - self.keep_last)]:
             remove_tree(found.path)
 
 
 _LOADER_KEY = "loader"  # data_position's entry for save(loader=...)
-
-
-def _written_here(folder: Path, step: int) -> bool:
-    # Prune only what a Checkpointer wrote: its storage's files record the folder's step.
-    return recorded_step_of(folder) == step
 
 
 def _refuse_at_save(where: str, found: Any, expected: str) -> NoReturn:

@@ -4,10 +4,10 @@ A step folder holds ``state.pt`` beside one storage's files. Each storage is one
 format: its files, how a folder is recognised as its own (:meth:`Storage.holds`), whether it is
 complete, the step its files record, what ``multigpu ckpt inspect`` shows of it, its checksum, and
 writing and reading it for :mod:`protocol`. :data:`STORAGES` lists them; everything here and in
-:mod:`protocol`, :mod:`state` and :mod:`summary` asks the list and never names a format. Adding one is
+:mod:`protocol`, :mod:`state` and :mod:`weights` asks the list and never names a format. Adding one is
 a module and a line in :data:`STORAGES` (ARCHITECTURE.md, "Where to change a given thing").
 
-Discovery: a checkpoint folder is named exactly ``f"step-{step:08d}"`` (:mod:`folders`); anything else is
+Discovery: a checkpoint folder is named exactly ``f"step-{step:08d}"`` (:mod:`atomic`); anything else is
 someone else's folder, never read, never pruned. It is complete when it is a real folder that a storage
 holds completely. A step whose replacement was interrupted is found under its hidden aside name
 (:func:`~multigpu.checkpoint.atomic.install_folder`). Layout and rules: docs/checkpoints.md.
@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 import torch
 from torch import nn
 
-from multigpu.checkpoint.atomic import ASIDE_MARKER, remove_tree
+from multigpu.checkpoint.atomic import PREFIX, STATE_FILE, folder_name, parse_aside, parse_step, remove_tree
 from multigpu.checkpoint.dcp_storage import Sharded
-from multigpu.checkpoint.folders import PREFIX, STATE_FILE, parse_aside, parse_step
 from multigpu.checkpoint.one_file import OneFile
 from multigpu.checkpoint.validate import TrainingState
 from multigpu.errors import CheckpointError
@@ -197,7 +196,7 @@ def complete_checkpoints(folder: Path, *, warn: bool = True) -> list[Found]:
             ignored.append(name)
         else:
             aside_step = parse_aside(name)
-            if aside_step is not None and _is_aside_of(entry, aside_step):
+            if aside_step is not None and written_for(entry, aside_step):
                 asides[aside_step] = entry
     for step, path in asides.items():
         found.setdefault(step, Found(step, path))
@@ -240,10 +239,10 @@ def recover_asides(folder: Path) -> list[Path]:
         step = parse_aside(entry.name)
         if step is None:
             continue
-        final = entry.with_name(entry.name[1:].split(ASIDE_MARKER, 1)[0])
+        final = entry.with_name(folder_name(step))
         if is_complete(final):
             remove_tree(entry)  # the replacement finished; this is the old copy
-        elif not os.path.lexists(final) and _is_aside_of(entry, step):
+        elif not os.path.lexists(final) and written_for(entry, step):
             os.rename(entry, final)
             restored.append(final)
         # else: something else sits under the step's name; leave both alone
@@ -264,7 +263,7 @@ def check_replaceable(target: Path) -> None:
         mode = os.lstat(target).st_mode
     except FileNotFoundError:
         return
-    if stat.S_ISDIR(mode) and is_complete(target) and recorded_step_of(target) == step:
+    if step is not None and written_for(target, step):
         return
     if stat.S_ISLNK(mode):
         what = "a symbolic link"
@@ -280,8 +279,8 @@ def check_replaceable(target: Path) -> None:
     )
 
 
-def _is_aside_of(path: Path, step: int) -> bool:
-    # Hidden entries are ours only if complete and their weights record the step (a cheap header read).
+def written_for(path: Path, step: int) -> bool:
+    """Whether ``path`` is a complete checkpoint a Checkpointer wrote for ``step``: its files record it (a header read)."""
     return is_complete(path) and recorded_step_of(path) == step
 
 

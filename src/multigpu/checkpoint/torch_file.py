@@ -52,25 +52,20 @@ _PLAIN_GLOBALS = frozenset(
     }
 )
 
-
-def _tensor_globals() -> frozenset[str]:
-    names = {f"torch {cls.__name__}" for cls in torch._storage_classes}  # FloatStorage, ...
-    names |= {f"torch {name}" for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
-    return frozenset(names)
-
-
-ALLOWED_GLOBALS = _PLAIN_GLOBALS | _tensor_globals()
+ALLOWED_GLOBALS = (
+    _PLAIN_GLOBALS
+    | {f"torch {cls.__name__}" for cls in torch._storage_classes}  # FloatStorage, ...
+    | {f"torch {name}" for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+)
 
 
 def check_torch_file(f: BinaryIO, path: str | os.PathLike[str], *, verify_records: bool = True) -> None:
     """Refuse a torch file that ``torch.load(weights_only=True)`` should not be given.
 
     Args:
-        f: the file, open for reading; the caller hands this same object to ``torch.load``, so
-            what is checked is what is loaded even if ``path`` is replaced meanwhile.
-        path: its name, for messages.
-        verify_records: also read every record to check its CRC-32 (a damaged tensor); without
-            it only ``data.pkl`` is read (and checked).
+        f: the open file (named ``path`` in messages); the caller hands this same object to
+            ``torch.load``, so what is checked is what is loaded even if ``path`` is replaced meanwhile.
+        verify_records: also check every record's CRC-32 (a damaged tensor); else only ``data.pkl`` is read.
 
     Raises:
         CheckpointError: the file is not a well-formed torch zip, or its pickle wants globals
@@ -311,7 +306,13 @@ def load_torch_file(
     except (ImportError, AttributeError) as exc:  # unpickling's find_class: no such module, or no such name
         missing = [name for name in _pickled_globals(path) if not _importable(name)] if allow_unsafe_pickle else []
         if missing:
-            raise CheckpointError(_missing_class_message(path, missing, exc)) from exc
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise CheckpointError(
+                f"cannot load {str(path)!r}: its pickle needs {shown}, which cannot be imported here ({exc}). "
+                "Run where the code that defined it is importable: from your project's folder, or with that "
+                "folder on PYTHONPATH (e.g. PYTHONPATH=/path/to/project). Better, once it loads, re-save the "
+                "weights as plain tensors (multigpu ckpt convert), which need no code to read."
+            ) from exc
         _damaged(path, f"{type(exc).__name__}: {str(exc)[:300]}")
     except Exception as exc:  # torch reports damaged records as RuntimeError, AssertionError, ...
         _damaged(path, f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -332,16 +333,6 @@ def _importable(qualified: str) -> bool:
     except Exception:  # no such module or attribute, or a module that fails to import
         return False
     return True
-
-
-def _missing_class_message(path: str | os.PathLike[str], missing: list[str], exc: BaseException) -> str:
-    shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-    return (
-        f"cannot load {str(path)!r}: its pickle needs {shown}, which cannot be imported here ({exc}). "
-        "Run where the code that defined it is importable: from your project's folder, or with that "
-        "folder on PYTHONPATH (e.g. PYTHONPATH=/path/to/project). Better, once it loads, re-save the "
-        "weights as plain tensors (multigpu ckpt convert), which need no code to read."
-    )
 
 
 def _unsafe_message(path: str | os.PathLike[str], exc: BaseException) -> str:

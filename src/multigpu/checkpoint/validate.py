@@ -13,7 +13,6 @@ themselves are refused, and a container reached twice (pickles share objects) is
 from __future__ import annotations
 
 import random
-import reprlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,8 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from multigpu.checkpoint.file_kinds import entry_is, refuse
-from multigpu.checkpoint.folders import MAX_STEP, MAX_WORLD_SIZE
+from multigpu.checkpoint.atomic import MAX_STEP, MAX_WORLD_SIZE, STATE_FILE, parse_aside, parse_step
+from multigpu.checkpoint.file_kinds import SHORT, entry_is, refuse
 from multigpu.checkpoint.formats import check_plain_tensor
 from multigpu.checkpoint.ranks import device_rng_keys
 from multigpu.core.keys import collision_message, match_keys, unwrap
@@ -38,8 +37,6 @@ _NUMBER = (int, float)
 _LEAVES = (int, float, str, bool, type(None), complex)
 # Per-parameter buffers of torch's optimizers: each has its parameter's shape.
 _PER_PARAMETER = {"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum"}
-_SHORT = reprlib.Repr()
-_SHORT.maxstring = _SHORT.maxother = 60
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,11 +56,11 @@ class TrainingState:
     global_step: int | None = None  # session.global_step when it was saved (older checkpoints: None)
 
 
+@dataclass(frozen=True)
 class Refusal:
     """Raises the CheckpointError of one file: ``fail(entry, found, expected)``."""
 
-    def __init__(self, file: Path) -> None:
-        self.file = file
+    file: Path
 
     def fail(self, entry: str, found: Any, expected: str) -> NoReturn:
         refuse(
@@ -75,33 +72,21 @@ class Refusal:
         )
 
 
-def check_training_state(
-    obj: Any, file: Path, *, folder_step: int | None, allow_objects: bool = False
-) -> TrainingState:
-    """The checked training state of ``file`` (the loaded object ``obj``).
+def check_training_state(obj: Any, folder: Path, *, allow_objects: bool = False, meta: bool = False) -> TrainingState:
+    """The checked ``state.pt`` of ``folder`` (``obj``: what it unpickled to).
 
     Args:
-        obj: what ``state.pt`` unpickled to.
-        file: its path, for messages.
-        folder_step: the step in the folder's name, which the state must repeat (``None``: any).
+        folder: the step folder; the state must repeat the step in its name (or aside name), if it has one.
         allow_objects: accept any object in ``data_position`` and ``extra`` (the file was loaded
             with ``allow_unsafe_pickle=True``, so the caller trusts it).
+        meta: the file was loaded onto the ``meta`` device (a summary): random states are not tried.
 
     Raises:
         CheckpointError: the first entry that is missing or wrong.
     """
-    checked = check_counters(obj, file, folder_step=folder_step, allow_objects=allow_objects)
-    r = Refusal(file)
-    for rank, state in enumerate(checked.rng):
-        check_rng(r, state, f"entry 'rng'[{rank}]")
-    return checked
-
-
-def check_counters(
-    obj: Any, file: Path, *, folder_step: int | None, device: str = "cpu", allow_objects: bool = False
-) -> TrainingState:
-    """Like :func:`check_training_state` without trying the random states (which may be on ``device`` "meta")."""
-    r = Refusal(file)
+    r = Refusal(folder / STATE_FILE)
+    folder_step = parse_step(folder.name)
+    folder_step = parse_aside(folder.name) if folder_step is None else folder_step
     if not isinstance(obj, dict):
         r.fail("the state", obj, "a dict of the entries a Checkpointer writes")
     for entry in (*_ENTRIES, "data_position", "extra"):
@@ -125,13 +110,13 @@ def check_counters(
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             r.fail(f"entry {entry!r}", value, "a dict with string keys")
         if not allow_objects:
-            walk_plain(value, f"entry {entry!r}", r.fail, device=device)
+            walk_plain(value, f"entry {entry!r}", r.fail, device="meta" if meta else "cpu")
         counters[entry] = value
     checksum = obj.get("model_checksum")
     if checksum is not None and (not isinstance(checksum, str) or len(checksum) > 100):
         r.fail("entry 'model_checksum'", checksum, "a checksum string")
     global_step = None if obj.get("global_step") is None else _count(r, obj, "global_step", 0, MAX_STEP)
-    return TrainingState(
+    checked = TrainingState(
         global_step=global_step,
         model_checksum=checksum,
         step=step,
@@ -144,6 +129,9 @@ def check_counters(
         data_position=counters["data_position"],
         extra=counters["extra"],
     )
+    for rank, state in enumerate([] if meta else checked.rng):
+        check_rng(r, state, f"entry 'rng'[{rank}]")
+    return checked
 
 
 def _count(r: Refusal, obj: dict[str, Any], entry: str, low: int, high: int) -> int:
@@ -160,43 +148,36 @@ def walk_plain(
 
     ``fail(where, found, expected)`` is called for the first offending item.
     """
-    _walk(value, where, fail, depth=0, seen=set(), path=set(), device=device)
+    seen: set[int] = set()  # containers already checked (the pickle memo shares them)
+    path: set[int] = set()  # the containers above this one: one of them again is a cycle
 
+    def walk(value: Any, where: str, depth: int) -> None:
+        if isinstance(value, _LEAVES):
+            return
+        if isinstance(value, torch.Tensor):
+            try:
+                check_plain_tensor(value, where, device=device)
+            except CheckpointError as exc:
+                fail(where, value, f"a plain dense tensor ({exc})")
+            return
+        if not isinstance(value, (dict, list, tuple)):
+            fail(where, value, "tensors, numbers, strings, lists, tuples and dicts")
+        if depth >= MAX_DEPTH:
+            fail(where, "a deeper container", f"nesting of at most {MAX_DEPTH} levels")
+        if id(value) in path:
+            fail(where, "a container holding itself", "no reference cycles")
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        path.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(value, dict) and not isinstance(key, (str, int, float, bool, type(None))):
+                fail(f"{where}[{SHORT.repr(key)}]", key, "a key that is a string or a number")
+            walk(item, f"{where}[{SHORT.repr(key)}]", depth + 1)
+        path.discard(id(value))
 
-def _walk(
-    value: Any,
-    where: str,
-    fail: Callable[..., NoReturn],
-    *,
-    depth: int,
-    seen: set[int],
-    path: set[int],
-    device: str | None,
-) -> None:
-    if isinstance(value, _LEAVES):
-        return
-    if isinstance(value, torch.Tensor):
-        try:
-            check_plain_tensor(value, where, device=device)
-        except CheckpointError as exc:
-            fail(where, value, f"a plain dense tensor ({exc})")
-        return
-    if not isinstance(value, (dict, list, tuple)):
-        fail(where, value, "tensors, numbers, strings, lists, tuples and dicts")
-    if depth >= MAX_DEPTH:
-        fail(where, "a deeper container", f"nesting of at most {MAX_DEPTH} levels")
-    if id(value) in path:
-        fail(where, "a container holding itself", "no reference cycles")
-    if id(value) in seen:
-        return  # shared (the pickle memo): already checked
-    seen.add(id(value))
-    path.add(id(value))
-    items = value.items() if isinstance(value, dict) else enumerate(value)
-    for key, item in items:
-        if isinstance(value, dict) and not isinstance(key, (str, int, float, bool, type(None))):
-            fail(f"{where}[{_SHORT.repr(key)}]", key, "a key that is a string or a number")
-        _walk(item, f"{where}[{_SHORT.repr(key)}]", fail, depth=depth + 1, seen=seen, path=path, device=device)
-    path.discard(id(value))
+    walk(value, where, 0)
 
 
 def check_rng(r: Refusal, state: Any, where: str) -> None:
@@ -205,12 +186,8 @@ def check_rng(r: Refusal, state: Any, where: str) -> None:
     Each part is set on a private generator (python, numpy, torch), never on the global ones.
     """
     devices = device_rng_keys()
-    if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= set(state) <= {
-        "python",
-        "numpy",
-        "torch",
-        *devices,
-    }:
+    required = {"python", "numpy", "torch"}
+    if not isinstance(state, dict) or not required <= set(state) <= required | set(devices):
         maybe = ", ".join(repr(name) for name in devices)
         r.fail(where, state, f"a dict with 'python', 'numpy', 'torch' (and maybe {maybe}) random states")
     _try(r, f"{where}['python']", state["python"], "a python random state", _python_state)
@@ -284,7 +261,7 @@ def check_like(r: Refusal, saved: Any, live: Any, where: str, depth: int = 0) ->
         walk_plain(saved, where, r.fail)
     elif isinstance(live, Mapping):
         if not isinstance(saved, dict):
-            r.fail(where, saved, f"a dict like the live object's ({_SHORT.repr(dict(live))})")
+            r.fail(where, saved, f"a dict like the live object's ({SHORT.repr(dict(live))})")
         unknown = [k for k in saved if k not in live]
         if unknown:
             r.fail(where, f"keys {unknown[:5]}", f"only the keys of the live object ({sorted(map(str, live))[:12]})")
@@ -339,7 +316,7 @@ def check_optimizer(r: Refusal, saved: dict[str, Any], optimizer: Any) -> None:
     if not isinstance(state, dict):
         r.fail("entry 'optimizer'['state']", state, "a dict from parameter id to its state")
     for pid, per_param in state.items():
-        where = f"entry 'optimizer'['state'][{_SHORT.repr(pid)}]"
+        where = f"entry 'optimizer'['state'][{SHORT.repr(pid)}]"
         if type(pid) is not int or pid not in params:
             r.fail(where, pid, "the id of a parameter listed in param_groups")
         if not isinstance(per_param, dict) or not all(isinstance(k, str) for k in per_param):

@@ -1,4 +1,5 @@
-"""Save and load a model's weights: clean keys, atomic writes, mismatches explained.
+"""A checkpoint's weights by path: save and load them (clean keys, atomic writes, mismatches explained),
+read them whole, and describe them without a model (``multigpu ckpt inspect``/``convert``).
 
     multigpu.save(model, "net.safetensors")   # DataParallel / DDP / torch.compile: bare keys
     multigpu.load(model, "net.safetensors")   # also accepts files with module. / _orig_mod. keys
@@ -11,27 +12,47 @@ parameter. A weights file holds whole tensors, so saving gathers them first, wit
 torch.distributed.checkpoint's state-dict helpers (:func:`full_state_dict`; the keys stay the
 module's own: ``fully_shard`` adds no prefix). Loading goes the other way: each rank cuts its own
 slices out of the whole tensors it read, without communicating (:func:`shard_like`).
+
+A path is a weights file, a folder a storage holds (a ``step-N`` folder, or any DCP checkpoint folder,
+read by its storage: :mod:`storages`), or, for :func:`summarize`, a Checkpointer's folder (its latest
+step). A summary reads headers only: the safetensors header, a torch file's pickle with its tensors
+on the ``meta`` device, DCP's index; every field shown is type- and range-checked first.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import reprlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from multigpu.checkpoint.formats import Format, check_expansion, read_tensors, write_tensors
+from multigpu.checkpoint.atomic import MAX_STEP, STATE_FILE
+from multigpu.checkpoint.dcp_files import files_bytes
+from multigpu.checkpoint.formats import (
+    Format,
+    check_expansion,
+    detect_format,
+    read_structure,
+    read_tensors,
+    write_tensors,
+)
 from multigpu.checkpoint.ranks import run_on_main
-from multigpu.checkpoint.storages import STORAGES, reading, storage_of
-from multigpu.checkpoint.validate import plan_load
-from multigpu.core.keys import clean_state_dict, unwrap
+from multigpu.checkpoint.storages import STORAGES, Structure, find_latest, reading, storage_of
+from multigpu.checkpoint.torch_file import load_torch_file
+from multigpu.checkpoint.validate import check_training_state, plan_load
+from multigpu.core.keys import clean_state_dict, find_prefixes, unwrap
 from multigpu.errors import CheckpointError
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxstring = 3, 8, 8, 60
 
 
 def save(
@@ -115,7 +136,9 @@ def load(
         'DataParallel'
     """
     tensors, _ = read_weights(path, allow_unsafe_pickle=allow_unsafe_pickle)
-    load_tensors(model, tensors, strict=strict, strip=strip, source=str(path))
+    usable = plan_load(model, tensors, strict=strict, strip=strip, source=str(path))
+    bare = unwrap(model)
+    bare.load_state_dict(shard_like(bare.state_dict(), usable), strict=False)  # fsdp: each rank takes its slices
     return model
 
 
@@ -148,26 +171,7 @@ def read_weights(
     return tensors, metadata
 
 
-def load_tensors(
-    model: nn.Module,
-    tensors: Mapping[str, torch.Tensor],
-    *,
-    strict: bool = True,
-    strip: Sequence[str] = (),
-    source: str = "the state dict",
-) -> None:
-    """Copy ``tensors`` into ``model`` after checking keys and shapes (see :func:`load`)."""
-    usable = plan_load(model, tensors, strict=strict, strip=strip, source=source)
-    bare = unwrap(model)
-    bare.load_state_dict(shard_like(bare.state_dict(), usable), strict=False)  # fsdp: each rank takes its slices
-
-
 # --- models sharded by fsdp: whole tensors gathered to save, each rank's slices cut out to load ---
-
-
-def is_sharded(state: Mapping[str, object]) -> bool:
-    """Whether any entry of ``state`` is a DTensor (a slice of a tensor spread over the ranks)."""
-    return any(isinstance(value, DTensor) for value in state.values())
 
 
 def full_state_dict(model: nn.Module) -> Mapping[str, torch.Tensor]:
@@ -188,7 +192,7 @@ def full_state_dict(model: nn.Module) -> Mapping[str, torch.Tensor]:
         ['weight', 'bias']
     """
     state = model.state_dict()
-    if not is_sharded(state):
+    if not any(isinstance(value, DTensor) for value in state.values()):  # not sharded by fsdp
         return state
     # Imported here: torch.distributed.checkpoint is only needed for sharded models.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -200,15 +204,8 @@ def full_state_dict(model: nn.Module) -> Mapping[str, torch.Tensor]:
 
 
 def shard_like(expected: Mapping[str, object], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` (whole, e.g. read from a file) cut into this rank's slices wherever ``expected`` is sharded.
-
-    Args:
-        expected: the target model's ``state_dict()`` (DTensors where it is sharded).
-        tensors: whole tensors under the same keys (shapes already checked).
-
-    Returns:
-        ``tensors`` with each entry whose ``expected`` counterpart is a DTensor turned into a DTensor
-        of the same mesh and placements, holding this rank's slice; ready for ``load_state_dict``.
+    """``tensors`` (whole, shapes checked) cut into this rank's slices wherever ``expected`` (the target model's
+    ``state_dict()``) holds a DTensor: a DTensor of the same mesh and placements, ready for ``load_state_dict``.
 
     Does not communicate: every rank holds the whole tensors and keeps its own slice.
     """
@@ -221,3 +218,133 @@ def shard_like(expected: Mapping[str, object], tensors: Mapping[str, torch.Tenso
                 value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None
             )
     return out
+
+
+# --- what a checkpoint holds, without a model (multigpu ckpt inspect, convert) ---
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorInfo:
+    key: str  # as stored in the file (prefixes included)
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Summary:
+    """A checkpoint described: see :func:`summarize`."""
+
+    path: Path  # the weights file (or sharded checkpoint folder) described
+    format: str  # "safetensors", "torch", or the storage's name ("dcp")
+    size_on_disk: int  # bytes of the file (or of the whole step folder)
+    tensors: list[TensorInfo]
+    prefixes: dict[str, int]  # wrapper prefix -> number of keys carrying it
+    step: int | None  # the saved step, where the checkpoint records one
+    metadata: dict[str, str] = field(default_factory=dict)
+    training_state: dict[str, Any] = field(default_factory=dict)  # from a step folder's state.pt
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def weights_file(path: str | os.PathLike[str]) -> Path:
+    """The checkpoint behind ``path``: the file itself, a folder a storage holds, or a Checkpointer folder's latest step.
+
+    A folder of a storage (a step folder, or any DCP checkpoint folder) is returned as the folder.
+    """
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{str(path)!r} is not a file or folder (or does not exist); give a weights file or a checkpoint folder."
+        )
+    if storage_of(path) is not None:
+        return path
+    latest = find_latest(path)
+    if latest is None:
+        raise CheckpointError(
+            f"{str(path)!r} holds no checkpoint: none of {[s.files[0] for s in STORAGES]} and no complete step-N "
+            "folder. Give a weights file, a step folder, or the folder a Checkpointer saved into."
+        )
+    return latest
+
+
+def summarize(path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False) -> Summary:
+    """Describe the checkpoint at ``path``: a weights file, or a folder through the storage that holds it.
+
+    Example:
+        >>> import tempfile
+        >>> p = save({"module.w": torch.zeros(2, 3)}, Path(tempfile.mkdtemp()) / "w.safetensors")
+        >>> s = summarize(p); (s.format, [t.key for t in s.tensors], s.prefixes)
+        ('safetensors', ['w'], {})
+    """
+    found = weights_file(path)
+    storage = storage_of(found) if found.is_dir() else None
+    if storage is None:
+        structure, metadata = read_structure(found, allow_unsafe_pickle=allow_unsafe_pickle)
+        return _summary(found, detect_format(found), found.stat().st_size, structure, metadata, _step_in(metadata), {})
+    with reading(found):
+        shown, format, size, structure, metadata, facts = storage.describe(
+            found, allow_unsafe_pickle=allow_unsafe_pickle
+        )
+    state = _training_state(found, allow_unsafe_pickle)
+    if state:
+        facts = {**state, **facts, "optimizer": state["optimizer"] or facts.get("optimizer", False)}
+        size = files_bytes(found)
+    step = state["step"] if state else storage.recorded_step(found)
+    return _summary(shown, format, size, structure, metadata, step, facts)
+
+
+def _summary(
+    path: Path,
+    format: str,
+    size: int,
+    structure: Structure,
+    metadata: dict[str, str],
+    step: int | None,
+    facts: dict[str, Any],
+) -> Summary:
+    return Summary(
+        path=path,
+        format=format,
+        size_on_disk=size,
+        tensors=[
+            TensorInfo(
+                key=k, shape=shape, dtype=str(dtype).replace("torch.", ""), nbytes=math.prod(shape) * dtype.itemsize
+            )
+            for k, shape, dtype in structure
+        ],
+        prefixes=find_prefixes(k for k, _, _ in structure),
+        step=step,
+        metadata=metadata,
+        training_state=facts,
+    )
+
+
+def _step_in(metadata: dict[str, str]) -> int | None:
+    # Header metadata is free text: show it as a step only if it is one.
+    text = metadata.get("step", "")
+    if not (text.isascii() and text.isdigit() and len(text) <= 19):
+        return None
+    return int(text) if int(text) <= MAX_STEP else None
+
+
+def _training_state(folder: Path, allow_unsafe_pickle: bool) -> dict[str, Any]:
+    path = folder / STATE_FILE
+    if not path.is_file():
+        return {}
+    loaded = load_torch_file(path, allow_unsafe_pickle=allow_unsafe_pickle, map_location="meta")
+    checked = check_training_state(loaded, folder, meta=True)
+    return {
+        "step": checked.step,  # shown as the saved step
+        "epoch": checked.epoch,
+        "world_size": checked.world_size,
+        "data_position": _SHORT.repr(checked.data_position),
+        "optimizer": checked.optimizer is not None,
+        "scheduler": checked.scheduler is not None,
+        "scaler": bool(checked.scaler),
+        "random states": len(checked.rng),
+    }

@@ -30,7 +30,7 @@ from multigpu.errors import MultigpuError
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from multigpu.checkpoint.summary import Summary
+    from multigpu.checkpoint.weights import Summary
 
 # torch and the library are imported inside the command functions, so that building the parser
 # stays cheap; the values the parser needs are written here (tests/cli/test_startup.py checks they
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.text import Text
 
-    from multigpu.checkpoint.summary import summarize
+    from multigpu.checkpoint.weights import summarize
     from multigpu.core.script import importable_from
 
     console = Console()
@@ -132,8 +132,7 @@ def _convert(console: Console, args: argparse.Namespace) -> None:
     from rich.text import Text
 
     from multigpu.checkpoint.formats import write_tensors
-    from multigpu.checkpoint.summary import weights_file
-    from multigpu.checkpoint.weights import read_weights
+    from multigpu.checkpoint.weights import read_weights, weights_file
     from multigpu.core.keys import clean_state_dict, collision_message, find_collisions
     from multigpu.errors import CheckpointError
 
