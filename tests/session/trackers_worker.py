@@ -1,12 +1,13 @@
 """Worker of the trackers' end-to-end test: a small ddp run logging to every tracker, stopped and resumed.
 
-    multigpu launch --strategy ddp --nproc-per-node 2 tests/session/trackers_worker.py FOLDER LAUNCH STEPS [preempt-at N | crash-at N]
+    multigpu launch --strategy ddp --nproc-per-node 2 tests/session/trackers_worker.py FOLDER LAUNCH STEPS [EVENT N]
 
 Resumes from FOLDER/ckpt's latest checkpoint (and the trackers' runs saved with it), trains to STEPS,
 logs ``loss`` and ``launch`` (LAUNCH, to tell the launches apart) at every step to all six trackers,
 each writing under FOLDER, and saves a checkpoint every 3 steps. ``preempt-at N``: rank 1 sends
 itself SIGTERM after step N; the ranks agree to stop a step later, save and leave. ``crash-at N``:
-rank 0 SIGKILLs itself right after logging step N (no save, nothing closed).
+rank 0 SIGKILLs itself right after logging step N (no save, nothing closed). ``raise-at N``: every
+rank raises after logging step N (the trackers that keep a status mark the run failed).
 """
 
 from __future__ import annotations
@@ -44,11 +45,10 @@ def main() -> None:
     with Session(strategy="ddp", seed=0, **config) as session:  # type: ignore[arg-type]
         model = session.setup_model(torch.nn.Linear(4, 1))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        session.log_hparams({"lr": 0.1, "batch": 8})  # before the resume: held until the trackers open
         checkpoints = multigpu.Checkpointer(folder=folder / "ckpt", keep_last=None)
+        # continues the saved tracker runs, in the first launch's run folder (no run_dir given): no code of ours
         resumed = checkpoints.resume(model=model, optimizer=optimizer)
-        if resumed:
-            session.resume_trackers(resumed)  # the run folder is the first launch's (no run_dir given)
-        session.log_hparams({"lr": 0.1, "batch": 8})
         step = resumed.step if resumed else 0
         while step < steps:
             gen = torch.Generator().manual_seed(step)
@@ -61,11 +61,13 @@ def main() -> None:
             session.log({"loss": session.reduce(loss), "launch": launch}, step)
             if event == "crash-at" and step == at and session.is_main_process:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if event == "raise-at" and step == at:
+                raise RuntimeError(f"diverged at step {step}")
             stop = session.should_stop
             if event == "preempt-at" and step == at and session.global_rank == 1:
                 os.kill(os.getpid(), signal.SIGTERM)  # seen by the next read: both ranks stop one step later
             if stop or step % 3 == 0:
-                checkpoints.save(step=step, model=model, optimizer=optimizer, extra=session.tracker_state())
+                checkpoints.save(step=step, model=model, optimizer=optimizer)  # with the trackers' runs
             if stop:
                 print(f"stopped {session.global_rank} {step} {session.run_dir}", flush=True)
                 return
