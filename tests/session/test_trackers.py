@@ -1,8 +1,8 @@
 """Experiment trackers behind ``session.log``: chosen by name, one run across pre-emption and relaunch.
 
-The end-to-end test runs one 2-rank ddp job three times (pre-empted; resumed and SIGKILLed; resumed
-from the older checkpoint, raising after its last step) with all six trackers and no tracker code in
-the worker beyond ``Session(trackers=...)`` (the Checkpointer carries the runs' identity), and reads
+The end-to-end test runs one 2-rank ddp job three times (pre-empted; relaunched, resumed and SIGKILLed;
+restarted by torchrun from the older checkpoint, raising after its last step) with all six trackers and no
+tracker code in the worker beyond ``Session(trackers=...)`` (the Checkpointer carries the runs' identity), and reads
 every history back through the tracker's own reader: the csv module, TensorBoard's event accumulator,
 the MLflow client, W&B's ``wandb leet inspect`` of its offline files, Aim's repository, trackio's
 local store.
@@ -173,10 +173,11 @@ def test_a_log_before_the_resume_opens_new_runs_then_the_saved_ones_continue(
     assert _csv_steps(tmp_path / "first") == [(1, 1.0), (2, 2.0)]
 
 
-def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _launch(tmp_path: Path, *args: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "multigpu", "launch", "--strategy", "ddp", "--nproc-per-node", "2"]
     env = {"TRACKIO_DIR": str(tmp_path / "trackio"), "OMP_NUM_THREADS": "1"}
-    return run_command([*argv, str(WORKER), str(tmp_path), *args], timeout_s=240, env=env)
+    argv += ["--max-restarts", str(restarts), str(WORKER), str(tmp_path), *args]
+    return run_command(argv, timeout_s=360, env=env)
 
 
 @pytest.mark.multiprocess
@@ -187,17 +188,17 @@ def test_every_tracker_keeps_one_run_across_preemption_crash_and_relaunch(tmp_pa
     stopped = {int(line.split()[2]) for line in first.stdout.splitlines() if line.startswith("stopped ")}
     assert len(stopped) == 1, first.stdout[-2000:]  # both ranks stopped at one agreed step, and saved it
     stop = stopped.pop()
-    crashed = _launch(tmp_path, "2", "12", "crash-at", str(stop + 5))  # last checkpoint: a multiple of 3 before
-    assert crashed.returncode != 0
+    # rank 0 is SIGKILLed 5 steps on (the last checkpoint: a multiple of 3 before); torchrun restarts both
+    # ranks, which resume from that older checkpoint, then raise after their last step
+    second = _launch(tmp_path, "2", "12", "crash-at", str(stop + 5), "raise-at", "12", restarts=1)
+    assert second.returncode != 0 and "diverged at step 12" in second.stderr, second.stderr[-3000:]
     last_save = (stop + 4) // 3 * 3
-    final = _launch(tmp_path, "3", "12", "raise-at", "12")  # ends with an exception after its last step
-    assert final.returncode != 0 and "diverged at step 12" in final.stderr, final.stderr[-3000:]
 
     # which launch's value each step holds when the re-logged steps replace the crashed run's
     launch_of = {s: 1 if s <= stop else 2 if s <= last_save else 3 for s in range(1, 13)}
     replaced = [(s, float(launch_of[s])) for s in range(1, 13)]
-    relogged = range(last_save + 1, stop + 6)  # logged by the crashed launch, then again by the last
-    (run_dir,) = (tmp_path / "runs").iterdir()  # one folder over the three launches
+    relogged = range(last_save + 1, stop + 6)  # logged by the crashed attempt, then again by the restarted one
+    (run_dir,) = (tmp_path / "runs").iterdir()  # one folder over the three attempts
     assert _csv_steps(run_dir) == replaced
     assert _board_steps(run_dir) == replaced
     # the readers that are programs of their own run side by side; MLflow's client meanwhile, here
@@ -224,10 +225,10 @@ def _check_mlflow(tmp_path: Path, launch_of: dict[int, int], relogged: range) ->
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("multigpu").experiment_id])
-    assert run.info.run_name == "trk" and run.info.status == "FAILED"  # the last launch raised
+    assert run.info.run_name == "trk" and run.info.status == "FAILED"  # the last attempt raised
     assert run.data.params == {"lr": "0.1", "batch": "8"}
     history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "launch")]
-    # append-only: the steps the crashed launch logged after its checkpoint are there twice, the resumed value last
+    # append-only: the steps the crashed attempt logged after its checkpoint are there twice, the resumed value last
     assert Counter(s for s, _ in history) == Counter({s: 2 if s in relogged else 1 for s in range(1, 13)})
     latest = {s: v for s, v in sorted(history, key=lambda sv: sv[0])}
     assert latest == {s: float(launch_of[s]) for s in range(1, 13)}
@@ -244,7 +245,7 @@ def _check_aim(tmp_path: Path, replaced: list[tuple[int, float]]) -> None:
 
 
 def _check_wandb(launches: list[list[dict[str, Any]]], stop: int, last_save: int) -> None:
-    """``launches``: the records of each launch's offline file, in the order of the launches."""
+    """``launches``: the records of each attempt's offline file, in the order they ran."""
     first, crashed, final = (
         [(int(r["history"]["item"]["_step"]), r["history"]["item"]["launch"]) for r in records if "history" in r]
         for records in launches
