@@ -1,12 +1,15 @@
 """Worker of the trackers' end-to-end test: a small ddp run logging to every tracker, stopped and resumed.
 
-    multigpu launch --strategy ddp --nproc-per-node 2 tests/session/trackers_worker.py FOLDER LAUNCH STEPS [preempt-at N | crash-at N]
+    multigpu launch --strategy ddp --nproc-per-node 2 [--max-restarts 1] tests/session/trackers_worker.py \
+        FOLDER LAUNCH STEPS [EVENT N]...
 
 Resumes from FOLDER/ckpt's latest checkpoint (and the trackers' runs saved with it), trains to STEPS,
-logs ``loss`` and ``launch`` (LAUNCH, to tell the launches apart) at every step to all six trackers,
-each writing under FOLDER, and saves a checkpoint every 3 steps. ``preempt-at N``: rank 1 sends
-itself SIGTERM after step N; the ranks agree to stop a step later, save and leave. ``crash-at N``:
-rank 0 SIGKILLs itself right after logging step N (no save, nothing closed).
+logs ``loss`` and ``launch`` (LAUNCH plus torchrun's restarts, to tell the attempts apart) at every
+step to all six trackers, each writing under FOLDER, and saves a checkpoint every 3 steps.
+``preempt-at N``: rank 1 sends itself SIGTERM after step N; the ranks agree to stop a step later, save
+and leave. ``crash-at N``: in the first attempt, rank 0 SIGKILLs itself right after logging step N (no
+save, nothing closed); torchrun's restart then resumes. ``raise-at N``: every rank raises after logging
+step N (the trackers that keep a status mark the run failed).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import multigpu
+from multigpu.runtime.world import restart_count
 from multigpu.session import Session
 
 ALL = ("csv", "tensorboard", "mlflow", "wandb", "aim", "trackio")
@@ -37,18 +41,19 @@ def options(folder: Path) -> dict[str, dict[str, object]]:
 
 
 def main() -> None:
-    folder, launch, steps = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    event, at = (sys.argv[4], int(sys.argv[5])) if len(sys.argv) > 5 else ("", -1)
+    folder, launch, steps = Path(sys.argv[1]), int(sys.argv[2]) + restart_count(), int(sys.argv[3])
+    events = {event: int(at) for event, at in zip(sys.argv[4::2], sys.argv[5::2])}
+    if restart_count() > 0:
+        events.pop("crash-at", None)  # the restarted attempt is the crash-resume
     os.chdir(folder)  # the default run folder (runs/<time>-ddp) goes under FOLDER
     config = {"trackers": ALL, "run_name": RUN_NAME, "tracker_options": options(folder)}
     with Session(strategy="ddp", seed=0, **config) as session:  # type: ignore[arg-type]
         model = session.setup_model(torch.nn.Linear(4, 1))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        session.log_hparams({"lr": 0.1, "batch": 8})  # before the resume: held until the trackers open
         checkpoints = multigpu.Checkpointer(folder=folder / "ckpt", keep_last=None)
+        # continues the saved tracker runs, in the first launch's run folder (no run_dir given): no code of ours
         resumed = checkpoints.resume(model=model, optimizer=optimizer)
-        if resumed:
-            session.resume_trackers(resumed)  # the run folder is the first launch's (no run_dir given)
-        session.log_hparams({"lr": 0.1, "batch": 8})
         step = resumed.step if resumed else 0
         while step < steps:
             gen = torch.Generator().manual_seed(step)
@@ -59,13 +64,15 @@ def main() -> None:
             session.step(optimizer)
             step += 1
             session.log({"loss": session.reduce(loss), "launch": launch}, step)
-            if event == "crash-at" and step == at and session.is_main_process:
+            if events.get("crash-at") == step and session.is_main_process:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if events.get("raise-at") == step:
+                raise RuntimeError(f"diverged at step {step}")
             stop = session.should_stop
-            if event == "preempt-at" and step == at and session.global_rank == 1:
+            if events.get("preempt-at") == step and session.global_rank == 1:
                 os.kill(os.getpid(), signal.SIGTERM)  # seen by the next read: both ranks stop one step later
             if stop or step % 3 == 0:
-                checkpoints.save(step=step, model=model, optimizer=optimizer, extra=session.tracker_state())
+                checkpoints.save(step=step, model=model, optimizer=optimizer)  # with the trackers' runs
             if stop:
                 print(f"stopped {session.global_rank} {step} {session.run_dir}", flush=True)
                 return

@@ -44,6 +44,7 @@ from multigpu.checkpoint.storages import (
 from multigpu.checkpoint.validate import FORMAT_VERSION, TrainingState, walk_plain
 from multigpu.errors import CheckpointError, ConfigError
 from multigpu.runtime.committed_steps import committed_steps, set_committed_steps
+from multigpu.runtime.run_identity import check_identity, resume_identity, with_identity
 from multigpu.runtime.world import world_size
 
 __all__ = ["STATE_FILE", "Checkpointer", "Resumed", "Stateful", "find_latest"]
@@ -198,7 +199,7 @@ class Checkpointer:
                 raise ConfigError(f"{what}={count!r} must be an int (got {type(count).__name__}).")
             if not 0 <= count <= MAX_STEP:
                 raise ConfigError(f"{what}={count} must be between 0 and {MAX_STEP}.")
-        counters = {"data_position": dict(data_position or {}), "extra": dict(extra or {})}
+        counters = {"data_position": dict(data_position or {}), "extra": with_identity(extra or {})}  # + the trackers'
         if loader is not None:
             if not callable(getattr(loader, "state_dict", None)):
                 raise ConfigError(
@@ -309,6 +310,7 @@ class Checkpointer:
             locate = lambda: first  # noqa: E731
 
         def holds_loader(folder: Path, checked: TrainingState) -> None:
+            check_identity(checked.extra, folder / STATE_FILE)  # the Session's tracker runs can continue
             if loader is None:
                 return
             if _LOADER_KEY not in checked.data_position:
@@ -335,12 +337,13 @@ class Checkpointer:
             loader.load_state_dict(checked.data_position[_LOADER_KEY])
         if checked.global_step is not None:
             set_committed_steps(checked.global_step)
+        extra = resume_identity(checked.extra, checked.step)  # the Session continues the saved tracker runs
         return Resumed(
             path=folder,
             step=checked.step,
             epoch=checked.epoch,
             data_position=checked.data_position,
-            extra=checked.extra,
+            extra=extra,
             saved_world_size=checked.world_size,
         )
 

@@ -7,9 +7,10 @@ Whatever mapping reaches ``log`` goes to every tracker (:mod:`multigpu.session.t
 the same step. Without a choice of trackers: ``<run_dir>/metrics.csv`` in long form
 (``step,metric,value,time``) and, with TensorBoard installed, event files in the same folder.
 
-The trackers open at the first ``log``, ``log_hparams`` or ``state``. :meth:`MetricsLog.state` is the
-run's identity in each tracker (saved with a checkpoint); :meth:`MetricsLog.resume` takes it back
-before they open, so a relaunched run continues the same tracker runs.
+The trackers open at the first ``log`` (hyperparameters logged before wait for it, so that a resume
+after ``log_hparams`` still continues the saved runs). :meth:`MetricsLog.identity` is the run's identity
+in each tracker, which every checkpoint saves (:mod:`multigpu.runtime.run_identity`);
+:meth:`MetricsLog.resume` takes it back before they open, so a relaunched run continues the same runs.
 
 Example:
     >>> log = MetricsLog(tmp_path, enabled=True)  # doctest: +SKIP
@@ -19,20 +20,21 @@ Example:
 from __future__ import annotations
 
 import numbers
+import reprlib
 import uuid
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from multigpu.errors import ConfigError
+from multigpu.errors import CheckpointError, ConfigError
+from multigpu.runtime.run_identity import IDENTITY_KEY
 from multigpu.session.trackers import TRACKERS, RunInfo, Tracker, default_trackers
 from multigpu.session.trackers.csv_file import CSV_NAME
 
-__all__ = ["CSV_NAME", "STATE_KEY", "MetricsLog"]
-
-STATE_KEY = "multigpu.trackers"  # the key of Checkpointer.save(extra=...) that holds the trackers' identity
+__all__ = ["CSV_NAME", "MetricsLog"]
 
 
 class MetricsLog:
@@ -59,10 +61,12 @@ class MetricsLog:
         self.folder = folder
         self.enabled = enabled
         self.names = tuple(trackers) if trackers is not None else default_trackers()
-        self._run_name = run_name
+        self._run_name = self._chosen_name = run_name
         self._options = dict(options or {})
         self._run_id = uuid.uuid4().hex
-        self._resumed: Mapping[str, Any] = {}
+        self._resumed: Mapping[str, Any] = {}  # each tracker's saved identity, by name
+        self._saved: Mapping[str, Any] | None = None  # the resumed checkpoint's identity, whole
+        self._hparams: dict[str, Any] = {}  # what log_hparams recorded before the trackers opened
         self._resumed_step: int | None = None
         self._open: list[Tracker] | None = None
 
@@ -87,65 +91,75 @@ class MetricsLog:
             ConfigError: not a mapping, a name that is not a string, or a value of another type.
         """
         checked = _hparams(hparams)
-        if self.enabled:
-            for tracker in self._trackers():
+        self._hparams.update(checked)  # written when the trackers open, if they are not open yet
+        if self.enabled and self._open is not None:
+            for tracker in self._open:
                 tracker.log_hparams(checked)
 
-    def state(self) -> dict[str, Any]:
-        """``{STATE_KEY: ...}``: the run's id, folder, name and each tracker's identity, for ``Checkpointer.save(extra=)``.
+    def identity(self) -> dict[str, Any] | None:
+        """The run's id, folder, name and each tracker's identity, which a checkpoint saves; None: no run yet.
 
-        The main process opens the trackers if they are not yet open; the others return an empty
-        identity (only the main process's extra is written).
+        None on the other processes (only the main process's is written), and before the trackers open
+        unless a resumed identity waits for them (a run resumed and saved again before its first log).
         """
-        if not self.enabled:
-            return {STATE_KEY: {}}
-        trackers = self._trackers()
+        if not self.enabled or not self.names:
+            return None
+        if self._open is None:
+            return dict(self._saved) if self._saved is not None else None
         return {
-            STATE_KEY: {
-                "run_id": self._run_id,
-                "run_dir": str(self.folder.resolve()),  # a relaunch may start elsewhere
-                "run_name": self.run_name,
-                "trackers": {tracker.name: tracker.state() for tracker in trackers},
-            }
+            "run_id": self._run_id,
+            "run_dir": str(self.folder.resolve()),  # a relaunch may start elsewhere
+            "run_name": self.run_name,
+            "trackers": {tracker.name: tracker.state() for tracker in self._open},
         }
 
-    def resume(self, extra: Mapping[str, Any], step: int, *, keep_folder: bool) -> None:
-        """Continue the tracker runs that ``extra`` (a checkpoint's, with :meth:`state` in it) names.
+    @staticmethod
+    def check_identity(saved: Any, file: Path) -> None:
+        """Refuse (a :class:`CheckpointError` naming ``file``) what :meth:`identity` cannot have written."""
+        fields = ("run_id", "run_name", "run_dir")
+        if (
+            not isinstance(saved, Mapping)
+            or not all(isinstance(saved.get(k), str) for k in fields)
+            or not isinstance(saved.get("trackers"), Mapping)
+            or not all(isinstance(k, str) and isinstance(v, Mapping) for k, v in saved["trackers"].items())
+        ):
+            raise CheckpointError(
+                f"{str(file)!r}: entry 'extra'[{IDENTITY_KEY!r}] is {reprlib.repr(saved)}; expected the run_id, "
+                "run_name, run_dir and trackers a Checkpointer saves for a Session's trackers. Nothing was loaded: "
+                "resume from another step (Checkpointer.resume(path=...))"
+            )
+
+    def resume(self, saved: Mapping[str, Any] | None, step: int, *, keep_folder: bool) -> None:
+        """Continue the tracker runs ``saved`` (what :meth:`identity` returned at the save) names.
 
         Args:
-            extra: ``Resumed.extra`` of the checkpoint.
+            saved: the checkpoint's identity (checked by :meth:`check_identity`); None: it holds none,
+                and the next runs are new ones.
             step: the checkpoint's step: the trackers treat later steps as logged again.
             keep_folder: keep this log's folder (the user chose it); else take the saved one.
 
-        Raises:
-            ConfigError: the trackers are already open (resume before the first log), or ``extra``
-                holds no tracker identity (the checkpoint was saved without it).
+        Trackers already open (a ``log`` came before the resume) are closed first, with a warning:
+        what they logged stays in new runs of their own, and the saved runs continue.
         """
         if self._open is not None:
-            raise ConfigError(
-                "session.resume_trackers(resumed) came after the trackers opened (at the first log, log_hparams "
-                "or tracker_state); call it right after Checkpointer.resume, before logging"
-            )
-        saved = extra.get(STATE_KEY) if isinstance(extra, Mapping) else None
-        if not isinstance(saved, Mapping):
-            raise ConfigError(
-                f"the checkpoint's extra holds no {STATE_KEY!r}: save it with "
-                "Checkpointer.save(..., extra=session.tracker_state()) to continue the same tracker runs"
-            )
+            if self.enabled:
+                warnings.warn(
+                    "session.log came before Checkpointer.resume, so the trackers opened new runs; those are "
+                    "closed and the checkpoint's runs continue (resume before the first session.log)",
+                    RuntimeWarning,
+                    stacklevel=5,  # the caller of Checkpointer.resume
+                )
+            self.close()
         self._resumed_step = int(step)
-        if not saved:  # written by a process that did not log (no main process's identity)
+        self._saved = saved
+        if saved is None:
+            self._resumed = {}
             return
-        run_id, run_name, run_dir, trackers = (saved.get(k) for k in ("run_id", "run_name", "run_dir", "trackers"))
-        if not all(isinstance(v, str) for v in (run_id, run_name, run_dir)) or not isinstance(trackers, Mapping):
-            raise ConfigError(
-                f"the checkpoint's {STATE_KEY!r} is not what session.tracker_state() writes (run_id, run_name, "
-                f"run_dir, trackers): {saved!r}; resume from a checkpoint saved with extra=session.tracker_state()"
-            )
-        self._run_id = str(run_id)
-        self._run_name = self._run_name or str(run_name)
+        self._run_id = str(saved["run_id"])
+        self._run_name = self._chosen_name or str(saved["run_name"])
         if not keep_folder:
-            self.folder = Path(str(run_dir))
-        self._resumed = trackers
+            self.folder = Path(str(saved["run_dir"]))
+        self._resumed = saved["trackers"]
 
     @property
     def run_name(self) -> str:
@@ -153,6 +167,8 @@ class MetricsLog:
 
     def close(self, *, failed: bool = False) -> None:
         """End every tracker's part of the run, as failed when the loop raised (safe to call twice)."""
+        if self.enabled and self._open is None and self._hparams:  # hyperparameters alone still make a run
+            self._trackers()
         trackers, self._open = self._open or [], None
         errors = []
         for tracker in trackers:  # every tracker closes, even after another failed to
@@ -177,6 +193,9 @@ class MetricsLog:
                     resumed_step=self._resumed_step,
                 )
                 self._open.append(TRACKERS[name].open(run))
+            if self._hparams:
+                for tracker in self._open:
+                    tracker.log_hparams(self._hparams)
         return self._open
 
 

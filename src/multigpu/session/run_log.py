@@ -2,19 +2,20 @@
 
 ``session.log`` hands a mapping of scalars to every tracker of ``Session(trackers=...)``
 (:mod:`multigpu.session.metrics`, :mod:`multigpu.session.trackers`), with the step's throughput figures
-added (:mod:`multigpu.session.throughput`); the trackers' run identity is saved with a checkpoint
-(:meth:`RunLog.tracker_state`) and continued after a resume (:meth:`RunLog.resume_trackers`). Only the
-main process writes; nothing here communicates.
+added (:mod:`multigpu.session.throughput`). A :class:`multigpu.Checkpointer` saves the trackers' run
+identity with every checkpoint and its ``resume`` continues the same runs, through the methods of the
+``IdentityKeeper`` below (:mod:`multigpu.runtime.run_identity`). Only the main process writes; nothing
+here communicates.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from multigpu.errors import ConfigError
 from multigpu.session.metrics import MetricsLog
 
 if TYPE_CHECKING:
@@ -68,36 +69,10 @@ class RunLog:
         """
         self._metrics_log().log_hparams(hparams)
 
-    def tracker_state(self) -> dict[str, Any]:
-        """The run's identity in every tracker, to save with a checkpoint: ``ckpt.save(..., extra=session.tracker_state())``.
-
-        One entry (``"multigpu.trackers"``): merge it with your own ``extra`` keys. Every rank may
-        call it (only the main process's is written).
-        """
-        return self._metrics_log().state()
-
-    def resume_trackers(self, resumed: Any) -> None:
-        """Continue the tracker runs a checkpoint saved with :meth:`tracker_state`; call before the first log.
-
-        ``resumed`` is what ``Checkpointer.resume`` returned: its ``extra`` names the runs, its
-        ``step`` says which steps come again. Without ``SessionConfig.run_dir`` the saved run folder
-        is kept. What a tracker does with steps logged after the checkpoint (a crash-resume):
-        docs/measuring.md. Every rank may call it.
-
-        Example:
-            >>> resumed = ckpt.resume(model=model, optimizer=optimizer)  # doctest: +SKIP
-            >>> if resumed:                                              # doctest: +SKIP
-            ...     session.resume_trackers(resumed)
-
-        Raises:
-            ConfigError: the trackers already opened, or the checkpoint holds no tracker identity.
-        """
-        extra, step = getattr(resumed, "extra", None), getattr(resumed, "step", None)
-        if not isinstance(extra, Mapping) or not isinstance(step, int):
-            raise ConfigError(
-                f"session.resume_trackers takes what Checkpointer.resume returned, got {type(resumed).__name__}"
-            )
-        self._metrics_log().resume(extra, step, keep_folder=self.config.run_dir is not None)
+    @functools.cached_property
+    def _tracker_runs(self) -> TrackerRuns:
+        """What the running Session lends the checkpoints (:func:`multigpu.runtime.run_identity.keep_identity`)."""
+        return TrackerRuns(self)
 
     def _metrics_log(self) -> MetricsLog:
         if self._metrics is None:
@@ -111,3 +86,24 @@ class RunLog:
                 options=self.config.tracker_options,
             )
         return self._metrics
+
+
+class TrackerRuns:
+    """A Session's :class:`~multigpu.runtime.run_identity.IdentityKeeper`: its trackers' runs, as checkpoints see them."""
+
+    def __init__(self, log: RunLog) -> None:
+        self._log = log
+
+    def tracker_identity(self) -> dict[str, Any] | None:
+        """What ``Checkpointer.save`` stores (None: no tracker run yet, or not the main process)."""
+        metrics = self._log._metrics
+        return metrics.identity() if metrics is not None else None
+
+    def check_tracker_identity(self, saved: Any, file: Path) -> None:
+        """Before ``Checkpointer.resume`` changes anything: refuse an identity the trackers cannot continue."""
+        MetricsLog.check_identity(saved, file)
+
+    def continue_trackers(self, saved: Mapping[str, Any] | None, step: int) -> None:
+        """After ``Checkpointer.resume``: the next log continues the saved runs, in the first run folder unless
+        ``SessionConfig.run_dir`` names one, and the steps after ``step`` are logged again (docs/measuring.md)."""
+        self._log._metrics_log().resume(saved, step, keep_folder=self._log.config.run_dir is not None)

@@ -42,6 +42,7 @@ from multigpu.runtime.collectives import ReduceOp
 from multigpu.runtime.committed_steps import committed_steps, set_committed_steps
 from multigpu.runtime.data import EpochLoader, ShardSpec
 from multigpu.runtime.replica_groups import ReplicaSync
+from multigpu.runtime.run_identity import keep_identity, release_identity
 from multigpu.session import determinism
 from multigpu.session.config import SessionConfig
 from multigpu.session.coordination import MetricsPosition, seed_rank_streams
@@ -116,6 +117,7 @@ class Session(Toolkit, RunLog):
             self.precision = strategy.build_precision()
             torch.manual_seed(self.config.seed)
             set_committed_steps(0)  # this run's count (Checkpointer.resume puts a saved one back)
+            keep_identity(self._tracker_runs)  # every checkpoint saves the trackers' runs, resume continues them
             if self.config.deterministic:
                 self._undo_deterministic = determinism.apply_deterministic(self.device)
         return self
@@ -131,6 +133,7 @@ class Session(Toolkit, RunLog):
             self._leave()
 
     def _leave(self) -> None:
+        release_identity(self._tracker_runs)
         if self.strategy is not None:
             self._stop_agreement.settle()  # the all-reduce in flight completes before the group closes
         self._stop_signals.restore()

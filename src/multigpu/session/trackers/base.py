@@ -1,11 +1,11 @@
 """What every experiment tracker is to the Session: a run it opens, numbers it logs, an identity it keeps.
 
 A tracker is one small class per library (:mod:`~multigpu.session.trackers.registry` lists them). The
-Session opens it on the main process only, at the first ``log``/``log_hparams``/``tracker_state``, with
-a :class:`RunInfo`; every ``session.log`` reaches every tracker with the same numbers and step. Its
-:meth:`Tracker.state` is what it needs to find the same run again (a run id, the store it lives in):
-saved with a checkpoint (``extra=session.tracker_state()``), it comes back in :attr:`RunInfo.resumed`
-after a relaunch, with the checkpoint's step in :attr:`RunInfo.resumed_step`.
+Session opens it on the main process only, at the first ``log``, with a :class:`RunInfo`; every
+``session.log`` reaches every tracker with the same numbers and step. Its :meth:`Tracker.state` is what it
+needs to find the same run again (a run id, the store it lives in): saved with every checkpoint
+(:mod:`multigpu.runtime.run_identity`), it comes back in :attr:`RunInfo.resumed` after a relaunch, with
+the checkpoint's step in :attr:`RunInfo.resumed_step`.
 """
 
 from __future__ import annotations
