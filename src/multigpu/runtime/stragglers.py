@@ -21,6 +21,10 @@ others', and written to the run folder for ``multigpu launch``'s end-of-run summ
 (:mod:`multigpu.launcher.slow_ranks` reads it). The threshold is below 1.2 so that a rank 1.2x slower is
 named although part of its own time is not slowed (the loop's own Python, a healthy loader): a rank
 throttled to 1.2x measured 1.17-1.25 on a loaded 2-core machine, where healthy ranks measured 1.00-1.03.
+A rank is also not named when its extra time is under :data:`MIN_SHARE` of the step: where the backward
+and its all-reduce make most of the step, the own times are a fraction of a millisecond, their ratio moves
+with a loaded core's noise (1.19x and 1.23x over 0.5-1 ms in a healthy 13 ms step), and such a rank costs
+the run less than 2%.
 
 Example::
 
@@ -46,6 +50,7 @@ from multigpu.runtime.agreement import Call
 WINDOW_STEPS = 50  # optimizer steps per comparison: one exchange each, and the horizon of a report
 KEPT = 0.25  # a rank's typical step: the mean of its fastest quarter of a window's steps (load only adds time)
 SLOW_RATIO = 1.15  # a rank this much slower than the median of the others is reported (names a 1.2x rank)
+MIN_SHARE = 0.02  # and its extra time is this share of the step or more: a ratio of small own times is noise
 RECORD_PATTERN = "slow-rank-attempt-*.json"  # what the main process leaves the launcher
 _REPORTS = itertools.count(1)  # this process's reports, for their files' names
 _CALL = Call("exchange of each rank's step times (slow-rank watch)", ())
@@ -76,7 +81,10 @@ class Verdict:
 
     @property
     def slow(self) -> bool:
-        return self.ratio >= SLOW_RATIO
+        """At :data:`SLOW_RATIO` or more, and its extra time at least :data:`MIN_SHARE` of the step (when known)."""
+        mine = self.times[self.slowest].own_s
+        extra = mine - mine / self.ratio if self.ratio > 0 else 0.0  # its own time over the others' median
+        return self.ratio >= SLOW_RATIO and (self.step_s <= 0 or extra >= MIN_SHARE * self.step_s)
 
     def message(self) -> str:
         """The report of a slow rank: who, how much, and its data wait against its compute."""
