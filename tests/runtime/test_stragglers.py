@@ -40,7 +40,7 @@ def test_a_rank_slowed_by_a_fifth_is_named_by_step_50_and_a_healthy_run_names_no
     # Unbound: bound to a core each, a healthy rank whose core other jobs take more is slower in every step,
     # and rightly named (a noisy neighbour); unbound, both ranks share the machine's load alike.
     args = ("--strategy", "ddp", "--nproc-per-node", "2", "--no-bind-cores", str(WORKER), str(tmp_path))
-    done = multigpu_launch(*args, str(STEPS), "0.02", "1.2", timeout_s=240)
+    done = multigpu_launch(*args, str(STEPS), "0.04", "1.2", timeout_s=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     said = done.stdout + done.stderr  # the worker's stderr: wherever torchrun forwards it
     reports = [line for line in said.splitlines() if line.startswith("multigpu: rank")]
@@ -56,9 +56,9 @@ def test_a_rank_slowed_by_a_fifth_is_named_by_step_50_and_a_healthy_run_names_no
     assert len(summary) == 2 and "look at its compute" in summary[0], said[-3000:]  # one line per report
     healthy, slow = _metrics(tmp_path / "healthy"), _metrics(tmp_path / "slow")
     assert len(healthy["slowest_rank_ratio"]) == 2 and max(healthy["slowest_rank_ratio"]) < SLOW_RATIO
-    # throughput counts both ranks' samples: 4 per rank per step, each step at least the 20 ms sleep
+    # throughput counts both ranks' samples: 4 per rank per step, each step at least the 40 ms sleep
     for samples_s, step_s in zip(healthy["samples_per_s"], healthy["step_time_s"]):
-        assert samples_s * step_s == pytest.approx(2 * 4) and step_s >= 0.02
+        assert samples_s * step_s == pytest.approx(2 * 4) and step_s >= 0.04
     assert len(healthy["mfu"]) == len(healthy["samples_per_s"])
     assert slow["slowest_rank"] == [1.0, 1.0]  # each window's verdict, in the logs at steps 50 and 100
     assert min(slow["slowest_rank_ratio"]) >= SLOW_RATIO
@@ -74,6 +74,15 @@ def test_the_verdict_compares_the_slowest_rank_with_the_median_of_the_others() -
     assert "compute 12.0 ms + data wait 8.0 ms" in verdict.message()
     assert compare([RankTimes(0.010, 0.0), RankTimes(0.0116, 0.0)], 1, 50).slow  # SLOW_RATIO is 1.15
     assert not compare([RankTimes(0.010, 0.0), RankTimes(0.0114, 0.0)], 1, 50).slow
+
+
+def test_a_rank_whose_extra_time_is_a_small_share_of_the_step_is_not_named() -> None:
+    """Own times of 0.5 against 0.6 ms in a 13 ms step (the rest backward and all-reduce): 1.2x, but 0.8% of
+    the step, a loaded core's noise; the same times in a 4 ms step are 2.5% of it."""
+    times = [RankTimes(0.0005, 0.0), RankTimes(0.0006, 0.0)]
+    assert compare(times, 1, 50, step_s=0.013).ratio == pytest.approx(1.2)
+    assert not compare(times, 1, 50, step_s=0.013).slow
+    assert compare(times, 1, 50, step_s=0.004).slow
 
 
 def test_a_ranks_typical_step_is_its_fastest_quarter() -> None:

@@ -20,7 +20,8 @@ or more the slowest rank is reported once on the main process's stderr, with its
 others', and written to the run folder for ``multigpu launch``'s end-of-run summary
 (:mod:`multigpu.launcher.slow_ranks` reads it). The threshold is below 1.2 so that a rank 1.2x slower is
 named although part of its own time is not slowed (the loop's own Python, a healthy loader): a rank
-throttled to 1.2x measured 1.17-1.25 on a loaded 2-core machine, where healthy ranks measured 1.00-1.03.
+throttled to 1.2x measured 1.17-1.25 on a loaded 2-core machine, where healthy ranks measured 1.00-1.03
+(once 1.125, at load 19, in steps of 20 ms).
 A rank is also not named when its extra time is under :data:`MIN_SHARE` of the step: where the backward
 and its all-reduce make most of the step, the own times are a fraction of a millisecond, their ratio moves
 with a loaded core's noise (1.19x and 1.23x over 0.5-1 ms in a healthy 13 ms step), and such a rank costs
