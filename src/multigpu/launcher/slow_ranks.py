@@ -22,7 +22,8 @@ _RECORD_BYTES = 1 << 20  # one verdict: a few numbers per rank
 
 
 def summary_lines(folder: str | Path) -> list[str]:
-    """One line per attempt whose main process reported a slow rank; a garbled record is named, not read."""
+    """One line per slow rank the main process reported (once per Session), by attempt; a garbled record is
+    named, not read."""
     lines = []
     for path in entries(folder, RECORD_PATTERN):
         try:
@@ -30,7 +31,7 @@ def summary_lines(folder: str | Path) -> list[str]:
         except UnreadableFile as exc:
             lines.append(f"multigpu launch: the slow-rank record {path.name} was skipped: {exc}")
             continue
-        attempt = path.stem.removeprefix("slow-rank-attempt-")
+        attempt = path.stem.removeprefix("slow-rank-attempt-").split("-")[0]  # -<n>: the process's nth report
         lines.append(f"multigpu launch (attempt {attempt}): " + verdict.message().removeprefix("multigpu: "))
     return lines
 

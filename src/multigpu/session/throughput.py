@@ -18,7 +18,9 @@ name wins):
   :mod:`multigpu.runtime.stragglers` (every 50 optimizer steps) completed since the last ``log``; on the
   main process only.
 
-The first optimizer step is not timed (it carries one-off work: allocations, lazy initialisation).
+The first optimizer step is not in ``step_time_s`` (it carries one-off work: allocations, lazy
+initialisation); the slow-rank watch times it from ``session.batches``' start (its statistic leaves one-off
+steps out), so its first window is steps 1-50.
 Nothing here is communicated except the slow-rank watch's one exchange per window.
 """
 
@@ -65,8 +67,10 @@ class Throughput:
         self.tokens_per_sample = tokens_per_sample
         self._window = _Window()
         self._last_step: float | None = None  # perf_counter at the last optimizer step
+        # Step 1, for the slow-rank watch on every rank: from the first session.batches fetch, else from here
+        self._first_began, self._first_fetched = time.perf_counter(), False
         self._optimizer_steps = 0
-        self._collective_mark = 0.0  # waits.collective_seconds() then
+        self._collective_mark = waits.collective_seconds()  # at the start of the step being timed
         self._data_wait = 0.0  # since the last optimizer step
         self._last_batch_size = 0  # of the batch session.batches handed out last
         self._pending_samples = 0  # micro-batches' samples since the last optimizer step
@@ -89,6 +93,10 @@ class Throughput:
         """``next(batches, end)``, its wait counted as data wait, less the collectives inside it (the ranks agree
         on the batch count there: waiting for a slower rank is not this rank's loading)."""
         began, in_collectives = time.perf_counter(), waits.collective_seconds()
+        if not self._first_fetched:
+            self._first_fetched = True
+            if self._last_step is None:  # the loop begins: step 1 is timed from here
+                self._first_began, self._collective_mark = began, in_collectives
         try:
             return next(batches, end)
         finally:
@@ -106,16 +114,17 @@ class Throughput:
         """An optimizer step happens now (every rank calls it: the slow-rank watch may exchange here)."""
         now = time.perf_counter()
         self._optimizer_steps += 1
-        if self._last_step is not None and not joined:  # under join the ranks step apart: not compared
-            interval = now - self._last_step
-            self._window.steps += 1
-            self._window.seconds += interval
-            self._window.samples += self._pending_samples
+        if not joined:  # under join the ranks step apart: not compared
+            interval = now - (self._last_step if self._last_step is not None else self._first_began)
+            if self._last_step is not None:  # the first step's one-off work stays out of step_time_s
+                self._window.steps += 1
+                self._window.seconds += interval
+                self._window.samples += self._pending_samples
             if not self._asked_ranks:  # once: the strategy's shard is built anew at each read
                 self._asked_ranks = True
                 if strategy.shard.world_size > 1 and world.in_process_group():
                     self._stragglers = StragglerWatch(main=strategy.is_main_process)
-            if self._stragglers is not None:
+            if self._stragglers is not None:  # steps 1-50 its first window (step 1 from session.batches' start)
                 collective_s = waits.collective_seconds() - self._collective_mark
                 compute_s = max(0.0, interval - collective_s - self._data_wait)
                 self._stragglers.add(
