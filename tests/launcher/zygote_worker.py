@@ -3,7 +3,7 @@
     python tests/launcher/zygote_worker.py OUT (exit=N | hold)
 
 Writes ``OUT`` (JSON, whole: written aside, then renamed): its pid, parent, session, ``sys.argv``, ``__name__``,
-the variable ``ZYGOTE_TEST_VALUE``, torch's thread count and a helper's pid (``hold``: a child in a process
+the variable ``ZYGOTE_TEST_VALUE``, torch's thread count, a draw of Python's and numpy's generators and a helper's pid (``hold``: a child in a process
 group of its own inside this session, as a DataLoader worker may make). Then exits with N, or sleeps until
 killed (``hold``).
 """
@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -33,6 +35,7 @@ def main() -> None:
         "name": __name__,
         "value": os.environ.get("ZYGOTE_TEST_VALUE"),
         "threads": torch.get_num_threads(),
+        "draws": [random.random(), float(np.random.random())],
         "helper": helper,
     }
     Path(f"{out}.tmp").write_text(json.dumps(record))
