@@ -95,7 +95,8 @@ def test_end_kills_the_workers_sessions_and_a_dead_zygote_leaves_no_worker_and_n
             workers.append(worker)
             records.append(json.loads(out.read_text()))
         first, second = workers
-        # numpy seeded anew in each fork (Python's random reseeds itself at fork), as in new interpreters: workers do not repeat each other's draws
+        # numpy is seeded anew in each fork (Python's random reseeds itself at fork), as in new interpreters:
+        # two workers do not repeat each other's draws
         assert records[0]["draws"][0] != records[1]["draws"][0] and records[0]["draws"][1] != records[1]["draws"][1]
         zygote.end([first])  # the launcher's kill of a lost group
         assert first.returncode == -signal.SIGKILL
