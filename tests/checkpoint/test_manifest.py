@@ -137,3 +137,29 @@ def test_damage_to_a_one_file_step_is_refused_by_every_reader(
     assert main(["ckpt", "convert", str(folder), str(tmp_path / "out.safetensors")]) == 1
     assert main(["ckpt", "inspect", str(folder)]) == (1 if inspect_refuses else 0)
     capsys.readouterr()
+
+
+def _pipe_as_weights(folder: Path, *, listed: bool) -> None:
+    (folder / "model.safetensors").unlink()
+    os.mkfifo(folder / "model.safetensors")
+    if listed:  # a manifest that records the pipe's size: only opening it would tell
+        _edit_manifest(lambda b: b["files"]["model.safetensors"].update(bytes=0))(folder)
+    else:
+        (folder / "manifest.json").unlink()  # as in a folder written before manifests
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("listed", [True, False], ids=["listed-in-the-manifest", "no-manifest"])
+def test_a_pipe_as_a_one_file_steps_weights_is_named_at_once(
+    tmp_path: Path, listed: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = ckpt.Checkpointer(folder=tmp_path).save(step=1, model=nn.Linear(4, 3))
+    _pipe_as_weights(folder, listed=listed)
+    named = r"model\.safetensors'?: it is a named pipe \(FIFO\)"
+    with pytest.raises(CheckpointError, match=named):
+        ckpt.Checkpointer(folder=tmp_path).resume(model=nn.Linear(4, 3), path=folder)
+    with pytest.raises(CheckpointError, match=named):
+        ckpt.load(nn.Linear(4, 3), folder)
+    capsys.readouterr()
+    assert main(["ckpt", "inspect", str(folder)]) == 1
+    assert "named pipe" in capsys.readouterr().err

@@ -111,7 +111,7 @@ def read_tensors(
     Raises:
         CheckpointError: the file is damaged, of another kind, or holds something else.
     """
-    with _reading(path):
+    with reading_file(path):
         if detect_format(path) == "safetensors":
             return _read_safetensors(path)
         obj = load_torch_file(path, allow_unsafe_pickle=allow_unsafe_pickle)
@@ -119,7 +119,8 @@ def read_tensors(
 
 
 @contextlib.contextmanager
-def _reading(path: str | os.PathLike[str]) -> Iterator[None]:
+def reading_file(path: str | os.PathLike[str]) -> Iterator[None]:
+    """An ``OSError`` reading ``path`` (a pipe, a folder, unreadable) as a :class:`CheckpointError`, except a missing file."""
     # A folder or an unreadable file is a CheckpointError; a missing file stays FileNotFoundError,
     # as Python's own readers raise (resume retries on it when another process swaps a folder).
     try:
@@ -134,7 +135,7 @@ def read_structure(
     path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False
 ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], dict[str, str]]:
     """Keys, shapes and dtypes of a weights file without reading its tensor data, and its metadata."""
-    with _reading(path):
+    with reading_file(path):
         if detect_format(path) == "safetensors":
             header = checked_safetensors_header(path)
             return [(e.key, e.shape, e.dtype) for e in header.entries], _without_aliases(header.metadata)

@@ -159,7 +159,11 @@ def check_crcs(folder: Path, manifest: Manifest, names: Iterable[str]) -> None:
         CheckpointError: naming the first file whose bytes changed.
     """
     for name in names:
-        if file_record(folder / name).crc32 != manifest.files[name].crc32:
+        try:
+            found = file_record(folder / name)
+        except OSError as exc:  # a pipe or a folder where a file was
+            raise CheckpointError(f"cannot read {str(folder / name)!r}: {exc.strerror or exc}. {FIX}") from exc
+        if found.crc32 != manifest.files[name].crc32:
             raise CheckpointError(
                 f"{str(folder / name)!r} does not match the CRC-32 its manifest records: its bytes were changed "
                 f"after the save (a damaged disk or copy). {FIX}"

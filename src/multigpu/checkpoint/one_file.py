@@ -24,7 +24,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from multigpu.checkpoint.folders import FIX, MAX_STEP, STATE_FILE, regular_files
-from multigpu.checkpoint.formats import check_expansion, detect_format, read_structure, read_tensors, write_safetensors
+from multigpu.checkpoint.formats import (
+    check_expansion,
+    detect_format,
+    read_structure,
+    read_tensors,
+    reading_file,
+    write_safetensors,
+)
 from multigpu.checkpoint.manifest import (
     MANIFEST_FILE,
     FileRecord,
@@ -199,16 +206,17 @@ class OneFile:
 def _checked_manifest(folder: Path, *, crc: bool = True) -> Manifest | None:
     """The manifest of ``folder`` with the files it lists checked (``crc=False``: sizes only); ``None`` if it has none."""
     os.stat(folder / MODEL_FILE)  # absent (a dangling link too): FileNotFoundError, an incomplete folder to readers
-    if not os.path.lexists(folder / MANIFEST_FILE):
-        if CHECKSUM_KEY in read_header(folder / MODEL_FILE).metadata:
-            return None  # a folder written before manifests: the weights' header holds their checksum
-        raise CheckpointError(
-            f"{str(folder / MANIFEST_FILE)!r} is missing: nothing records the checksum of {MODEL_FILE}. {FIX}"
-        )
-    manifest = read_manifest(folder, format=OneFile.name, required=MODEL_FILE)
-    check_sizes(folder, manifest)
-    if crc:
-        check_crcs(folder, manifest, sorted(manifest.files))
+    with reading_file(folder / MODEL_FILE):  # a pipe, a folder: named
+        if not os.path.lexists(folder / MANIFEST_FILE):
+            if CHECKSUM_KEY in read_header(folder / MODEL_FILE).metadata:
+                return None  # a folder written before manifests: the weights' header holds their checksum
+            raise CheckpointError(
+                f"{str(folder / MANIFEST_FILE)!r} is missing: nothing records the checksum of {MODEL_FILE}. {FIX}"
+            )
+        manifest = read_manifest(folder, format=OneFile.name, required=MODEL_FILE)
+        check_sizes(folder, manifest)
+        if crc:
+            check_crcs(folder, manifest, sorted(manifest.files))
     return manifest
 
 
