@@ -43,6 +43,7 @@ from multigpu.checkpoint.manifest import (
     check_crcs,
     check_sizes,
     file_record,
+    file_sizes,
     read_manifest,
 )
 from multigpu.errors import CheckpointError
@@ -227,15 +228,7 @@ def check_files(
     if manifest is not None:
         sizes = check_sizes(folder, manifest)
     else:
-        sizes = {}
-        for name in sorted({i.relative_path for i in metadata.storage_data.values()}):
-            try:
-                sizes[name] = os.stat(folder / name).st_size
-            except OSError as exc:
-                raise CheckpointError(
-                    f"{str(folder / name)!r}, a file of the checkpoint, is missing or unreadable "
-                    f"({exc.strerror or exc}). {FIX}"
-                ) from exc
+        sizes = file_sizes(folder, sorted({i.relative_path for i in metadata.storage_data.values()}))
     for index, info in metadata.storage_data.items():
         if info.relative_path not in sizes:
             raise CheckpointError(

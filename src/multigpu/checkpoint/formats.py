@@ -30,12 +30,10 @@ import torch
 
 from multigpu.checkpoint.atomic import atomic_write_file, atomic_write_path
 from multigpu.checkpoint.file_kinds import kind_of, open_regular
-from multigpu.checkpoint.manifest import FileRecord, combine, file_record
+from multigpu.checkpoint.manifest import PIECE, THREADS, FileRecord, combine, file_record
 from multigpu.checkpoint.safetensors_file import (
     CHECKSUM_KEY,
-    CRC_CHUNK,
     DTYPES,
-    THREADS,
     Header,
     TensorEntry,
     placeholder,
@@ -255,7 +253,7 @@ def _save_safetensors(
         start = f.read(written.data_start)
     pieces = [(zlib.crc32(start), len(start))]
     for entry in sorted(written.entries, key=lambda e: e.begin):
-        lengths = [min(CRC_CHUNK, entry.nbytes - at) for at in range(0, max(entry.nbytes, 1), CRC_CHUNK)]
+        lengths = [min(PIECE, entry.nbytes - at) for at in range(0, max(entry.nbytes, 1), PIECE)]
         pieces += zip(crcs[entry.key], lengths)
     return FileRecord(nbytes=written.file_size, crc32=combine(pieces))
 

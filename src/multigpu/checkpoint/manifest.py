@@ -135,20 +135,27 @@ def check_sizes(folder: Path, manifest: Manifest) -> dict[str, int]:
     Raises:
         CheckpointError: naming the first file that is missing or of another size.
     """
-    sizes: dict[str, int] = {}
+    sizes = file_sizes(folder, sorted(manifest.files))
     for name, record in sorted(manifest.files.items()):
-        path = folder / name
-        try:
-            sizes[name] = os.stat(path).st_size
-        except OSError as exc:
-            raise CheckpointError(
-                f"{str(path)!r}, a file of the checkpoint, is missing or unreadable ({exc.strerror or exc}). {FIX}"
-            ) from exc
         if sizes[name] != record.nbytes:
             raise CheckpointError(
-                f"{str(path)!r} has {sizes[name]} bytes; the manifest records {record.nbytes} (the file was "
-                f"truncated or replaced). {FIX}"
+                f"{str(folder / name)!r} has {sizes[name]} bytes; the manifest records {record.nbytes} (the file "
+                f"was truncated or replaced). {FIX}"
             )
+    return sizes
+
+
+def file_sizes(folder: Path, names: Iterable[str]) -> dict[str, int]:
+    """The sizes of the files ``names`` of a checkpoint in ``folder``; a CheckpointError names one missing."""
+    sizes = {}
+    for name in names:
+        try:
+            sizes[name] = os.stat(folder / name).st_size
+        except OSError as exc:
+            raise CheckpointError(
+                f"{str(folder / name)!r}, a file of the checkpoint, is missing or unreadable ({exc.strerror or exc}). "
+                f"{FIX}"
+            ) from exc
     return sizes
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from multigpu.checkpoint.file_kinds import MAX_HEADER_BYTES, open_regular, refuse
+from multigpu.checkpoint.manifest import PIECE
 from multigpu.errors import CheckpointError
 
 MAX_DIMS = 64
@@ -219,8 +220,6 @@ def _fail(path: str | os.PathLike[str], what: str) -> NoReturn:
 CHECKSUM_KEY = "multigpu.checksum"
 _CHECKSUM_VALUE = re.compile(r"crc32:[0-9a-f]{8}:[0-9a-f]{8}")
 _UNSET = "00000000"
-CRC_CHUNK = 4 << 20  # tensors are checksummed in pieces of this size, in parallel
-THREADS = min(4, os.cpu_count() or 1)
 
 Described = Sequence[tuple[str, torch.dtype, tuple[int, ...]]]
 
@@ -236,7 +235,7 @@ def submit_crcs(pool: Executor, tensor: torch.Tensor) -> list[Future[int]]:
     if not flat.is_contiguous():
         flat = flat.contiguous()
     data = flat.view(torch.uint8).numpy()
-    return [pool.submit(_crc, data[start : start + CRC_CHUNK]) for start in range(0, max(len(data), 1), CRC_CHUNK)]
+    return [pool.submit(_crc, data[start : start + PIECE]) for start in range(0, max(len(data), 1), PIECE)]
 
 
 def tensor_crcs(pending: Mapping[str, list[Future[int]]]) -> dict[str, list[int]]:
