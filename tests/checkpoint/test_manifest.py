@@ -163,3 +163,21 @@ def test_a_pipe_as_a_one_file_steps_weights_is_named_at_once(
     capsys.readouterr()
     assert main(["ckpt", "inspect", str(folder)]) == 1
     assert "named pipe" in capsys.readouterr().err
+
+
+def test_a_step_folders_weights_loaded_alone_are_checked_against_its_manifest(tmp_path: Path) -> None:
+    folder = ckpt.Checkpointer(folder=tmp_path).save(step=1, model=nn.Linear(4, 3))
+    loaded = ckpt.load(nn.Linear(4, 3), folder / "model.safetensors")  # intact: loads
+    _flip_tensor_byte(folder)
+    before = {k: v.clone() for k, v in loaded.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"model\.safetensors' does not match the CRC-32 its manifest records"):
+        ckpt.load(loaded, folder / "model.safetensors")
+    assert all(torch.equal(v, before[k]) for k, v in loaded.state_dict().items())
+
+
+def test_another_tools_manifest_beside_a_weights_file_is_left_alone(tmp_path: Path) -> None:
+    source = nn.Linear(4, 3)
+    path = ckpt.save(source, tmp_path / "model.safetensors")
+    (tmp_path / "manifest.json").write_text(json.dumps({"name": "my-model", "files": ["model.safetensors"]}))
+    loaded = ckpt.load(nn.Linear(4, 3), path)
+    assert torch.equal(loaded.weight, source.weight)

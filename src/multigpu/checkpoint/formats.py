@@ -30,7 +30,7 @@ import torch
 
 from multigpu.checkpoint.atomic import atomic_write_file, atomic_write_path
 from multigpu.checkpoint.file_kinds import kind_of, open_regular
-from multigpu.checkpoint.manifest import PIECE, THREADS, FileRecord, combine, file_record
+from multigpu.checkpoint.manifest import MANIFEST_FILE, PIECE, THREADS, FileRecord, check_listed, combine, file_record
 from multigpu.checkpoint.safetensors_file import (
     CHECKSUM_KEY,
     DTYPES,
@@ -103,6 +103,8 @@ def read_tensors(
 ) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
     """The tensors of a weights file, by key, and its metadata (safetensors header; empty for torch).
 
+    A file a step folder's manifest lists is checked against it first (:func:`~multigpu.checkpoint.manifest.check_listed`).
+
     A torch file may hold the tensors directly or nested under one of ``state_dict``,
     ``model_state_dict``, ``model``, ``module``. Every tensor is a dense CPU tensor.
 
@@ -110,6 +112,8 @@ def read_tensors(
         CheckpointError: the file is damaged, of another kind, or holds something else.
     """
     with reading_file(path):
+        if os.path.lexists(Path(path).parent / MANIFEST_FILE):  # a file of a step folder: its manifest checks it
+            check_listed(Path(path))
         if detect_format(path) == "safetensors":
             return _read_safetensors(path)
         obj = load_torch_file(path, allow_unsafe_pickle=allow_unsafe_pickle)

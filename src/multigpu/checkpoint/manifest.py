@@ -80,8 +80,8 @@ def write_manifest(folder: Path, *, format: str, step: int, world_size: int, fil
     return Manifest(format=format, step=step, world_size=world_size, files=files).digest
 
 
-def read_manifest(folder: Path, *, format: str, required: str) -> Manifest:
-    """The checked manifest of ``folder``, written by the storage ``format``; it must list ``required``.
+def read_manifest(folder: Path, *, format: str | None, required: str) -> Manifest:
+    """The checked manifest of ``folder``, written by the storage ``format`` (any: ``None``); it must list ``required``.
 
     Raises:
         CheckpointError: it is missing, too large, not JSON, of another storage, or a field is wrong.
@@ -102,8 +102,9 @@ def read_manifest(folder: Path, *, format: str, required: str) -> Manifest:
         raise CheckpointError(f"{str(path)!r} is not valid JSON ({exc}); the checkpoint is damaged. {FIX}") from exc
     if not isinstance(body, dict):
         bad(path, "the manifest", body, "a JSON object")
-    if body.get("format") != format or body.get("version") != VERSION:
-        bad(path, "'format'/'version'", (body.get("format"), body.get("version")), f"({format!r}, {VERSION})")
+    found = body.get("format")
+    if found != (format or found) or not isinstance(found, str) or body.get("version") != VERSION:
+        bad(path, "'format'/'version'", (found, body.get("version")), f"({format or 'a storage'!r}, {VERSION})")
     step, world = body.get("step"), body.get("world_size")
     if type(step) is not int or not 0 <= step <= MAX_STEP:
         bad(path, "'step'", step, f"an int from 0 to {MAX_STEP}")
@@ -121,7 +122,7 @@ def read_manifest(folder: Path, *, format: str, required: str) -> Manifest:
         if type(nbytes) is not int or nbytes < 0 or not (isinstance(crc, str) and re.fullmatch(r"[0-9a-f]{8}", crc)):
             bad(path, f"the entry of {name!r}", entry, '{"bytes": <int>, "crc32": "<8 hex digits>"}')
         files[name] = FileRecord(nbytes=nbytes, crc32=int(crc, 16))
-    return Manifest(format=format, step=step, world_size=world, files=files)
+    return Manifest(format=found, step=step, world_size=world, files=files)
 
 
 def bad(path: Path, entry: str, found: Any, expected: str) -> NoReturn:
@@ -175,6 +176,16 @@ def check_crcs(folder: Path, manifest: Manifest, names: Iterable[str]) -> None:
                 f"{str(folder / name)!r} does not match the CRC-32 its manifest records: its bytes were changed "
                 f"after the save (a damaged disk or copy). {FIX}"
             )
+
+
+def check_listed(path: Path) -> None:
+    """The CRC-32 of a file read on its own (``multigpu.load`` of ``step-N/model.safetensors``) against its folder's
+    manifest, where one lists it; a ``manifest.json`` that is not one (another tool's) is left alone."""
+    try:
+        manifest = read_manifest(path.parent, format=None, required=path.name)
+    except CheckpointError:
+        return
+    check_crcs(path.parent, manifest, [path.name])
 
 
 def file_record(path: Path) -> FileRecord:

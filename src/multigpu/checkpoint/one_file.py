@@ -36,7 +36,6 @@ from multigpu.checkpoint.manifest import (
     MANIFEST_FILE,
     FileRecord,
     Manifest,
-    check_crcs,
     check_sizes,
     read_manifest,
     write_manifest,
@@ -105,7 +104,7 @@ class OneFile:
         cls, folder: Path, *, allow_unsafe_pickle: bool
     ) -> tuple[Path, str, int, Structure, dict[str, str], dict[str, Any]]:
         path = folder / MODEL_FILE
-        _checked_manifest(folder, crc=False)  # sizes only: inspect reads no data
+        _checked_manifest(folder)  # sizes only: inspect reads no data
         structure, metadata = read_structure(path, allow_unsafe_pickle=allow_unsafe_pickle)
         return path, detect_format(path), path.stat().st_size, structure, metadata, {}
 
@@ -113,7 +112,7 @@ class OneFile:
     def read_weights(
         cls, folder: Path, *, allow_unsafe_pickle: bool, max_expansion: float
     ) -> tuple[Mapping[str, torch.Tensor], dict[str, str]]:
-        _checked_manifest(folder)
+        _checked_manifest(folder)  # and read_tensors the CRC-32 (manifest.check_listed)
         tensors, metadata = read_tensors(folder / MODEL_FILE, allow_unsafe_pickle=allow_unsafe_pickle)
         check_expansion(tensors, folder / MODEL_FILE, max_expansion=max_expansion)
         return tensors, metadata
@@ -157,7 +156,7 @@ class OneFile:
             try:
                 before = _identity(folder)
                 state = load_torch_file(folder / STATE_FILE, allow_unsafe_pickle=allow_unsafe_pickle)
-                self._manifest = _checked_manifest(folder)
+                self._manifest = _checked_manifest(folder)  # and read_tensors the CRC-32
                 self._tensors, self._metadata = read_tensors(
                     folder / MODEL_FILE, allow_unsafe_pickle=allow_unsafe_pickle
                 )
@@ -203,20 +202,21 @@ class OneFile:
         return compute()  # no collective: any rank may resume alone
 
 
-def _checked_manifest(folder: Path, *, crc: bool = True) -> Manifest | None:
-    """The manifest of ``folder`` with the files it lists checked (``crc=False``: sizes only); ``None`` if it has none."""
+def _checked_manifest(folder: Path) -> Manifest | None:
+    """The manifest of ``folder``, the sizes of the files it lists checked; ``None`` in a folder written before manifests.
+
+    The CRC-32 of the weights is checked as they are read (:func:`~multigpu.checkpoint.manifest.check_listed`).
+    """
     os.stat(folder / MODEL_FILE)  # absent (a dangling link too): FileNotFoundError, an incomplete folder to readers
     with reading_file(folder / MODEL_FILE):  # a pipe, a folder: named
         if not os.path.lexists(folder / MANIFEST_FILE):
             if CHECKSUM_KEY in read_header(folder / MODEL_FILE).metadata:
-                return None  # a folder written before manifests: the weights' header holds their checksum
+                return None  # the weights' header holds their checksum
             raise CheckpointError(
                 f"{str(folder / MANIFEST_FILE)!r} is missing: nothing records the checksum of {MODEL_FILE}. {FIX}"
             )
         manifest = read_manifest(folder, format=OneFile.name, required=MODEL_FILE)
         check_sizes(folder, manifest)
-        if crc:
-            check_crcs(folder, manifest, sorted(manifest.files))
     return manifest
 
 
