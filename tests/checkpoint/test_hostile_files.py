@@ -171,12 +171,14 @@ def test_a_flipped_bit_in_a_header_is_refused_even_by_inspect(
 def test_state_of_one_save_with_weights_of_another_is_refused(tmp_path: Path) -> None:
     checkpointer = ckpt.Checkpointer(folder=tmp_path)
     first = checkpointer.save(step=3, model=nn.Linear(2, 2))
-    kept = tmp_path / "kept.safetensors"
-    kept.write_bytes((first / "model.safetensors").read_bytes())
+    kept = {name: (first / name).read_bytes() for name in ("model.safetensors", "manifest.json")}
     checkpointer.save(step=3, model=nn.Linear(2, 2))  # a re-save of the same step: same step metadata
-    (first / "model.safetensors").write_bytes(kept.read_bytes())
+    (first / "model.safetensors").write_bytes(kept["model.safetensors"])  # of the same size
     model = nn.Linear(2, 2)
     before = _snapshot(model)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors' does not match the CRC-32 its manifest records"):
+        checkpointer.resume(model=model)
+    (first / "manifest.json").write_bytes(kept["manifest.json"])  # weights and manifest of the other save
     with pytest.raises(CheckpointError, match=r"model\.safetensors': its checksum is"):
         checkpointer.resume(model=model)
     _assert_untouched(model, before)

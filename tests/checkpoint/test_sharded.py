@@ -199,7 +199,7 @@ DAMAGE = {
     "flipped bit": (_flip, r"__0_0\.distcp' does not match the CRC-32 its manifest records"),
     "missing shard": (
         lambda f: (f / "__0_0.distcp").unlink(),
-        r"__0_0\.distcp', a file of the sharded checkpoint, is missing",
+        r"__0_0\.distcp', a file of the checkpoint, is missing",
     ),
     "code in the index": (
         _evil_index,
@@ -292,9 +292,7 @@ def test_an_unsharded_checkpoint_is_refused_by_a_sharded_model_with_the_fix(grou
     plain = sh.build_run(tr.build_model())
     ckpt.Checkpointer(folder=tmp_path).save(step=1, model=plain.model, optimizer=plain.optimizer)
     run = sh.build_run(sh.sharded_model())
-    with pytest.raises(
-        CheckpointError, match=r"unsharded checkpoint .* multigpu\.load\(model, .*model\.safetensors'\)"
-    ):
+    with pytest.raises(CheckpointError, match=r"unsharded checkpoint .* multigpu\.load\(model, '.*step-00000001'\)"):
         ckpt.Checkpointer(folder=tmp_path).resume(model=run.model, optimizer=run.optimizer)
 
 

@@ -80,7 +80,7 @@ def test_a_symlinked_step_folder_is_not_followed(tmp_path: Path) -> None:
     checkpointer = ckpt.Checkpointer(folder=run, keep_last=1)
     with pytest.warns(RuntimeWarning, match=r"step-00000001"):
         checkpointer.save(step=2, model=filled(2.0))
-    assert sorted(p.name for p in outside.iterdir()) == ["model.safetensors", "state.pt"]
+    assert sorted(p.name for p in outside.iterdir()) == ["manifest.json", "model.safetensors", "state.pt"]
     with pytest.warns(RuntimeWarning):
         assert checkpointer.latest() == run / "step-00000002"
 

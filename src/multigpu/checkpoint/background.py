@@ -195,7 +195,7 @@ def finish_pending_writes() -> None:
 
 # At the process's end the write must finish before threading's shutdown has gone on: concurrent.futures
 # refuses new work from the moment it starts ("cannot schedule new futures after interpreter shutdown"), and
-# the write checksums in a thread pool (formats.py), so a write still pending then failed. threading's own
+# the write checksums in thread pools (formats.py, manifest.py), so a write still pending then failed. threading's own
 # exit hooks run last-registered first, so registered after concurrent.futures' (imported above) this one
 # runs first, while pools still take work. atexit's is the fallback where threading has no such hook.
 if hasattr(threading, "_register_atexit"):

@@ -1,29 +1,26 @@
 """A DCP (torch.distributed.checkpoint) folder read without running code: its index, its files, its tensors.
 
 Before DCP reads a folder, multigpu checks it: ``.metadata`` (a pickle) unpickled with only the
-classes DCP's index is made of, then its fields; every file present with its recorded size;
-every slice inside its file; every file's CRC-32 (``manifest.json``, written and read here too). DCP then
-reads with the checked index, and non-tensor values load with ``weights_only=True``. The layout of
-a sharded step folder is in docs/checkpoints.md. A failed check is a
-:class:`~multigpu.errors.CheckpointError` naming the file and the fix.
+classes DCP's index is made of, then its fields; every file its manifest lists present with its
+recorded size and CRC-32 (:mod:`manifest`); every slice inside its file. DCP then reads with the
+checked index, and non-tensor values load with ``weights_only=True``. The layout of a sharded step
+folder is in docs/checkpoints.md. A failed check is a :class:`~multigpu.errors.CheckpointError`
+naming the file and the fix.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
 import math
 import os
 import pickle
 import re
 import warnings
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -35,17 +32,24 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from multigpu.checkpoint.atomic import FIX, MAX_STEP, MAX_WORLD_SIZE, atomic_write_file
-from multigpu.checkpoint.file_kinds import entry_is, open_regular, refuse
+from multigpu.checkpoint.atomic import FIX
+from multigpu.checkpoint.file_kinds import open_regular
 from multigpu.checkpoint.formats import check_total
+from multigpu.checkpoint.manifest import (
+    MANIFEST_FILE,
+    FileRecord,
+    Manifest,
+    bad,
+    check_crcs,
+    check_sizes,
+    file_record,
+    file_sizes,
+    read_manifest,
+)
 from multigpu.errors import CheckpointError
 
-MANIFEST_FILE = "manifest.json"
 METADATA_FILE = ".metadata"  # DCP's name for its index
 FORMAT = "dcp"
-MANIFEST_VERSION = 1
-_MAX_MANIFEST_BYTES = 16 << 20
-_CHUNK = 4 << 20
 _SHARD_NAME = re.compile(r"__([0-9]{1,8})_[0-9]{1,8}\.distcp", re.ASCII)
 DATA_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}", re.ASCII)  # a plain name inside the folder
 MAX_METADATA_BYTES = 256 << 20  # an index of millions of tensors stays far below
@@ -55,135 +59,25 @@ _NO_GROUP = "torch.distributed is disabled, unavailable or uninitialized"
 DCP_FAILURES = (Exception, CheckpointException)
 
 
-# --- manifest.json: every DCP file's size and CRC-32 --------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class FileRecord:
-    """What the manifest records of one DCP file."""
-
-    nbytes: int
-    crc32: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class Manifest:
-    """A checked ``manifest.json``."""
-
-    step: int
-    world_size: int
-    files: dict[str, FileRecord]
-
-    @property
-    def digest(self) -> str:
-        """The checksum ``state.pt`` records as its ``model_checksum``."""
-        return files_digest(self.files)
-
-
-def is_sharded_folder(folder: Path) -> bool:
-    """Whether ``folder`` holds a manifest, i.e. is (meant to be) a sharded checkpoint.
-
-    Any entry of that name counts (a pipe, a folder, a dangling link): reading it then says what is wrong.
-    """
-    return os.path.lexists(folder / MANIFEST_FILE)
-
-
-def files_digest(files: dict[str, FileRecord]) -> str:
-    """One CRC-32 over every file's name, size and CRC-32."""
-    table = json.dumps({name: [r.nbytes, r.crc32] for name, r in sorted(files.items())}, separators=(",", ":"))
-    return f"dcp:crc32:{zlib.crc32(table.encode()):08x}"
-
-
-def file_crc32(path: Path) -> FileRecord:
-    """Size and CRC-32 of the file at ``path``, read in 4 MiB pieces."""
-    crc, nbytes = 0, 0
-    with open_regular(path) as f:
-        while piece := f.read(_CHUNK):
-            crc = zlib.crc32(piece, crc)
-            nbytes += len(piece)
-    return FileRecord(nbytes=nbytes, crc32=crc)
-
-
 def own_files(folder: Path, rank: int) -> dict[str, FileRecord]:
     """The DCP files rank ``rank`` wrote into ``folder`` (``__<rank>_*.distcp``; rank 0 also ``.metadata``)."""
     names = [p.name for p in folder.iterdir() if (m := _SHARD_NAME.fullmatch(p.name)) and int(m.group(1)) == rank]
     if rank == 0 and (folder / METADATA_FILE).is_file():
         names.append(METADATA_FILE)
-    return {name: file_crc32(folder / name) for name in sorted(names)}
+    return {name: file_record(folder / name) for name in sorted(names)}
 
 
-def write_manifest(folder: Path, *, step: int, world_size: int, files: dict[str, FileRecord]) -> str:
-    """Write ``manifest.json`` atomically into ``folder``; returns its digest."""
-    body = {
-        "format": FORMAT,
-        "version": MANIFEST_VERSION,
-        "step": step,
-        "world_size": world_size,
-        "files": {name: {"bytes": r.nbytes, "crc32": f"{r.crc32:08x}"} for name, r in sorted(files.items())},
-    }
-    text = json.dumps(body, indent=1).encode()
-
-    def write(f: BinaryIO) -> None:
-        f.write(text)
-
-    atomic_write_file(folder / MANIFEST_FILE, write)
-    return files_digest(files)
-
-
-def read_manifest(folder: Path) -> Manifest:
-    """The checked manifest of the sharded checkpoint ``folder``.
-
-    Raises:
-        CheckpointError: it is missing, too large, not JSON, or a field is wrong.
-    """
-    path = folder / MANIFEST_FILE
-    try:
-        with open_regular(path) as f:
-            raw = f.read(_MAX_MANIFEST_BYTES + 1)
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {str(path)!r}: {exc.strerror or exc}. {FIX}") from exc
-    if len(raw) > _MAX_MANIFEST_BYTES:
-        bad(path, "its size", f"more than {_MAX_MANIFEST_BYTES} bytes", "a small JSON file")
-    try:
-        # UTF-8 as written (json.loads would also take UTF-16 and -32); ValueError covers a number of
-        # more digits than Python converts (4300), RecursionError a deep nesting.
-        body = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{str(path)!r} is not valid JSON ({exc}); the checkpoint is damaged. {FIX}") from exc
-    if not isinstance(body, dict):
-        bad(path, "the manifest", body, "a JSON object")
-    if body.get("format") != FORMAT or body.get("version") != MANIFEST_VERSION:
-        bad(path, "'format'/'version'", (body.get("format"), body.get("version")), f"({FORMAT!r}, {MANIFEST_VERSION})")
-    step, world = body.get("step"), body.get("world_size")
-    if type(step) is not int or not 0 <= step <= MAX_STEP:
-        bad(path, "'step'", step, f"an int from 0 to {MAX_STEP}")
-    if type(world) is not int or not 1 <= world <= MAX_WORLD_SIZE:
-        bad(path, "'world_size'", world, f"an int from 1 to {MAX_WORLD_SIZE}")
-    entries = body.get("files")
-    if not isinstance(entries, dict) or METADATA_FILE not in entries:
-        bad(path, "'files'", entries, f"an object naming every DCP file, {METADATA_FILE!r} included")
-    files = {}
-    for name, entry in entries.items():
-        if name != METADATA_FILE and not DATA_NAME.fullmatch(name):
-            bad(path, "a file name", name, "a plain name inside the folder")
-        nbytes = entry.get("bytes") if isinstance(entry, dict) else None
-        crc = entry.get("crc32") if isinstance(entry, dict) else None
-        if type(nbytes) is not int or nbytes < 0 or not (isinstance(crc, str) and re.fullmatch(r"[0-9a-f]{8}", crc)):
-            bad(path, f"the entry of {name!r}", entry, '{"bytes": <int>, "crc32": "<8 hex digits>"}')
-        files[name] = FileRecord(nbytes=nbytes, crc32=int(crc, 16))
-    return Manifest(step=step, world_size=world, files=files)
+def read_dcp_manifest(folder: Path) -> Manifest:
+    """The checked manifest of the sharded checkpoint ``folder`` (:func:`~multigpu.checkpoint.manifest.read_manifest`)."""
+    return read_manifest(folder, format=FORMAT, required=METADATA_FILE)
 
 
 def recorded_step(folder: Path) -> int | None:
     """The step the manifest of ``folder`` records, or ``None`` if it has no readable manifest."""
     try:
-        return read_manifest(folder).step
+        return read_dcp_manifest(folder).step
     except (CheckpointError, OSError):
         return None
-
-
-def bad(path: Path, entry: str, found: Any, expected: str) -> NoReturn:
-    refuse(path, entry_is(entry, found, expected) + ". The checkpoint is damaged", FIX)
 
 
 # --- .metadata: DCP's pickled index, read without running code -------------------------------
@@ -321,7 +215,7 @@ def check_files(
     world_size: int = 1,
     crc: bool = True,
 ) -> None:
-    """Every file the index names is there with its recorded size, every slice inside it; CRC-32s match.
+    """Every file the manifest lists is there with its recorded size, every slice inside its file; CRC-32s match.
 
     Each file's CRC-32 is checked by one rank (files ``i``, ``i + world_size``, ... by rank ``i``),
     so every byte is read once whatever the world size; sizes are checked by every rank. Without a
@@ -331,22 +225,10 @@ def check_files(
     Raises:
         CheckpointError: naming the first file that is missing, of the wrong size, or damaged.
     """
-    sizes: dict[str, int] = {}
-    names = sorted(manifest.files) if manifest else sorted({i.relative_path for i in metadata.storage_data.values()})
-    for name in names:
-        path = folder / name
-        try:
-            sizes[name] = os.stat(path).st_size
-        except OSError as exc:
-            raise CheckpointError(
-                f"{str(path)!r}, a file of the sharded checkpoint, is missing or unreadable ({exc.strerror or exc}). {FIX}"
-            ) from exc
-        record = manifest.files[name] if manifest else None
-        if record is not None and sizes[name] != record.nbytes:
-            raise CheckpointError(
-                f"{str(path)!r} has {sizes[name]} bytes; the manifest records {record.nbytes} (the file was "
-                f"truncated or replaced). {FIX}"
-            )
+    if manifest is not None:
+        sizes = check_sizes(folder, manifest)
+    else:
+        sizes = file_sizes(folder, sorted({i.relative_path for i in metadata.storage_data.values()}))
     for index, info in metadata.storage_data.items():
         if info.relative_path not in sizes:
             raise CheckpointError(
@@ -358,14 +240,8 @@ def check_files(
                 f"{str(folder / info.relative_path)!r} has {sizes[info.relative_path]} bytes, but {index.fqn!r} "
                 f"lies at bytes {info.offset}..{info.offset + info.length} (the file was truncated). {FIX}"
             )
-    if manifest is None or not crc:
-        return
-    for name in names[rank::world_size]:
-        if file_crc32(folder / name).crc32 != manifest.files[name].crc32:
-            raise CheckpointError(
-                f"{str(folder / name)!r} does not match the CRC-32 its manifest records: its bytes were changed "
-                f"after the save (a damaged disk or copy). {FIX}"
-            )
+    if manifest is not None and crc:
+        check_crcs(folder, manifest, sorted(manifest.files)[rank::world_size])
 
 
 # --- reading the tensors -----------------------------------------------------------------------
@@ -377,7 +253,7 @@ def checked_index(folder: Path, *, crc: bool = True) -> tuple[dcp_metadata.Metad
     ``crc=False`` checks the files' sizes only (reads no data), as :func:`check_files` does.
     """
     index = read_metadata(folder)
-    manifest = read_manifest(folder) if is_sharded_folder(folder) else None
+    manifest = read_dcp_manifest(folder) if os.path.lexists(folder / MANIFEST_FILE) else None
     check_files(folder, index, manifest, crc=crc)
     return index, manifest
 

@@ -2,8 +2,8 @@
 
 What DCP saves is ``{"model": ..., "optimizer": ...}`` from torch's ``get_state_dict`` (the bare
 model's keys; under fsdp this rank's slices, DTensors; the optimizer flattened to one entry per
-value). Save: every rank writes its files into the temporary folder, rank 0 writes the index,
-``manifest.json`` (each file's size and CRC-32, :mod:`folders`) and ``state.pt``. Resume: every
+value). Save: every rank writes its files into the temporary folder and reads them back for their CRC-32s;
+rank 0 writes the index, ``manifest.json`` (each file's size and CRC-32, :mod:`manifest`) and ``state.pt``. Resume: every
 check (state, manifest, index, files, names and shapes against the live objects) runs on every
 rank and the ranks agree before DCP reads anything, so a damaged checkpoint fails every rank
 with the same error; then each rank's slices are read into fresh tensors, and only then applied.
@@ -35,10 +35,9 @@ from torch.distributed.tensor import DTensor
 from multigpu.checkpoint.atomic import STATE_FILE, explain_os_errors, regular_files
 from multigpu.checkpoint.dcp_files import (
     DCP_FAILURES,
-    MANIFEST_FILE,
+    FORMAT,
     METADATA_FILE,
     MODEL,
-    FileRecord,
     _quiet,
     check_files,
     checked_index,
@@ -48,12 +47,12 @@ from multigpu.checkpoint.dcp_files import (
     files_bytes,
     model_entries,
     own_files,
-    read_manifest,
+    read_dcp_manifest,
     read_metadata,
     read_sharded_weights,
     recorded_step,
-    write_manifest,
 )
+from multigpu.checkpoint.manifest import MANIFEST_FILE, FileRecord, write_manifest
 from multigpu.checkpoint.ranks import agreed, thread_group
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import Refusal, TrainingState, describe_mismatch
@@ -196,8 +195,8 @@ class Sharded:
         folder: the step folder being resumed (names it in errors of the ranks' agreement).
     """
 
-    name: ClassVar[str] = "dcp"
-    files: ClassVar[tuple[str, ...]] = (MANIFEST_FILE, METADATA_FILE)
+    name: ClassVar[str] = FORMAT
+    files: ClassVar[tuple[str, ...]] = (METADATA_FILE, MANIFEST_FILE)
     collective: ClassVar[bool] = True
 
     # --- the folder ---
@@ -208,8 +207,9 @@ class Sharded:
 
     @classmethod
     def holds(cls, folder: Path) -> bool:
-        # Any entry of these names counts (a pipe, a folder, a dangling link): reading it then says what is wrong.
-        return any(os.path.lexists(folder / name) for name in cls.files)
+        # Any entry of that name counts (a pipe, a folder, a dangling link): reading it then says what is wrong.
+        # (Not the manifest's name: a one-file folder holds one too.)
+        return os.path.lexists(folder / METADATA_FILE)
 
     @classmethod
     def is_complete(cls, folder: Path) -> bool:
@@ -295,7 +295,7 @@ class Sharded:
         if failed:
             raise CheckpointError(f"{failed[0]}. The previous checkpoint is unchanged.")
         files = {name: record for per_rank in written for name, record in per_rank.items()}
-        return write_manifest(tmp, step=step, world_size=world_size, files=files)
+        return write_manifest(tmp, format=self.name, step=step, world_size=world_size, files=files)
 
     # --- resume ---
 
@@ -314,7 +314,7 @@ class Sharded:
             ) from exc
 
     def check(self, folder: Path, checked: TrainingState) -> bool:
-        manifest = read_manifest(folder)
+        manifest = read_dcp_manifest(folder)
         r = Refusal(folder / STATE_FILE)
         if manifest.step != checked.step:
             r.fail("entry 'step'", checked.step, f"{manifest.step}, the step its manifest.json records")

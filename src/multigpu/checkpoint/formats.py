@@ -17,6 +17,7 @@ import re
 import reprlib
 import sys
 import zipfile
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -29,13 +30,14 @@ import torch
 
 from multigpu.checkpoint.atomic import atomic_write_file, atomic_write_path
 from multigpu.checkpoint.file_kinds import kind_of, open_regular
+from multigpu.checkpoint.manifest import MANIFEST_FILE, PIECE, THREADS, FileRecord, check_listed, combine, file_record
 from multigpu.checkpoint.safetensors_file import (
     CHECKSUM_KEY,
     DTYPES,
-    THREADS,
     Header,
     TensorEntry,
     placeholder,
+    read_header,
     read_header_from,
     stamp,
     submit_crcs,
@@ -101,13 +103,17 @@ def read_tensors(
 ) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
     """The tensors of a weights file, by key, and its metadata (safetensors header; empty for torch).
 
+    A file a step folder's manifest lists is checked against it first (:func:`~multigpu.checkpoint.manifest.check_listed`).
+
     A torch file may hold the tensors directly or nested under one of ``state_dict``,
     ``model_state_dict``, ``model``, ``module``. Every tensor is a dense CPU tensor.
 
     Raises:
         CheckpointError: the file is damaged, of another kind, or holds something else.
     """
-    with _reading(path):
+    with reading_file(path):
+        if os.path.lexists(Path(path).parent / MANIFEST_FILE):  # a file of a step folder: its manifest checks it
+            check_listed(Path(path))
         if detect_format(path) == "safetensors":
             return _read_safetensors(path)
         obj = load_torch_file(path, allow_unsafe_pickle=allow_unsafe_pickle)
@@ -115,7 +121,8 @@ def read_tensors(
 
 
 @contextlib.contextmanager
-def _reading(path: str | os.PathLike[str]) -> Iterator[None]:
+def reading_file(path: str | os.PathLike[str]) -> Iterator[None]:
+    """An ``OSError`` reading ``path`` (a pipe, a folder, unreadable) as a :class:`CheckpointError`, except a missing file."""
     # A folder or an unreadable file is a CheckpointError; a missing file stays FileNotFoundError,
     # as Python's own readers raise (resume retries on it when another process swaps a folder).
     try:
@@ -130,7 +137,7 @@ def read_structure(
     path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False
 ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], dict[str, str]]:
     """Keys, shapes and dtypes of a weights file without reading its tensor data, and its metadata."""
-    with _reading(path):
+    with reading_file(path):
         if detect_format(path) == "safetensors":
             header = checked_safetensors_header(path)
             return [(e.key, e.shape, e.dtype) for e in header.entries], _without_aliases(header.metadata)
@@ -185,12 +192,30 @@ def write_tensors(
     """Atomically write ``tensors`` to ``path``; returns the path.
 
     safetensors refuses tensors that share memory (tied weights): each alias is written once and
-    recorded in the header, and :func:`read_tensors` restores it. torch format writes a plain
-    state dict that ``torch.load`` + ``load_state_dict`` reads without multigpu.
+    recorded in the header, and :func:`read_tensors` restores it. A safetensors file carries its own
+    checksum in its header (:mod:`safetensors_file`). torch format writes a plain state dict that
+    ``torch.load`` + ``load_state_dict`` reads without multigpu.
     """
     if format_for(path, format) == "torch":
         plain = OrderedDict((k, v.detach().cpu()) for k, v in tensors.items())
         return atomic_write_file(path, lambda f: torch.save(plain, f))
+    write_safetensors(tensors, path, metadata=metadata, stamped=True)
+    return Path(path)
+
+
+def write_safetensors(
+    tensors: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    *,
+    metadata: Mapping[str, str] | None,
+    stamped: bool,
+) -> FileRecord:
+    """Atomically write ``tensors`` as a safetensors file (see :func:`write_tensors`); returns its size and CRC-32.
+
+    The CRC-32 (a checkpoint's manifest records it) comes from the tensors in memory, taken in threads
+    while the file is written. ``stamped``: the header also carries the checksum (a file on its own);
+    a step folder's file does not (its manifest holds the checksum).
+    """
     unique, aliases = _deduplicate(tensors)
     header = {str(k): str(v) for k, v in (metadata or {}).items()}
     header["format"] = "pt"
@@ -198,17 +223,24 @@ def write_tensors(
         header[_ALIASES_KEY] = json.dumps(aliases)
     else:
         header.pop(_ALIASES_KEY, None)
-    header[CHECKSUM_KEY] = placeholder([(k, t.dtype, tuple(t.shape)) for k, t in unique.items()], header)
-    return atomic_write_path(path, lambda tmp: _save_safetensors(unique, tmp, header))
+    if stamped:
+        header[CHECKSUM_KEY] = placeholder([(k, t.dtype, tuple(t.shape)) for k, t in unique.items()], header)
+    written: list[FileRecord] = []
+    atomic_write_path(path, lambda tmp: written.append(_save_safetensors(unique, tmp, header, stamped)))
+    return written[0]
 
 
-def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, header: dict[str, str]) -> None:
+def _save_safetensors(
+    tensors: dict[str, torch.Tensor], path: Path, header: dict[str, str], stamped: bool
+) -> FileRecord:
     try:
         # The tensors' CRC-32s are computed while the writer (which releases the GIL) writes them.
         with ThreadPoolExecutor(THREADS) as pool:
             pending = {key: submit_crcs(pool, tensor) for key, tensor in tensors.items()}
             safetensors.torch.save_file(tensors, str(path), header)
-            stamp(path, tensor_crcs(pending))
+            crcs = tensor_crcs(pending)
+        if stamped:
+            stamp(path, crcs)
     except safetensors.SafetensorError as exc:
         # The Rust writer reports I/O failures (full disk, size limit) as text: recover the errno
         # so the caller can explain them like any other OSError.
@@ -217,6 +249,17 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, header: dict
             raise
         code = int(found.group(1))
         raise OSError(code, os.strerror(code), str(path)) from exc
+    if sys.byteorder != "little":
+        return file_record(path)  # the file holds the tensors' bytes swapped: read it back
+    # The file is its header, then every tensor's bytes in the order of their offsets.
+    written = read_header(path)
+    with open(path, "rb") as f:
+        start = f.read(written.data_start)
+    pieces = [(zlib.crc32(start), len(start))]
+    for entry in sorted(written.entries, key=lambda e: e.begin):
+        lengths = [min(PIECE, entry.nbytes - at) for at in range(0, max(entry.nbytes, 1), PIECE)]
+        pieces += zip(crcs[entry.key], lengths)
+    return FileRecord(nbytes=written.file_size, crc32=combine(pieces))
 
 
 def checked_safetensors_header(path: str | os.PathLike[str], f: BinaryIO | None = None) -> Header:
@@ -248,9 +291,11 @@ def _read_safetensors(path: str | os.PathLike[str]) -> tuple[OrderedDict[str, to
         header = checked_safetensors_header(path, f)
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if header.file_size else None
         pending = {}
+        stamped = CHECKSUM_KEY in header.metadata  # else nothing to check here (a step folder's manifest checks it)
         for entry in header.entries:
             tensors[entry.key] = _tensor_of(mapped, header.data_start, entry)
-            pending[entry.key] = submit_crcs(pool, tensors[entry.key])
+            if stamped:
+                pending[entry.key] = submit_crcs(pool, tensors[entry.key])
         crcs = tensor_crcs(pending)
     verify_tensors(path, crcs, header.metadata)
     for alias, source in _aliases(path, header).items():

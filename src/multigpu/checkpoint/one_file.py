@@ -1,11 +1,14 @@
-"""The one-file storage of a step folder: ``model.safetensors`` beside ``state.pt``, written by the main process.
+"""The one-file storage of a step folder: ``model.safetensors`` and ``manifest.json`` beside ``state.pt``.
 
 The weights are one safetensors file with the bare model's keys (it loads into the bare model at any
-world size with :func:`multigpu.load`); its header records the step and a checksum of header and
-tensors (:mod:`safetensors_file`), which ``state.pt`` repeats, so weights and state of different saves
-are refused. Reading takes both files as one version: another process re-saving the step swaps the
-folder (:func:`~multigpu.checkpoint.atomic.install_folder`), so reading is retried until the folder is
-the same before and after.
+world size with :func:`multigpu.load`), written by the main process; its header records the step.
+``manifest.json`` records its size and CRC-32 (:mod:`manifest`, taken from the tensors while they are
+written) and ``state.pt`` the manifest's digest, so weights and state of different saves are refused.
+Reading takes the files as one version: another process re-saving the step swaps the folder
+(:func:`~multigpu.checkpoint.atomic.install_folder`), so reading is retried until the folder is the
+same before and after. A folder written before manifests (none there) is checked as it was written:
+by the checksum in the weights' header (:mod:`safetensors_file`, checked as the file is read), which
+``state.pt`` repeats.
 """
 
 from __future__ import annotations
@@ -20,8 +23,23 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from multigpu.checkpoint.atomic import MAX_STEP, STATE_FILE, regular_files
-from multigpu.checkpoint.formats import check_expansion, detect_format, read_structure, read_tensors, write_tensors
+from multigpu.checkpoint.atomic import FIX, MAX_STEP, STATE_FILE, regular_files
+from multigpu.checkpoint.formats import (
+    check_expansion,
+    detect_format,
+    read_structure,
+    read_tensors,
+    reading_file,
+    write_safetensors,
+)
+from multigpu.checkpoint.manifest import (
+    MANIFEST_FILE,
+    FileRecord,
+    Manifest,
+    check_sizes,
+    read_manifest,
+    write_manifest,
+)
 from multigpu.checkpoint.safetensors_file import CHECKSUM_KEY, read_header
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import Refusal, TrainingState, plan_load
@@ -38,7 +56,7 @@ Structure = list[tuple[str, tuple[int, ...], Any]]
 _UNSHARDED_INTO_SHARDED = (
     "{folder!r} is an unsharded checkpoint (model.safetensors, saved without fsdp) and the model is sharded "
     "by fsdp: resuming its optimizer state into shards is not supported. Load its weights with "
-    "multigpu.load(model, '{folder}/model.safetensors') and start a fresh optimizer, or resume it without fsdp."
+    "multigpu.load(model, '{folder}') and start a fresh optimizer, or resume it without fsdp."
 )
 
 
@@ -46,7 +64,7 @@ class OneFile:
     """``model.safetensors`` beside ``state.pt``, written by the main process alone (see the module docstring)."""
 
     name: ClassVar[str] = "safetensors"
-    files: ClassVar[tuple[str, ...]] = (MODEL_FILE,)
+    files: ClassVar[tuple[str, ...]] = (MODEL_FILE,)  # and MANIFEST_FILE, but for a folder written before manifests
     collective: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module | None, optimizer: Any | None, *, folder: Path | None = None) -> None:
@@ -55,6 +73,7 @@ class OneFile:
         self._tensors: Mapping[str, torch.Tensor] = {}
         self._metadata: Mapping[str, str] = {}
         self._weights: dict[str, torch.Tensor] = {}
+        self._manifest: Manifest | None = None
 
     # --- the folder ---
 
@@ -85,6 +104,7 @@ class OneFile:
         cls, folder: Path, *, allow_unsafe_pickle: bool
     ) -> tuple[Path, str, int, Structure, dict[str, str], dict[str, Any]]:
         path = folder / MODEL_FILE
+        _checked_manifest(folder)  # sizes only: inspect reads no data
         structure, metadata = read_structure(path, allow_unsafe_pickle=allow_unsafe_pickle)
         return path, detect_format(path), path.stat().st_size, structure, metadata, {}
 
@@ -92,6 +112,7 @@ class OneFile:
     def read_weights(
         cls, folder: Path, *, allow_unsafe_pickle: bool, max_expansion: float
     ) -> tuple[Mapping[str, torch.Tensor], dict[str, str]]:
+        _checked_manifest(folder)  # and read_tensors the CRC-32 (manifest.check_listed)
         tensors, metadata = read_tensors(folder / MODEL_FILE, allow_unsafe_pickle=allow_unsafe_pickle)
         check_expansion(tensors, folder / MODEL_FILE, max_expansion=max_expansion)
         return tensors, metadata
@@ -110,13 +131,13 @@ class OneFile:
             return self._snapshot[1]
         return None if self.optimizer is None else self.optimizer.state_dict()
 
-    def write(self, tmp: Path, target: Path, step: int) -> str:
+    def write(self, tmp: Path, target: Path, step: int) -> FileRecord:
         weights = self._snapshot[0] if self._snapshot is not None else unwrap(self._model()).state_dict()
-        write_tensors(weights, tmp / MODEL_FILE, metadata={"step": str(step)})
-        return read_header(tmp / MODEL_FILE).metadata[CHECKSUM_KEY]
+        return write_safetensors(weights, tmp / MODEL_FILE, metadata={"step": str(step)}, stamped=False)
 
     def seal(self, tmp: Path, written: list[Any], step: int, world_size: int) -> str:
-        return str(written[0])  # state.pt names the weights it belongs with (see safetensors_file.py)
+        files = {MODEL_FILE: written[0]}
+        return write_manifest(tmp, format=self.name, step=step, world_size=world_size, files=files)
 
     # --- resume ---
 
@@ -135,6 +156,7 @@ class OneFile:
             try:
                 before = _identity(folder)
                 state = load_torch_file(folder / STATE_FILE, allow_unsafe_pickle=allow_unsafe_pickle)
+                self._manifest = _checked_manifest(folder)  # and read_tensors the CRC-32
                 self._tensors, self._metadata = read_tensors(
                     folder / MODEL_FILE, allow_unsafe_pickle=allow_unsafe_pickle
                 )
@@ -158,7 +180,8 @@ class OneFile:
         )
 
     def check(self, folder: Path, checked: TrainingState) -> bool:
-        stored = self._metadata.get(CHECKSUM_KEY)
+        # The manifest's digest; in a folder written before manifests, the checksum in the weights' header.
+        stored = self._metadata.get(CHECKSUM_KEY) if self._manifest is None else self._manifest.digest
         if checked.model_checksum is not None and stored != checked.model_checksum:
             Refusal(folder / MODEL_FILE).fail(
                 "its checksum", stored, f"{checked.model_checksum}, the weights saved with state.pt"
@@ -177,6 +200,24 @@ class OneFile:
 
     def agreed(self, compute: Callable[[], T]) -> T:
         return compute()  # no collective: any rank may resume alone
+
+
+def _checked_manifest(folder: Path) -> Manifest | None:
+    """The manifest of ``folder``, the sizes of the files it lists checked; ``None`` in a folder written before manifests.
+
+    The CRC-32 of the weights is checked as they are read (:func:`~multigpu.checkpoint.manifest.check_listed`).
+    """
+    os.stat(folder / MODEL_FILE)  # absent (a dangling link too): FileNotFoundError, an incomplete folder to readers
+    with reading_file(folder / MODEL_FILE):  # a pipe, a folder: named
+        if not os.path.lexists(folder / MANIFEST_FILE):
+            if CHECKSUM_KEY in read_header(folder / MODEL_FILE).metadata:
+                return None  # the weights' header holds their checksum
+            raise CheckpointError(
+                f"{str(folder / MANIFEST_FILE)!r} is missing: nothing records the checksum of {MODEL_FILE}. {FIX}"
+            )
+        manifest = read_manifest(folder, format=OneFile.name, required=MODEL_FILE)
+        check_sizes(folder, manifest)
+    return manifest
 
 
 def _identity(folder: Path) -> tuple[int, ...]:

@@ -1,14 +1,16 @@
-"""A safetensors file's header, checked before anything else reads the file, and the checksum multigpu writes in it.
+"""A safetensors file's header, checked before anything else reads the file, and the checksum of a file saved alone.
 
 The header. The safetensors library refuses most malformed files with a ``SafetensorError`` that
 names neither the file nor the fix, and accepts some (duplicate keys; a data section that is also
 a zip archive), so the header is checked here first, by the format's rules (see
 docs/checkpoints.md, "Safe loading"); nothing is read beyond it.
 
-The checksum. Files multigpu writes carry ``"multigpu.checksum": "crc32:HHHHHHHH:TTTTTTTT"`` in
-their header metadata. ``H`` covers what the header says (every tensor's name, dtype and shape, and
-the other metadata), so it is checked from the header alone (``ckpt inspect``); ``T`` covers every
-tensor's bytes (a CRC-32 of the CRC-32s of every tensor's 4 MiB pieces). Byte offsets are not
+The checksum. A file ``multigpu.save`` writes has no folder to hold a manifest, so it carries
+``"multigpu.checksum": "crc32:HHHHHHHH:TTTTTTTT"`` in its header metadata (a step folder's
+``model.safetensors`` does not: its ``manifest.json`` holds its CRC-32, :mod:`manifest`; folders
+written before manifests carry this one). ``H`` covers what the header says (every tensor's name,
+dtype and shape, and the other metadata), so it is checked from the header alone (``ckpt
+inspect``); ``T`` covers every tensor's bytes (a CRC-32 of the CRC-32s of every tensor's 4 MiB pieces). Byte offsets are not
 covered: a damaged offset breaks the header's tiling or moves other bytes under a tensor, which
 ``T`` catches. The CRC-32s come from the tensors in memory, computed in threads while the file is
 written or read (zlib releases the GIL); ``T`` is written as zeros and patched in place once known
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 
 from multigpu.checkpoint.file_kinds import MAX_HEADER_BYTES, open_regular, refuse
+from multigpu.checkpoint.manifest import PIECE
 from multigpu.errors import CheckpointError
 
 MAX_DIMS = 64
@@ -217,8 +220,6 @@ def _fail(path: str | os.PathLike[str], what: str) -> NoReturn:
 CHECKSUM_KEY = "multigpu.checksum"
 _CHECKSUM_VALUE = re.compile(r"crc32:[0-9a-f]{8}:[0-9a-f]{8}")
 _UNSET = "00000000"
-_CRC_CHUNK = 4 << 20  # tensors are checksummed in pieces of this size, in parallel
-THREADS = min(4, os.cpu_count() or 1)
 
 Described = Sequence[tuple[str, torch.dtype, tuple[int, ...]]]
 
@@ -234,7 +235,7 @@ def submit_crcs(pool: Executor, tensor: torch.Tensor) -> list[Future[int]]:
     if not flat.is_contiguous():
         flat = flat.contiguous()
     data = flat.view(torch.uint8).numpy()
-    return [pool.submit(_crc, data[start : start + _CRC_CHUNK]) for start in range(0, max(len(data), 1), _CRC_CHUNK)]
+    return [pool.submit(_crc, data[start : start + PIECE]) for start in range(0, max(len(data), 1), PIECE)]
 
 
 def tensor_crcs(pending: Mapping[str, list[Future[int]]]) -> dict[str, list[int]]:

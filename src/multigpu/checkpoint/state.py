@@ -302,7 +302,7 @@ class Checkpointer:
         locate = (lambda: Path(path)) if path is not None else self.latest
         parts = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
         first = locate()
-        # The storage that holds the folder (a sharded one whose manifest is missing too: its index names it),
+        # The storage that holds the folder (a sharded one with files missing too: its index names it),
         # else the one that would save this model; a collective one reads the folder the ranks agreed on.
         kind = (storage_of(first) if first is not None else None) or storage_for(model)
         storage = kind(model, optimizer, folder=first)
