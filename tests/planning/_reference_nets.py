@@ -145,3 +145,12 @@ def resnext_block(channels: int = 256, width: int = 128, groups: int = 32) -> nn
 def conv_macs(cin: int, cout: int, kernel: int, groups: int, out_hw: int) -> int:
     """Multiply-accumulates of one convolution per sample (analytic: each output element sums cin/groups * k * k)."""
     return cout * (cin // groups) * kernel * kernel * out_hw * out_hw
+
+
+def small_cnn() -> nn.Module:
+    """benchmarks/planner_accuracy.py's CNN: three conv-BatchNorm-ReLU blocks on 3x32x32 images, 57 k parameters."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for cin, cout, stride in ((3, 32, 1), (32, 64, 2), (64, 64, 2)):
+        layers += [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))

@@ -40,3 +40,31 @@ def test_the_calibration_puts_the_thread_count_back_and_builds_on_the_machine_co
     assert plat.sharded_copy_bandwidth == constants.fresh_copy_bandwidth
     assert w.params == 32 * 64 + 64 + 64 * 4 + 4 and w.optimizer_s is not None and w.compute_s_per_sample > 0
     assert w.counts.module_calls == 4 and w.counts.tensors == 4  # counted, as a GPU plan counts it
+
+
+def test_the_calibration_counts_one_replicas_large_allocations_at_the_replicas_batch() -> None:
+    from multigpu.devices.cpu import SHARDED_MMAP_THRESHOLD
+    from multigpu.planning.allocations import large_allocations
+    from tests.planning._reference_nets import small_cnn
+
+    model = small_cnn()
+    inputs = lambda n: torch.randn(n, 3, 32, 32)  # noqa: E731
+    w, plat = calibrate_cpu(
+        model, inputs, CpuBatches(32, 16, 2), fixed(fresh_alloc_s=2e-5, fresh_byte_s=1e-10), cores=2
+    )
+    x = inputs(16)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # a replica's share of 2 cores, as the calibration counted it
+    try:
+        step()
+        seen = large_allocations(step, threshold=SHARDED_MMAP_THRESHOLD)
+    finally:
+        torch.set_num_threads(previous)
+    assert w.large_allocations == seen.count > 10
+    assert w.large_allocation_bytes_per_sample * 16 == pytest.approx(seen.bytes, rel=0.05)
+    assert (plat.fresh_alloc_s, plat.fresh_byte_s) == (2e-5, 1e-10)  # the machine's, for fsdp's step

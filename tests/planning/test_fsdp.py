@@ -10,7 +10,7 @@ from torch import nn
 
 from multigpu.errors import ConfigError
 from multigpu.planning import hardware, workload
-from multigpu.planning.costs import collective_s, device_memory, exposed_fsdp_s, predict_step
+from multigpu.planning.costs import collective_s, device_memory, exposed_fsdp_s, fsdp_collectives, predict_step
 from multigpu.planning.counting import count_fsdp_groups
 from multigpu.planning.hardware import DEFAULT_HOST, Platform, gpu_platform
 from multigpu.planning.memory import sharded_state_bytes
@@ -158,6 +158,27 @@ def test_a_measured_gather_bandwidth_slows_fsdp_only() -> None:
     )
     ratio = exposed_fsdp_s(w, slow, 2, 1.0, 2.0)[0] / exposed_fsdp_s(w, fast, 2, 1.0, 2.0)[0]
     assert ratio == pytest.approx(4.0)
+
+
+def test_fsdps_own_large_allocations_cost_a_mapping_each_and_their_bytes_and_slow_no_other_strategy() -> None:
+    w = _w(large_allocations=40, large_allocation_bytes_per_sample=3 * MIB)
+    plain, mapping = _cpu(), replace(_cpu(), fresh_alloc_s=50e-6, fresh_byte_s=0.25e-3 / MIB)
+    step = predict_step("fsdp", w, mapping, devices=2, per_device_batch=16)
+    assert step.parts["fresh memory"] == pytest.approx(40 * 50e-6 + 16 * 3 * 0.25e-3)
+    assert step.total_s == pytest.approx(predict_step("fsdp", w, plain, devices=2, per_device_batch=16).total_s + 0.014)
+    for strategy in ("single", "dp", "ddp"):  # their processes reuse freed memory: nothing is mapped anew
+        assert predict_step(strategy, w, mapping, devices=2, per_device_batch=16).total_s == pytest.approx(
+            predict_step(strategy, w, plain, devices=2, per_device_batch=16).total_s
+        )
+
+
+def test_a_group_without_parameters_issues_no_collective() -> None:
+    with_root, without = _w(groups=(0, 500_000, 500_000)), _w(groups=(1, 500_000, 499_999))
+    assert fsdp_collectives(with_root) == {"all-gather": 4, "reduce-scatter": 2}
+    assert fsdp_collectives(without) == {"all-gather": 5, "reduce-scatter": 3}  # the root's: gathered once
+    plat = replace(_cpu(), gather_latency_s=1e-3)
+    empty_root = exposed_fsdp_s(with_root, plat, 2, 1.0, 2.0)[0]
+    assert empty_root == pytest.approx(exposed_fsdp_s(without, plat, 2, 1.0, 2.0)[0] - 2e-3, rel=1e-3)
 
 
 # -- groups ------------------------------------------------------------------------------------------

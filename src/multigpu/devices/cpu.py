@@ -126,5 +126,8 @@ _DEFAULT_CPU_REPLICAS = 2
 _replica_thread = threading.local()
 _TWO_CHUNKS = 2 * 32768  # at::internal::GRAIN_SIZE: an elementwise op of this size splits in two
 
+# Buffers of at least this many bytes are mapped anew in a sharded process (the planner counts a
+# step's allocations from here up: multigpu.planning.allocations).
+SHARDED_MMAP_THRESHOLD = 128 << 10
 # glibc tunables (glibc >= 2.35 for hugetlb; an older glibc ignores what it does not know).
-_RETURN_FREED_BUFFERS = ("glibc.malloc.mmap_threshold=131072", "glibc.malloc.hugetlb=1")
+_RETURN_FREED_BUFFERS = (f"glibc.malloc.mmap_threshold={SHARDED_MMAP_THRESHOLD}", "glibc.malloc.hugetlb=1")

@@ -4,8 +4,9 @@ In this process: the host costs, memory bandwidth and a thread handoff
 (:mod:`multigpu.planning.calibrate`). Then two pairs of gloo processes, one after the other, each
 :mod:`multigpu.planning._machine_probe_worker` with one intra-op thread per process: one pair with
 ddp's environment times the all-reduce, one with fsdp's (on a CPU, its malloc settings: every large
-buffer mapped anew) times the all-gather, the reduce-scatter, a copy into fresh memory and FSDP2's
-work per group. Each collective is timed at two sizes: the small one gives the latency per call,
+buffer mapped anew) times the all-gather, the reduce-scatter, a copy into fresh memory, a large
+allocation (a fresh buffer filled against a warm one, at two sizes: per allocation and per byte) and
+FSDP2's work per group. Each collective is timed at two sizes: the small one gives the latency per call,
 the difference the bus bandwidth (nccl-tests' definition). The slower rank's figure is kept. A few
 seconds in all; :func:`multigpu.planning.machine.save` caches the result.
 """
@@ -81,6 +82,14 @@ def _latency_and_busbw(kind: str, small_s: float, large_s: float) -> tuple[float
     return max(0.0, small_s - worker.SMALL * factor / busbw), busbw
 
 
+def _fresh_costs(figures: dict[str, float]) -> tuple[float, float]:
+    """(seconds per allocation, seconds per byte) a fresh buffer costs beyond a warm one, from the two sizes."""
+    small = max(0.0, figures["fresh_fill_small_s"] - figures["warm_fill_small_s"])
+    large = max(0.0, figures["fresh_fill_large_s"] - figures["warm_fill_large_s"])
+    per_byte = max(0.0, large - small) / (worker.FRESH_LARGE - worker.FRESH_SMALL)
+    return max(0.0, small - worker.FRESH_SMALL * per_byte), per_byte
+
+
 def probe_machine(*, timeout_s: float = 120.0) -> MachineConstants:
     """This machine's constants, measured now (a few seconds)."""
     from multigpu.devices import get_device_type
@@ -97,6 +106,7 @@ def probe_machine(*, timeout_s: float = 120.0) -> MachineConstants:
         (sharded["gather_small_s"] + sharded["scatter_small_s"]) / 2,
         (sharded["gather_large_s"] + sharded["scatter_large_s"]) / 2,
     )
+    fresh_alloc_s, fresh_byte_s = _fresh_costs(sharded)
     return MachineConstants(
         key=machine_key(),
         host=replace(host, fsdp_group_s=sharded["fsdp_group_s"]),
@@ -107,5 +117,7 @@ def probe_machine(*, timeout_s: float = 120.0) -> MachineConstants:
         gather_latency_s=gather[0],
         gather_busbw=gather[1],
         fresh_copy_bandwidth=2 * worker.LARGE / sharded["fresh_copy_s"],
+        fresh_alloc_s=fresh_alloc_s,
+        fresh_byte_s=fresh_byte_s,
         source="measured here by multigpu advise (two gloo processes of one thread each)",
     )

@@ -7,7 +7,9 @@ one intra-op thread (as each of ddp's and fsdp's processes on a 2-core CPU), and
 - ``allreduce``: ``all_reduce`` of a small and a large array (what ddp's buckets do);
 - ``sharded`` (started with fsdp's malloc settings): an all-gather and a reduce-scatter into
   fresh buffers, small and large (as FSDP2 allocates them every step), a copy into a fresh buffer,
-  and, before the group exists, FSDP2's own work per group (:func:`calibrate.fsdp_group_s`).
+  a fresh buffer filled against a warm one of the same size at two sizes above the mmap threshold
+  (what each large allocation of a step costs there: the mapping, and a page fault per page), and,
+  before the group exists, FSDP2's own work per group (:func:`calibrate.fsdp_group_s`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 SMALL, LARGE = 64 << 10, 4 << 20  # bytes of the whole array: the latency, and the bandwidth
+# bytes of a fresh buffer: both above fsdp's mmap threshold (128 KiB), spanning a step's activations
+FRESH_SMALL, FRESH_LARGE = 256 << 10, 4 << 20
 
 
 def _collectives(kind: str) -> dict[str, float]:
@@ -43,6 +47,10 @@ def _collectives(kind: str) -> dict[str, float]:
     if kind == "sharded":
         src = torch.ones(LARGE // 4)
         out["fresh_copy_s"] = quantile_s(lambda: torch.empty_like(src).copy_(src))
+        for label, nbytes in (("small", FRESH_SMALL), ("large", FRESH_LARGE)):
+            warm = torch.empty(nbytes // 4)
+            out[f"fresh_fill_{label}_s"] = quantile_s(lambda: torch.empty(nbytes // 4).fill_(1.0))  # noqa: B023
+            out[f"warm_fill_{label}_s"] = quantile_s(lambda: warm.fill_(1.0))  # noqa: B023
     return out
 
 

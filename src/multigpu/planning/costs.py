@@ -20,7 +20,10 @@ of forward / backward:
                 + chain(H_b, K_max) + gather(+grad) + reduce(G) + opt + threads
     ddp     T = h2d(b) + chain(H_f, F) + chain(H_b, K) + exposed_allreduce(G) + bucket copies + opt
     fsdp    T = h2d(b) + chain(H_f, F) + chain(H_b, K) + exposed(all-gathers, reduce-scatters)
-                + copies + opt / N
+                + copies + A t_map + b a t_page + opt / N
+
+(``A``, ``a``: a replica's allocations per step at or above fsdp's mmap threshold on a CPU, and
+their bytes per sample; ``t_map``, ``t_page``: what each costs there per allocation and per byte.)
 
 Example:
     >>> from multigpu.planning.hardware import gpu, gpu_platform, link
@@ -268,15 +271,35 @@ def _fsdp_groups(w: Workload, plat: Platform, n: int, forward: float, backward: 
     busbw = plat.gather_busbw_at(n)
     gather, reduce = memory.fsdp_gather_bytes(w), memory.fsdp_reduce_bytes(w)
     latency = plat.gather_latency_s if n > 1 else 0.0
+    # a group without parameters (a root whose every layer is in a block) issues no collective
     return [
         _Group(
             forward * u / w.params,
             backward * u / w.params,
-            collective_s("all-gather", u * gather, n, busbw) + latency,
-            collective_s("reduce-scatter", u * reduce, n, busbw) + latency,
+            collective_s("all-gather", u * gather, n, busbw) + latency if u else 0.0,
+            collective_s("reduce-scatter", u * reduce, n, busbw) + latency if u else 0.0,
         )
         for u in sizes
     ]
+
+
+def fsdp_collectives(w: Workload) -> dict[str, int]:
+    """The all-gathers and reduce-scatters one fsdp step issues per rank (what :func:`exposed_fsdp_s` times).
+
+    Each group with parameters is gathered before its forward and again before its backward (when
+    resharded after forward; the root's group never is: its backward follows at once) and its
+    gradients reduce-scattered once.
+
+    Example:
+        >>> from multigpu.planning.workload import FsdpLayout
+        >>> w = Workload(name="net", params=30, compute_s_per_sample=1e-3, fsdp=FsdpLayout(groups=(0, 10, 20)))
+        >>> fsdp_collectives(w)  # an empty root: two blocks, each gathered twice
+        {'all-gather': 4, 'reduce-scatter': 2}
+    """
+    sizes = w.fsdp.resolved(w.params)
+    groups = [u for u in sizes if u]
+    again = len(groups) - (1 if sizes[0] else 0) if w.fsdp.reshard_after_forward else 0
+    return {"all-gather": len(groups) + again, "reduce-scatter": len(groups)}
 
 
 def _gathered_by(link: float, issued: float, seconds: float) -> tuple[float, float]:
@@ -350,9 +373,17 @@ def fsdp_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
         # FSDP2 copies each gathered group out of its flat buffer into the parameters (read and
         # write) and each group's gradients into the reduce-scatter input (read p, write r).
         "copies": (2 * gather * gathered + (gather + reduce) * w.params) / copy_bandwidth if n > 1 else 0.0,
+        # the step's own large buffers (activations, their gradients, kernels' workspaces), each
+        # mapped anew under fsdp's malloc settings on a CPU: a mapping and a page fault per page
+        "fresh memory": fresh_memory_s(w, plat, b),
         "optimizer": _optimizer_s(w, plat) / n,
     }
     return StepTime(FSDP, n, tuple(chunks), sum(parts.values()), parts, allreduce_total_s=comm_total)
+
+
+def fresh_memory_s(w: Workload, plat: Platform, samples: int) -> float:
+    """Seconds one replica of ``samples`` spends mapping its step's large allocations anew (fsdp on a CPU)."""
+    return w.large_allocations * plat.fresh_alloc_s + samples * w.large_allocation_bytes_per_sample * plat.fresh_byte_s
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ constants come from :mod:`multigpu.planning.machine`, cached):
 - the whole batch in one process with every core (as ``single`` runs it: ``multigpu launch``
   gives one process all the cores): its speed-up over one replica's per-sample compute
   (:attr:`Platform.single_speedup`, more threads and a larger batch);
-- the optimizer step, with one replica's threads.
+- the optimizer step, with one replica's threads;
+- one replica's allocations of at least fsdp's mmap threshold in one step, and their bytes
+  (:func:`~multigpu.planning.allocations.large_allocations`: what fsdp's processes map anew each step).
 
 Batches too large to time in a fraction of a second are timed at a smaller batch and scaled
 linearly. Each timing is the low quantile of :mod:`multigpu.planning.timing` (9 repeats, the 25th
@@ -29,6 +31,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from multigpu.devices.cpu import SHARDED_MMAP_THRESHOLD
+from multigpu.planning.allocations import large_allocations
 from multigpu.planning.calibrate import ReplicaProbe, device_contention
 from multigpu.planning.costs import host_step_s
 from multigpu.planning.counting import LossFn, build_optimizer, default_loss, device_seconds, measure_workload
@@ -103,6 +107,14 @@ def calibrate_cpu(
         ) as probe:
             solo_s, together_s = (low_quantile(t) for t in probe.rounds(REPEATS))
         per_sample = device_seconds(solo_s, host_s) / replica_n
+        replica_x = inputs(replica_n)
+
+        def replica_step() -> None:
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(replica_x)).backward()
+
+        replica_step()  # warm: lazily built state is not the step's
+        large = large_allocations(replica_step, threshold=SHARDED_MMAP_THRESHOLD)
         opt = build_optimizer(optimizer, model)
         model.zero_grad(set_to_none=True)
         loss_fn(model(inputs(1))).backward()  # gradients for the optimizer to step on
@@ -121,7 +133,13 @@ def calibrate_cpu(
     finally:
         torch.set_num_threads(previous)
     scale = constants.value("compute_scale")
-    w = replace(counted, compute_s_per_sample=per_sample * scale, optimizer_s=optimizer_s)
+    w = replace(
+        counted,
+        compute_s_per_sample=per_sample * scale,
+        optimizer_s=optimizer_s,
+        large_allocations=large.count,
+        large_allocation_bytes_per_sample=large.bytes / replica_n,
+    )
     plat = constants.platform(
         cores=cores,
         contention=device_contention(solo_s, together_s, host_s),

@@ -375,6 +375,10 @@ class Platform:
     collective_latency_s: float = 0.0
     gather_latency_s: float = 0.0
     sharded_copy_bandwidth: float | None = None
+    # CPU, fsdp's processes (0 elsewhere): what one allocation at or above their mmap threshold costs
+    # beyond reusing memory, per allocation (the mapping) and per byte (a page fault per page).
+    fresh_alloc_s: float = 0.0
+    fresh_byte_s: float = 0.0
     # CPU: how much faster one process with every core computes the whole batch than the
     # per-sample compute (one replica's, on its share of the cores) says; 1 elsewhere.
     single_speedup: float = 1.0
@@ -388,6 +392,10 @@ class Platform:
             raise ConfigError(f"memory_bandwidth={self.memory_bandwidth} must be > 0 bytes/s")
         if self.gather_busbw is not None and self.gather_busbw <= 0:
             raise ConfigError(f"gather_busbw={self.gather_busbw} must be > 0 bytes/s (or None: the all-reduce's)")
+        if self.fresh_alloc_s < 0 or self.fresh_byte_s < 0:
+            raise ConfigError(
+                f"fresh_alloc_s={self.fresh_alloc_s}, fresh_byte_s={self.fresh_byte_s} must be >= 0 seconds (0: free)"
+            )
         if self.single_speedup <= 0:
             raise ConfigError(f"single_speedup={self.single_speedup} must be > 0 (1: no faster alone)")
         if self.devices_per_node is not None and self.network is None:

@@ -4,7 +4,8 @@
 bandwidth, the cost of handing work to a thread, and gloo's collectives as two processes of one
 thread each see them (a latency per call and a bus bandwidth: the all-reduce as ddp's processes
 run it; the all-gathers and reduce-scatters into fresh buffers as fsdp's processes run them, under
-fsdp's malloc settings, with the copy bandwidth into fresh memory there). It is measured once
+fsdp's malloc settings, with the copy bandwidth into fresh memory there and what a large allocation
+costs there per allocation and per byte). It is measured once
 (:mod:`multigpu.launcher.machine_probe` starts the two processes) and kept as JSON in
 :func:`multigpu.runtime.world.cache_dir`, one file per machine (:func:`machine_key`: host name,
 CPU model and count, torch version); ``advise --recalibrate`` measures it again.
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 
 HISTORY = 5  # solved values kept per fed-back constant (their median is used)
 FED_BACK = ("compute_scale", "thread_overhead_s", "allreduce_busbw", "fsdp_group_s")
-_VERSION = 1  # of the file's layout; another version is measured again
+_VERSION = 2  # of the file's layout; another version is measured again (2: large allocations' costs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +71,8 @@ class MachineConstants:
     gather_latency_s: float
     gather_busbw: float
     fresh_copy_bandwidth: float
+    fresh_alloc_s: float = 0.0  # fsdp's processes: a large allocation beyond reused memory, per allocation
+    fresh_byte_s: float = 0.0  # and per byte (page faults)
     feedback: dict[str, list[float]] = field(default_factory=dict)
     source: str = "measured here"
 
@@ -77,6 +80,9 @@ class MachineConstants:
         for name in ("memory_bandwidth", "allreduce_busbw", "gather_busbw", "fresh_copy_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"MachineConstants.{name}={getattr(self, name)} must be > 0 bytes/s")
+        for name in ("fresh_alloc_s", "fresh_byte_s"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"MachineConstants.{name}={getattr(self, name)} must be >= 0 seconds")
         unknown = set(self.feedback) - set(FED_BACK)
         if unknown:
             raise ConfigError(f"MachineConstants.feedback names {sorted(unknown)}; feedback is one of {FED_BACK}")
@@ -119,6 +125,8 @@ class MachineConstants:
             collective_latency_s=self.allreduce_latency_s,
             gather_latency_s=self.gather_latency_s,
             sharded_copy_bandwidth=self.fresh_copy_bandwidth,
+            fresh_alloc_s=self.fresh_alloc_s,
+            fresh_byte_s=self.fresh_byte_s,
             single_speedup=single_speedup,
         )
 

@@ -135,6 +135,10 @@ class Workload:
     input_bytes_per_sample: float = 0.0
     output_bytes_per_sample: float = 0.0  # what DataParallel gathers on the primary
     activation_bytes_per_sample: float = 0.0  # tensors saved for backward
+    # CPU: one replica's step's allocations at or above fsdp's mmap threshold (measured at the
+    # replica's batch: the count per step, the bytes per sample); 0: not counted
+    large_allocations: int = 0
+    large_allocation_bytes_per_sample: float = 0.0
     loss_on_replicas: bool = False  # True: the model returns its loss; gathered outputs get no gradient
     last_ready_params: int = 0  # parameters whose gradient is final only at the end of backward
     optimizer: str = "adam"
@@ -156,6 +160,11 @@ class Workload:
         for name, table in (("optimizer", OPTIMIZER_TRAFFIC), ("precision", PRECISION_WEIGHT_BYTES)):
             message = "{name}={value!r} is not one of {choices}; pass one of them (--{name})"
             lookup(table, getattr(self, name), message, choices=sorted(table), name=name)
+        if self.large_allocations < 0 or self.large_allocation_bytes_per_sample < 0:
+            raise ConfigError(
+                f"large_allocations={self.large_allocations}, large_allocation_bytes_per_sample="
+                f"{self.large_allocation_bytes_per_sample} must be >= 0 (a count, bytes)"
+            )
         if not 0 <= self.last_ready_params <= self.params:
             raise ConfigError(f"last_ready_params={self.last_ready_params} must be within [0, params={self.params}]")
         if self.fsdp.groups and sum(self.fsdp.groups) != self.params:
