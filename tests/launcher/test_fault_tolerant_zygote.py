@@ -51,11 +51,11 @@ def test_a_forked_worker_runs_the_script_as_a_started_one_with_its_variables_and
     zygote = Zygote(base_env())
     try:
         # still importing (seconds): a restart now does not wait for it, it starts a new interpreter
-        assert zygote.fork(base_env(), [SCRIPT, str(tmp_path / "never"), "exit=0"]) is None
+        assert zygote.start_worker(base_env(), [SCRIPT, str(tmp_path / "never"), "exit=0"]) is None
         assert zygote.ready.wait(READY_S), "the zygote did not finish its imports"
         assert zygote.refused is None
         out = tmp_path / "record.json"
-        worker = zygote.fork(
+        worker = zygote.start_worker(
             {**base_env(), "ZYGOTE_TEST_VALUE": "42", "OMP_NUM_THREADS": "2"}, [SCRIPT, str(out), "exit=3"]
         )
         assert worker is not None
@@ -73,7 +73,7 @@ def test_a_forked_worker_runs_the_script_as_a_started_one_with_its_variables_and
         zygote.end([worker])
         until(lambda: not exists(worker.pid), "reaped worker")
         # an uncaught exception in the script: exit code 1, as a started interpreter's
-        failing = zygote.fork(base_env(), [SCRIPT, str(tmp_path / "none"), "not-a-mode"])
+        failing = zygote.start_worker(base_env(), [SCRIPT, str(tmp_path / "none"), "not-a-mode"])
         assert failing is not None
         until(lambda: failing.poll() is not None, "exit report")
         assert failing.returncode == 1
@@ -89,7 +89,7 @@ def test_end_kills_the_workers_sessions_and_a_dead_zygote_leaves_no_worker_and_n
         workers, records = [], []
         for index in range(2):
             out = tmp_path / f"w{index}.json"
-            worker = zygote.fork(base_env(), [SCRIPT, str(out), "hold"])
+            worker = zygote.start_worker(base_env(), [SCRIPT, str(out), "hold"])
             assert worker is not None
             until(out.exists, "worker record")
             workers.append(worker)
@@ -106,7 +106,7 @@ def test_end_kills_the_workers_sessions_and_a_dead_zygote_leaves_no_worker_and_n
         until(lambda: second.poll() is not None, "the orphan's report")
         assert second.returncode == -signal.SIGKILL
         until(lambda: not alive([second.pid, records[1]["helper"]]), "the orphaned session's end")
-        assert zygote.fork(base_env(), [SCRIPT, str(tmp_path / "never"), "exit=0"]) is None  # the caller spawns
+        assert zygote.start_worker(base_env(), [SCRIPT, str(tmp_path / "never"), "exit=0"]) is None  # the caller spawns
     finally:
         zygote.close()
 
@@ -122,6 +122,6 @@ def test_a_zygote_with_a_thread_refuses_to_fork(tmp_path: Path) -> None:
     zygote = ready_zygote(env)
     try:
         assert zygote.refused is not None and "2 threads" in zygote.refused
-        assert zygote.fork(base_env(), [SCRIPT, str(tmp_path / "never"), "exit=0"]) is None
+        assert zygote.start_worker(base_env(), [SCRIPT, str(tmp_path / "never"), "exit=0"]) is None
     finally:
         zygote.close()

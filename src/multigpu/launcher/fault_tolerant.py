@@ -296,7 +296,7 @@ def _start(
             WorkerEnv.variable("lighthouse"): lighthouse,
             "TORCHELASTIC_RESTART_COUNT": str(group.restarts),
         }
-        forked = zygote.fork(worker, [script, *args]) if zygote is not None and group.restarts > 0 else None
+        forked = zygote.start_worker(worker, [script, *args]) if zygote is not None and group.restarts > 0 else None
         if forked is not None:
             group.processes.append(forked)
             continue

@@ -16,7 +16,7 @@ imports with BLAS's thread pool held at one thread (numpy's OpenBLAS starts its 
 child sets the size a started worker would have, through ``threadpoolctl`` where installed), starts no
 work, installs no signal handler, and checks that it is alone in its process before it serves. A
 zygote that found threads, died, or is not ready yet is passed by: the launcher starts the worker as
-a new interpreter, as before (:meth:`Zygote.fork` returns None).
+a new interpreter, as before (:meth:`Zygote.start_worker` returns None).
 
 The forked workers are the zygote's children, not the launcher's: the zygote reports each exit
 (without reaping, so the pid, the id of the worker's session, cannot be reused), and on
@@ -109,7 +109,7 @@ class Zygote:
     def alive(self) -> bool:
         return self.process.poll() is None and self._reader.is_alive()
 
-    def fork(self, env: Mapping[str, str], argv: Sequence[str]) -> ForkedWorker | None:
+    def start_worker(self, env: Mapping[str, str], argv: Sequence[str]) -> ForkedWorker | None:
         """A worker forked with ``env`` running ``python -m multigpu.launcher._entry argv...``; None when the
         zygote cannot serve (not ready yet, refused, dead): the caller starts the worker itself."""
         if not self.ready.is_set() or self.refused is not None or not self.alive:
