@@ -167,7 +167,8 @@ class LaunchConfig:
                 f"--devices {self.devices} applies to --strategy dp (thread replicas); for ddp choose GPUs with "
                 "CUDA_VISIBLE_DEVICES and the count with --nproc-per-node"
             )
-        if self.multi_node and self.master_addr is None and self.rdzv_endpoint is None:
+        # fault-tolerant groups rendezvous on their own node and meet at --lighthouse: no master address to pass
+        if self.multi_node and self.master_addr is None and self.rdzv_endpoint is None and not self.fault_tolerant:
             raise ConfigError(
                 f"nnodes={self.nnodes!r} spans several nodes: pass --master-addr (rank 0's address, "
                 "reachable from every node) or --rdzv-backend c10d --rdzv-endpoint HOST:PORT"

@@ -301,6 +301,7 @@ def _start(
             group.processes.append(forked)
             continue
         argv = [sys.executable, "-m", "multigpu.launcher._entry", script, *args]
+        worker[WorkerEnv.variable("supervisor")] = str(os.getpid())  # it dies with this process (a lost node)
         group.processes.append(subprocess.Popen(argv, env=worker, start_new_session=True))
 
 
