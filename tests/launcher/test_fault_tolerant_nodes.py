@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from multigpu.errors import ConfigError, LaunchError
-from multigpu.launcher.fault_tolerant import free_port
+from multigpu.launcher.fault_tolerant import free_port, start_lighthouse
 from multigpu.launcher.launch import LaunchConfig
 from multigpu.runtime import world
 from tests.launcher.test_fault_tolerant import PAUSE_S, WORKER, Launch, kill_inside_a_step, records
@@ -197,3 +198,21 @@ def test_losing_node_0_ends_the_other_nodes_groups_within_the_quorum_timeout(tmp
     assert "every replica group of" in launches[1].err and "no restart is left" in launches[1].err
     assert took < QUORUM_TIMEOUT_S + 30
     assert alive(node0) == []
+
+
+def test_an_elastic_node_count_or_an_int_one_is_judged_for_fault_tolerance() -> None:
+    with pytest.raises(ConfigError, match=r"nnodes='1:2'.*pass a fixed count \(e.g. --nnodes 2\) and --node-rank"):
+        LaunchConfig(strategy="ddp", fault_tolerant=True, replicas=2, nnodes="1:2", lighthouse="10.0.0.1:29600")
+    # LaunchConfig(nnodes=2), as the other options take it: the fault-tolerant checks read the text form too
+    config = LaunchConfig(strategy="ddp", fault_tolerant=True, replicas=2, nnodes=2, lighthouse="10.0.0.1:29600")  # type: ignore[arg-type]
+    assert config.nnodes == "2"
+
+
+def test_a_lighthouse_port_already_taken_on_node_0_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUST_LOG", "warn")  # what start_lighthouse sets in the launcher's process
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(LaunchError, match=rf"cannot start the lighthouse.*:{port}.*pass a port free on node 0"):
+            start_lighthouse(f"0.0.0.0:{port}", groups=2)
