@@ -29,6 +29,7 @@ from multigpu.core.run_files import open_appending
 from multigpu.core.script import run_as_main
 from multigpu.launcher import signal_witness
 from multigpu.launcher.affinity import bind_to_core_share
+from multigpu.launcher.die_with_parent import die_with
 from multigpu.runtime import failure_records, preemption, tracking, world
 
 
@@ -37,6 +38,9 @@ def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit("usage: python -m multigpu.launcher._entry script.py [args]")
     script = sys.argv[1]
+    supervisor = world.supervisor_pid()
+    if supervisor is not None:  # --fault-tolerant: dies with its launcher, before anything else starts
+        die_with(supervisor)
     env = world.read_launch_env()
     if env is not None and world.bind_cores_requested():
         bind_to_core_share(env.local_rank, env.local_world_size)

@@ -102,6 +102,8 @@ class LaunchConfig:
     lighthouse: str | None = None
 
     def __post_init__(self) -> None:
+        if _is_int(self.nnodes):  # LaunchConfig(nnodes=2): torchrun's form is text
+            self.nnodes = str(self.nnodes)
         check_fault_tolerant_options(self)
         choices = ("auto", *STRATEGIES)  # the registry now: a strategy registered later counts
         lookup(
@@ -112,8 +114,6 @@ class LaunchConfig:
         )
         if self.nproc_per_node != "auto" and (not _is_int(self.nproc_per_node) or self.nproc_per_node < 1):
             raise ConfigError(f"nproc_per_node={self.nproc_per_node!r}: pass a count >= 1 or 'auto'")
-        if _is_int(self.nnodes):  # LaunchConfig(nnodes=2): torchrun's form is text
-            self.nnodes = str(self.nnodes)
         _, most_nodes = parse_nnodes(self.nnodes)
         if not _is_int(self.node_rank) or not 0 <= self.node_rank < most_nodes:
             raise ConfigError(
@@ -167,7 +167,8 @@ class LaunchConfig:
                 f"--devices {self.devices} applies to --strategy dp (thread replicas); for ddp choose GPUs with "
                 "CUDA_VISIBLE_DEVICES and the count with --nproc-per-node"
             )
-        if self.multi_node and self.master_addr is None and self.rdzv_endpoint is None:
+        # fault-tolerant groups rendezvous on their own node and meet at --lighthouse: no master address to pass
+        if self.multi_node and self.master_addr is None and self.rdzv_endpoint is None and not self.fault_tolerant:
             raise ConfigError(
                 f"nnodes={self.nnodes!r} spans several nodes: pass --master-addr (rank 0's address, "
                 "reachable from every node) or --rdzv-backend c10d --rdzv-endpoint HOST:PORT"
@@ -283,6 +284,13 @@ def check_fault_tolerant_options(config: LaunchConfig) -> None:
         )
     if config.strategy != "ddp":
         raise ConfigError(f"--fault-tolerant runs ddp replica groups; pass --strategy ddp (got {config.strategy!r})")
+    if (
+        isinstance(config.nnodes, str) and ":" in config.nnodes
+    ):  # each node's groups are numbered from its --node-rank, which an elastic run has not
+        raise ConfigError(
+            f"--fault-tolerant with nnodes={config.nnodes!r}: an elastic node count gives the nodes no fixed rank, "
+            "so their replica groups would share numbers; pass a fixed count (e.g. --nnodes 2) and --node-rank"
+        )
     if config.multi_node and config.lighthouse is None:
         raise ConfigError(
             f"--fault-tolerant over nnodes={config.nnodes!r}: pass --lighthouse HOST:PORT to every node's launcher "

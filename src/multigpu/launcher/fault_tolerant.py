@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from multigpu.errors import LaunchError
 from multigpu.launcher.fault_tolerant_zygote import ForkedWorker, Zygote
 from multigpu.launcher.process_groups import end_sessions
 from multigpu.launcher.supervise import FORWARDED
@@ -112,7 +113,13 @@ def start_lighthouse(bind: str, *, groups: int) -> tuple[object, str]:
     from torchft.coordination import LighthouseServer  # the optional extra: multigpu[fault-tolerant]
 
     del groups  # min_replicas stays 1: the workers hold step 1 until every group joined
-    server = LighthouseServer(bind=bind, **LIGHTHOUSE)
+    try:
+        server = LighthouseServer(bind=bind, **LIGHTHOUSE)
+    except RuntimeError as exc:  # torchft's Rust side: the port is taken, or the address is not this machine's
+        raise LaunchError(
+            f"cannot start the lighthouse at --lighthouse's port ({bind}): {exc}; pass a port free on node 0 "
+            "(another launch's lighthouse may hold this one) to every node's launcher"
+        ) from None
     port = server.address().rsplit(":", 1)[1]
     host = bind.rsplit(":", 1)[0]
     host = "127.0.0.1" if host in ("0.0.0.0", "[::]", "") else host
@@ -301,6 +308,7 @@ def _start(
             group.processes.append(forked)
             continue
         argv = [sys.executable, "-m", "multigpu.launcher._entry", script, *args]
+        worker[WorkerEnv.variable("supervisor")] = str(os.getpid())  # it dies with this process (a lost node)
         group.processes.append(subprocess.Popen(argv, env=worker, start_new_session=True))
 
 

@@ -108,6 +108,17 @@ def _count(minimum: int) -> Callable[[str, str], int | None]:
     return read
 
 
+def _pid(name: str, value: str) -> int | None:
+    if not value:
+        return None
+    if not (value.isascii() and value.isdigit()) or len(value) > 10 or int(value) < 1:
+        raise LaunchError(
+            f"{shown(name, value)} is not a process id; it is set by 'multigpu launch --fault-tolerant' for the "
+            "workers it starts: unset it, or start the script that way"
+        )
+    return int(value)
+
+
 def _write_flag(value: Any) -> str | None:
     return "1" if value else None
 
@@ -129,6 +140,7 @@ _CODEC: dict[str, tuple[str, Callable[[str, str], Any], Callable[[Any], str | No
     "replica_group": (PREFIX + "REPLICA_GROUP", _count(0), _write),
     "replica_groups": (PREFIX + "REPLICA_GROUPS", _count(1), _write),
     "lighthouse": (PREFIX + "LIGHTHOUSE", _text, _write),
+    "supervisor": (PREFIX + "SUPERVISOR", _pid, _write),
 }
 
 
@@ -150,6 +162,8 @@ class WorkerEnv:
         replica_groups: under ``--fault-tolerant``, how many groups the run has (``MULTIGPU_REPLICA_GROUPS``).
         lighthouse: under ``--fault-tolerant``, the torchft lighthouse the groups meet at
             (``MULTIGPU_LIGHTHOUSE``, ``http://host:port``).
+        supervisor: under ``--fault-tolerant``, the pid of the launcher that started this worker, which dies with
+            it (``MULTIGPU_SUPERVISOR``; :mod:`multigpu.launcher.die_with_parent`).
     """
 
     strategy: str | None = None
@@ -163,6 +177,7 @@ class WorkerEnv:
     replica_group: int | None = None
     replica_groups: int | None = None
     lighthouse: str | None = None
+    supervisor: int | None = None
 
     def __post_init__(self) -> None:
         # what from_environ would refuse, or read back as something else, is refused here, by field
@@ -176,7 +191,7 @@ class WorkerEnv:
         timeout = self.collective_timeout_s
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
             raise ConfigError(f"WorkerEnv(collective_timeout_s={timeout!r}): pass seconds as a number, or None")
-        for attribute in ("replica_group", "replica_groups"):
+        for attribute in ("replica_group", "replica_groups", "supervisor"):
             value = getattr(self, attribute)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ConfigError(f"WorkerEnv({attribute}={value!r}): pass a count, or None")

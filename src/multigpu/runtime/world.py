@@ -429,5 +429,10 @@ def lighthouse_address() -> str | None:
     return worker_settings().lighthouse
 
 
+def supervisor_pid() -> int | None:
+    """The launcher this worker dies with (``MULTIGPU_SUPERVISOR``); None outside ``--fault-tolerant``."""
+    return worker_settings().supervisor
+
+
 def _url_host(addr: str) -> str:
     return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
