@@ -12,6 +12,10 @@ Each step reads ``session.should_stop``: once a SIGTERM has stopped the group, t
 Each worker appends one JSON line per ``session.step`` to ``OUT_DIR/group<g>-rank<r>.jsonl``: the group,
 the step's result, ``global_step``, the digest of the weights after the step and the weights, the loader's position, the
 first sample of the batch it trained, the pid, the parent's pid and the time. A test kills workers by pid from these lines.
+
+``OUT_DIR/fail`` holding ``G K``: group G's step at ``global_step`` K fails once after its cross-group all-reduce
+went through on every group (its Manager records an error there), as when a peer dies inside the all-reduce
+and the ring completes on one group but not on another.
 """
 
 from __future__ import annotations
@@ -36,12 +40,27 @@ def digest(model: nn.Module) -> str:
     return hasher.hexdigest()[:16]
 
 
+def fail_after_the_all_reduce(session: Session) -> None:
+    """This group's next step fails here only, once its gradients' all-reduce completed on every group."""
+    sync = session._replicas
+    assert sync is not None
+    average = sync.average_gradients
+
+    def average_then_fail(params: list[torch.Tensor]) -> None:
+        average(params)
+        sync._manager.report_error(RuntimeError("the test's failure after the all-reduce, on this group only"))
+        sync.average_gradients = average  # type: ignore[method-assign]
+
+    sync.average_gradients = average_then_fail  # type: ignore[method-assign]
+
+
 def main() -> None:
     out, total = Path(sys.argv[1]), int(sys.argv[2])
     pause = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
     started = time.time()
     if (out / "crash").exists():  # every group dead: a script that fails at its start, every time
         raise RuntimeError("this replica group's script fails at its start (the test's crash file)")
+    fail = tuple(int(v) for v in (out / "fail").read_text().split()) if (out / "fail").exists() else None
     generator = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(
         torch.randn(240, 8, generator=generator), torch.randn(240, 1, generator=generator)
@@ -59,6 +78,9 @@ def main() -> None:
                         session.backward(loss)
                         if (out / "hold").exists():
                             time.sleep(pause)
+                    if fail is not None and (session.replica_group, session.global_step) == fail:
+                        fail = None
+                        fail_after_the_all_reduce(session)
                     committed = session.step(optimizer)
                     record = {
                         "group": session.replica_group,

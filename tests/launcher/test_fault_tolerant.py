@@ -170,6 +170,31 @@ def test_groups_outlive_two_kills_in_sequence_and_the_restarted_ones_rejoin_with
     assert forked["global_step"] > 3
 
 
+def test_a_step_that_fails_on_one_group_after_its_all_reduce_went_through_is_committed_on_no_group(
+    tmp_path: Path,
+) -> None:
+    # torchft's commit vote is inside a group: without the vote across groups, group 0 would commit step 4
+    # and group 1 would not (then receive group 0's state at the next quorum: its count would skip 4)
+    (tmp_path / "fail").write_text("1 3")  # group 1's step from global_step 3 fails, on group 1 only
+    launch = Launch(
+        "--strategy", "ddp", "--fault-tolerant", "--replicas", "2", "--nproc-per-node", "1", "--max-restarts", "1",
+        WORKER, str(tmp_path), "6",
+    )  # fmt: skip
+    try:
+        assert launch.wait(150) == 0, launch.err[-3000:]
+    finally:
+        launch.stop()
+    by_group = {g: records(tmp_path, g) for g in range(2)}
+    for group in (0, 1):
+        assert len({r["pid"] for r in by_group[group]}) == 1  # no restart: the failure is the step's, not the group's
+        assert [r["global_step"] for r in by_group[group] if not r["committed"]] == [3], (group, by_group[group])
+        assert [r["global_step"] for r in by_group[group] if r["committed"]] == list(range(1, 7))
+    for step in range(1, 7):
+        (ours,) = [r["digest"] for r in by_group[0] if r["committed"] and r["global_step"] == step]
+        (theirs,) = [r["digest"] for r in by_group[1] if r["committed"] and r["global_step"] == step]
+        assert ours == theirs, step
+
+
 def test_sigterm_to_the_launcher_stops_every_group_at_its_loop_in_bounded_time_and_leaves_no_process(
     tmp_path: Path,
 ) -> None:

@@ -15,8 +15,10 @@ averages the gradients across them:
    wrapper: its comm hook's future fails ``assert fut._fut`` when a peer dies inside the step and takes
    the healthy group down with it (https://github.com/meta-pytorch/torchft/issues/304); a failed
    all-reduce is recorded by the Manager instead;
-3. ``commit`` asks the group whether every rank's step went through (torchft's ``should_commit``): a
-   step during which a peer group failed is committed nowhere.
+3. ``commit`` asks the group whether every rank's step went through (torchft's ``should_commit``, a
+   vote inside the group), then the groups of the quorum vote across (a MIN all-reduce): a step
+   during which a peer group failed is committed nowhere, also when the all-reduce completed on some
+   groups and failed on others.
 
 A restarted group heals before its first batch (``join``): the quorum names a healthy group, which
 sends what :class:`multigpu.session.fault_tolerance.LiveState` collects (weights, optimizer, step
@@ -200,9 +202,53 @@ class ReplicaSync:
                 offset += grad.numel()
 
     def commit(self) -> bool:
-        """Whether this step went through on every rank of the group and enough groups: step the optimizer only then."""
+        """Whether this step went through on every group of the quorum: step the optimizer only then.
+
+        torchft's ``should_commit`` agrees inside the group only: a peer killed inside the all-reduce can
+        leave it complete on one group and failed on another, which would then commit a step the other
+        does not. So the groups vote once more, across the quorum (:meth:`_agreed`): the step counts only
+        where every group said yes and the vote itself went through.
+        """
         self._quorum_started = False
-        return bool(self._manager.should_commit())
+        manager = self._manager
+        here = bool(manager.should_commit())
+        agreed = self._agreed(here)
+        if here and not agreed:  # torchft counted the step: take it back, as no group applies it
+            manager._step -= 1
+            manager._batches_committed -= manager.num_participants()
+            manager._commit_failures += 1  # the lighthouse then forms the next quorum anew (a fresh process group)
+        if not agreed and manager.num_participants() > 1:
+            # A peer still blocked in this step's all-reduce (waiting for data this group will not send) fails
+            # now rather than when the next quorum replaces the group: otherwise it misses that quorum.
+            manager._pg.abort()
+        return agreed
+
+    def _agreed(self, here: bool) -> bool:
+        """Whether every group of the quorum commits (a MIN of the votes); False where the vote fails.
+
+        The vote runs on the quorum's process group itself, not through the Manager's all-reduce (which
+        skips a group that has already failed, leaving the others to wait for it until the timeout). With
+        several processes per group, rank r of each group votes with rank r of the others; the group then
+        takes the MIN of its ranks' outcomes over its own process group, so all its ranks agree.
+        """
+        manager = self._manager
+        vote = torch.tensor([1.0 if here else 0.0])
+        if manager.num_participants() > 1:
+            from torch.distributed import AllreduceOptions, ReduceOp
+
+            options = AllreduceOptions()
+            options.reduceOp = ReduceOp(ReduceOp.MIN)
+            try:
+                if not manager._pg.allreduce([vote], options).wait(timedelta(seconds=self.timeout_s)):
+                    raise TimeoutError(f"the commit vote across replica groups took over {self.timeout_s:g} s")
+            except Exception as error:  # a peer died inside the vote, or the group's link failed: no commit
+                manager.report_error(error)
+                vote.zero_()
+        if self.group_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(vote, op=dist.ReduceOp.MIN)  # the group's own ranks: one answer for all of them
+        return bool(vote.item() == 1.0)
 
     @property
     def participants(self) -> int:
