@@ -50,8 +50,8 @@ def exists(pid: int) -> bool:
 def test_a_forked_worker_runs_the_script_as_a_started_one_with_its_variables_and_its_exit_code(tmp_path: Path) -> None:
     zygote = Zygote(base_env())
     try:
-        # still importing (seconds): a restart now does not wait for it, it starts a new interpreter
-        assert zygote.start_worker(base_env(), [SCRIPT, str(tmp_path / "never"), "exit=0"]) is None
+        # still importing (seconds): a restart that waits less than that starts a new interpreter
+        assert zygote.start_worker(base_env(), [SCRIPT, str(tmp_path / "never"), "exit=0"], ready_wait_s=0) is None
         assert zygote.ready.wait(READY_S), "the zygote did not finish its imports"
         assert zygote.refused is None
         out = tmp_path / "record.json"
@@ -123,5 +123,20 @@ def test_a_zygote_with_a_thread_refuses_to_fork(tmp_path: Path) -> None:
     try:
         assert zygote.refused is not None and "2 threads" in zygote.refused
         assert zygote.start_worker(base_env(), [SCRIPT, str(tmp_path / "never"), "exit=0"]) is None
+    finally:
+        zygote.close()
+
+
+def test_a_restart_asked_of_a_zygote_still_importing_waits_for_it_and_is_forked(tmp_path: Path) -> None:
+    # a group lost while the zygote imports: the zygote, started first, is ready before a new interpreter would be
+    zygote = Zygote(base_env())
+    try:
+        assert not zygote.ready.is_set()
+        out = tmp_path / "record.json"
+        worker = zygote.start_worker(base_env(), [SCRIPT, str(out), "exit=0"], ready_wait_s=READY_S)
+        assert worker is not None
+        until(lambda: worker.poll() is not None, "exit report")
+        assert worker.returncode == 0 and json.loads(out.read_text())["ppid"] == zygote.process.pid
+        zygote.end([worker])
     finally:
         zygote.close()

@@ -15,7 +15,7 @@ Fork after threads is unsafe (a lock held by another thread stays held in the ch
 imports with BLAS's thread pool held at one thread (numpy's OpenBLAS starts its pool at import; the
 child sets the size a started worker would have, through ``threadpoolctl`` where installed), starts no
 work, installs no signal handler, and checks that it is alone in its process before it serves. A
-zygote that found threads, died, or is not ready yet is passed by: the launcher starts the worker as
+zygote that found threads, died, or is still importing after :data:`READY_WAIT_S` is passed by: the launcher starts the worker as
 a new interpreter, as before (:meth:`Zygote.start_worker` returns None).
 
 The forked workers are the zygote's children, not the launcher's: the zygote reports each exit
@@ -58,6 +58,7 @@ WARM_MODULES = (
     "multigpu.session",
     "multigpu.launcher._entry",
 )
+READY_WAIT_S = 30.0  # how long a restart waits for a zygote still importing (one stuck in an import is passed by)
 FORK_TIMEOUT_S = 10.0  # how long a restart waits for the zygote to answer a fork before it starts the worker itself
 END_TIMEOUT_S = 20.0  # how long the launcher waits for the zygote to end a group's workers (its sweep is bounded)
 _POLL_S = 0.02
@@ -109,9 +110,16 @@ class Zygote:
     def alive(self) -> bool:
         return self.process.poll() is None and self._reader.is_alive()
 
-    def start_worker(self, env: Mapping[str, str], argv: Sequence[str]) -> ForkedWorker | None:
+    def start_worker(
+        self, env: Mapping[str, str], argv: Sequence[str], *, ready_wait_s: float = READY_WAIT_S
+    ) -> ForkedWorker | None:
         """A worker forked with ``env`` running ``python -m multigpu.launcher._entry argv...``; None when the
-        zygote cannot serve (not ready yet, refused, dead): the caller starts the worker itself."""
+        zygote cannot serve (refused, dead, or still importing after ``ready_wait_s``): the caller starts
+        the worker itself. A zygote still importing is waited for: it started before the restart, so it is
+        done before a new interpreter started now would be."""
+        deadline = time.monotonic() + ready_wait_s
+        while not self.ready.wait(_POLL_S) and self.alive and time.monotonic() < deadline:
+            pass
         if not self.ready.is_set() or self.refused is not None or not self.alive:
             return None
         with self._lock:
