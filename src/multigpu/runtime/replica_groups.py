@@ -37,6 +37,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed import AllreduceOptions, ReduceOp
 
 from multigpu.errors import LaunchError
 
@@ -213,6 +215,8 @@ class ReplicaSync:
         manager = self._manager
         here = bool(manager.should_commit())
         agreed = self._agreed(here)
+        # torchft's Manager has no public way to take a counted step back: its counters are set here, which
+        # is why the extra pins torchft below 0.3 (tests/launcher/test_fault_tolerant.py checks the result)
         if here and not agreed:  # torchft counted the step: take it back, as no group applies it
             manager._step -= 1
             manager._batches_committed -= manager.num_participants()
@@ -234,8 +238,6 @@ class ReplicaSync:
         manager = self._manager
         vote = torch.tensor([1.0 if here else 0.0])
         if manager.num_participants() > 1:
-            from torch.distributed import AllreduceOptions, ReduceOp
-
             options = AllreduceOptions()
             options.reduceOp = ReduceOp(ReduceOp.MIN)
             try:
@@ -245,8 +247,6 @@ class ReplicaSync:
                 manager.report_error(error)
                 vote.zero_()
         if self.group_size > 1:
-            import torch.distributed as dist
-
             dist.all_reduce(vote, op=dist.ReduceOp.MIN)  # the group's own ranks: one answer for all of them
         return bool(vote.item() == 1.0)
 
