@@ -256,6 +256,27 @@ def test_sigterm_to_one_worker_is_its_groups_loss_the_group_is_restarted_and_the
     assert not list(tmp_path.glob("stopped-group0-*.json"))
 
 
+def test_groups_of_two_processes_commit_every_step_with_the_same_weights_on_all_four_ranks(tmp_path: Path) -> None:
+    # the commit vote across groups, then inside each group (its ranks take one answer): P = 2 per group
+    launch = Launch(
+        "--strategy", "ddp", "--fault-tolerant", "--replicas", "2", "--nproc-per-node", "2",
+        WORKER, str(tmp_path), "6",
+    )  # fmt: skip
+    try:
+        assert launch.wait(180) == 0, launch.err[-3000:]
+    finally:
+        launch.stop()
+    ranks = [
+        [json.loads(line) for line in (tmp_path / f"group{g}-rank{r}.jsonl").read_text().splitlines()]
+        for g in (0, 1)
+        for r in (0, 1)
+    ]
+    for steps in ranks:
+        assert [(s["global_step"], s["committed"]) for s in steps] == [(n, True) for n in range(1, 7)]
+        assert [s["digest"] for s in steps] == [s["digest"] for s in ranks[0]]
+    assert len({s["first"] for steps in ranks for s in steps[:1]}) == 4  # four shares of the first global batch
+
+
 def test_every_group_dead_ends_the_launch_non_zero_naming_each_group(tmp_path: Path) -> None:
     (tmp_path / "crash").touch()
     started = time.monotonic()

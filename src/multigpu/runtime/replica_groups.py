@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed import AllreduceOptions, ReduceOp
 
 from multigpu.errors import LaunchError
+from multigpu.runtime.collectives import issuing
 
 BUCKET_BYTES = 1 << 20  # a bucket's all-reduce starts once backward has this many bytes of gradients ready
 QUORUM_TIMEOUT_S = 60.0  # how long a quorum may wait for the lighthouse (a group that just restarted imports torch)
@@ -247,7 +248,8 @@ class ReplicaSync:
                 manager.report_error(error)
                 vote.zero_()
         if self.group_size > 1:
-            dist.all_reduce(vote, op=dist.ReduceOp.MIN)  # the group's own ranks: one answer for all of them
+            with issuing("all_reduce", [vote]):  # the group's own ranks: one answer for all of them
+                dist.all_reduce(vote, op=dist.ReduceOp.MIN)
         return bool(vote.item() == 1.0)
 
     @property
