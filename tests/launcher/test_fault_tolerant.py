@@ -60,6 +60,16 @@ class Launch:
             kill_tree(self.proc)
 
 
+def run_to_end(*args: str, timeout_s: float) -> Launch:
+    """A fault-tolerant ddp launch with ``args``, run to its end (past ``timeout_s``: killed, and the test fails)."""
+    launch = Launch("--strategy", "ddp", "--fault-tolerant", *args)
+    try:
+        launch.wait(timeout_s)
+    finally:
+        launch.stop()
+    return launch
+
+
 def records(out: Path, group: int) -> list[dict]:
     path = out / f"group{group}-rank0.jsonl"
     if not path.exists():
@@ -176,14 +186,10 @@ def test_a_step_that_fails_on_one_group_after_its_all_reduce_went_through_is_com
     # torchft's commit vote is inside a group: without the vote across groups, group 0 would commit step 4
     # and group 1 would not (then receive group 0's state at the next quorum: its count would skip 4)
     (tmp_path / "fail").write_text("1 3")  # group 1's step from global_step 3 fails, on group 1 only
-    launch = Launch(
-        "--strategy", "ddp", "--fault-tolerant", "--replicas", "2", "--nproc-per-node", "1", "--max-restarts", "1",
-        WORKER, str(tmp_path), "6",
-    )  # fmt: skip
-    try:
-        assert launch.wait(150) == 0, launch.err[-3000:]
-    finally:
-        launch.stop()
+    launch = run_to_end(
+        "--replicas", "2", "--nproc-per-node", "1", "--max-restarts", "1", WORKER, str(tmp_path), "6", timeout_s=150
+    )
+    assert launch.proc.returncode == 0, launch.err[-3000:]
     by_group = {g: records(tmp_path, g) for g in range(2)}
     for group in (0, 1):
         assert len({r["pid"] for r in by_group[group]}) == 1  # no restart: the failure is the step's, not the group's
@@ -258,14 +264,8 @@ def test_sigterm_to_one_worker_is_its_groups_loss_the_group_is_restarted_and_the
 
 def test_groups_of_two_processes_commit_every_step_with_the_same_weights_on_all_four_ranks(tmp_path: Path) -> None:
     # the commit vote across groups, then inside each group (its ranks take one answer): P = 2 per group
-    launch = Launch(
-        "--strategy", "ddp", "--fault-tolerant", "--replicas", "2", "--nproc-per-node", "2",
-        WORKER, str(tmp_path), "6",
-    )  # fmt: skip
-    try:
-        assert launch.wait(180) == 0, launch.err[-3000:]
-    finally:
-        launch.stop()
+    launch = run_to_end("--replicas", "2", "--nproc-per-node", "2", WORKER, str(tmp_path), "6", timeout_s=180)
+    assert launch.proc.returncode == 0, launch.err[-3000:]
     ranks = [
         [json.loads(line) for line in (tmp_path / f"group{g}-rank{r}.jsonl").read_text().splitlines()]
         for g in (0, 1)
@@ -280,15 +280,10 @@ def test_groups_of_two_processes_commit_every_step_with_the_same_weights_on_all_
 def test_every_group_dead_ends_the_launch_non_zero_naming_each_group(tmp_path: Path) -> None:
     (tmp_path / "crash").touch()
     started = time.monotonic()
-    launch = Launch(
-        "--strategy", "ddp", "--fault-tolerant", "--replicas", "2", "--nproc-per-node", "1", "--max-restarts", "1",
-        WORKER, str(tmp_path), "5",
-    )  # fmt: skip
-    try:
-        code = launch.wait(120)
-    finally:
-        launch.stop()
-    assert code == 1, launch.err[-3000:]
+    launch = run_to_end(
+        "--replicas", "2", "--nproc-per-node", "1", "--max-restarts", "1", WORKER, str(tmp_path), "5", timeout_s=120
+    )
+    assert launch.proc.returncode == 1, launch.err[-3000:]
     assert "every replica group" in launch.err
     for group in (0, 1):
         assert f"replica group {group}: rank 0 exited with code 1 (restarts used: 1 of 1)" in launch.err
