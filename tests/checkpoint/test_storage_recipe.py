@@ -28,10 +28,10 @@ from multigpu.checkpoint import storages
 from multigpu.checkpoint.atomic import STATE_FILE, regular_files
 from multigpu.checkpoint.background import Staging
 from multigpu.checkpoint.torch_file import load_torch_file
-from multigpu.checkpoint.validate import Refusal, TrainingState, plan_load
+from multigpu.checkpoint.validate import Refusal, TrainingState
 from multigpu.checkpoint.weights import summarize
 from multigpu.cli.main import main
-from multigpu.core.keys import unwrap
+from multigpu.core.keys import plan_load, unwrap
 from multigpu.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[2]

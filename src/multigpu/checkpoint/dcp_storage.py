@@ -55,8 +55,8 @@ from multigpu.checkpoint.dcp_files import (
 from multigpu.checkpoint.manifest import MANIFEST_FILE, FileRecord, write_manifest
 from multigpu.checkpoint.ranks import agreed, thread_group
 from multigpu.checkpoint.torch_file import load_torch_file
-from multigpu.checkpoint.validate import Refusal, TrainingState, describe_mismatch
-from multigpu.core.keys import unwrap
+from multigpu.checkpoint.validate import Refusal, TrainingState
+from multigpu.core.keys import describe_mismatch, unwrap
 from multigpu.devices import get_device_type
 from multigpu.errors import CheckpointError, MultigpuError
 from multigpu.runtime.collective_failures import explain_collective_failures

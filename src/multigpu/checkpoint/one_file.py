@@ -42,8 +42,8 @@ from multigpu.checkpoint.manifest import (
 )
 from multigpu.checkpoint.safetensors_file import CHECKSUM_KEY, read_header
 from multigpu.checkpoint.torch_file import load_torch_file
-from multigpu.checkpoint.validate import Refusal, TrainingState, plan_load
-from multigpu.core.keys import unwrap
+from multigpu.checkpoint.validate import Refusal, TrainingState
+from multigpu.core.keys import plan_load, unwrap
 from multigpu.errors import CheckpointError
 
 if TYPE_CHECKING:

@@ -47,8 +47,8 @@ from multigpu.checkpoint.formats import (
 from multigpu.checkpoint.ranks import run_on_main
 from multigpu.checkpoint.storages import STORAGES, Structure, find_latest, reading, storage_of
 from multigpu.checkpoint.torch_file import load_torch_file
-from multigpu.checkpoint.validate import check_training_state, plan_load
-from multigpu.core.keys import clean_state_dict, find_prefixes, unwrap
+from multigpu.checkpoint.validate import check_training_state
+from multigpu.core.keys import clean_state_dict, find_prefixes, plan_load, unwrap
 from multigpu.errors import CheckpointError
 
 _SHORT = reprlib.Repr()

@@ -15,21 +15,24 @@ prefix is only ever removed where a wrapper put it:
 * without a model, :func:`clean_state_dict` removes only a prefix chain that *every* key
   carries (which is what a wrapper does), so no two keys can become one;
 * when loading, :func:`match_keys` maps the file's keys onto the model's own keys and refuses
-  files in which several keys would land on one name.
+  files in which several keys would land on one name; :func:`plan_load` checks the tensors against
+  the model (every key and shape, or what loads with ``strict=False``) and names the likely cause of
+  a mismatch (:func:`describe_mismatch`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from multigpu.errors import CheckpointError
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-_SHOWN = 6  # colliding keys listed in a message
+_SHOWN = 6  # keys listed in a message: colliding ones, or each kind of mismatch
 
 
 def strip_prefixes(key: str) -> str:
@@ -262,3 +265,114 @@ def add_module_prefix(wrapper: nn.Module, state_dict: dict[str, Any], prefix: st
     for key, value in values.items():
         local = key[len(prefix) :]
         state_dict[prefix + "module." + mapping.get(local, local)] = value
+
+
+# --- a state dict against a model: what loads, and what differs ---
+
+
+def plan_load(
+    model: nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    strict: bool = True,
+    strip: Sequence[str] = (),
+    source: str = "the state dict",
+) -> dict[str, torch.Tensor]:
+    """The tensors to load into the bare model, by its keys; checks everything, changes nothing.
+
+    Raises:
+        CheckpointError: keys collide, or (``strict``) keys or shapes differ.
+    """
+    bare = unwrap(model)
+    found = _strip_extra(tensors, strip, source)
+    expected = bare.state_dict()
+    mapping = match_keys(found, expected, source=source)
+    renamed = OrderedDict((mapping.get(k, k), v) for k, v in found.items())
+    problem = describe_mismatch(expected, renamed)
+    if problem and strict:
+        raise CheckpointError(f"{source} does not match {type(bare).__name__}: {problem}")
+    for key, value in renamed.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{source}: {key!r} is a {type(value).__name__}, not a tensor.")
+    return {k: v for k, v in renamed.items() if k in expected and v.shape == expected[k].shape}
+
+
+def describe_mismatch(expected: Mapping[str, torch.Tensor], found: Mapping[str, torch.Tensor]) -> str:
+    """Missing, unexpected and shape-different keys with the likely cause; ``""`` when they match."""
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    shapes = [
+        f"{k}: file {tuple(found[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in expected
+        if k in found and found[k].shape != expected[k].shape
+    ]
+    if not (missing or unexpected or shapes):
+        return ""
+    parts = [
+        _listing("missing", missing),
+        _listing("unexpected", unexpected),
+        _listing("shape differs", shapes),
+    ]
+    listing = "; ".join(p for p in parts if p)
+    return f"{listing}. Likely cause: {_likely_cause(list(expected), list(found), missing, unexpected, shapes)}"
+
+
+def _listing(label: str, items: list[str]) -> str:
+    if not items:
+        return ""
+    more = f" (+{len(items) - _SHOWN} more)" if len(items) > _SHOWN else ""
+    return f"{len(items)} {label}: {', '.join(items[:_SHOWN])}{more}"
+
+
+def _likely_cause(
+    expected: list[str], found: list[str], missing: list[str], unexpected: list[str], shapes: list[str]
+) -> str:
+    prefix = _common_extra_prefix(found, expected)
+    if prefix:
+        return (
+            f"the file's keys carry the prefix {prefix!r} the model does not have; load with "
+            f"strip=({prefix!r},) or convert the file (multigpu ckpt convert --strip-prefix {prefix})."
+        )
+    prefix = _common_extra_prefix(expected, found)
+    if prefix:
+        return (
+            f"the model's keys carry the prefix {prefix!r}: the file holds only a part of it; load "
+            f"into that submodule ({prefix.rstrip('.')})."
+        )
+    if shapes and not missing and not unexpected:
+        return "the same architecture with different sizes (e.g. another number of classes or width)."
+    common = len(set(expected) & set(found))
+    if common < max(1, len(expected) // 2):
+        return f"a different model: only {common} of the model's {len(expected)} keys are in the file."
+    return "a different version of the model (layers added, removed or renamed); strict=False loads the rest."
+
+
+def _common_extra_prefix(longer: list[str], shorter: list[str]) -> str:
+    # The first dotted component shared by every key of ``longer`` whose removal yields ``shorter``.
+    if not longer or not shorter:
+        return ""
+    heads = {k.split(".", 1)[0] for k in longer}
+    if len(heads) != 1 or "." not in longer[0]:
+        return ""
+    prefix = heads.pop() + "."
+    stripped = {k[len(prefix) :] for k in longer}
+    return prefix if len(stripped & set(shorter)) >= max(1, len(shorter) // 2) else ""
+
+
+def _strip_extra(
+    tensors: Mapping[str, torch.Tensor], strip: Sequence[str], source: str
+) -> OrderedDict[str, torch.Tensor]:
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    origins: dict[str, list[str]] = {}
+    for original, value in tensors.items():
+        key = original
+        for prefix in strip:
+            if key.startswith(prefix):
+                key = key[len(prefix) :]
+                break
+        origins.setdefault(key, []).append(original)
+        out[key] = value
+    collisions = {name: keys for name, keys in origins.items() if len(keys) > 1}
+    if collisions:
+        raise CheckpointError(collision_message(source, collisions))
+    return out
