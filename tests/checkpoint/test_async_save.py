@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor
 
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.atomic import is_temporary
-from multigpu.checkpoint.background import Staging
 from multigpu.checkpoint.dcp_storage import Sharded, live_state
+from multigpu.checkpoint.ranks import Staging
 from multigpu.errors import CheckpointError, ConfigError
 from tests.checkpoint import _sharded as sh
 from tests.launching import launch_workers, multigpu_launch, start_python

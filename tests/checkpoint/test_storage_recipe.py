@@ -26,7 +26,7 @@ import multigpu
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint import storages
 from multigpu.checkpoint.atomic import STATE_FILE, regular_files
-from multigpu.checkpoint.background import Staging
+from multigpu.checkpoint.ranks import Staging
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import Refusal, TrainingState
 from multigpu.checkpoint.weights import summarize

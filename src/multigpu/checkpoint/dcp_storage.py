@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ from multigpu.checkpoint.dcp_files import (
     recorded_step,
 )
 from multigpu.checkpoint.manifest import MANIFEST_FILE, FileRecord, write_manifest
-from multigpu.checkpoint.ranks import agreed, thread_group
+from multigpu.checkpoint.ranks import Staging, agreed, thread_group
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import Refusal, TrainingState
 from multigpu.core.keys import describe_mismatch, unwrap
@@ -61,9 +61,6 @@ from multigpu.devices import get_device_type
 from multigpu.errors import CheckpointError, MultigpuError
 from multigpu.runtime.collective_failures import explain_collective_failures
 from multigpu.runtime.world import global_rank, world_size
-
-if TYPE_CHECKING:
-    from multigpu.checkpoint.background import Staging
 
 T = TypeVar("T")
 OPTIMIZER = "optimizer"

@@ -17,7 +17,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -40,14 +40,12 @@ from multigpu.checkpoint.manifest import (
     read_manifest,
     write_manifest,
 )
+from multigpu.checkpoint.ranks import Staging
 from multigpu.checkpoint.safetensors_file import CHECKSUM_KEY, read_header
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import Refusal, TrainingState
 from multigpu.core.keys import plan_load, unwrap
 from multigpu.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from multigpu.checkpoint.background import Staging
 
 T = TypeVar("T")
 MODEL_FILE = "model.safetensors"

@@ -30,9 +30,16 @@ from typing import Any, NoReturn, Protocol
 from torch import nn
 
 from multigpu.checkpoint.atomic import MAX_STEP, STATE_FILE, folder_name, remove_tree
-from multigpu.checkpoint.background import BackgroundWrite, Staging, side_group
 from multigpu.checkpoint.protocol import resume_step, save_step
-from multigpu.checkpoint.ranks import agreed, capture_rng, gather_on_main, run_on_main
+from multigpu.checkpoint.ranks import (
+    BackgroundWrite,
+    Staging,
+    agreed,
+    capture_rng,
+    gather_on_main,
+    run_on_main,
+    side_group,
+)
 from multigpu.checkpoint.storages import (
     Writes,
     complete_checkpoints,
@@ -94,7 +101,7 @@ class Checkpointer:
     lock_timeout_s: float = 300.0
     async_save: bool = False
     _writer: BackgroundWrite | None = field(default=None, init=False, repr=False, compare=False)
-    # Host buffers the next save reuses (background.Staging): one for the storage's part, one for state.pt's.
+    # Host buffers the next save reuses (ranks.Staging): one for the storage's part, one for state.pt's.
     _staging: tuple[Staging, Staging] | None = field(default=None, init=False, repr=False, compare=False)
     # Who writes the last asynchronous save that wait() has not collected: "main" (rank 0 alone), "every"
     # rank (a collective storage: fsdp's), None. The same on every rank: saves and waits are collective.

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -30,11 +30,9 @@ from torch import nn
 from multigpu.checkpoint.atomic import PREFIX, STATE_FILE, folder_name, parse_aside, parse_step, remove_tree
 from multigpu.checkpoint.dcp_storage import Sharded
 from multigpu.checkpoint.one_file import OneFile
+from multigpu.checkpoint.ranks import Staging
 from multigpu.checkpoint.validate import TrainingState
 from multigpu.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from multigpu.checkpoint.background import Staging
 
 T = TypeVar("T")
 
@@ -102,7 +100,7 @@ class Storage(Writes, Protocol):
         """This storage's writer over a copy in memory of what :meth:`write` would write, made now (``async_save``)
         through ``staging``, which the Checkpointer keeps so that the next save reuses its buffers. By the main
         process, or by every rank if collective (each then writes on its own thread, its collectives on a group
-        of their own: :mod:`background`)."""
+        of their own: :mod:`ranks`)."""
 
     def read(self, locate: Callable[[], Path | None], *, allow_unsafe_pickle: bool) -> tuple[Path, Any] | None:
         """The folder ``locate()`` names and its unpickled ``state.pt``, the storage read as one version."""

@@ -82,7 +82,7 @@ def _child(
                 raise
             result = None
         # The caller stops a rank once its record is in: a checkpoint written in the background goes first
-        from multigpu.checkpoint.background import finish_pending_writes  # here: the launcher stays torch-free
+        from multigpu.checkpoint.ranks import finish_pending_writes  # here: the launcher stays torch-free
 
         finish_pending_writes()
         record = _result_record(result) if rank == 0 else ("ok", "NoneType", pickle.dumps(None))

@@ -233,9 +233,9 @@ class ProcessPerDeviceStrategy(Strategy, ABC):
     def teardown(self) -> None:
         if not self._owns_group:  # a group the script (or an outer session) created stays theirs,
             return  # and so do the models wrapped on it: they may still train
-        background = sys.modules.get("multigpu.checkpoint.background")  # not imported: nothing written in it
-        if background is not None:  # a checkpoint written in the background (fsdp: by every rank) needs the group
-            background.finish_pending_writes()
+        ranks = sys.modules.get("multigpu.checkpoint.ranks")  # not imported: nothing written in it
+        if ranks is not None:  # a checkpoint written in the background (fsdp: by every rank) needs the group
+            ranks.finish_pending_writes()
         self.release_models()
         world.teardown_process_group()
         self._owns_group = False
