@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.atomic import is_temporary
-from multigpu.checkpoint.dcp_storage import Sharded, live_state
+from multigpu.checkpoint.dcp import Sharded, live_state
 from multigpu.checkpoint.ranks import Staging
 from multigpu.errors import CheckpointError, ConfigError
 from tests.checkpoint import _sharded as sh

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import multigpu
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.atomic import is_temporary
-from multigpu.checkpoint.dcp_files import MANIFEST_FILE, METADATA_FILE
+from multigpu.checkpoint.dcp import MANIFEST_FILE, METADATA_FILE
 from multigpu.checkpoint.formats import read_tensors
 from multigpu.cli.main import main
 from multigpu.errors import CheckpointError

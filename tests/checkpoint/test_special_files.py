@@ -17,7 +17,7 @@ from torch import nn
 
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.atomic import STATE_FILE
-from multigpu.checkpoint.dcp_files import MANIFEST_FILE, METADATA_FILE
+from multigpu.checkpoint.dcp import MANIFEST_FILE, METADATA_FILE
 from multigpu.cli.main import main
 from multigpu.errors import CheckpointError
 from tests.checkpoint import _sharded as sh

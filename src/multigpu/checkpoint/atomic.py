@@ -88,6 +88,11 @@ def regular_files(folder: Path, names: tuple[str, ...]) -> bool:
         return False
 
 
+def files_bytes(folder: Path) -> int:
+    """The bytes of the regular files directly in ``folder``."""
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and not p.is_symlink())
+
+
 def temporary_name(final: Path) -> Path:
     """A unique hidden sibling of ``final`` that checkpoint discovery ignores (host and pid in its name)."""
     return _sibling(final, TEMP_MARKER)

@@ -71,7 +71,7 @@ def kind_of(f: BinaryIO, path: str | os.PathLike[str]) -> Kind:
     head = f.read(_HEAD)
     if _is_safetensors(f, head, size):
         return "safetensors"  # (a polyglot, also a zip, is refused by the safetensors reader)
-    if head[:4] == ZIP_LOCAL_SIGNATURE or _has_zip_directory(f):
+    if head[:4] == ZIP_LOCAL_SIGNATURE or is_zip(f):
         return "torch zip"
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05") and _TORCH_MAGIC in head:
         return "legacy torch"
@@ -94,7 +94,8 @@ def _is_safetensors(f: BinaryIO, head: bytes, size: int) -> bool:
     return f.read(back).rstrip(_JSON_SPACE).endswith(b"}")
 
 
-def _has_zip_directory(f: BinaryIO) -> bool:
+def is_zip(f: BinaryIO) -> bool:
+    """Whether ``f`` has a zip directory (at its end: a zip with data prepended counts)."""
     try:
         return zipfile.is_zipfile(f)
     except OSError:

@@ -16,7 +16,6 @@ import os
 import re
 import reprlib
 import sys
-import zipfile
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -29,7 +28,7 @@ import safetensors.torch
 import torch
 
 from multigpu.checkpoint.atomic import atomic_write_file, atomic_write_path
-from multigpu.checkpoint.file_kinds import kind_of, open_regular
+from multigpu.checkpoint.file_kinds import is_zip, kind_of, open_regular
 from multigpu.checkpoint.manifest import MANIFEST_FILE, PIECE, THREADS, FileRecord, check_listed, combine, file_record
 from multigpu.checkpoint.safetensors_file import (
     CHECKSUM_KEY,
@@ -50,6 +49,7 @@ from multigpu.core.lookup import lookup
 from multigpu.errors import CheckpointError, ConfigError
 
 Format = Literal["safetensors", "torch"]
+Structure = list[tuple[str, tuple[int, ...], torch.dtype]]  # (key, shape, dtype) of each tensor
 FORMATS: tuple[Format, ...] = ("safetensors", "torch")
 
 _TORCH_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar"}
@@ -135,7 +135,7 @@ def reading_file(path: str | os.PathLike[str]) -> Iterator[None]:
 
 def read_structure(
     path: str | os.PathLike[str], *, allow_unsafe_pickle: bool = False
-) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], dict[str, str]]:
+) -> tuple[Structure, dict[str, str]]:
     """Keys, shapes and dtypes of a weights file without reading its tensor data, and its metadata."""
     with reading_file(path):
         if detect_format(path) == "safetensors":
@@ -272,7 +272,7 @@ def checked_safetensors_header(path: str | os.PathLike[str], f: BinaryIO | None 
             return checked_safetensors_header(path, opened)
     header = read_header_from(f, path)
     verify_header(path, [(e.key, e.dtype, e.shape) for e in header.entries], header.metadata)
-    if _is_zip_archive(f):
+    if is_zip(f):
         raise CheckpointError(
             f"{str(path)!r} is both a safetensors file and a zip archive (a polyglot); tools would "
             "disagree on what it holds, so it is refused. Re-create it from its source."
@@ -336,13 +336,6 @@ def _aliases(path: str | os.PathLike[str], header: Header) -> dict[str, str]:
 
 def _without_aliases(metadata: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in metadata.items() if k != _ALIASES_KEY}
-
-
-def _is_zip_archive(f: BinaryIO) -> bool:
-    try:
-        return zipfile.is_zipfile(f)
-    except OSError:
-        return False
 
 
 def _deduplicate(

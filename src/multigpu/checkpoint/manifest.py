@@ -1,7 +1,7 @@
 """``manifest.json``: the one checksum scheme of a step folder, each file of its storage with its size and CRC-32.
 
 Both storages write one into the temporary folder before it is sealed (:mod:`one_file`: ``model.safetensors``;
-:mod:`dcp_storage`: DCP's shards and index), atomically, and ``state.pt`` records its digest
+:mod:`dcp`: DCP's shards and index), atomically, and ``state.pt`` records its digest
 (:attr:`Manifest.digest`), so weights and state of different saves are refused. Resume, ``multigpu.load``
 of a step folder and ``ckpt convert`` check every listed file's size and CRC-32 before reading it;
 ``ckpt inspect`` checks the sizes (it reads headers only).

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from multigpu.checkpoint.atomic import FIX, MAX_STEP, STATE_FILE, regular_files
 from multigpu.checkpoint.formats import (
+    Structure,
     check_expansion,
     detect_format,
     read_structure,
@@ -50,7 +51,6 @@ from multigpu.errors import CheckpointError
 T = TypeVar("T")
 MODEL_FILE = "model.safetensors"
 _ATTEMPTS = 3
-Structure = list[tuple[str, tuple[int, ...], Any]]
 _UNSHARDED_INTO_SHARDED = (
     "{folder!r} is an unsharded checkpoint (model.safetensors, saved without fsdp) and the model is sharded "
     "by fsdp: resuming its optimizer state into shards is not supported. Load its weights with "

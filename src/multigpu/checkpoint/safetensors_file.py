@@ -20,6 +20,7 @@ written or read (zlib releases the GIL); ``T`` is written as zeros and patched i
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -176,10 +177,7 @@ def _entry(path: str | os.PathLike[str], key: str, value: Any) -> TensorEntry:
         _fail(path, f"{where} has data_offsets {_short(offsets)}; expected [begin, end], ints >= 0")
     begin, end = offsets
     torch_dtype = DTYPES[dtype]
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    expected = numel * torch_dtype.itemsize
+    expected = math.prod(shape) * torch_dtype.itemsize
     if end - begin != expected:
         _fail(path, f"{where} spans bytes {begin}-{end} ({end - begin} bytes) but {dtype} {shape} needs {expected}")
     return TensorEntry(key=key, dtype=torch_dtype, shape=tuple(shape), begin=begin, end=end)
@@ -304,10 +302,10 @@ def _stored(path: str | os.PathLike[str], metadata: Mapping[str, str]) -> tuple[
     if stored is None:
         _refuse_a_damaged_entry(path, metadata)
         return None
-    parts = stored.split(":")
-    if len(parts) != 3 or parts[0] != "crc32" or not all(len(p) == 8 and _is_hex(p) for p in parts[1:]):
+    if not _CHECKSUM_VALUE.fullmatch(stored):
         refuse(path, f" has a malformed {CHECKSUM_KEY!r} entry ({stored[:60]!r})")
-    return parts[1], parts[2]
+    _, header, tensors = stored.split(":")
+    return header, tensors
 
 
 def _refuse_a_damaged_entry(path: str | os.PathLike[str], metadata: Mapping[str, str]) -> None:
@@ -317,7 +315,3 @@ def _refuse_a_damaged_entry(path: str | os.PathLike[str], metadata: Mapping[str,
         near = len(key) == len(CHECKSUM_KEY) and sum(a != b for a, b in zip(key, CHECKSUM_KEY)) <= 3
         if near or _CHECKSUM_VALUE.fullmatch(value):
             refuse(path, f" is damaged: its metadata entry {key[:40]!r} looks like a damaged {CHECKSUM_KEY!r}")
-
-
-def _is_hex(text: str) -> bool:
-    return all(c in "0123456789abcdef" for c in text)

@@ -196,7 +196,7 @@ class Checkpointer:
         Every rank must call it: the random states of all ranks are gathered, rank 0 writes,
         the others return when the checkpoint is complete. Under fsdp (a model whose parameters
         are DTensors) every rank also writes its own shards, and rank 0 puts the folder in place
-        once all have (see :mod:`dcp_storage`). With ``async_save=True`` it first waits for the
+        once all have (see :mod:`dcp`). With ``async_save=True`` it first waits for the
         previous save's write (raising its failure on every rank), and returns once the state is
         copied into memory: the model may change at once, the checkpoint is on disk after :meth:`wait`.
         """
@@ -241,7 +241,7 @@ class Checkpointer:
                 **counters,
             }
 
-        storage = storage_for(model)(model, optimizer)  # fsdp's: every rank writes its own shards (dcp_storage)
+        storage = storage_for(model)(model, optimizer)  # fsdp's: every rank writes its own shards (dcp.py)
 
         def write(writes: Writes, state: dict[str, Any]) -> None:
             save_step(self.folder, target, writes, state, lock_timeout_s=self.lock_timeout_s, prune=self._prune)

@@ -28,15 +28,14 @@ import torch
 from torch import nn
 
 from multigpu.checkpoint.atomic import PREFIX, STATE_FILE, folder_name, parse_aside, parse_step, remove_tree
-from multigpu.checkpoint.dcp_storage import Sharded
+from multigpu.checkpoint.dcp import Sharded
+from multigpu.checkpoint.formats import Structure
 from multigpu.checkpoint.one_file import OneFile
 from multigpu.checkpoint.ranks import Staging
 from multigpu.checkpoint.validate import TrainingState
 from multigpu.errors import CheckpointError
 
 T = TypeVar("T")
-
-Structure = list[tuple[str, tuple[int, ...], Any]]  # (key, shape, torch dtype) of each tensor
 
 
 class Writes(Protocol):

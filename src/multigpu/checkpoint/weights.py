@@ -34,10 +34,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from multigpu.checkpoint.atomic import MAX_STEP, STATE_FILE
-from multigpu.checkpoint.dcp_files import files_bytes
+from multigpu.checkpoint.atomic import MAX_STEP, STATE_FILE, files_bytes
 from multigpu.checkpoint.formats import (
     Format,
+    Structure,
     check_expansion,
     detect_format,
     read_structure,
@@ -45,7 +45,7 @@ from multigpu.checkpoint.formats import (
     write_tensors,
 )
 from multigpu.checkpoint.ranks import run_on_main
-from multigpu.checkpoint.storages import STORAGES, Structure, find_latest, reading, storage_of
+from multigpu.checkpoint.storages import STORAGES, find_latest, reading, storage_of
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.checkpoint.validate import check_training_state
 from multigpu.core.keys import clean_state_dict, find_prefixes, plan_load, unwrap
