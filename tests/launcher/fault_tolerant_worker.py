@@ -20,7 +20,8 @@ and the ring completes on one group but not on another.
 
 ``OUT_DIR/stall`` holding ``G K S``: group G's script sleeps S seconds once, between steps, after the step that made
 ``global_step`` K (its Manager's heartbeat goes on): longer than the lighthouse's join timeout, the other groups go on
-without it and it falls behind while alive.
+without it and it falls behind while alive. After its next step it removes ``OUT_DIR/hold``: the others, held at SLEEP_S a
+step until it was back, run the rest at full speed.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def main() -> None:
     if (out / "crash").exists():  # every group dead: a script that fails at its start, every time
         raise RuntimeError("this replica group's script fails at its start (the test's crash file)")
     fail = tuple(int(v) for v in (out / "fail").read_text().split()) if (out / "fail").exists() else None
-    stall = (out / "stall").read_text().split() if (out / "stall").exists() else None
+    stall = [float(v) for v in (out / "stall").read_text().split()] if (out / "stall").exists() else None
+    stalled = False  # this group's stall is over: release the others' hold after its next step
     generator = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(
         torch.randn(240, 8, generator=generator), torch.randn(240, 1, generator=generator)
@@ -115,11 +117,12 @@ def main() -> None:
                         return
                     if session.global_step >= total:
                         break
-                    if stall is not None and [session.replica_group, session.global_step] == [
-                        int(v) for v in stall[:2]
-                    ]:
-                        time.sleep(float(stall[2]))  # between steps: the quorums go on without this group
-                        stall = None
+                    if stalled:
+                        (out / "hold").unlink(missing_ok=True)
+                        stalled = False
+                    if stall is not None and [session.replica_group, session.global_step] == stall[:2]:
+                        time.sleep(stall[2])  # between steps: the quorums go on without this group
+                        stall, stalled = None, True
 
 
 if __name__ == "__main__":

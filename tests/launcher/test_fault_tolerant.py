@@ -230,11 +230,11 @@ def test_a_group_left_out_of_a_quorum_heals_inside_a_step_and_trains_the_others_
 
     from multigpu.session.coordination import rank_seed
 
-    total = 40
+    total = 80
     (tmp_path / "stall").write_text("2 3 6")
-    (tmp_path / "hold").touch()  # each step sleeps 0.05 s: groups 0 and 1 still run when group 2 is back
+    (tmp_path / "hold").touch()  # 0.1 s a step until group 2 is back (it removes the file): the others still run
     launch = run_to_end(
-        "--replicas", "3", "--nproc-per-node", "1", WORKER, str(tmp_path), str(total), "0.05", timeout_s=120
+        "--replicas", "3", "--nproc-per-node", "1", WORKER, str(tmp_path), str(total), "0.1", timeout_s=120
     )  # fmt: skip
     assert launch.proc.returncode == 0, launch.err[-3000:]
     by_group = {g: records(tmp_path, g) for g in range(3)}

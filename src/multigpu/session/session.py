@@ -357,6 +357,9 @@ class Session(Toolkit, RunLog):
 
         ``even_batches=False`` (inside :meth:`join`) lets each rank take all of its own batches.
 
+        A session loader given a position inside the loop (``loader.load_state_dict``; a replica group
+        healed inside :meth:`step`) goes on from there: the batch read ahead from the old place is dropped.
+
         Raises:
             ConfigError: under ddp, a DataLoader over a map-style dataset that is not sharded
                 (every rank would train on every sample): pass it through :meth:`setup_dataloader`;
