@@ -14,8 +14,9 @@ receives the current state live from a healthy group and rejoins. The others go 
 processes; a restart forks the group's workers from a warm zygote that has done their imports
 (:mod:`multigpu.launcher.fault_tolerant_zygote`), or starts new interpreters when it cannot. The run
 succeeds once a group has finished its script; it fails, naming every group and why, once every group
-is dead with no restart left; a group is not restarted while the lighthouse does not accept a connection
-(on another node than node 0, which holds it: node 0 was lost), as the restart could not join. A signal to this process (a pre-emption) is forwarded to every worker and
+is dead with no restart left. A group is not restarted while the lighthouse does not accept a
+connection (on another node than node 0, which holds it: node 0 was lost), as the restart could not
+join. A signal to this process (a pre-emption) is forwarded to every worker and
 ends the launch with ``128 + N`` once every group has stopped, restarting none; a stop signal that
 reaches one worker alone is its group's loss (a script that leaves its loop at ``session.should_stop``
 exits ``128 + N``, :mod:`multigpu.launcher._entry`).
