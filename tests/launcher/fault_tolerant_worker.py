@@ -11,11 +11,17 @@ Each step reads ``session.should_stop``: once a SIGTERM has stopped the group, t
 
 Each worker appends one JSON line per ``session.step`` to ``OUT_DIR/group<g>-rank<r>.jsonl``: the group,
 the step's result, ``global_step``, the digest of the weights after the step and the weights, the loader's position, the
-first sample of the batch it trained, the pid, the parent's pid and the time. A test kills workers by pid from these lines.
+first sample of the batch it trained and the dataset indices of its samples, the digest of torch's random state after
+the step, the pid, the parent's pid and the time. A test kills workers by pid from these lines.
 
 ``OUT_DIR/fail`` holding ``G K``: group G's step at ``global_step`` K fails once after its cross-group all-reduce
 went through on every group (its Manager records an error there), as when a peer dies inside the all-reduce
 and the ring completes on one group but not on another.
+
+``OUT_DIR/stall`` holding ``G K S``: group G's script sleeps S seconds once, between steps, after the step that made
+``global_step`` K (its Manager's heartbeat goes on): longer than the lighthouse's join timeout, the other groups go on
+without it and it falls behind while alive. After its next step it removes ``OUT_DIR/hold``: the others, held at SLEEP_S a
+step until it was back, run the rest at full speed.
 """
 
 from __future__ import annotations
@@ -61,10 +67,13 @@ def main() -> None:
     if (out / "crash").exists():  # every group dead: a script that fails at its start, every time
         raise RuntimeError("this replica group's script fails at its start (the test's crash file)")
     fail = tuple(int(v) for v in (out / "fail").read_text().split()) if (out / "fail").exists() else None
+    stall = [float(v) for v in (out / "stall").read_text().split()] if (out / "stall").exists() else None
+    stalled = False  # this group's stall is over: release the others' hold after its next step
     generator = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(
         torch.randn(240, 8, generator=generator), torch.randn(240, 1, generator=generator)
     )
+    index = {float(v): i for i, v in enumerate(data.tensors[0][:, 0])}  # a sample's first feature names it
     with Session(strategy="ddp") as session:
         model = session.setup_model(nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Linear(16, 1)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -91,6 +100,8 @@ def main() -> None:
                         "position": loader.state_dict()["batch"],
                         "epoch": loader.state_dict()["epoch"],
                         "first": float(x[0, 0]),
+                        "samples": [index[float(v)] for v in x[:, 0]],
+                        "rng": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16],
                         "pid": os.getpid(),
                         "ppid": os.getppid(),
                         "started": started,
@@ -106,6 +117,12 @@ def main() -> None:
                         return
                     if session.global_step >= total:
                         break
+                    if stalled:
+                        (out / "hold").unlink(missing_ok=True)
+                        stalled = False
+                    if stall is not None and [session.replica_group, session.global_step] == stall[:2]:
+                        time.sleep(stall[2])  # between steps: the quorums go on without this group
+                        stall, stalled = None, True
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ until the first kill, the three groups' weights equal those of one ddp run of 3 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -199,6 +200,67 @@ def test_a_step_that_fails_on_one_group_after_its_all_reduce_went_through_is_com
         (ours,) = [r["digest"] for r in by_group[0] if r["committed"] and r["global_step"] == step]
         (theirs,) = [r["digest"] for r in by_group[1] if r["committed"] and r["global_step"] == step]
         assert ours == theirs, step
+
+
+def global_batches(groups: int, epochs: int) -> dict[tuple[int, ...], tuple[int, int]]:
+    """Each group's share of each global batch of the worker's loader, as dataset indices: its (epoch, batch)."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from multigpu.runtime.data import ShardSpec, build_epoch_loader
+
+    found = {}
+    for group in range(groups):
+        loader = build_epoch_loader(
+            TensorDataset(torch.arange(240)), global_batch=24, shard=ShardSpec(world_size=groups, rank=group)
+        )
+        for epoch in range(epochs):
+            for k, (indices,) in enumerate(loader):
+                found[tuple(indices.tolist())] = (epoch, k)
+    return found
+
+
+def test_a_group_left_out_of_a_quorum_heals_inside_a_step_and_trains_the_others_batches_from_then_on(
+    tmp_path: Path,
+) -> None:
+    # group 2 stalls 6 s between steps 3 and 4 (its heartbeat goes on): past the lighthouse's 5 s join timeout,
+    # groups 0 and 1 go on without it (three groups: the lighthouse forms a quorum of a majority only), and
+    # group 2 then heals inside its next step (torchft applies the state in its commit)
+    import torch
+
+    from multigpu.session.coordination import rank_seed
+
+    total = 80
+    (tmp_path / "stall").write_text("2 3 6")
+    (tmp_path / "hold").touch()  # 0.1 s a step until group 2 is back (it removes the file): the others still run
+    launch = run_to_end(
+        "--replicas", "3", "--nproc-per-node", "1", WORKER, str(tmp_path), str(total), "0.1", timeout_s=120
+    )  # fmt: skip
+    assert launch.proc.returncode == 0, launch.err[-3000:]
+    by_group = {g: records(tmp_path, g) for g in range(3)}
+    assert len({r["pid"] for r in by_group[2]}) == 1  # alive throughout: no restart, a heal inside a step
+    steps = [r["global_step"] for r in by_group[2]]
+    (healed,) = [i for i in range(1, len(steps)) if steps[i] > steps[i - 1] + 1]  # it took the others' count
+    heal_step = steps[healed]
+    assert steps[healed - 1] == 3 and heal_step > 5, steps
+    batch_of = global_batches(3, total // EPOCH_BATCHES + 2)
+    trained = {
+        g: {r["global_step"]: batch_of[tuple(r["samples"])] for r in by_group[g] if r["committed"]} for g in range(3)
+    }
+    # groups 0 and 1 trained one global batch per step throughout; group 2, from the step after its heal, the same
+    for group in (0, 1):
+        assert list(trained[group].items()) == [(s, divmod(s - 1, EPOCH_BATCHES)) for s in range(1, total + 1)]
+    after = [s for s in trained[2] if s > heal_step]
+    assert after == list(range(heal_step + 1, total + 1))
+    assert [trained[2][s] for s in after] == [trained[0][s] for s in after]
+    for step in range(1, total + 1):  # the same weights and loader position in every group that committed it
+        committed = [r for g in range(3) for r in by_group[g] if r["committed"] and r["global_step"] == step]
+        assert len({(r["digest"], r["epoch"], r["position"]) for r in committed}) == 1, (step, committed)
+    # after the healing step every group reseeded its stream from the seed and that step (seed_per_rank)
+    for group in range(3):
+        (record,) = [r for r in by_group[group] if r["committed"] and r["global_step"] == heal_step]
+        torch.manual_seed(rank_seed(heal_step, group))
+        assert record["rng"] == hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16], group
 
 
 def test_sigterm_to_the_launcher_stops_every_group_at_its_loop_in_bounded_time_and_leaves_no_process(

@@ -184,7 +184,7 @@ def test_losing_node_0_ends_the_other_nodes_groups_within_the_quorum_timeout(tmp
     from multigpu.runtime.replica_groups import QUORUM_TIMEOUT_S
 
     (tmp_path / "hold").touch()
-    launches = launch_nodes(tmp_path, 1000, max_restarts=0)
+    launches = launch_nodes(tmp_path, 1000, max_restarts=2)  # not used: a restart could not reach the lighthouse
     try:
         wait_for(lambda: all(committed_steps(tmp_path, g) >= 3 for g in range(GROUPS)), "3 steps", launches)
         node0 = descendants(launches[0].proc.pid)
@@ -197,8 +197,28 @@ def test_losing_node_0_ends_the_other_nodes_groups_within_the_quorum_timeout(tmp
             launch.stop()
     assert code == 1
     assert "every replica group of" in launches[1].err and "no restart is left" in launches[1].err
+    assert "restarting it" not in launches[1].err and "not restarted: the lighthouse at" in launches[1].err
     assert took < QUORUM_TIMEOUT_S + 30
     assert alive(node0) == []
+
+
+def test_a_group_is_not_restarted_while_the_lighthouse_does_not_answer(tmp_path: Path) -> None:
+    # node 1 alone, its lighthouse (node 0's) gone: each restart would wait the whole quorum timeout for it and fail
+    # again, (1 + --max-restarts) times. The script fails at its start here, so that the first loss comes at once.
+    (tmp_path / "crash").touch()
+    lighthouse = f"127.0.0.1:{free_port()}"  # nobody listens there
+    launch = node_launch(tmp_path, 5, 1, lighthouse, max_restarts=2)
+    try:
+        code = launch.wait(90)
+    finally:
+        launch.stop()
+    assert code == 1, launch.err[-3000:]
+    assert "restarting it" not in launch.err
+    for group in (2, 3):
+        assert (
+            f"replica group {group}: rank 0 exited with code 1; not restarted: the lighthouse at http://{lighthouse} "
+            "does not answer (its node, node 0, was lost?) (restarts used: 0 of 2)"
+        ) in launch.err
 
 
 def test_an_elastic_node_count_or_an_int_one_is_judged_for_fault_tolerance() -> None:

@@ -68,8 +68,10 @@ def test_a_restarted_group_gets_the_position_of_the_batch_the_others_train_now()
         batches = session.batches(loader)
         for _ in range(4):  # the last batch of epoch 0 is in flight: the loader already reads epoch 1
             next(batches)
-        live.mark(window_batches=1)
+        live.mark(window_batches=1, accumulate=1)
         assert live.state_dict()["loaders"][0] | {"data": None} == {"epoch": 0, "batch": 3, "data": None}
+        # a group healed inside this step goes on after it: epoch 0's end (the next iteration is epoch 1)
+        assert live.state_dict()["loaders_after"][0] | {"data": None} == {"epoch": 0, "batch": 4, "data": None}
         fresh = session.build_loader(dataset(), batch_size=8)
         other = LiveState()
         other.add_loader(fresh)

@@ -14,7 +14,9 @@ receives the current state live from a healthy group and rejoins. The others go 
 processes; a restart forks the group's workers from a warm zygote that has done their imports
 (:mod:`multigpu.launcher.fault_tolerant_zygote`), or starts new interpreters when it cannot. The run
 succeeds once a group has finished its script; it fails, naming every group and why, once every group
-is dead with no restart left. A signal to this process (a pre-emption) is forwarded to every worker and
+is dead with no restart left. A group is not restarted while the lighthouse does not accept a
+connection (on another node than node 0, which holds it: node 0 was lost), as the restart could not
+join. A signal to this process (a pre-emption) is forwarded to every worker and
 ends the launch with ``128 + N`` once every group has stopped, restarting none; a stop signal that
 reaches one worker alone is its group's loss (a script that leaves its loop at ``session.should_stop``
 exits ``128 + N``, :mod:`multigpu.launcher._entry`).
@@ -55,6 +57,9 @@ _POLL_S = 0.05
 # once one group has finished the script, how long the others get to finish theirs (they run in lockstep, so
 # a healthy one is done within a step) before they are stopped: a group still restarting would wait forever
 FINISH_GRACE_S = 10.0
+# before restarting a group, how long the lighthouse gets to accept a connection: a group restarted without one
+# would wait the whole quorum timeout for it (node 0, which holds it, was lost) and fail again
+LIGHTHOUSE_PROBE_S = 3.0
 
 
 def launch_fault_tolerant(
@@ -126,6 +131,20 @@ def start_lighthouse(bind: str, *, groups: int) -> tuple[object, str]:
     return server, f"http://{host}:{port}"
 
 
+def lighthouse_answers(address: str, within_s: float) -> bool:
+    """Whether the lighthouse at ``address`` (``http://host:port``) accepts a connection within ``within_s``."""
+    host, port = address.split("://", 1)[-1].rsplit(":", 1)
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=max(0.1, within_s / 3)):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on now (each group's store; a restarted group gets a fresh one)."""
     with socket.socket() as probe:
@@ -175,7 +194,7 @@ def run_groups(
             _start, script=script, args=script_args, env=env, nproc=nproc, lighthouse=lighthouse, total=total,
             zygote=zygote,
         )  # fmt: skip
-        return _supervise(groups, start, zygote, script, max_restarts, stopping, grace_s)
+        return _supervise(groups, start, zygote, script, max_restarts, stopping, grace_s, lighthouse)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -193,6 +212,7 @@ def _supervise(
     max_restarts: int,
     stopping: list[int],
     grace_s: float,
+    lighthouse: str,
 ) -> int:
     finished_at: float | None = None
     signalled_at: float | None = None
@@ -243,6 +263,12 @@ def _supervise(
                 continue
             if any(g.finished for g in groups) or group.restarts >= max_restarts:
                 group.dead_reason = reason + (f" (restarts used: {group.restarts} of {max_restarts})")
+                continue
+            if not lighthouse_answers(lighthouse, LIGHTHOUSE_PROBE_S):
+                group.dead_reason = (
+                    f"{reason}; not restarted: the lighthouse at {lighthouse} does not answer (its node, node 0, "
+                    f"was lost?) (restarts used: {group.restarts} of {max_restarts})"
+                )
                 continue
             group.restarts += 1
             print(

@@ -127,8 +127,9 @@ class EpochLoader(Generic[T]):
     """A DataLoader over this rank's shard that sets the sampler's epoch every time it is iterated.
 
     It is stateful: :meth:`state_dict` says which epoch is in flight and how many of its batches
-    the loop has taken, and :meth:`load_state_dict` makes the next iteration continue there,
-    skipping the taken batches without loading them (:mod:`multigpu.runtime.resumable`). It owns
+    the loop has taken, and :meth:`load_state_dict` makes the next batch come from there (the
+    iteration in flight moves; or else the next one starts there), skipping the taken batches
+    without loading them (:mod:`multigpu.runtime.resumable`). It owns
     the seed its iterator draws: a generator of its own per epoch and rank (or the loader's own
     ``generator``, whose state it saves), so iterating never draws from torch's global generator
     and a resumed run's dropout masks follow the uninterrupted run's.
@@ -174,6 +175,9 @@ class EpochLoader(Generic[T]):
         self._skip = 0  # batches the next iteration skips (load_state_dict, skip_first_batches)
         self._in_flight: int | None = None  # the epoch being iterated
         self._taken = 0  # batches of that epoch taken (skipped ones included)
+        self._iteration = 0  # iterations started; only the latest takes up a loaded position
+        self._moved = False  # load_state_dict set a position that the iteration in flight has not taken up yet
+        self.loads = 0  # positions loaded (session.batches notices one loaded inside its loop)
 
     @property
     def dataset(self) -> Any:
@@ -204,6 +208,11 @@ class EpochLoader(Generic[T]):
         return self._skip
 
     def __iter__(self) -> Iterator[T]:
+        self._iteration += 1
+        return self._count(self._iteration, self._begin())
+
+    def _begin(self) -> Iterator[T]:
+        """The DataLoader's iterator from the position the next iteration takes up (``epoch``, ``pending_skip``)."""
         if self.sampler is not None:
             self.sampler.set_epoch(self.epoch)
         generator = self._users_generator
@@ -211,17 +220,23 @@ class EpochLoader(Generic[T]):
             generator = torch.Generator().manual_seed(epoch_seed(self._seed, self._rank, self.epoch))
         else:
             self._generator_state = generator.get_state()  # what resuming this epoch restores
-        skip, self._skip = self._skip, 0
+        skip, self._skip, self._moved = self._skip, 0, False
         self._in_flight, self._taken, self.lookahead = self.epoch, skip, 0
         self.epoch += 1
         self.loader.generator = generator  # the iterator's seed comes from it, not from torch's global generator
-        return self._count(iter(skip_first_batches(self.loader, skip) if skip else self.loader))
+        return iter(skip_first_batches(self.loader, skip) if skip else self.loader)
 
-    def _count(self, batches: Iterator[T]) -> Iterator[T]:
-        for batch in batches:
+    def _count(self, iteration: int, batches: Iterator[T]) -> Iterator[T]:
+        while True:
+            if self._moved and iteration == self._iteration:  # load_state_dict since the last batch: go on there
+                batches = self._begin()
+            batch = next(batches, _END)
+            if batch is _END:
+                break
             self._taken += 1
             yield batch
-        self._in_flight = None
+        if iteration == self._iteration:
+            self._in_flight = None
 
     def __len__(self) -> int:
         return max(0, len(self.loader) - self._skip)
@@ -236,6 +251,8 @@ class EpochLoader(Generic[T]):
         taken, length = self._taken - self.lookahead, known_len(self.loader)
         in_flight = self._in_flight is not None and (length is None or taken < length)
         epoch, batch = (self._in_flight, taken) if in_flight else (self.epoch, self._skip)
+        if not in_flight and length and self._skip >= length:  # a loaded epoch's end: the epoch after, as any end
+            epoch, batch = self.epoch + 1, 0
         state: dict[str, Any] = {"epoch": epoch, "batch": batch, "data": self.data_identity()}
         if self._users_generator is not None:
             state["generator"] = self._generator_state if in_flight else self._users_generator.get_state()
@@ -298,13 +315,20 @@ class EpochLoader(Generic[T]):
                 ) from None
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue where :meth:`state_dict` stood: the next iteration is that epoch, from that batch.
+        """Continue where :meth:`state_dict` stood: the next batch is that epoch's, from that batch.
+
+        The iteration in flight, if any, takes it up at its next batch (a replica group healed inside
+        ``session.step`` goes on with the others' batches); otherwise the next iteration starts there.
+        The epoch's end (``batch`` equal to its length) ends the iteration in flight; the next is the
+        epoch after.
 
         Raises:
             ConfigError: the state does not fit this loader (:meth:`check_state_dict`); nothing changed.
         """
         self.check_state_dict(state)
         self.epoch, self._skip, self._in_flight = state["epoch"], state["batch"], None
+        self._moved, self.lookahead = True, 0
+        self.loads += 1
         if self._users_generator is not None and state.get("generator") is not None:
             self._users_generator.set_state(state["generator"])
 

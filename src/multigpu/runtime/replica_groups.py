@@ -23,7 +23,10 @@ averages the gradients across them:
 A restarted group heals before its first batch (``join``): the quorum names a healthy group, which
 sends what :class:`multigpu.session.fault_tolerance.LiveState` collects (weights, optimizer, step
 count, data position, random state) over torchft's HTTP transport; the restarted group loads it and
-trains the same step as the others.
+trains the same step as the others. A group that fell behind while alive (left out of a quorum) heals
+inside a later step instead: torchft applies the state in its commit, the step commits the other
+groups' gradients onto it, and the commit vote across groups also says that a group healed, after
+which every group reseeds its random streams alike (:attr:`ReplicaSync.healed_in_step`).
 
 Every rank of a group must call each method at the same point of each step.
 """
@@ -68,7 +71,8 @@ class ReplicaSync:
         lighthouse: the lighthouse's address (``http://host:port``).
         rank: this process's rank inside its group; ``group_size``: the group's process count.
         master_addr, master_port: the group's rendezvous store (the Manager meets its group there).
-        state_dict, load_state_dict: what a healthy group sends to a restarted one, and how it is applied.
+        state_dict, load_state_dict: what a healthy group sends to one behind, and how it is applied
+            (``load_state_dict(state, inside_step)``: inside a step, or before the first batch).
         timeout_s: how long an all-reduce or a commit waits for a peer group.
     """
 
@@ -83,7 +87,7 @@ class ReplicaSync:
         master_addr: str,
         master_port: int,
         state_dict: Callable[[], dict[str, Any]],
-        load_state_dict: Callable[[dict[str, Any]], None],
+        load_state_dict: Callable[[dict[str, Any], bool], None],
         timeout_s: float,
     ) -> None:
         self.group, self.groups, self.lighthouse = group, groups, lighthouse
@@ -94,6 +98,9 @@ class ReplicaSync:
         self._manager: Any = None
         self._quorum_started = False  # the quorum of the step in flight was started (by join or begin_step)
         self.healed = False  # this group loaded a healthy group's state at join
+        self.healed_in_step = False  # a group of the last step's quorum (this one or another) healed inside it
+        self._joining = False  # a state received now is applied before the first batch
+        self._received = False  # this group received a state inside the step in flight
         self._watched: list[torch.Tensor] = []  # parameters whose gradients are all-reduced as backward makes them
         self._armed = False  # this backward ends the window: its gradients are all-reduced
         self._bucket: list[torch.Tensor] = []  # parameters whose gradient is ready, not yet in an all-reduce
@@ -148,7 +155,11 @@ class ReplicaSync:
             self._manager.start_quorum()
             self._manager.wait_quorum()
             if self._manager._healing:  # a restarted group: apply the state now, before its first batch
-                self._manager._apply_pending_state_dict()
+                self._joining = True
+                try:
+                    self._manager._apply_pending_state_dict()
+                finally:
+                    self._joining = False
                 self._manager._healing = False
                 self.healed = True
             step = self._manager.current_step()
@@ -214,31 +225,35 @@ class ReplicaSync:
         """
         self._quorum_started = False
         manager = self._manager
-        here = bool(manager.should_commit())
-        agreed = self._agreed(here)
+        self._received = False
+        here = bool(manager.should_commit())  # a group behind receives the state here (torchft heals in it)
+        agreed, healed = self._agreed(here, self._received)
+        self.healed_in_step = healed
         # torchft's Manager has no public way to take a counted step back: its counters are set here, which
         # is why the extra pins torchft below 0.3 (tests/launcher/test_fault_tolerant.py checks the result)
         if here and not agreed:  # torchft counted the step: take it back, as no group applies it
             manager._step -= 1
             manager._batches_committed -= manager.num_participants()
             manager._commit_failures += 1  # the lighthouse then forms the next quorum anew (a fresh process group)
-        if not agreed and manager.num_participants() > 1:
+        if not agreed and self._quorum_size() > 1:
             # A peer still blocked in this step's all-reduce (waiting for data this group will not send) fails
             # now rather than when the next quorum replaces the group: otherwise it misses that quorum.
             manager._pg.abort()
         return agreed
 
-    def _agreed(self, here: bool) -> bool:
-        """Whether every group of the quorum commits (a MIN of the votes); False where the vote fails.
+    def _agreed(self, here: bool, healed: bool) -> tuple[bool, bool]:
+        """Whether every group of the quorum commits (a MIN of the votes; False where the vote fails), and
+        whether a group of the quorum healed in this step (a MIN of the negated flags: their MAX).
 
         The vote runs on the quorum's process group itself, not through the Manager's all-reduce (which
-        skips a group that has already failed, leaving the others to wait for it until the timeout). With
+        skips a group that has already failed, leaving the others to wait for it until the timeout), and
+        a group that heals in this step votes too (torchft counts it out of the participants). With
         several processes per group, rank r of each group votes with rank r of the others; the group then
         takes the MIN of its ranks' outcomes over its own process group, so all its ranks agree.
         """
         manager = self._manager
-        vote = torch.tensor([1.0 if here else 0.0])
-        if manager.num_participants() > 1:
+        vote = torch.tensor([1.0 if here else 0.0, -1.0 if healed else 0.0])
+        if self._quorum_size() > 1:
             options = AllreduceOptions()
             options.reduceOp = ReduceOp(ReduceOp.MIN)
             try:
@@ -250,7 +265,20 @@ class ReplicaSync:
         if self.group_size > 1:
             with issuing("all_reduce", [vote]):  # the group's own ranks: one answer for all of them
                 dist.all_reduce(vote, op=dist.ReduceOp.MIN)
-        return bool(vote.item() == 1.0)
+        return bool(vote[0].item() == 1.0), healed or bool(vote[1].item() < 0)
+
+    def _quorum_size(self) -> int:
+        """The groups in this step's process group: the participants and any group healing in the step."""
+        try:
+            return int(self._manager._pg.size())
+        except Exception:  # its configuration failed (recorded by the Manager): no vote over it
+            return int(self._manager.num_participants())
+
+    def _receive(self, state: dict[str, Any]) -> None:
+        """Apply a healthy group's state (torchft calls it: at :meth:`join`, or inside a step's commit)."""
+        inside_step = not self._joining
+        self._received = self._received or inside_step
+        self._load_state_dict(state, inside_step)
 
     @property
     def participants(self) -> int:
@@ -265,7 +293,7 @@ class ReplicaSync:
         timeout = timedelta(seconds=self.timeout_s)
         return Manager(
             pg=ProcessGroupGloo(timeout=timeout),
-            load_state_dict=self._load_state_dict,
+            load_state_dict=self._receive,
             state_dict=self._state_dict,
             min_replica_size=1,
             use_async_quorum=True,

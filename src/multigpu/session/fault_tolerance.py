@@ -9,8 +9,13 @@ does not read a checkpoint: at its first quorum a healthy group sends it this st
 - ``global_step``, the steps committed in this run;
 - each session loader's position (:meth:`multigpu.runtime.data.EpochLoader.state_dict`), rewound by
   the batches of the window in flight, so that the restarted group's next batch is the one the others
-  train now;
+  train now; and the position after that window, for a group that heals inside the step;
 - the random state: torch's CPU generator, Python's and numpy's.
+
+A group that falls behind while alive (left out of a quorum, or a commit vote that failed on it only)
+heals inside a later ``session.step`` instead (torchft applies the state in its commit): its loaders
+move to the position after the sender's window, the iteration in flight included, and after that step
+every group of the quorum reseeds its random streams alike (:func:`reseed_after_heal`).
 
 The snapshot of the small parts (step, positions, random state) is taken on the main thread when the
 step's quorum starts (:meth:`LiveState.mark`), before the forward draws from the generators; the
@@ -30,7 +35,8 @@ from torch import nn
 
 from multigpu.core.keys import unwrap
 from multigpu.runtime.committed_steps import committed_steps, set_committed_steps
-from multigpu.runtime.data import EpochLoader
+from multigpu.runtime.data import EpochLoader, known_len
+from multigpu.session.coordination import seed_rank_streams
 
 
 class LiveState:
@@ -53,16 +59,22 @@ class LiveState:
     def loaders(self) -> list[EpochLoader[Any] | None]:
         return [ref() for ref in self._loaders]
 
-    def mark(self, window_batches: int) -> None:
+    def mark(self, window_batches: int, accumulate: int) -> None:
         """Snapshot the step count, the loaders' positions and the random state (at the quorum's start).
 
         ``window_batches``: the batches of the accumulation window already received, which the position
-        gives back (the restarted group trains them with the others).
+        gives back (a group healed before its first batch trains them with the others); ``accumulate``:
+        the window's length, which the position after the window counts (a group healed inside this step
+        goes on from there).
         """
-        positions = [None if loader is None else _rewound(loader, window_batches) for loader in self.loaders]
+        starts = [None if loader is None else _rewound(loader, window_batches) for loader in self.loaders]
         self._marked = {
             "global_step": committed_steps(),
-            "loaders": positions,
+            "loaders": starts,
+            "loaders_after": [
+                None if start is None or loader is None else _after_window(loader, start, accumulate)
+                for loader, start in zip(self.loaders, starts)
+            ],
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
         }
 
@@ -74,15 +86,21 @@ class LiveState:
         optimizers = [_cloned(opt.state_dict()) for opt in self.optimizers]
         return {"model": model, "optimizers": optimizers, **self._marked}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Apply a healthy group's state (the optimizers' at :meth:`attach_optimizer` when not seen yet)."""
+    def load_state_dict(self, state: dict[str, Any], inside_step: bool = False) -> None:
+        """Apply a healthy group's state (the optimizers' at :meth:`attach_optimizer` when not seen yet).
+
+        ``inside_step``: the group heals inside ``session.step`` (it fell behind while alive), not
+        before its first batch. The step then commits the other groups' gradients onto the received
+        weights, so the loaders go on after the sender's window, and the random state is not applied:
+        every group of the quorum reseeds after such a step (:func:`reseed_after_heal`).
+        """
         if self.model is not None and state.get("model"):
             unwrap(self.model).load_state_dict(state["model"])
         set_committed_steps(int(state.get("global_step", 0)))
-        for loader, position in zip(self.loaders, state.get("loaders", [])):
+        for loader, position in zip(self.loaders, state.get("loaders_after" if inside_step else "loaders", [])):
             if loader is not None and position is not None:
                 loader.load_state_dict(position)
-        rng = state.get("rng")
+        rng = None if inside_step else state.get("rng")
         if rng:
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
@@ -109,6 +127,30 @@ def _rewound(loader: EpochLoader[Any], batches: int) -> dict[str, Any]:
     if batch < 0 and epoch > 0:  # the window's batches ended the previous epoch
         epoch, batch = epoch - 1, len(loader.loader) + batch
     return {**state, "epoch": epoch, "batch": max(0, batch)}
+
+
+def _after_window(loader: EpochLoader[Any], start: dict[str, Any], accumulate: int) -> dict[str, Any]:
+    """The position after an accumulation window that begins at ``start``: ``accumulate`` batches on, or the
+    epoch's end (its last batch closes the window: ``session.batches``)."""
+    length = known_len(loader.loader)
+    batch = start["batch"] + accumulate
+    return {**start, "batch": batch if length is None else min(batch, length)}
+
+
+def reseed_after_heal(seed: int, step: int, rank: int | None) -> None:
+    """Reseed torch's, Python's and numpy's generators from ``seed`` and ``step``, the same in every group.
+
+    Every group of a quorum calls it after a step in which one of them healed: the healed group received
+    the sender's random state from before the step, which the step has drawn on since. ``rank``: this
+    process's rank among every group's (``seed_per_rank``: torch's stream is its own), or None.
+    """
+    stream = seed + step
+    if rank is None:
+        torch.manual_seed(stream)
+    else:
+        seed_rank_streams(stream, rank)
+    random.seed(stream)
+    np.random.seed(stream % 2**32)
 
 
 def _cloned(value: Any) -> Any:

@@ -47,7 +47,7 @@ from multigpu.session import determinism
 from multigpu.session.config import SessionConfig
 from multigpu.session.coordination import MetricsPosition, seed_rank_streams
 from multigpu.session.evaluation import per_sample_result
-from multigpu.session.fault_tolerance import LiveState
+from multigpu.session.fault_tolerance import LiveState, reseed_after_heal
 from multigpu.session.items import ItemWindow
 from multigpu.session.metrics import MetricsLog
 from multigpu.session.progress import with_progress
@@ -357,6 +357,9 @@ class Session(Toolkit, RunLog):
 
         ``even_batches=False`` (inside :meth:`join`) lets each rank take all of its own batches.
 
+        A session loader given a position inside the loop (``loader.load_state_dict``; a replica group
+        healed inside :meth:`step`) goes on from there: the batch read ahead from the old place is dropped.
+
         Raises:
             ConfigError: under ddp, a DataLoader over a map-style dataset that is not sharded
                 (every rank would train on every sample): pass it through :meth:`setup_dataloader`;
@@ -383,11 +386,17 @@ class Session(Toolkit, RunLog):
             )
         device = self.device
         outer = self._last_batch  # an evaluate() inside a training loop must not reset the loop's flag
-        position = MetricsPosition(batches)
-        outer_position, self._position = self._position, position
-        ahead: Iterator[T] = iter(data.even_batches(batches) if even_batches else batches)
-        if progress and self.is_main_process:
-            ahead = with_progress(ahead, total=data.known_len(batches), description=description)
+        outer_position = self._position
+
+        def open_pass() -> tuple[Iterator[T], MetricsPosition]:
+            self._position = MetricsPosition(batches)
+            ahead: Iterator[T] = iter(data.even_batches(batches) if even_batches else batches)
+            if progress and self.is_main_process:
+                ahead = with_progress(ahead, total=data.known_len(batches), description=description)
+            return ahead, self._position
+
+        ahead, position = open_pass()
+        loads = batches.loads if isinstance(batches, EpochLoader) else 0
         upcoming = self._throughput.fetch(ahead, _END)
         try:
             while upcoming is not _END:
@@ -398,6 +407,11 @@ class Session(Toolkit, RunLog):
                 position.next_batch()
                 self._throughput.handed_out(batch)
                 yield _to_device(batch, device)
+                if isinstance(batches, EpochLoader) and batches.loads != loads:
+                    # Its position was loaded inside the loop (a replica group healed in session.step): the batch
+                    # read ahead came from the old place. Go on from the new one, in a pass that agrees its length.
+                    loads, (ahead, position) = batches.loads, open_pass()
+                    upcoming = self._throughput.fetch(ahead, _END)
         finally:
             self._last_batch, self._position = outer, outer_position
 
@@ -437,7 +451,7 @@ class Session(Toolkit, RunLog):
         self._micro += 1
         self._throughput.micro_step()
         if self._replicas is not None and self._micro == 1:  # the step's quorum overlaps forward and backward
-            self._live.mark(window_batches=1)
+            self._live.mark(window_batches=1, accumulate=self.config.accumulate)
             self._replicas.begin_step()
         if self.should_step:
             return precision.autocast()
@@ -556,6 +570,7 @@ class Session(Toolkit, RunLog):
         if self._replicas is not None and not self._committed_across_groups(optimizer):
             optimizer.zero_grad(set_to_none=True)  # a peer group failed during this step: no group applies it
             self._micro = 0
+            self._reseed_if_healed()
             return False
         if factor is not None or max_grad_norm is not None:
             precision.unscale(optimizer)
@@ -570,7 +585,14 @@ class Session(Toolkit, RunLog):
         self._micro = 0
         if stepped:
             set_committed_steps(committed_steps() + 1)
+        self._reseed_if_healed()
         return stepped
+
+    def _reseed_if_healed(self) -> None:
+        """After a step in which a replica group healed, every group reseeds alike (from the seed and the step)."""
+        if self._replicas is not None and self._replicas.healed_in_step:
+            rank = self._data_shard().rank if self._rank_streams else None
+            reseed_after_heal(self.config.seed, committed_steps(), rank)
 
     def _committed_across_groups(self, optimizer: torch.optim.Optimizer) -> bool:
         """Average the gradients over the replica groups alive in this step's quorum; whether to apply them."""

@@ -1,0 +1,106 @@
+"""A replica group that heals inside ``session.step`` goes on with the batches the other groups train next (issue 31).
+
+In one process: the loop's loader is given a position inside ``session.step`` (as torchft's commit
+applies a healthy group's state there), and ``session.batches`` drops the batch it read ahead from the
+old place; and the position a healthy group sends for that case (after its accumulation window) is
+where its own loader stands once the window's step is done.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from multigpu.session import Session
+from multigpu.session.fault_tolerance import LiveState
+
+_EXAMPLES = int(os.environ.get("MULTIGPU_FUZZ_EXAMPLES", "20"))
+
+
+def _position(state: dict[str, Any]) -> tuple[int, int]:
+    return state["epoch"], state["batch"]
+
+
+@settings(max_examples=_EXAMPLES, derandomize=True, deadline=None)
+@given(
+    n=st.integers(6, 30),
+    batch=st.integers(1, 4),
+    accumulate=st.integers(1, 3),
+    heal_at=st.integers(1, 12),
+    target=st.integers(0, 20),
+    at_end=st.booleans(),
+)
+def test_session_batches_goes_on_from_a_position_loaded_inside_a_step(
+    n: int, batch: int, accumulate: int, heal_at: int, target: int, at_end: bool
+) -> None:
+    passes = 4
+    with Session(strategy="single", accumulate=accumulate) as session:
+        model = session.setup_model(nn.Linear(1, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        build = lambda: session.build_loader(TensorDataset(torch.arange(float(n))), batch_size=batch)  # noqa: E731
+        loader, fresh = build(), build()
+        length = len(loader)
+        heal_at = 1 + (heal_at - 1) % (passes * -(-length // accumulate))  # a step the loop reaches
+        epoch, at = divmod(target, length)
+        state = {**loader.state_dict(), "epoch": epoch, "batch": length if at_end else at}
+        got: list[list[float]] = []
+        healed: tuple[int, int] | None = None  # (batches received before, pass) at the heal
+        steps = 0
+        for index in range(passes):
+            for (x,) in session.batches(loader):
+                got.append(x.tolist())
+                with session.micro_step(model):
+                    session.backward(model(x[:, None]).sum())
+                if session.step(optimizer):
+                    steps += 1
+                    if steps == heal_at:  # torchft's commit applies the received state here
+                        loader.load_state_dict(state)
+                        healed = (len(got), index)
+                        assert _position(loader.state_dict()) == _position(build_at(build, state).state_dict())
+        assert healed is not None
+        fresh.load_state_dict(state)
+        want = [b[0].tolist() for b in fresh]  # the loaded epoch's rest, in the pass that was in flight
+        for _ in range(passes - healed[1] - 1):
+            want += [b[0].tolist() for b in fresh]
+        assert got[healed[0] :] == want
+        assert loader.state_dict() == fresh.state_dict()
+
+
+def build_at(build: Any, state: dict[str, Any]) -> Any:
+    loader = build()
+    loader.load_state_dict(state)
+    return loader
+
+
+@settings(max_examples=_EXAMPLES, derandomize=True, deadline=None)
+@given(n=st.integers(6, 30), batch=st.integers(1, 4), accumulate=st.integers(1, 4))
+def test_the_position_sent_for_a_heal_inside_a_step_is_the_senders_after_its_window(
+    n: int, batch: int, accumulate: int
+) -> None:
+    with Session(strategy="single", accumulate=accumulate) as session:
+        model = session.setup_model(nn.Linear(1, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        loader = session.build_loader(TensorDataset(torch.arange(float(n))), batch_size=batch)
+        live = LiveState()
+        live.add_loader(loader)
+        windows, window_open = 0, False
+        for _ in range(3):
+            for (x,) in session.batches(loader):
+                if not window_open:  # the window's first micro-step: where the Session marks it
+                    live.mark(window_batches=1, accumulate=accumulate)
+                    sent = live.state_dict()["loaders_after"][0]
+                    window_open = True
+                with session.micro_step(model):
+                    session.backward(model(x[:, None]).sum())
+                if session.step(optimizer):
+                    window_open = False
+                    windows += 1
+                    after = build_at(lambda: session.build_loader(loader.dataset, batch_size=batch), sent)
+                    assert _position(after.state_dict()) == _position(loader.state_dict())
+        assert windows >= 3
