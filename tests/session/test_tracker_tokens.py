@@ -1,0 +1,220 @@
+"""A launch's run token (``MULTIGPU_RUN_ID``) keeps one tracker run over the processes of one launch.
+
+Each test runs Sessions in this process, one after another, as a restarted main process would: with the same
+token the second continues the first's run in every tracker (read back through the tracker's own reader); with
+another token it starts a run of its own. W&B and Aim take 10-20 s to import on a loaded machine: with
+MULTIGPU_LONG=1.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from multigpu.errors import ConfigError, LaunchError
+from multigpu.runtime.worker_env import WorkerEnv, new_run_token
+from multigpu.session import Session
+from multigpu.session.metrics import RUN_RECORD, run_id_of
+
+LONG = bool(os.environ.get("MULTIGPU_LONG"))
+Steps = dict[str, list[tuple[int, float]]]  # each run the tracker's store holds: its (step, value) pairs
+
+
+def _csv(tmp_path: Path) -> Steps:
+    runs = {}
+    for folder in sorted((tmp_path / "runs").iterdir()):
+        with (folder / "metrics.csv").open() as file:
+            runs[folder.name] = [
+                (int(r["step"]), float(r["value"])) for r in csv.DictReader(file) if r["metric"] == "v"
+            ]
+    return runs
+
+
+def _tensorboard(tmp_path: Path) -> Steps:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = {}
+    for folder in sorted((tmp_path / "runs").iterdir()):
+        events = EventAccumulator(str(folder), purge_orphaned_data=True)
+        events.Reload()
+        runs[folder.name] = [(e.step, e.value) for e in events.Scalars("v")]
+    return runs
+
+
+def _mlflow(tmp_path: Path) -> Steps:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    found = client.search_runs([client.get_experiment_by_name("multigpu").experiment_id])
+    return {
+        r.info.run_id: sorted((m.step, m.value) for m in client.get_metric_history(r.info.run_id, "v")) for r in found
+    }
+
+
+def _trackio(tmp_path: Path) -> Steps:
+    from trackio.sqlite_storage import SQLiteStorage
+
+    return {
+        name: [(int(row["step"]), float(row["v"])) for row in SQLiteStorage.get_logs("multigpu", name) if "v" in row]
+        for name in SQLiteStorage.get_runs("multigpu")
+    }
+
+
+def _wandb(tmp_path: Path) -> Steps:
+    # an offline run's folder ends with the run's id; each process of the run writes a folder of its own
+    runs: Steps = {}
+    for folder in sorted((tmp_path / "wandb").glob("offline-run-*")):
+        runs.setdefault(folder.name.rsplit("-", 1)[1], []).append((0, 0.0))
+    return runs
+
+
+def _aim(tmp_path: Path) -> Steps:
+    from aim import Repo, Run
+
+    repo, runs = Repo.from_path(str(tmp_path / "aim")), {}
+    for run_hash in repo.list_all_runs():
+        run = Run(run_hash, repo=repo)
+        (metric,) = [m for m in run.metrics() if m.name == "v"]
+        steps, values = metric.data.items_list()
+        runs[run_hash] = [(s, float(v)) for s, v in zip(steps, values[0])]
+        run.close()
+    return runs
+
+
+READERS: dict[str, Callable[[Path], Steps]] = {
+    "csv": _csv,
+    "tensorboard": _tensorboard,
+    "mlflow": _mlflow,
+    "trackio": _trackio,
+    "wandb": _wandb,
+    "aim": _aim,
+}
+SLOW = pytest.mark.skipif(not LONG, reason="imports for 10-20 s on a loaded machine: MULTIGPU_LONG=1")
+STARTS = pytest.mark.multiprocess  # the library starts a process of its own (W&B's service; MLflow's, Aim's helpers)
+
+
+@pytest.fixture
+def stores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> dict[str, dict[str, Any]]:
+    """Every tracker's store under ``tmp_path`` (trackio reads TRACKIO_DIR once, at its import: set it there)."""
+    monkeypatch.chdir(tmp_path)  # the default run folder, runs/<token>
+    if request.node.callspec.params.get("tracker") == "trackio":
+        import trackio.sqlite_storage
+        import trackio.utils
+
+        for module in (trackio.utils, trackio.sqlite_storage):
+            monkeypatch.setattr(module, "TRACKIO_DIR", tmp_path / "trackio")
+    return {
+        "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+        "wandb": {"dir": str(tmp_path)},
+        "aim": {"repo": str(tmp_path / "aim")},
+    }
+
+
+def _log(monkeypatch: pytest.MonkeyPatch, token: str, tracker: str, options: Any, steps: range, **fields: Any) -> Path:
+    monkeypatch.setenv("MULTIGPU_RUN_ID", token)
+    options = {k: v for k, v in options.items() if k == tracker}
+    with Session(strategy="single", trackers=(tracker,), run_name="tok", tracker_options=options, **fields) as session:
+        for step in steps:
+            session.log({"v": float(step) + 0.5 * (token == "second")}, step)
+        return session.run_dir
+
+
+@pytest.mark.parametrize(
+    "tracker",
+    [
+        "csv",
+        "tensorboard",
+        pytest.param("mlflow", marks=STARTS),
+        "trackio",
+        pytest.param("wandb", marks=[SLOW, STARTS]),
+        pytest.param("aim", marks=[SLOW, STARTS]),
+    ],
+)
+def test_two_sessions_of_one_token_continue_one_run_and_another_token_starts_another(
+    tracker: str, stores: dict[str, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = _log(monkeypatch, "first", tracker, stores, range(1, 4))
+    assert first == Path("runs") / "first"  # the token's folder, whatever time each process started
+    _log(monkeypatch, "first", tracker, stores, range(4, 6))  # a restarted main process: the same run
+    _log(monkeypatch, "second", tracker, stores, range(1, 3))  # another launch: a run of its own
+    runs = READERS[tracker](tmp_path)
+    assert len(runs) == 2, runs
+    if tracker == "wandb":  # three processes wrote, under two ids: the first token's twice
+        assert sorted(len(steps) for steps in runs.values()) == [1, 2]
+        assert run_id_of("first") in runs
+        return
+    assert sorted(runs.values()) == [[(s, float(s)) for s in range(1, 6)], [(1, 1.5), (2, 2.5)]]
+
+
+@pytest.mark.parametrize(
+    "tracker", [pytest.param("mlflow", marks=STARTS), "trackio", pytest.param("wandb", marks=[SLOW, STARTS])]
+)
+def test_without_the_run_folder_the_trackers_store_finds_the_run_by_its_token(
+    tracker: str, stores: dict[str, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relaunch joined to the run from elsewhere (its own run_dir, so no run record): the library finds it."""
+    _log(monkeypatch, "first", tracker, stores, range(1, 3), run_dir=tmp_path / "a")
+    _log(monkeypatch, "first", tracker, stores, range(3, 5), run_dir=tmp_path / "b")
+    runs = READERS[tracker](tmp_path)
+    if tracker == "wandb":
+        assert runs == {run_id_of("first"): [(0, 0.0), (0, 0.0)]}
+        return
+    assert list(runs.values()) == [[(s, float(s)) for s in range(1, 5)]]
+
+
+def test_a_restarted_process_logs_again_from_its_first_step_and_each_step_stays_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart before any checkpoint starts from step 1 again: what the killed process logged is replaced."""
+    monkeypatch.chdir(tmp_path)
+    _log(monkeypatch, "first", "csv", {}, range(1, 6))
+    _log(monkeypatch, "first", "tensorboard", {}, range(1, 6))
+    monkeypatch.setenv("MULTIGPU_RUN_ID", "first")
+    with Session(strategy="single", trackers=("csv", "tensorboard"), run_name="tok") as session:
+        for step in (2, 3):
+            session.log({"v": 10.0 * step}, step)
+    expected = [(1, 1.0), (2, 20.0), (3, 30.0)]
+    assert _csv(tmp_path) == {"first": expected}
+    assert _tensorboard(tmp_path) == {"first": expected}
+    record = json.loads((tmp_path / "runs" / "first" / RUN_RECORD).read_text())
+    assert record["run_id"] == run_id_of("first") and set(record["trackers"]) == {"csv", "tensorboard"}
+
+
+def test_a_session_without_a_token_keeps_a_run_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MULTIGPU_RUN_ID", raising=False)
+    for _ in range(2):
+        with Session(strategy="single", trackers=("csv",), run_dir=tmp_path / "mine") as session:
+            session.log({"v": 1.0}, 1)
+    assert _csv_rows(tmp_path / "mine") == [(1, 1.0), (1, 1.0)]  # appended, as before tokens: no rewind
+    assert not (tmp_path / "mine" / RUN_RECORD).exists()
+
+
+def _csv_rows(folder: Path) -> list[tuple[int, float]]:
+    with (folder / "metrics.csv").open() as file:
+        return [(int(r["step"]), float(r["value"])) for r in csv.DictReader(file) if r["metric"] == "v"]
+
+
+@pytest.mark.parametrize("token", ["a b", "x" * 65, "-leading", "../up", "tab\there", "ü", "semi;colon", "quote'd"])
+def test_a_bad_token_is_refused_naming_the_value_and_the_fix(token: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(LaunchError, match=r"MULTIGPU_RUN_ID=.* is not a run token: 1 to 64 letters.*unset it"):
+        WorkerEnv.from_environ({"MULTIGPU_RUN_ID": token})
+    with pytest.raises(ConfigError, match=r"WorkerEnv: MULTIGPU_RUN_ID=.* is not a run token"):
+        WorkerEnv(run_token=token)
+    monkeypatch.setenv("MULTIGPU_RUN_ID", token)
+    with pytest.raises(LaunchError, match=r"is not a run token"), Session(strategy="single") as session:
+        session.log({"v": 1.0}, 1)
+
+
+def test_a_good_token_and_a_new_one_read_back_as_written() -> None:
+    for token in ("a", "x" * 64, "Run_1.2-3", new_run_token()):
+        assert WorkerEnv.from_environ(WorkerEnv(run_token=token).to_environ()).run_token == token
+    assert new_run_token() != new_run_token()
