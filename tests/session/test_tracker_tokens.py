@@ -20,11 +20,12 @@ from typing import Any
 
 import pytest
 
+from multigpu.cli.main import main
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.runtime.worker_env import WorkerEnv, new_run_token
 from multigpu.session import Session
 from multigpu.session.metrics import RUN_RECORD, run_id_of
-from tests.launching import run_command
+from tests.launching import run_command, run_together
 
 LONG = bool(os.environ.get("MULTIGPU_LONG"))
 Steps = dict[str, list[tuple[int, float]]]  # each run the tracker's store holds: its (step, value) pairs
@@ -236,3 +237,25 @@ def test_a_good_token_and_a_new_one_read_back_as_written() -> None:
     for token in ("a", "x" * 64, "Run_1.2-3", new_run_token()):
         assert WorkerEnv.from_environ(WorkerEnv(run_token=token).to_environ()).run_token == token
     assert new_run_token() != new_run_token()
+
+
+def test_multigpu_launch_refuses_a_bad_exported_token_before_it_starts_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('never runs')\n")
+    monkeypatch.setenv("MULTIGPU_RUN_ID", "my run")
+    assert main(["launch", "--strategy", "single", str(script)]) == 2
+    assert "MULTIGPU_RUN_ID='my run' is not a run token" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_multigpu_launch_passes_the_users_token_or_a_new_one_to_its_workers(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import os\nprint('token', os.environ['MULTIGPU_RUN_ID'])\n")
+    argv = [sys.executable, "-m", "multigpu", "launch", "--strategy", "single", str(script)]
+    mine, new = run_together([argv, argv], timeout_s=120, envs=[{"MULTIGPU_RUN_ID": "digits-lr0.1"}, {}])
+    assert mine.returncode == 0 and new.returncode == 0, mine.stderr[-2000:] + new.stderr[-2000:]
+    assert "token digits-lr0.1" in mine.stdout
+    (made,) = [line.split()[1] for line in new.stdout.splitlines() if line.startswith("token ")]
+    assert made != "digits-lr0.1" and WorkerEnv.from_environ({"MULTIGPU_RUN_ID": made}).run_token == made

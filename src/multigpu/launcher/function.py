@@ -46,6 +46,7 @@ from multigpu.launcher.config import LaunchConfig
 from multigpu.launcher.environment import worker_env
 from multigpu.launcher.preflight import check_process_count
 from multigpu.runtime.worker_env import WorkerRank, owned_variable
+from multigpu.runtime.world import run_token
 from multigpu.strategies import STRATEGIES
 
 LOOPBACK = "127.0.0.1"
@@ -103,7 +104,7 @@ def launch_function(
     # what multigpu launch tells its workers (the strategy's own launch_env included), but no core binding
     # or stderr copy: the ranks run a function, not the launcher's entry script
     config = LaunchConfig(strategy=strategy, nproc_per_node=nproc_per_node, extra_env=extra)
-    shared = worker_env(config, strategy, nproc_per_node, entry=False)
+    shared = worker_env(config, strategy, nproc_per_node, entry=False, run_token=run_token())  # the user's, if set
     try:
         envs = [
             {

@@ -14,8 +14,8 @@ in each tracker, which every checkpoint saves (:mod:`multigpu.runtime.run_identi
 Without a checkpoint's identity, a launch's run token (``MULTIGPU_RUN_ID``, the same in every replica group
 and every restart of one ``multigpu launch``) gives the run's id: each tracker finds the run of that id in
 its store or creates it, so a restarted main process continues the same runs. The run folder keeps the run's
-identity (:data:`RUN_RECORD`, written when the trackers open); a process that finds its own run id there is a
-restart of the run: it continues those runs as a checkpoint's resume would, and logs again the steps from its
+identity and the token (:data:`RUN_RECORD`, written when the trackers open); a process that finds its own token
+there is a restart of the run: it continues those runs as a checkpoint's resume would, and logs again the steps from its
 first ``log`` on (the trackers treat it as a resume from the step before).
 
 Example:
@@ -247,7 +247,8 @@ class MetricsLog:
                 f"{str(path)!r} is not the run record multigpu writes ({reprlib.repr(path.read_bytes())}); "
                 "delete it: the trackers then find the run by its id where they can, else start new runs"
             ) from None
-        if record["run_id"] == self._run_id:
+        if record.get("token") == self._token:  # its runs: the token's, or those a checkpoint of it resumed
+            self._run_id = str(record["run_id"])
             self._resumed = record["trackers"]
             self._resumed_step = None if first_step is None else first_step - 1
 
@@ -256,7 +257,8 @@ class MetricsLog:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / RUN_RECORD
         partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        partial.write_text(json.dumps(self.identity(), indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        record = {**(self.identity() or {}), "token": self._token}
+        partial.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
         os.replace(partial, path)
 
 
