@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+import multigpu
 from multigpu.cli.main import main
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.runtime.worker_env import WorkerEnv, new_run_token
@@ -259,3 +261,21 @@ def test_multigpu_launch_passes_the_users_token_or_a_new_one_to_its_workers(tmp_
     assert "token digits-lr0.1" in mine.stdout
     (made,) = [line.split()[1] for line in new.stdout.splitlines() if line.startswith("token ")]
     assert made != "digits-lr0.1" and WorkerEnv.from_environ({"MULTIGPU_RUN_ID": made}).run_token == made
+
+
+def test_a_checkpoints_saved_runs_win_over_the_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    model, checkpoints = torch.nn.Linear(2, 1), multigpu.Checkpointer(folder=tmp_path / "ckpt")
+    monkeypatch.setenv("MULTIGPU_RUN_ID", "first")
+    with Session(strategy="single", trackers=("csv",)) as session:
+        session.log({"v": 1.0}, 1)
+        checkpoints.save(step=1, model=model)
+        session.log({"v": 2.0}, 2)  # after the save: the resumed run logs it again
+    monkeypatch.setenv("MULTIGPU_RUN_ID", "second")  # a relaunch: a launch, and a token, of its own
+    with Session(strategy="single", trackers=("csv",)) as session:
+        resumed = checkpoints.resume(model=model)
+        assert resumed is not None and resumed.step == 1
+        session.log({"v": 20.0}, 2)
+    assert _csv(tmp_path) == {"first": [(1, 1.0), (2, 20.0)]}  # the saved run, rewound to the checkpoint
+    record = json.loads((tmp_path / "runs" / "first" / RUN_RECORD).read_text())
+    assert record["token"] == "second" and record["run_id"] == run_id_of("first")
