@@ -279,3 +279,15 @@ def test_a_checkpoints_saved_runs_win_over_the_token(tmp_path: Path, monkeypatch
     assert _csv(tmp_path) == {"first": [(1, 1.0), (2, 20.0)]}  # the saved run, rewound to the checkpoint
     record = json.loads((tmp_path / "runs" / "first" / RUN_RECORD).read_text())
     assert record["token"] == "second" and record["run_id"] == run_id_of("first")
+
+
+@pytest.mark.parametrize("damage", [b"{not json", b'{"run_id": 3}', b"[]"])
+def test_a_damaged_run_record_is_refused_naming_the_file_and_the_fix(
+    damage: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    _log(monkeypatch, "first", "csv", {}, range(1, 2))
+    (tmp_path / "runs" / "first" / RUN_RECORD).write_bytes(damage)
+    with pytest.raises(ConfigError, match=r"multigpu-run.json' is not the run record multigpu writes.*delete it"):
+        _log(monkeypatch, "first", "csv", {}, range(2, 3))
+    assert _csv(tmp_path) == {"first": [(1, 1.0)]}  # nothing written

@@ -13,10 +13,10 @@ in each tracker, which every checkpoint saves (:mod:`multigpu.runtime.run_identi
 :meth:`MetricsLog.resume` takes it back before they open, so a relaunched run continues the same runs.
 Without a checkpoint's identity, a launch's run token (``MULTIGPU_RUN_ID``, the same in every replica group
 and every restart of one ``multigpu launch``) gives the run's id: each tracker finds the run of that id in
-its store or creates it, so a restarted main process continues the same runs. The run folder keeps the run's
-identity and the token (:data:`RUN_RECORD`, written when the trackers open); a process that finds its own token
-there is a restart of the run: it continues those runs as a checkpoint's resume would, and logs again the steps from its
-first ``log`` on (the trackers treat it as a resume from the step before).
+its store or creates it, so a restarted main process continues the same runs. The run folder keeps the
+run's identity and the token (:data:`RUN_RECORD`, written when the trackers open); a process that finds its
+own token there is a restart of the run: it continues those runs as a checkpoint's resume would, and logs
+again the steps from its first ``log`` on (the trackers treat it as a resume from the step before).
 
 Example:
     >>> log = MetricsLog(tmp_path, enabled=True)  # doctest: +SKIP
