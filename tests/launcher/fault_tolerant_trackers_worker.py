@@ -4,8 +4,8 @@
         tests/launcher/fault_tolerant_trackers_worker.py OUT_DIR SLEEP_S TRACKER,TRACKER...
 
 The worker runs in OUT_DIR, without ``run_dir``: the run folder is the default one there, with the trackers named (MLflow's store: ``OUT_DIR/mlflow.db``). After each
-committed step the worker logs ``pid`` (its process id) at ``session.global_step`` (only the main process, rank 0
-of group 0, writes), then appends ``{"global_step", "pid"}`` to ``OUT_DIR/group<g>.jsonl``. Each step sleeps
+committed step the worker appends ``{"global_step", "pid"}`` to ``OUT_DIR/group<g>.jsonl``, then logs ``pid`` (its
+process id) at ``session.global_step`` (only the main process, rank 0 of group 0, writes). Each step sleeps
 SLEEP_S while ``OUT_DIR/hold`` exists; the run ends at the step ``OUT_DIR/total`` names (read at every step, so
 that a test ends both groups together once it has seen what it waits for).
 """
@@ -49,9 +49,9 @@ def main() -> None:
                         if (out / "hold").exists():
                             time.sleep(pause)
                     if session.step(optimizer):  # a step no group committed is not logged (global_step stays)
-                        session.log({"pid": float(os.getpid())}, session.global_step)
                         steps.write(json.dumps({"global_step": session.global_step, "pid": os.getpid()}) + "\n")
-                        steps.flush()
+                        steps.flush()  # before the log: a kill in between leaves the step here, not in the trackers
+                        session.log({"pid": float(os.getpid())}, session.global_step)
                     if session.global_step >= total(out):
                         break
 

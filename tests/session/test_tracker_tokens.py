@@ -84,10 +84,12 @@ def _wandb_folders(tmp_path: Path) -> dict[str, int]:
 
 
 def _aim(tmp_path: Path) -> Steps:
+    """The runs the run folders name, read by hash (Aim's listing of a repository lags behind a run just closed)."""
     from aim import Repo, Run
 
     repo, runs = Repo.from_path(str(tmp_path / "aim")), {}
-    for run_hash in repo.list_all_runs():
+    for record in sorted((tmp_path / "runs").glob(f"*/{RUN_RECORD}")):
+        run_hash = json.loads(record.read_text())["trackers"]["aim"]["hash"]
         run = Run(run_hash, repo=repo)
         (metric,) = [m for m in run.metrics() if m.name == "v"]
         steps, values = metric.data.items_list()
