@@ -22,6 +22,7 @@ from collections.abc import Mapping
 
 from multigpu.devices import process_device_type
 from multigpu.launcher.config import LaunchConfig, logs_requested
+from multigpu.runtime import world
 from multigpu.runtime.worker_env import WorkerEnv, new_run_token
 from multigpu.runtime.world import configured_threads
 from multigpu.strategies import STRATEGIES
@@ -73,6 +74,19 @@ def worker_env(
         # shared rendezvous store and fail to connect (pytorch/pytorch#135712).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
+
+
+def users_run_token() -> str | None:
+    """The run token the user set for this launch (``MULTIGPU_RUN_ID``), or None: the launch makes its own.
+
+    None too in a process that a launch started (every launch sets ``MULTIGPU_STRATEGY``): the token there is
+    that outer launch's, and a launch started from it is a run of its own (as :func:`inherited` says).
+
+    Raises:
+        LaunchError: ``MULTIGPU_RUN_ID`` is set but not a token, named with its value and the fix.
+    """
+    token = world.run_token()
+    return token if world.requested_strategy() is None else None
 
 
 def inherited(environ: Mapping[str, str]) -> dict[str, str]:

@@ -40,14 +40,13 @@ from collections.abc import Sequence
 from multigpu.devices import parse_devices
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.launcher.config import LaunchConfig, logs_requested
-from multigpu.launcher.environment import inherited, worker_env
+from multigpu.launcher.environment import inherited, users_run_token, worker_env
 from multigpu.launcher.fault_tolerant import launch_fault_tolerant
 from multigpu.launcher.preemption import maybe_requeue
 from multigpu.launcher.preflight import check_log_dir
 from multigpu.launcher.supervise import run_supervised
 from multigpu.launcher.torchrun import build_torchrun_args, resolve_nproc, run_torchrun
 from multigpu.runtime.scheduler_world import DEFAULT_PORT
-from multigpu.runtime.world import run_token
 from multigpu.strategies import STRATEGIES
 from multigpu.strategies.registry import launched_auto
 
@@ -74,7 +73,7 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
     """
     if not os.path.isfile(script):
         raise LaunchError(f"script {script!r} does not exist; pass the path of a Python file, e.g. examples/train.py")
-    token = run_token()  # the user's MULTIGPU_RUN_ID joins this launch to that run; else worker_env makes one
+    token = users_run_token()  # the user's MULTIGPU_RUN_ID joins this launch to that run; else worker_env makes one
     nproc = 1 if config.one_process else resolve_nproc(config)
     strategy = resolve_strategy(config, nproc)
     check_ranks_filter(config, nproc)
