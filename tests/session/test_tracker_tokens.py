@@ -293,3 +293,16 @@ def test_a_damaged_run_record_is_refused_naming_the_file_and_the_fix(
     with pytest.raises(ConfigError, match=r"multigpu-run.json' is not the run record multigpu writes.*delete it"):
         _log(monkeypatch, "first", "csv", {}, range(2, 3))
     assert _csv(tmp_path) == {"first": [(1, 1.0)]}  # nothing written
+
+
+def test_a_csv_row_a_kill_cut_short_is_dropped_not_joined_to_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    _log(monkeypatch, "first", "csv", {}, range(1, 3))
+    with (tmp_path / "runs" / "first" / "metrics.csv").open("a") as file:
+        file.write("3,v,3.")  # what a SIGKILL in the middle of a write leaves
+    monkeypatch.setenv("MULTIGPU_RUN_ID", "other")  # not even a restart of the run: appending alone must not join it
+    with Session(strategy="single", trackers=("csv",), run_dir=tmp_path / "runs" / "first") as session:
+        session.log({"v": 4.0}, 4)
+    assert _csv(tmp_path) == {"first": [(1, 1.0), (2, 2.0), (4, 4.0)]}
