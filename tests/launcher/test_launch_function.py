@@ -12,6 +12,7 @@ import pytest
 
 from multigpu.errors import ConfigError, LaunchError, LaunchTimeoutError, ResultError
 from multigpu.launcher.function import launch_function
+from multigpu.runtime.worker_env import WorkerEnv
 from tests.launching import alive, fork_sleeper, run_python_stdin, start_joined_child
 
 _SCRIPT = """
@@ -302,7 +303,8 @@ _FSDP_SCRIPT = """
 import ctypes, json, os, warnings
 os.environ.pop("GLIBC_TUNABLES", None)  # started as a user's notebook is: without fsdp's malloc settings
 os.environ["OMP_NUM_THREADS"] = "1"
-os.environ.update(MULTIGPU_DEBUG="1", MULTIGPU_FAILURE_DIR="/tmp/outer-run")  # a notebook a launch started
+os.environ.update(MULTIGPU_DEBUG="1", MULTIGPU_FAILURE_DIR="/tmp/outer-run", MULTIGPU_STRATEGY="ddp",
+                  MULTIGPU_RUN_ID="outer-run")  # a notebook a launch started
 import torch
 import multigpu
 from multigpu.session import Session
@@ -348,6 +350,8 @@ def test_fsdp_from_a_notebook_gets_what_multigpu_launch_gives_its_workers() -> N
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert not [w for w in result["warnings"] if "GLIBC_TUNABLES" in w], result["warnings"]
     assert result["strategy"] == "fsdp", result
+    token = result["told"].pop("MULTIGPU_RUN_ID")  # this launch's own: its trackers' run is not the outer one's
+    assert token != "outer-run" and WorkerEnv.from_environ({"MULTIGPU_RUN_ID": token}).run_token == token
     assert result["told"] == {"MULTIGPU_STRATEGY": "fsdp"}, result  # not the outer launch's settings
     assert result["threads"] == 1, result  # OMP_NUM_THREADS=1 in the caller: 1 per rank, not the caller's 3
     if platform.libc_ver()[0] == "glibc":

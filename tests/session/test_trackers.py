@@ -207,7 +207,7 @@ def test_every_tracker_keeps_one_run_across_preemption_crash_and_relaunch(tmp_pa
     aim = [str(Path(sys.executable).parent / "aim"), "storage", "--repo", str(tmp_path / "aim"), "reindex", "--yes"]
     trackio = (
         "import json\nfrom trackio.sqlite_storage import SQLiteStorage as S\n"
-        "print(json.dumps([S.get_runs('multigpu'), S.get_logs('multigpu', 'trk')]))"
+        "runs = S.get_runs('multigpu')\nprint(json.dumps([runs, S.get_logs('multigpu', runs[0])]))"
     )
     commands = [aim, [sys.executable, "-c", trackio], *([*_WANDB_INSPECT, str(log)] for log in wandb_logs)]
     with ThreadPoolExecutor(1) as pool:
@@ -262,7 +262,8 @@ def _check_trackio(
 ) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     runs, logs = json.loads(done.stdout.strip().splitlines()[-1])
-    assert runs == ["trk"]
+    (name,) = runs
+    assert name.startswith("trk-") and len(name) == len("trk-") + 8  # its name and 8 hex digits of its id: unique
     history = [(int(row["step"]), row["launch"]) for row in logs if "launch" in row]
     counts = Counter(s for s, _ in history)
     assert all(counts[s] == 1 for s in range(1, stop + 1)) and all(counts[s] == 1 for s in range(stop + 6, 13))

@@ -22,13 +22,20 @@ from collections.abc import Mapping
 
 from multigpu.devices import process_device_type
 from multigpu.launcher.config import LaunchConfig, logs_requested
-from multigpu.runtime.worker_env import WorkerEnv
+from multigpu.runtime import world
+from multigpu.runtime.worker_env import WorkerEnv, new_run_token
 from multigpu.runtime.world import configured_threads
 from multigpu.strategies import STRATEGIES
 
 
 def worker_env(
-    config: LaunchConfig, strategy: str, nproc: int, *, failure_dir: str | None = None, entry: bool = True
+    config: LaunchConfig,
+    strategy: str,
+    nproc: int,
+    *,
+    failure_dir: str | None = None,
+    entry: bool = True,
+    run_token: str | None = None,
 ) -> dict[str, str]:
     """The variables every worker gets on top of the launcher's own environment.
 
@@ -39,6 +46,8 @@ def worker_env(
         failure_dir: the folder where each worker records its failure (ddp and fsdp launches).
         entry: the workers start through :mod:`multigpu.launcher._entry`, which binds cores and copies stderr;
             False for ranks that run a function (launch_function): neither is asked of them.
+        run_token: the launch's run token (the same for every worker and every restart of the launch, so the
+            trackers continue one run); None: a new one (:func:`~multigpu.runtime.worker_env.new_run_token`).
     """
     threads = config.threads_per_process or configured_threads() or max(1, (os.cpu_count() or 1) // nproc)
     device_type = process_device_type()  # what each worker computes on (runtime.world.process_device)
@@ -54,6 +63,7 @@ def worker_env(
         # the worker copies its stderr for the summary (torchrun's files do it otherwise)
         stderr_copy=entry and not logs_requested(config),
         debug=config.debug,  # the worker turns on torch's checks too (runtime.tracking.setup_worker)
+        run_token=run_token or new_run_token(),
     )
     # extra_env holds none of the launch's own variables (LaunchConfig refuses them) but OMP_NUM_THREADS, in
     # any of OpenMP's forms: the user's, as launch_function(env=...) always took it
@@ -64,6 +74,19 @@ def worker_env(
         # shared rendezvous store and fail to connect (pytorch/pytorch#135712).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
+
+
+def users_run_token() -> str | None:
+    """The run token the user set for this launch (``MULTIGPU_RUN_ID``), or None: the launch makes its own.
+
+    None too in a process that a launch started (every launch sets ``MULTIGPU_STRATEGY``): the token there is
+    that outer launch's, and a launch started from it is a run of its own (as :func:`inherited` says).
+
+    Raises:
+        LaunchError: ``MULTIGPU_RUN_ID`` is set but not a token, named with its value and the fix.
+    """
+    token = world.run_token()
+    return token if world.requested_strategy() is None else None
 
 
 def inherited(environ: Mapping[str, str]) -> dict[str, str]:

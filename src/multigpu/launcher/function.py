@@ -43,7 +43,7 @@ from multigpu.devices import device_type_names, get_device_type
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.launcher._forked_ranks import run_ranks
 from multigpu.launcher.config import LaunchConfig
-from multigpu.launcher.environment import worker_env
+from multigpu.launcher.environment import users_run_token, worker_env
 from multigpu.launcher.preflight import check_process_count
 from multigpu.runtime.worker_env import WorkerRank, owned_variable
 from multigpu.strategies import STRATEGIES
@@ -103,7 +103,7 @@ def launch_function(
     # what multigpu launch tells its workers (the strategy's own launch_env included), but no core binding
     # or stderr copy: the ranks run a function, not the launcher's entry script
     config = LaunchConfig(strategy=strategy, nproc_per_node=nproc_per_node, extra_env=extra)
-    shared = worker_env(config, strategy, nproc_per_node, entry=False)
+    shared = worker_env(config, strategy, nproc_per_node, entry=False, run_token=users_run_token())
     try:
         envs = [
             {

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from multigpu.devices import parse_devices
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.launcher.config import LaunchConfig, logs_requested
-from multigpu.launcher.environment import inherited, worker_env
+from multigpu.launcher.environment import inherited, users_run_token, worker_env
 from multigpu.launcher.fault_tolerant import launch_fault_tolerant
 from multigpu.launcher.preemption import maybe_requeue
 from multigpu.launcher.preflight import check_log_dir
@@ -73,6 +73,7 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
     """
     if not os.path.isfile(script):
         raise LaunchError(f"script {script!r} does not exist; pass the path of a Python file, e.g. examples/train.py")
+    token = users_run_token()  # the user's MULTIGPU_RUN_ID joins this launch to that run; else worker_env makes one
     nproc = 1 if config.one_process else resolve_nproc(config)
     strategy = resolve_strategy(config, nproc)
     check_ranks_filter(config, nproc)
@@ -85,21 +86,21 @@ def launch(config: LaunchConfig, script: str, script_args: Sequence[str] = ()) -
     if config.devices is not None:
         parse_devices(config.devices)  # a DeviceError here, not after the script started
     if not STRATEGIES[strategy].needs_processes:
-        env = {**inherited(os.environ), **worker_env(config, strategy, 1)}
+        env = {**inherited(os.environ), **worker_env(config, strategy, 1, run_token=token)}
         code = run_supervised([sys.executable, script, *script_args], env, grace_s=config.grace_period_s)
         return maybe_requeue(config, code)
     if config.log_dir is not None:
         check_log_dir(config.log_dir)  # torchrun's own traceback otherwise, after the rendezvous
     if config.fault_tolerant:
         # the node's cores are shared by every group's processes (OMP_NUM_THREADS)
-        env = worker_env(config, strategy, nproc * (config.replicas or 1))
+        env = worker_env(config, strategy, nproc * (config.replicas or 1), run_token=token)
         return maybe_requeue(config, launch_fault_tolerant(config, script, script_args, env=env, nproc=nproc))
     with tempfile.TemporaryDirectory(prefix="multigpu-failures-") as failure_dir:
         log_dir = (config.log_dir or os.path.join(failure_dir, "logs")) if logs_requested(config) else None
         args = build_torchrun_args(config, script, script_args, log_dir=log_dir)
         if config.multi_node:  # the rendezvous waits silently for the other nodes: say where and for whom
             print(f"multigpu launch: {waiting_message(config, nproc)}", file=sys.stderr, flush=True)
-        env = worker_env(config, strategy, nproc, failure_dir=failure_dir)
+        env = worker_env(config, strategy, nproc, failure_dir=failure_dir, run_token=token)
         return maybe_requeue(config, run_torchrun(config, args, env, script))
 
 

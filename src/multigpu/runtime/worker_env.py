@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 import os
 import re
+import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -43,6 +45,9 @@ THREADS = "OMP_NUM_THREADS"
 _NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")  # a strategy's name: the registry says whether it knows it
 _THREADS = re.compile(r"0*[1-9][0-9]{0,5}")  # ASCII digits, few enough for int()
 _MAX_THREADS = 999_999
+# a launch's run token: the same in every group and restart of one launch; it names a folder (runs/<token>) and a
+# tag or param in the trackers' stores, so letters, digits and . _ - only, and short enough for any file system
+RUN_TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _FIX = "multigpu launch sets it for its workers: unset it, or start the script with multigpu launch"
 
 
@@ -119,6 +124,28 @@ def _pid(name: str, value: str) -> int | None:
     return int(value)
 
 
+def _run_token(name: str, value: str) -> str | None:
+    if not value:
+        return None
+    if not RUN_TOKEN.fullmatch(value):
+        raise LaunchError(
+            f"{shown(name, value)} is not a run token: 1 to 64 letters, digits, '.', '_' or '-', starting with a "
+            f"letter or digit; set it to one (e.g. {name}=digits-lr0.1) to continue that run, or unset it "
+            "(multigpu launch then gives the launch a new one)"
+        )
+    return value
+
+
+def new_run_token() -> str:
+    """A launch's own run token when the user set none: its start time and 8 random hex digits.
+
+    Example:
+        >>> RUN_TOKEN.fullmatch(new_run_token()) is not None
+        True
+    """
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+
+
 def _write_flag(value: Any) -> str | None:
     return "1" if value else None
 
@@ -141,6 +168,7 @@ _CODEC: dict[str, tuple[str, Callable[[str, str], Any], Callable[[Any], str | No
     "replica_groups": (PREFIX + "REPLICA_GROUPS", _count(1), _write),
     "lighthouse": (PREFIX + "LIGHTHOUSE", _text, _write),
     "supervisor": (PREFIX + "SUPERVISOR", _pid, _write),
+    "run_token": (PREFIX + "RUN_ID", _run_token, _write),
 }
 
 
@@ -164,6 +192,9 @@ class WorkerEnv:
             (``MULTIGPU_LIGHTHOUSE``, ``http://host:port``).
         supervisor: under ``--fault-tolerant``, the pid of the launcher that started this worker, which dies with
             it (``MULTIGPU_SUPERVISOR``; :mod:`multigpu.launcher.die_with_parent`).
+        run_token: the launch's run token (``MULTIGPU_RUN_ID``), the same in every replica group and every
+            restart of one launch: the Session's trackers continue the run it names
+            (:mod:`multigpu.session.trackers`). A user may set it to join a relaunch to the same run.
     """
 
     strategy: str | None = None
@@ -178,6 +209,7 @@ class WorkerEnv:
     replica_groups: int | None = None
     lighthouse: str | None = None
     supervisor: int | None = None
+    run_token: str | None = None
 
     def __post_init__(self) -> None:
         # what from_environ would refuse, or read back as something else, is refused here, by field
@@ -195,7 +227,7 @@ class WorkerEnv:
             value = getattr(self, attribute)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ConfigError(f"WorkerEnv({attribute}={value!r}): pass a count, or None")
-        for attribute in ("strategy", "devices", "failure_dir", "lighthouse"):
+        for attribute in ("strategy", "devices", "failure_dir", "lighthouse", "run_token"):
             value = getattr(self, attribute)
             if value is not None and (not isinstance(value, str) or not value or "\0" in value):
                 raise ConfigError(f"WorkerEnv({attribute}={value!r}): pass a non-empty string without NUL, or None")

@@ -429,6 +429,15 @@ def lighthouse_address() -> str | None:
     return worker_settings().lighthouse
 
 
+def run_token() -> str | None:
+    """The launch's run token (``MULTIGPU_RUN_ID``), the same in every group and restart of one launch; None: unset.
+
+    Raises:
+        LaunchError: it is set but not a token (1 to 64 letters, digits, ``.``, ``_``, ``-``), named with the fix.
+    """
+    return WorkerEnv.read(os.environ, "run_token")
+
+
 def supervisor_pid() -> int | None:
     """The launcher this worker dies with (``MULTIGPU_SUPERVISOR``); None outside ``--fault-tolerant``."""
     return worker_settings().supervisor

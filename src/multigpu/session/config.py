@@ -43,8 +43,9 @@ class SessionConfig:
         timeout_s: how long a collective waits for a missing rank before failing (ddp); None:
             ``multigpu launch --collective-timeout`` if given, else 600 s.
         run_dir: the folder :meth:`~multigpu.session.Session.log` writes ``metrics.csv`` (and
-            TensorBoard events) into; None: ``runs/<start time>-<strategy>`` under the working directory,
-            created on the first ``log`` (a run ``Checkpointer.resume`` continues keeps its first folder).
+            TensorBoard events) into; None: ``runs/<run token>`` under ``multigpu launch`` (``MULTIGPU_RUN_ID``),
+            else ``runs/<start time>-<strategy>``, under the working directory, created on the first ``log``
+            (a run ``Checkpointer.resume`` continues keeps its first folder).
         trackers: where ``log`` and ``log_hparams`` go, by name: ``"csv"``, ``"tensorboard"``, ``"mlflow"``,
             ``"wandb"``, ``"aim"``, ``"trackio"`` (:mod:`multigpu.session.trackers`; each but the CSV needs
             its extra, e.g. ``pip install 'multigpu[mlflow]'``); None: the CSV, and TensorBoard when installed.

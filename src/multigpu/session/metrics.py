@@ -11,6 +11,12 @@ The trackers open at the first ``log`` (hyperparameters logged before wait for i
 after ``log_hparams`` still continues the saved runs). :meth:`MetricsLog.identity` is the run's identity
 in each tracker, which every checkpoint saves (:mod:`multigpu.runtime.run_identity`);
 :meth:`MetricsLog.resume` takes it back before they open, so a relaunched run continues the same runs.
+Without a checkpoint's identity, a launch's run token (``MULTIGPU_RUN_ID``, the same in every replica group
+and every restart of one ``multigpu launch``) gives the run's id: each tracker finds the run of that id in
+its store or creates it, so a restarted main process continues the same runs. The run folder keeps the
+run's identity and the token (:data:`RUN_RECORD`, written when the trackers open); a process that finds its
+own token there is a restart of the run: it continues those runs as a checkpoint's resume would, and logs
+again the steps from its first ``log`` on (the trackers treat it as a resume from the step before).
 
 Example:
     >>> log = MetricsLog(tmp_path, enabled=True)  # doctest: +SKIP
@@ -19,7 +25,9 @@ Example:
 
 from __future__ import annotations
 
+import json
 import numbers
+import os
 import reprlib
 import uuid
 import warnings
@@ -34,7 +42,20 @@ from multigpu.runtime.run_identity import IDENTITY_KEY
 from multigpu.session.trackers import TRACKERS, RunInfo, Tracker, default_trackers
 from multigpu.session.trackers.csv_file import CSV_NAME
 
-__all__ = ["CSV_NAME", "MetricsLog"]
+__all__ = ["CSV_NAME", "RUN_RECORD", "MetricsLog", "run_id_of"]
+
+RUN_RECORD = "multigpu-run.json"  # in the run folder of a launch: the run's identity, which a restart continues
+_TOKEN_IDS = uuid.UUID("5f0c7d1e-3b59-4e43-9a57-3c2b8f9e6a10")  # the namespace of ids made from run tokens
+
+
+def run_id_of(token: str) -> str:
+    """The run's id (32 hex digits) a launch's run token names: the same token, the same id, in every process.
+
+    Example:
+        >>> run_id_of("digits-lr0.1") == run_id_of("digits-lr0.1") != run_id_of("digits-lr0.2")
+        True
+    """
+    return uuid.uuid5(_TOKEN_IDS, token).hex
 
 
 class MetricsLog:
@@ -47,6 +68,8 @@ class MetricsLog:
             TensorBoard when installed.
         run_name: the run's name in the trackers; None: the folder's name.
         options: each tracker's keywords for its library, by tracker name.
+        token: the launch's run token (``MULTIGPU_RUN_ID``): the run's id is made from it, and each tracker
+            continues the run of that id when its store has one; None: a new id, a new run.
     """
 
     def __init__(
@@ -57,13 +80,15 @@ class MetricsLog:
         trackers: Sequence[str] | None = None,
         run_name: str | None = None,
         options: Mapping[str, Mapping[str, Any]] | None = None,
+        token: str | None = None,
     ) -> None:
         self.folder = folder
         self.enabled = enabled
         self.names = tuple(trackers) if trackers is not None else default_trackers()
         self._run_name = self._chosen_name = run_name
         self._options = dict(options or {})
-        self._run_id = uuid.uuid4().hex
+        self._token = token
+        self._run_id = run_id_of(token) if token is not None else uuid.uuid4().hex
         self._resumed: Mapping[str, Any] = {}  # each tracker's saved identity, by name
         self._saved: Mapping[str, Any] | None = None  # the resumed checkpoint's identity, whole
         self._hparams: dict[str, Any] = {}  # what log_hparams recorded before the trackers opened
@@ -81,7 +106,7 @@ class MetricsLog:
         if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step={step!r} must be an integer >= 0 (e.g. the optimizer step count)")
         if self.enabled:
-            for tracker in self._trackers():
+            for tracker in self._trackers(first_step=int(step)):
                 tracker.log(values, int(step))
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
@@ -179,8 +204,10 @@ class MetricsLog:
         if errors:
             raise errors[0]
 
-    def _trackers(self) -> list[Tracker]:
+    def _trackers(self, first_step: int | None = None) -> list[Tracker]:
         if self._open is None:
+            if self._resumed_step is None and self._token is not None:  # no checkpoint resumed: a restart?
+                self._continue_recorded(first_step)
             self._open = []
             for name in self.names:
                 resumed = self._resumed.get(name)
@@ -193,10 +220,46 @@ class MetricsLog:
                     resumed_step=self._resumed_step,
                 )
                 self._open.append(TRACKERS[name].open(run))
+            if self._token is not None and self.names:
+                self._write_record()
             if self._hparams:
                 for tracker in self._open:
                     tracker.log_hparams(self._hparams)
         return self._open
+
+    def _continue_recorded(self, first_step: int | None) -> None:
+        """Continue the runs the run folder's record names when it is this run's (a restarted main process).
+
+        A process restarted without a checkpoint (a replica group healed live, a torchrun restart before the
+        first save) logs from ``first_step`` on: what an earlier process of the run logged there is replaced.
+
+        Raises:
+            ConfigError: the record is not one :meth:`_write_record` wrote (named, with the fix).
+        """
+        path = self.folder / RUN_RECORD
+        if not path.is_file():
+            return
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            MetricsLog.check_identity(record, path)
+        except (ValueError, CheckpointError):
+            raise ConfigError(
+                f"{str(path)!r} is not the run record multigpu writes ({reprlib.repr(path.read_bytes())}); "
+                "delete it: the trackers then find the run by its id where they can, else start new runs"
+            ) from None
+        if record.get("token") == self._token:  # its runs: the token's, or those a checkpoint of it resumed
+            self._run_id = str(record["run_id"])
+            self._resumed = record["trackers"]
+            self._resumed_step = None if first_step is None else first_step - 1
+
+    def _write_record(self) -> None:
+        """The run's identity in its folder, whole or not at all (a new file renamed over the old one)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / RUN_RECORD
+        partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        record = {**(self.identity() or {}), "token": self._token}
+        partial.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(partial, path)
 
 
 def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:

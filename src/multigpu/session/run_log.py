@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from multigpu.runtime import world
 from multigpu.session.metrics import MetricsLog
 
 if TYPE_CHECKING:
@@ -36,7 +37,8 @@ class RunLog:
 
     @property
     def run_dir(self) -> Path:
-        """The folder :meth:`log` writes into: ``SessionConfig.run_dir``, else ``runs/<start time>-<strategy>``."""
+        """The folder :meth:`log` writes into: ``SessionConfig.run_dir``, else ``runs/<run token>`` under
+        ``multigpu launch`` (``MULTIGPU_RUN_ID``), else ``runs/<start time>-<strategy>``."""
         return self._metrics_log().folder
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
@@ -77,13 +79,16 @@ class RunLog:
     def _metrics_log(self) -> MetricsLog:
         if self._metrics is None:
             strategy, _ = self._started()
-            folder = self.config.run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{strategy.name}"
+            token = world.run_token()  # multigpu launch's: the same in a restarted process, so the same folder
+            default = token if token is not None else f"{time.strftime('%Y%m%d-%H%M%S')}-{strategy.name}"
+            folder = self.config.run_dir or Path("runs") / default
             self._metrics = MetricsLog(
                 Path(folder),
                 enabled=strategy.is_main_process,
                 trackers=self.config.trackers,
                 run_name=self.config.run_name,
                 options=self.config.tracker_options,
+                token=token,
             )
         return self._metrics
 

@@ -3,7 +3,8 @@
 The repository is ``tracker_options={"aim": {"repo": ...}}``, else Aim's default (the working
 directory's ``.aim``); ``aim up`` views it. The run is in the experiment ``"experiment"`` (default
 ``"multigpu"``), named by the run's name, hyperparameters under ``run["hparams"]``. Its identity is
-Aim's run hash and the repository: a resumed run reopens it. Aim keeps one value per step, so steps
+Aim's run hash and the repository: a resumed run reopens it, and so does a restarted main process, from the
+run folder's record (Aim's queries read an index that a running or killed run is not in yet). Aim keeps one value per step, so steps
 after the checkpoint that a crashed run had logged are replaced by the resumed run's values.
 """
 

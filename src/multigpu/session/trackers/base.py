@@ -27,10 +27,13 @@ class RunInfo:
     Attributes:
         folder: the run folder (``SessionConfig.run_dir``): the CSV and TensorBoard write here.
         name: the run's name in every tracker (``SessionConfig.run_name``, else the folder's name).
-        run_id: multigpu's id of the run (32 hex digits), the same in every tracker that takes one.
+        run_id: multigpu's id of the run (32 hex digits), the same in every tracker that takes one; made from
+            the launch's run token (``MULTIGPU_RUN_ID``) when there is one. Without :attr:`resumed`, a tracker
+            continues the run of this id when its store has one (a restarted main process), else creates it.
         options: this tracker's keywords from ``SessionConfig.tracker_options`` (passed to its library).
         resumed: what :meth:`Tracker.state` returned when the resumed checkpoint was saved; None: a new run.
-        resumed_step: the resumed checkpoint's step; steps after it are logged again by this process.
+        resumed_step: the resumed checkpoint's step, or for a restart without a checkpoint the step before the
+            first one this process logs; steps after it are logged again by this process.
     """
 
     folder: Path
@@ -83,7 +86,7 @@ class Tracker(ABC):
     @classmethod
     @abstractmethod
     def open(cls, run: RunInfo) -> Tracker:
-        """A new run, or the run ``run.resumed`` identifies, ready to log."""
+        """The run ``run.resumed`` identifies, else the run of ``run.run_id`` in the store, else a new one, ready to log."""
 
     @abstractmethod
     def log(self, values: Mapping[str, float], step: int) -> None:

@@ -3,7 +3,8 @@
 ``time`` is seconds since the log was opened, so metrics can come and go between steps. Each row is
 flushed, so a crashed run keeps every line written so far. Hyperparameters go to
 ``<run_dir>/hparams.json``. A run resumed from a checkpoint at step S first drops the rows of steps
-after S (a crash left them; the resumed run logs them again), so each step is in the file once.
+after S (a crash left them; the resumed run logs them again), so each step is in the file once; a row that a
+killed process left without its newline is dropped when the file is opened again (the next would join it).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class CsvTracker(Tracker):
     def open(cls, run: RunInfo) -> CsvTracker:
         run.folder.mkdir(parents=True, exist_ok=True)
         path = run.folder / CSV_NAME
-        if run.resumed_step is not None and path.is_file():
-            _drop_steps_after(path, run.resumed_step)
+        if path.is_file() and path.stat().st_size and (run.resumed_step is not None or _cut_short(path)):
+            _rewrite(path, run.resumed_step)
         fresh = not path.exists() or path.stat().st_size == 0
         file = path.open("a", newline="", encoding="utf-8")
         if fresh:
@@ -60,12 +61,23 @@ class CsvTracker(Tracker):
         self._file.close()
 
 
-def _drop_steps_after(path: Path, step: int) -> None:
-    """Rewrite ``path`` without the rows of steps after ``step``: a new file renamed over the old one."""
+def _cut_short(path: Path) -> bool:
+    """Whether the file's last row lacks its newline: a process killed while writing it (the next would join it)."""
+    with path.open("rb") as file:
+        file.seek(-1, os.SEEK_END)
+        return file.read(1) != b"\n"
+
+
+def _rewrite(path: Path, step: int | None) -> None:
+    """Rewrite ``path`` without the rows of steps after ``step`` (None: keep every step) and without a last row a
+    kill cut short: a new file renamed over the old one."""
+    cut = _cut_short(path)
     with path.open(newline="", encoding="utf-8") as file:
         rows = list(csv.reader(file))
-    kept = [row for row in rows[1:] if row and row[0].isdigit() and int(row[0]) <= step]
-    if len(kept) == len(rows) - 1:
+    if cut:
+        rows = rows[:-1]
+    kept = [row for row in rows[1:] if row and row[0].isdigit() and (step is None or int(row[0]) <= step)]
+    if not cut and len(kept) == len(rows) - 1:
         return
     partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with partial.open("w", newline="", encoding="utf-8") as file:

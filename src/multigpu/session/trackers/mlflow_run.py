@@ -4,8 +4,10 @@ The store is ``tracker_options={"mlflow": {"tracking_uri": ...}}``, else MLflow'
 ``MLFLOW_TRACKING_URI``, else the SQLite database ``mlflow.db`` in the working directory); view it with
 ``mlflow ui --backend-store-uri sqlite:///mlflow.db``. The run is in the experiment ``"experiment"``
 (default ``"multigpu"``) and tagged ``multigpu.run_id``. Its identity is MLflow's run id and the store's
-URI: a resumed run logs into the same run. MLflow's metric history is append-only: steps after the
-checkpoint that a crashed run had logged are there twice, the resumed run's value last.
+URI: a resumed run logs into the same run. Without a checkpoint's identity, the experiment's run tagged with
+this run's id (made from the launch's run token) is continued when there is one: a restarted main process
+logs into it. MLflow's metric history is append-only: steps after the checkpoint that a crashed run had
+logged are there twice, the resumed run's value last.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from multigpu.session.trackers.base import RunInfo, Tracker
+
+_RUN_TAG = "multigpu.run_id"
 
 
 class MlflowTracker(Tracker):
@@ -41,7 +45,12 @@ class MlflowTracker(Tracker):
         name = options.pop("experiment", "multigpu")
         experiment = client.get_experiment_by_name(name)
         experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(name)
-        tags = {"multigpu.run_id": run.run_id, **options.pop("tags", {})}
+        # the run this id already has (a restarted main process of the same launch); run_id is 32 hex digits
+        found = client.search_runs([experiment_id], f"tags.`{_RUN_TAG}` = '{run.run_id}'", max_results=1)
+        if found:
+            client.update_run(found[0].info.run_id, status="RUNNING")  # the killed process left it RUNNING, or
+            return cls(client, found[0].info.run_id)  # a finished relaunch FINISHED
+        tags = {**options.pop("tags", {}), _RUN_TAG: run.run_id}  # a tag of the user's must not hide the run
         created = client.create_run(experiment_id, run_name=run.name, tags=tags)
         return cls(client, created.info.run_id)
 

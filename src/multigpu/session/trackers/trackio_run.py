@@ -1,12 +1,14 @@
 """``"trackio"``: a trackio run in its local store (``pip install 'multigpu[trackio]'``).
 
-``trackio.init`` gets ``project="multigpu"`` and the run's name, then ``tracker_options={"trackio":
-{...}}``; without a ``space_id`` it writes ``<project>.db`` in trackio's folder (``TRACKIO_DIR``, else
-``~/.cache/huggingface/trackio``) and ``trackio show`` views it. trackio takes the hyperparameters as
-the run's config, attached to the first logged values: call ``session.log_hparams`` before the first
-``session.log``. Its identity is the project and the run's name: a resumed run calls
-``trackio.init(resume="must")`` with them. trackio keeps every logged row, so steps after the checkpoint
-that a crashed run had logged are there twice, the resumed run's value last.
+``trackio.init`` gets ``project="multigpu"``, the run's name followed by the first 8 hex digits of multigpu's
+run id (``lr-0.1-3fa2b1c9``: trackio finds a run by its name, so two runs must not share one) in the group
+named by the run's name, then ``tracker_options={"trackio": {...}}``; without a ``space_id`` it writes
+``<project>.db`` in trackio's folder (``TRACKIO_DIR``, else ``~/.cache/huggingface/trackio``) and ``trackio
+show`` views it. trackio takes the hyperparameters as the run's config, attached to the first logged values:
+call ``session.log_hparams`` before the first ``session.log``. Its identity is the project and that name: a
+resumed run calls ``trackio.init(resume="must")`` with them, a new one ``resume="allow"`` (a restarted main
+process continues the run of its name). trackio keeps every logged row, so steps after the checkpoint that a
+crashed run had logged are there twice, the resumed run's value last.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ class TrackioTracker(Tracker):
         import trackio
 
         resumed = run.resumed or {}
-        options = {"project": resumed.get("project", "multigpu"), **run.options}
-        name = resumed.get("name") or run.name
-        return cls(trackio.init(name=name, resume="must" if resumed else "never", **options))
+        options = {"project": resumed.get("project", "multigpu"), "group": run.name, **run.options}
+        name = resumed.get("name") or f"{run.name}-{run.run_id[:8]}"
+        return cls(trackio.init(name=name, resume="must" if resumed else "allow", **options))
 
     def log(self, values: Mapping[str, float], step: int) -> None:
         self._run.log(dict(values), step=step)
