@@ -96,6 +96,25 @@ def test_log_hparams_refuses_what_trackers_cannot_hold(tmp_path: Path, hparams: 
             session.log_hparams(hparams)
 
 
+@pytest.mark.parametrize("found", [b'{"lr": 0.1', b"[1, 2]", b"\xff\xfe"])
+def test_hparams_merge_into_the_file_whole_and_a_file_that_is_not_theirs_is_refused_naming_it(
+    tmp_path: Path, found: bytes
+) -> None:
+    with Session(strategy="single", run_dir=tmp_path / "ok", trackers=("csv",)) as session:
+        session.log_hparams({"lr": 0.1})
+        session.log({"loss": 1.0}, 0)
+        session.log_hparams({"batch": 8})
+    assert json.loads((tmp_path / "ok" / "hparams.json").read_text()) == {"lr": 0.1, "batch": 8}
+    assert sorted(p.name for p in (tmp_path / "ok").iterdir()) == ["hparams.json", "metrics.csv"]  # no partial left
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "hparams.json").write_bytes(found)  # a kill could not leave this: another writer's file
+    with pytest.raises(ConfigError, match=r"hparams.json is not the JSON object .* delete it"):
+        with Session(strategy="single", run_dir=tmp_path / "bad", trackers=("csv",)) as session:
+            session.log({"loss": 1.0}, 0)
+            session.log_hparams({"lr": 0.1})
+    assert (tmp_path / "bad" / "hparams.json").read_bytes() == found  # left as it was
+
+
 def test_a_checkpoint_carries_the_tracker_runs_and_a_resume_continues_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import numbers
-import os
 import reprlib
 import uuid
 import warnings
@@ -37,6 +36,7 @@ from typing import Any
 
 import torch
 
+from multigpu.core.run_files import write_replacing
 from multigpu.errors import CheckpointError, ConfigError
 from multigpu.runtime.run_identity import IDENTITY_KEY
 from multigpu.session.trackers import TRACKERS, RunInfo, Tracker, default_trackers
@@ -255,11 +255,8 @@ class MetricsLog:
     def _write_record(self) -> None:
         """The run's identity in its folder, whole or not at all (a new file renamed over the old one)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / RUN_RECORD
-        partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         record = {**(self.identity() or {}), "token": self._token}
-        partial.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(partial, path)
+        write_replacing(self.folder / RUN_RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:

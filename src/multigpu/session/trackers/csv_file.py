@@ -10,6 +10,7 @@ killed process left without its newline is dropped when the file is opened again
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import time
@@ -17,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from multigpu.core.run_files import write_replacing
+from multigpu.errors import ConfigError
 from multigpu.session.trackers.base import RunInfo, Tracker
 
 CSV_NAME = "metrics.csv"
@@ -54,8 +57,8 @@ class CsvTracker(Tracker):
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
         path = self.folder / HPARAMS_NAME
-        kept = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-        path.write_text(json.dumps({**kept, **hparams}, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        kept = _read_hparams(path)
+        write_replacing(path, json.dumps({**kept, **hparams}, indent=1, sort_keys=True) + "\n")  # whole or not at all
 
     def close(self, *, failed: bool = False) -> None:
         self._file.close()
@@ -79,7 +82,26 @@ def _rewrite(path: Path, step: int | None) -> None:
     kept = [row for row in rows[1:] if row and row[0].isdigit() and (step is None or int(row[0]) <= step)]
     if not cut and len(kept) == len(rows) - 1:
         return
-    partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with partial.open("w", newline="", encoding="utf-8") as file:
-        csv.writer(file).writerows([_HEADER, *kept])
-    os.replace(partial, path)
+    text = io.StringIO(newline="")
+    csv.writer(text).writerows([_HEADER, *kept])
+    write_replacing(path, text.getvalue())
+
+
+def _read_hparams(path: Path) -> dict[str, Any]:
+    """The hyperparameters logged so far (none when the file is missing).
+
+    Raises:
+        ConfigError: the file is not a JSON object (not one this tracker wrote), naming it and the fix.
+    """
+    if not path.is_file():
+        return {}
+    try:
+        kept = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        kept = error
+    if not isinstance(kept, dict):
+        raise ConfigError(
+            f"{path} is not the JSON object of hyperparameters this run's csv tracker writes ({kept!r:.80}); "
+            "move it away or delete it, or log to another run folder (Session(run_dir=...))"
+        )
+    return kept
