@@ -16,7 +16,7 @@ from multigpu.demo.model import build_cnn
 from multigpu.errors import ConfigError
 from multigpu.profiling.memory import DeviceMemory, track_memory
 
-_DTYPES = ("float32", "float64")  # the demo's runs: float32, or float64 to show the rest is rounding
+DTYPES = ("float32", "float64")  # the demo's runs: float32, or float64 to show the rest is rounding
 
 
 @dataclass(kw_only=True)
@@ -32,7 +32,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         lookup(
-            dict.fromkeys(_DTYPES),
+            dict.fromkeys(DTYPES),
             self.dtype,
             "dtype={value!r} is not one of {choices}; pass dtype='float64' for the exact comparison",
         )

@@ -23,7 +23,7 @@ from multigpu.runtime.worker_env import WorkerEnv, owned_variable
 from multigpu.strategies import STRATEGIES, get_strategy
 
 LAUNCH_STRATEGIES = ("auto", *STRATEGIES)
-_RDZV_BACKENDS = ("static", "c10d")  # torchrun's rendezvous backends multigpu launch passes on
+RDZV_BACKENDS = ("static", "c10d")  # torchrun's rendezvous backends multigpu launch passes on
 
 
 @dataclass(kw_only=True)
@@ -124,7 +124,7 @@ class LaunchConfig:
         if not _is_int(self.max_restarts) or self.max_restarts < 0:
             raise ConfigError(f"max_restarts={self.max_restarts!r} must be a count >= 0 (--max-restarts)")
         lookup(
-            dict.fromkeys(_RDZV_BACKENDS),
+            dict.fromkeys(RDZV_BACKENDS),
             self.rdzv_backend,
             "rdzv_backend={value!r} is not one of {choices}; pass --rdzv-backend static (fixed ranks) or c10d",
         )
