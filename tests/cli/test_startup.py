@@ -7,9 +7,11 @@ at once. The tests check what is imported, never how long it took (the cores are
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import sys
+from typing import Any
 
 import pytest
 
@@ -74,14 +76,25 @@ def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]
     assert capsys.readouterr().out == f"multigpu {importlib.metadata.version('multigpu')}\n"
 
 
+def _choices(command: Any, dest: str) -> Any:
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    return next(a.choices for a in parser._actions if a.dest == dest)
+
+
 def test_choices_written_in_the_cli_match_the_library() -> None:
     """The parser spells out a few of the library's constants so that it need not import it."""
     from multigpu.checkpoint.formats import DEFAULT_MAX_EXPANSION, FORMATS
-    from multigpu.cli import ckpt, demo, launch
-    from multigpu.demo.train import TrainConfig
-    from multigpu.launcher.config import LAUNCH_STRATEGIES
+    from multigpu.cli import bandwidth, ckpt, demo, launch
+    from multigpu.demo.train import DTYPES, TrainConfig
+    from multigpu.devices import device_type_names, get_device_type
+    from multigpu.launcher.config import LAUNCH_STRATEGIES, RDZV_BACKENDS
 
     assert launch.LAUNCH_STRATEGIES == LAUNCH_STRATEGIES
+    assert _choices(launch, "rdzv_backend") == RDZV_BACKENDS
+    assert _choices(demo, "dtype") == DTYPES
+    kinds = (get_device_type(name) for name in device_type_names())
+    assert set(_choices(bandwidth, "backend")) == {kind.backend for kind in kinds}  # the built-in types' backends
     assert ckpt.FORMATS == FORMATS
     assert ckpt.DEFAULT_MAX_EXPANSION == DEFAULT_MAX_EXPANSION
     defaults = TrainConfig()

@@ -60,3 +60,36 @@ def test_no_module_hand_writes_a_lookup_or_error() -> None:
             ):  # a table's choices formatted in: a lookup
                 found.append(f"{path.relative_to(SRC)}:{node.lineno}")
     assert found == [], f"look the name up with multigpu.core.lookup.lookup: {found}"
+
+
+# a literal list that is a parse, not a table a user picks from: an environment flag's spellings
+_NOT_TABLES = {("runtime/worker_env.py", ("", "0", "1"))}
+
+
+def _names_checked_by_hand(tree: ast.AST) -> list[tuple[int, tuple[str, ...]]]:
+    """``if x not in ("a", "b"): raise ...``: a table of names written inline and refused by hand."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.If) or not any(isinstance(b, ast.Raise) for b in node.body):
+            continue
+        for compare in (c for c in ast.walk(node.test) if isinstance(c, ast.Compare)):
+            for op, right in zip(compare.ops, compare.comparators):
+                names = right.elts if isinstance(op, ast.NotIn) and isinstance(right, (ast.Tuple, ast.List)) else []
+                if names and all(isinstance(n, ast.Constant) and isinstance(n.value, str) for n in names):
+                    found.append((node.lineno, tuple(n.value for n in names)))  # type: ignore[attr-defined]
+    return found
+
+
+def test_no_module_refuses_a_name_against_an_inline_list_by_hand() -> None:
+    found = [
+        f"{path.relative_to(SRC)}:{line} {names}"
+        for path in sorted(SRC.rglob("*.py"))
+        for line, names in _names_checked_by_hand(ast.parse(path.read_text()))
+        if (str(path.relative_to(SRC)), names) not in _NOT_TABLES
+    ]
+    assert found == [], f"name the table and refuse through multigpu.core.lookup.lookup: {found}"
+
+
+def test_the_inline_list_guard_sees_one() -> None:
+    tree = ast.parse('if x not in ("static", "c10d"):\n    raise E(x)\nif y not in (1, 2):\n    raise E(y)\n')
+    assert _names_checked_by_hand(tree) == [(1, ("static", "c10d"))]

@@ -34,6 +34,11 @@ def test_in_float32_the_first_step_differs_only_in_the_last_bits() -> None:
     assert _pair(TrainConfig(epochs=1)) < 1e-4
 
 
+def test_a_dtype_the_demo_does_not_run_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ConfigError, match=r"dtype='float16' is not one of float32, float64; pass dtype='float64'"):
+        TrainConfig(dtype="float16")
+
+
 def test_the_warm_up_steps_are_left_out_of_samples_per_second() -> None:
     config = TrainConfig(epochs=1, warmup_steps=10**6)  # every step is warm-up: nothing is timed
     result = train_run(Plan("one device", "cpu", lambda m: m), _small(), config)

@@ -186,6 +186,10 @@ def test_bad_launch_options_are_config_errors() -> None:
         LaunchConfig(nnodes="2")
     with pytest.raises(ConfigError, match="master_port=70000 is not a TCP port"):
         LaunchConfig(master_port=70000)
+    with pytest.raises(ConfigError, match=r"rdzv_backend='etcd' is not one of static, c10d; pass --rdzv-backend"):
+        LaunchConfig(rdzv_backend="etcd")
+    with pytest.raises(ConfigError, match=r"threads_per_process=2 and extra_env's OMP_NUM_THREADS='4' both set"):
+        LaunchConfig(threads_per_process=2, extra_env={"OMP_NUM_THREADS": "4"})
     for grace in (0.0, -1.0, float("nan"), float("inf"), 1e300):
         with pytest.raises(
             ConfigError, match=r"grace_period_s=.*: pass a finite number of seconds > 0 and at most 86400"

@@ -76,6 +76,8 @@ def test_bad_arguments_are_refused() -> None:
         launch_function(print, nproc_per_node=0)
     with pytest.raises(ConfigError, match=r"strategy='dp': launch_function starts one process per device"):
         launch_function(print, strategy="dp")
+    with pytest.raises(ConfigError, match=r"strategy='zero3': .* for ddp, fsdp; for single or dp call"):
+        launch_function(print, strategy="zero3")
 
 
 @pytest.mark.multiprocess

@@ -118,7 +118,7 @@ def test_target_still_reaches_a_forward_that_takes_it(kind: type[nn.Module]) -> 
 
 
 def test_loss_fn_needs_a_combinable_reduction() -> None:
-    with pytest.raises(ConfigError, match=r"loss reduction 'none' cannot be combined"):
+    with pytest.raises(ConfigError, match=r"loss reduction 'none' cannot be combined across replicas, only mean, sum"):
         multigpu.DataParallel(mlp(), devices="cpu:2", loss_fn=nn.CrossEntropyLoss(reduction="none"))
 
 

@@ -47,7 +47,8 @@ def run_ranks(
     *,
     timeout: float | None,
 ) -> Any:
-    """Fork one child per environment of ``envs`` running ``fn``; rank 0's result (raises as launch_function does)."""
+    """Fork one child per environment of ``envs`` (rank i's is ``envs[i]``) running ``fn``; rank 0's result (raises as
+    launch_function does)."""
     context = multiprocessing.get_context("fork")
     deadline = None if timeout is None else time.monotonic() + timeout
     children: list[Any] = []
@@ -55,7 +56,7 @@ def run_ranks(
         try:
             for rank, env in enumerate(envs):
                 process = context.Process(
-                    target=_child, args=(fn, args, kwargs, env, Path(outbox, str(rank))), name=f"rank-{rank}"
+                    target=_child, args=(fn, args, kwargs, env, rank, Path(outbox, str(rank))), name=f"rank-{rank}"
                 )
                 process.start()
                 children.append(process)
@@ -65,7 +66,7 @@ def run_ranks(
 
 
 def _child(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], env: dict[str, str], out: Path
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], env: dict[str, str], rank: int, out: Path
 ) -> None:
     """One rank: its own session (so the caller can kill all it starts), the launcher's variables, ``fn``."""
     os.setsid()
@@ -73,7 +74,6 @@ def _child(
         os.environ.pop(name, None)
     os.environ.update(env)
     apply_after_fork(env)  # forked, not started: what the caller's libraries read at start, applied now
-    rank = int(env["RANK"])
     try:
         try:
             result = fn(*args, **kwargs)

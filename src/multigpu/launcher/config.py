@@ -19,10 +19,11 @@ from typing import TypeGuard
 from multigpu.core.limits import DAY_S, WEEK_S, check_seconds, parse_nnodes, process_bound
 from multigpu.core.lookup import lookup
 from multigpu.errors import ConfigError
-from multigpu.runtime.worker_env import owned_variable
+from multigpu.runtime.worker_env import WorkerEnv, owned_variable
 from multigpu.strategies import STRATEGIES, get_strategy
 
 LAUNCH_STRATEGIES = ("auto", *STRATEGIES)
+RDZV_BACKENDS = ("static", "c10d")  # torchrun's rendezvous backends multigpu launch passes on
 
 
 @dataclass(kw_only=True)
@@ -122,8 +123,11 @@ class LaunchConfig:
             )
         if not _is_int(self.max_restarts) or self.max_restarts < 0:
             raise ConfigError(f"max_restarts={self.max_restarts!r} must be a count >= 0 (--max-restarts)")
-        if self.rdzv_backend not in ("static", "c10d"):
-            raise ConfigError(f"rdzv_backend={self.rdzv_backend!r}: use 'static' or 'c10d'")
+        lookup(
+            dict.fromkeys(RDZV_BACKENDS),
+            self.rdzv_backend,
+            "rdzv_backend={value!r} is not one of {choices}; pass --rdzv-backend static (fixed ranks) or c10d",
+        )
         if self.master_port is not None and (not _is_int(self.master_port) or not 0 < self.master_port < 65536):
             raise ConfigError(f"master_port={self.master_port!r} is not a TCP port; pick one in 1..65535")
         if self.collective_timeout_s is not None:
@@ -140,10 +144,11 @@ class LaunchConfig:
         check_log_options(self)
         check_rendezvous_options(self)
         check_extra_env(self.extra_env)
-        if self.threads_per_process is not None and "OMP_NUM_THREADS" in self.extra_env:
+        threads = WorkerEnv.variable("threads")
+        if self.threads_per_process is not None and threads in self.extra_env:
             raise ConfigError(
                 f"threads_per_process={self.threads_per_process} and extra_env's "
-                f"OMP_NUM_THREADS={self.extra_env['OMP_NUM_THREADS']!r} both set the threads per process; keep one"
+                f"{threads}={self.extra_env[threads]!r} both set the threads per process; keep one"
             )
         chosen = get_strategy(self.strategy) if self.strategy != "auto" else None
         one_process = chosen is not None and not chosen.needs_processes

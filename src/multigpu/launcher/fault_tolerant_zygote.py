@@ -295,7 +295,7 @@ def _start_like_a_new_process(env: Mapping[str, str]) -> None:
     import numpy as np
 
     np.random.seed()  # a new process draws its seed from the OS; a fork would share the zygote's
-    blas = env.get("OPENBLAS_NUM_THREADS") or env.get("OMP_NUM_THREADS") or str(WorkerEnv.read(env, "threads") or "")
+    blas = env.get("OPENBLAS_NUM_THREADS") or str(WorkerEnv.read(env, "threads") or "")  # OMP_NUM_THREADS, as a count
     if blas.isdigit() and int(blas) > 1:
         with contextlib.suppress(ImportError):
             from threadpoolctl import threadpool_limits

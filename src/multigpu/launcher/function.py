@@ -39,6 +39,7 @@ import multiprocessing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from multigpu.core.lookup import lookup
 from multigpu.devices import device_type_names, get_device_type
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.launcher._forked_ranks import run_ranks
@@ -143,12 +144,13 @@ def _check(nproc_per_node: int, strategy: str) -> None:
     if not isinstance(nproc_per_node, int) or isinstance(nproc_per_node, bool) or nproc_per_node < 1:
         raise ConfigError(f"nproc_per_node={nproc_per_node!r}: pass a process count >= 1, e.g. nproc_per_node=2")
     check_process_count(nproc_per_node, "nproc_per_node=", fix="use multigpu launch across several nodes")
-    if not isinstance(strategy, str) or strategy not in STRATEGIES or not STRATEGIES[strategy].needs_processes:
-        names = [name for name, cls in STRATEGIES.items() if cls.needs_processes]
-        raise ConfigError(
-            f"strategy={strategy!r}: launch_function starts one process per device, for {names}; "
-            "for single or dp call the function directly"
-        )
+    lookup(
+        {name: cls for name, cls in STRATEGIES.items() if cls.needs_processes},
+        strategy if isinstance(strategy, str) else object(),  # anything but a string is no name
+        "strategy={value!r}: launch_function starts one process per device, for {choices}; "
+        "for single or dp call the function directly",
+        shown=strategy,
+    )
     if "fork" not in multiprocessing.get_all_start_methods():
         raise LaunchError(
             "launch_function forks the calling process, which this platform cannot do; put the code in a .py file "

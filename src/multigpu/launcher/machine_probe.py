@@ -26,6 +26,7 @@ from multigpu.errors import LaunchError
 from multigpu.planning import _machine_probe_worker as worker
 from multigpu.planning.machine import MachineConstants, machine_key
 from multigpu.profiling.bandwidth import bus_factor
+from multigpu.runtime.worker_env import WorkerEnv
 
 _WORKER = Path(worker.__file__)
 
@@ -38,7 +39,7 @@ def _free_port() -> int:
 
 def _pair(kind: str, extra_env: dict[str, str], timeout_s: float) -> dict[str, float]:
     """Both ranks' figures of ``kind``, the slower of the two for each; none of the processes outlives it."""
-    env = {**os.environ, **extra_env, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **extra_env, **WorkerEnv(threads=1).to_environ()}
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="multigpu-probe-") as folder:
         outs = [Path(folder, f"rank{r}.json") for r in range(2)]

@@ -35,6 +35,7 @@ from multigpu.parallel.scatter_gather import ScalarRule, batch_size, merge_outpu
 from multigpu.parallel.threads import ReplicaThreads, run_replicas
 
 _SCALAR_RULES = ("mean", "sum", "stack")
+_REDUCTIONS = ("mean", "sum")  # a loss_fn's reduction the replicas' losses combine under
 
 
 class DataParallel(nn.Module):
@@ -375,11 +376,12 @@ def _takes_keyword(forward: Callable[..., Any] | None, name: str) -> bool:
 
 def _loss_reduction(loss_fn: Any, given: ScalarRule | None) -> ScalarRule:
     reduction = given or getattr(loss_fn, "reduction", None) or "mean"
-    if reduction not in ("mean", "sum"):
-        raise ConfigError(
-            f"loss reduction {reduction!r} cannot be combined across replicas; use a criterion with "
-            "reduction='mean' or 'sum', or pass loss_reduction='mean'/'sum'"
-        )
+    lookup(
+        dict.fromkeys(_REDUCTIONS),
+        reduction,
+        "loss reduction {value!r} cannot be combined across replicas, only {choices}; use a criterion with "
+        "reduction='mean' or 'sum', or pass loss_reduction='mean'/'sum'",
+    )
     return reduction  # type: ignore[no-any-return]
 
 
