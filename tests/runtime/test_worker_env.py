@@ -109,3 +109,16 @@ def test_a_rank_is_written_as_torch_reads_it_and_an_impossible_one_is_refused() 
         WorkerRank(rank=2, local_rank=0, world_size=2, local_world_size=2, master_addr="h", master_port=5)
     assert all(owned_variable(name) for name in {**rank.to_environ(), **WorkerEnv(debug=True).to_environ()})
     assert not owned_variable("NCCL_DEBUG")
+
+
+def test_a_restarted_rank_says_how_often_and_the_worker_reads_it_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from multigpu.runtime import world
+
+    place = {"rank": 0, "local_rank": 0, "world_size": 1, "local_world_size": 1, "master_addr": "h", "master_port": 5}
+    assert "TORCHELASTIC_RESTART_COUNT" not in WorkerRank(**place).to_environ()  # a first start: torchrun's 0
+    restarted = WorkerRank(**place, restarts=3).to_environ()
+    for name, value in restarted.items():
+        monkeypatch.setenv(name, value)
+    assert world.restart_count() == 3
+    with pytest.raises(ConfigError, match="below their world sizes"):
+        WorkerRank(**place, restarts=-1)

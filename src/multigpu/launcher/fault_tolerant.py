@@ -323,11 +323,11 @@ def _start(
                 local_world_size=nproc,
                 master_addr=LOOPBACK,
                 master_port=port,
+                restarts=group.restarts,
             ).to_environ(),
             WorkerEnv.variable("replica_group"): str(group.index),
             WorkerEnv.variable("replica_groups"): str(total),
             WorkerEnv.variable("lighthouse"): lighthouse,
-            "TORCHELASTIC_RESTART_COUNT": str(group.restarts),
         }
         forked = zygote.start_worker(worker, [script, *args]) if zygote is not None and group.restarts > 0 else None
         if forked is not None:

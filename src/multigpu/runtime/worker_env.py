@@ -40,6 +40,9 @@ PREFIX = "MULTIGPU_"
 # torch's own variables, which torchrun (or launch_function, through WorkerRank) sets in every worker
 TORCH_WORLD = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+RESTART_COUNT = (
+    "TORCHELASTIC_RESTART_COUNT"  # how often the workers were restarted (torchrun, or --fault-tolerant's groups)
+)
 THREADS = "OMP_NUM_THREADS"
 
 _NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")  # a strategy's name: the registry says whether it knows it
@@ -297,6 +300,7 @@ class WorkerRank:
         rank: its global rank; local_rank: its rank on this node; world_size / local_world_size: the counts.
         master_addr, master_port: the rendezvous store's address.
         agent_store: the store is hosted by the launcher (``TORCHELASTIC_USE_AGENT_STORE``), not by rank 0.
+        restarts: how often this rank's workers were started again (``TORCHELASTIC_RESTART_COUNT``).
     """
 
     rank: int
@@ -306,13 +310,16 @@ class WorkerRank:
     master_addr: str
     master_port: int
     agent_store: bool = False
+    restarts: int = 0
 
     def __post_init__(self) -> None:
-        counts = (self.rank, self.local_rank, self.world_size, self.local_world_size, self.master_port)
+        counts = (self.rank, self.local_rank, self.world_size, self.local_world_size, self.master_port, self.restarts)
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts) or not (
             self.rank < self.world_size and self.local_rank < self.local_world_size and 0 < self.master_port < 65536
         ):
-            raise ConfigError(f"{self!r}: ranks must be below their world sizes and the port in 1..65535")
+            raise ConfigError(
+                f"{self!r}: ranks must be below their world sizes, the counts >= 0 and the port in 1..65535"
+            )
 
     def to_environ(self) -> dict[str, str]:
         values = (
@@ -326,6 +333,8 @@ class WorkerRank:
         out = {name: str(value) for name, value in zip(TORCH_WORLD, values)}
         if self.agent_store:
             out[AGENT_STORE] = "True"  # rank 0 connects to the launcher's store instead of hosting one
+        if self.restarts:
+            out[RESTART_COUNT] = str(self.restarts)
         return out
 
 

@@ -37,7 +37,7 @@ from multigpu.errors import DeviceError, LaunchError
 from multigpu.runtime import schedulers
 from multigpu.runtime.group_store import group_store
 from multigpu.runtime.scheduler_world import parse_count
-from multigpu.runtime.worker_env import WorkerEnv
+from multigpu.runtime.worker_env import RESTART_COUNT, WorkerEnv
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -247,10 +247,8 @@ def _apply_torch_debug(backend: str) -> None:
 
 def restart_count() -> int:
     """How often torch elastic has restarted this run's workers (``TORCHELASTIC_RESTART_COUNT``; 0 if unset)."""
-    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return parse_count(
-        "TORCHELASTIC_RESTART_COUNT", value, "torchrun sets it (0, 1, ... per restart); unset it if set by hand"
-    )
+    value = os.environ.get(RESTART_COUNT, "0")
+    return parse_count(RESTART_COUNT, value, "torchrun sets it (0, 1, ... per restart); unset it if set by hand")
 
 
 def configured_threads() -> int | None:
