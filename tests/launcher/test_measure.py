@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from multigpu.errors import ConfigError
 from multigpu.launcher.measure import MeasureRun, MeasureSpec, _failure_kind, _reason, measure
+from multigpu.planning.measured import Measurement
 
 
 def test_out_of_memory_is_told_apart_from_other_failures() -> None:
@@ -31,54 +34,85 @@ def test_bad_specs_and_budgets_are_refused_by_name(tmp_path: Path) -> None:
         measure([MeasureRun(strategy="single", devices=1)], MeasureSpec(factory="m:f", input_shape=[4]), budget_s=0)
 
 
+# The two runs below each last their whole budget (killed at its end), and the budget must outlast the
+# worker's start on a loaded machine: they run side by side (threads, one measure() each), so the suite
+# waits out one budget, not two. Each test checks its own run.
+_HANGS = (
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+    "open({marker!r}, 'w').write(str(child.pid))\n"
+    "time.sleep(600)\n"
+)
+_STUBBORN = (
+    "import os, signal, time\n"
+    "signal.signal(signal.SIGTERM, lambda *_: None)\n"
+    "open({marker!r}, 'w').write(str(os.getpid()))\n"
+    "time.sleep(600)\n"
+)
+# The budget must outlast the worker's start (it imports torch before the script runs: over 6 s on a loaded
+# 2-core machine, where the run was then killed before its child existed and the test had nothing to check).
+_SINGLE_BUDGET_S = 30
+# a budget the ddp worker starts within on a loaded machine (torchrun and a worker took 14-24 s to reach the
+# script at a load of 16 on 2 cores; 20 s of budget then ended the run before its worker existed)
+_DDP_BUDGET_S = 35
+
+
+@dataclass
+class _Killed:
+    """One run past its budget: its result, its wall time, whether its script wrote its pid (it started), and
+    the state of that process 10 s after measure() returned at most ("gone", "Z", or its state if it ran on)."""
+
+    result: Measurement
+    seconds: float
+    started: bool
+    state: str
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Killed]:
+    folder = tmp_path_factory.mktemp("budget")
+
+    def run(name: str, source: str, strategy: str, budget_s: float) -> _Killed:
+        marker, script = folder / f"{name}.pid", folder / f"{name}.py"
+        script.write_text(source.format(marker=str(marker)))
+        started = time.monotonic()
+        [result] = measure(
+            [MeasureRun(strategy=strategy, devices=1)], MeasureSpec(script=str(script)), budget_s=budget_s
+        )
+        seconds = time.monotonic() - started
+        if not marker.exists():
+            return _Killed(result, seconds, started=False, state="never started")
+        return _Killed(result, seconds, started=True, state=_gone_within(int(marker.read_text()), 10))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        hangs = pool.submit(run, "hangs", _HANGS, "single", _SINGLE_BUDGET_S)
+        stubborn = pool.submit(run, "stubborn", _STUBBORN, "ddp", _DDP_BUDGET_S)
+        return {"hangs": hangs.result(), "stubborn": stubborn.result()}
+
+
+def _gone_within(pid: int, seconds: float) -> str:
+    """``pid``'s state once it is gone or a zombie, or ``seconds`` have passed: "gone", "Z", or its state."""
+    deadline = time.monotonic() + seconds
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}").exists() else "gone"
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_a_run_past_its_budget_is_killed_with_what_it_started(tmp_path: Path) -> None:
-    marker = tmp_path / "alive"
-    script = tmp_path / "hangs.py"
-    script.write_text(
-        "import subprocess, sys, time\n"
-        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-        f"open({str(marker)!r}, 'w').write(str(child.pid))\n"
-        "time.sleep(600)\n"
-    )
-    # The budget must outlast the worker's start (it imports torch before the script runs: over 6 s on a loaded
-    # 2-core machine, where the run was then killed before its child existed and the test had nothing to check).
-    budget_s = 30
-    started = time.monotonic()
-    [result] = measure([MeasureRun(strategy="single", devices=1)], MeasureSpec(script=str(script)), budget_s=budget_s)
-    assert result.status == "timed out" and "raise --budget" in result.reason
-    assert time.monotonic() - started < budget_s + 20  # the limit, then SIGTERM's grace at most
-    assert marker.exists(), f"the script never started within {budget_s} s: nothing to check"
-    child = int(marker.read_text())
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    state = Path(f"/proc/{child}/stat").read_text().split()[2] if Path(f"/proc/{child}").exists() else "gone"
-    assert state in ("gone", "Z"), f"the run's child {child} outlived the run"
+def test_a_run_past_its_budget_is_killed_with_what_it_started(killed_runs: dict[str, _Killed]) -> None:
+    run = killed_runs["hangs"]
+    assert run.result.status == "timed out" and "raise --budget" in run.result.reason
+    assert run.seconds < _SINGLE_BUDGET_S + 20  # the limit, then SIGTERM's grace at most
+    assert run.started, f"the script never started within {_SINGLE_BUDGET_S} s: nothing to check"
+    assert run.state in ("gone", "Z"), f"the run's child outlived the run (state {run.state})"
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-def test_a_ddp_worker_that_ignores_sigterm_is_ended_with_its_run(tmp_path: Path) -> None:
+def test_a_ddp_worker_that_ignores_sigterm_is_ended_with_its_run(killed_runs: dict[str, _Killed]) -> None:
     """torch elastic starts workers in sessions of their own: killing the launcher's group misses them."""
-    marker = tmp_path / "worker"
-    script = tmp_path / "stubborn.py"
-    script.write_text(
-        "import os, signal, time\n"
-        "signal.signal(signal.SIGTERM, lambda *_: None)\n"
-        f"open({str(marker)!r}, 'w').write(str(os.getpid()))\n"
-        "time.sleep(600)\n"
-    )
-    # a budget the worker starts within on a loaded machine (torchrun and a worker took 14-24 s to reach the
-    # script at a load of 16 on 2 cores; 20 s of budget then ended the run before its worker existed); the
-    # test lasts the whole budget, so no more than that
-    [result] = measure([MeasureRun(strategy="ddp", devices=1)], MeasureSpec(script=str(script)), budget_s=35)
-    assert result.status == "timed out"
-    assert marker.exists(), "the worker never started within the budget: nothing was checked"
-    worker = int(marker.read_text())
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    state = Path(f"/proc/{worker}/stat").read_text().split()[2] if Path(f"/proc/{worker}").exists() else "gone"
-    assert state in ("gone", "Z"), f"the ddp worker {worker} outlived its run"
+    run = killed_runs["stubborn"]
+    assert run.result.status == "timed out"
+    assert run.started, "the worker never started within the budget: nothing was checked"
+    assert run.state in ("gone", "Z"), f"the ddp worker outlived its run (state {run.state})"
