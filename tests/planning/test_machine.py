@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from multigpu.errors import ConfigError
 from multigpu.planning import machine
 from multigpu.planning.costs import predict_step
 from multigpu.planning.measured import Measurement, check
-from multigpu.planning.timing import QUANTILE, REPEATS, low_quantile
+from multigpu.planning.timing import CPU_CLOCK, QUANTILE, REPEATS, low_quantile, quantile_s
 from multigpu.planning.workload import FsdpLayout, StepCounts, Workload
 from tests.planning.machine_constants import FIXED_SOURCE, fixed
 
@@ -37,6 +38,20 @@ def test_a_burst_of_load_over_the_median_does_not_reach_the_quantile() -> None:
     timings = [0.010] * 3 + [0.050] * 6
     assert low_quantile(timings) == 0.010
     assert sorted(timings)[len(timings) // 2] == 0.050  # the median would read the burst
+
+
+def test_a_probe_is_timed_by_the_clock_it_is_given() -> None:
+    ticks = iter([0.0, 1.0, 1.0, 3.0, 3.0, 3.5])  # a fake clock: the three timed calls read 1, 2 and 0.5
+    calls: list[int] = []
+    assert quantile_s(lambda: calls.append(1), repeats=3, q=0.0, clock=lambda: next(ticks)) == 0.5
+    assert len(calls) == 4  # one warm-up, three timed
+
+
+def test_a_one_thread_probe_reads_its_thread_cpu_time_not_the_time_it_waited() -> None:
+    # the wait stands for the time another process holds the core: wall time sees it, the thread's CPU time not
+    wall = quantile_s(lambda: time.sleep(0.02), repeats=3)
+    cpu = quantile_s(lambda: time.sleep(0.02), repeats=3, clock=CPU_CLOCK)
+    assert wall >= 0.02 and cpu < 0.005
 
 
 @pytest.mark.parametrize(("values", "q", "match"), [([], 0.25, "no timings"), ([1.0], 1.5, r"q=1.5 must be")])
