@@ -112,3 +112,17 @@ def test_load_never_makes_replicas_faster_together_or_every_core_slower_than_one
     )
     rates = replica_rates(loaded, host_s=0.0, replica_n=10, single_n=20)
     assert (rates.contention, rates.single_speedup) == (1.0, 1.0)
+
+
+def test_the_probe_times_the_whole_batch_in_each_round_beside_the_replicas() -> None:
+    from torch import nn
+
+    from multigpu.planning.calibrate import ReplicaProbe
+
+    whole_calls: list[int] = []
+    with ReplicaProbe(nn.Linear(16, 16), torch.randn(8, 16)) as probe:
+        timed = probe.interleaved(3, lambda: whole_calls.append(1))
+    assert len(whole_calls) == 4  # one warm-up, then one per round
+    assert [len(v) for v in (timed.solo, timed.together, timed.solo_cpu, timed.together_cpu, timed.whole)] == [3] * 5
+    # a replica's thread cannot spend more CPU time than the wall time its call took (one intra-op thread here)
+    assert all(0 < cpu <= wall * 1.05 + 1e-4 for cpu, wall in zip(timed.solo_cpu, timed.solo))
