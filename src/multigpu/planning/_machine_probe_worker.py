@@ -29,10 +29,10 @@ FRESH_SMALL, FRESH_LARGE = 256 << 10, 4 << 20
 
 
 def _collectives(kind: str) -> dict[str, float]:
-    from multigpu.planning.timing import CPU_CLOCK, SHORT_REPEATS, quantile_s
+    from multigpu.planning.timing import CPU_CLOCK, SHORT_REPEATS, WAIT_QUANTILE, quantile_s
 
     def waits(fn: Callable[[], object]) -> float:  # a collective waits on the other process: wall time, more repeats
-        return quantile_s(fn, SHORT_REPEATS)
+        return quantile_s(fn, SHORT_REPEATS, q=WAIT_QUANTILE)
 
     def own(fn: Callable[[], object]) -> float:  # this thread alone (copies, page faults): its CPU time
         return quantile_s(fn, clock=CPU_CLOCK)

@@ -2,14 +2,16 @@
 
 The host costs (:class:`~multigpu.planning.hardware.HostCosts`) take about a second.
 
-Each constant is the fastest of ``repeats`` timings of a probe (other work on a shared machine
-only adds time) divided by the items it holds, counted as :mod:`multigpu.planning.counting` counts:
+Each constant is the low quantile (:mod:`multigpu.planning.timing`) of ``repeats`` timings of a probe,
+by its thread's CPU time (each probe runs on one thread: other processes on a shared machine only
+keep it off the core), divided by the items it holds, counted as :mod:`multigpu.planning.counting` counts:
 
 - ``op_s``: ``y = y.add(1)`` on a one-element tensor, from Python (one dispatched op each);
 - ``module_call_s``: an ``nn.Sequential`` of ``nn.Identity`` modules (calls without ops);
 - ``backward_op_s``: backward of a chain of multiplications, over the ops it dispatches;
 - ``gil_contention``: the op loop on ``threads`` long-lived threads at once, over ``threads`` times
-  one thread's time (1: the GIL serialises them perfectly; above 1: taking turns costs extra);
+  one thread's time (1: the GIL serialises them perfectly; above 1: taking turns costs extra); wall
+  time of a loop a tenth as long, over more repeats (threads that wait on each other);
 - ``replicate_module_s`` / ``replicate_tensor_s``: replicating a tree of empty modules, and one
   module holding many parameters, per module and per tensor. ``replicate="torch"`` times
   ``torch.nn.parallel.replicate`` (what nn.DataParallel runs on GPUs; its CUDA-only coalesced

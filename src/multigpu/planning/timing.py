@@ -31,6 +31,10 @@ from multigpu.errors import ConfigError
 REPEATS = 9  # timed calls per probe (after one warm-up): a second for a step of 0.1 s
 QUANTILE = 0.25  # the kept one: the third fastest of 9
 SHORT_REPEATS = 25  # timed calls of a probe kept below the scheduler's slice (the host costs, the collectives)
+# A collective between two processes waits until both hold a core, and nothing makes it faster than
+# that: the second fastest of SHORT_REPEATS. Three probes at load 11-12 read fsdp's all-gather and
+# reduce-scatter at 0.12-0.26 GB/s as the 25th percentile of 25, two at load 7-11 at 0.26 as this one.
+WAIT_QUANTILE = 0.08
 # The CPU time of the calling thread (user and system: page faults included). A call that runs on one
 # thread only (one intra-op thread, no waits on other threads) costs the same CPU time however long
 # other processes keep it off the cores: at load 12 on the 2 development cores a one-thread training
