@@ -151,7 +151,7 @@ def test_feeding_back_a_measurement_makes_the_next_prediction_that_measurement()
     checked = check(
         rows, [Measurement(strategy=s, devices=1 if s == "single" else 2, step_s=t) for s, t in measured.items()]
     )
-    solved = machine.feed_back(constants, w, plat, checked)
+    solved = machine.feed_back(constants, w, plat, checked).solved
     assert set(solved) == set(machine.FED_BACK)
     after = _predicted(constants.with_feedback(solved), w)
     for strategy, seconds in measured.items():
@@ -162,7 +162,56 @@ def test_a_strategy_that_did_not_run_feeds_nothing_back() -> None:
     constants, w = fixed(), _workload()
     plat = constants.platform(cores=2, contention=1.3, single_speedup=1.6)
     failed = Measurement(strategy="ddp", devices=2, status="failed", reason="boom")
-    assert machine.feed_back(constants, w, plat, check(_rows(w, plat), [failed])) == {}
+    assert machine.feed_back(constants, w, plat, check(_rows(w, plat), [failed])) == machine.FedBack({}, {})
+
+
+def _measured_at(factor: float, constants: machine.MachineConstants, w: Workload) -> list:
+    """Every strategy measured at ``factor`` times its prediction, checked against the plan."""
+    plat = constants.platform(cores=2, contention=1.3, single_speedup=1.6)
+    before = _predicted(constants, w)
+    return check(
+        _rows(w, plat),
+        [Measurement(strategy=s, devices=1 if s == "single" else 2, step_s=factor * t) for s, t in before.items()],
+    )
+
+
+def test_a_measurement_under_load_is_refused_and_a_quiet_one_fed_back() -> None:
+    constants, w = fixed(), _workload()
+    plat = constants.platform(cores=2, contention=1.3, single_speedup=1.6)
+    checked = _measured_at(1.3, constants, w)  # 30% slower: within the bound, a quiet machine's error
+    loaded = machine.feed_back(constants, w, plat, checked, load=3.0)
+    assert loaded.solved == {} and set(loaded.refused) == set(machine.FED_BACK)
+    assert all("load 3 per core besides the runs (over 0.5)" in why for why in loaded.refused.values())
+    assert constants.with_feedback(loaded.solved) == constants  # the cache does not move
+    quiet = machine.feed_back(constants, w, plat, checked, load=0.2)
+    assert set(quiet.solved) == set(machine.FED_BACK) and quiet.refused == {}
+    assert constants.with_feedback(quiet.solved).value("compute_scale") == pytest.approx(1.3, rel=0.02)
+    assert machine.feed_back(constants, w, plat, checked, load=None) == quiet  # no load average: the bound only
+
+
+@pytest.mark.parametrize("factor", [10.0, 0.3])
+def test_a_step_beyond_the_bound_of_its_prediction_is_refused(factor: float) -> None:
+    # a loaded machine measured 10x the quiet step, which would solve a compute scale of 10
+    constants, w = fixed(), _workload()
+    plat = constants.platform(cores=2, contention=1.3, single_speedup=1.6)
+    fed = machine.feed_back(constants, w, plat, _measured_at(factor, constants, w))
+    assert fed.solved == {} and set(fed.refused) == set(machine.FED_BACK)
+    assert fed.refused["compute_scale"].startswith(f"single measured {factor:.3g}x its prediction, beyond 2x")
+    for value in (1.1, 0.9, 1.2, 1.0):  # four quiet runs, then a loaded one: refused, the median stays
+        constants = constants.with_feedback({"compute_scale": value})
+    constants = constants.with_feedback(
+        machine.feed_back(constants, w, plat, _measured_at(factor, constants, w)).solved
+    )
+    assert constants.feedback["compute_scale"] == [1.1, 0.9, 1.2, 1.0]
+    assert machine.STEP_BOUND == 2.0
+
+
+def test_the_load_besides_the_runs_is_the_larger_of_before_and_after_less_their_own() -> None:
+    assert machine.load_besides(0.4, 2.6, own=2, cores=2) == pytest.approx(0.3)  # the runs' own 2 counted out
+    assert machine.load_besides(0.4, 8.0, own=2, cores=2) == pytest.approx(3.0)  # others started meanwhile
+    assert machine.load_besides(0.4, 1.0, own=2, cores=2) == pytest.approx(0.2)  # never below what ran before
+    assert machine.load_besides(None, None, own=2, cores=2) is None
+    assert machine.load_besides(None, 3.0, own=2, cores=2) == pytest.approx(0.5)
 
 
 def _rows(w: Workload, plat: object) -> list:
@@ -244,6 +293,6 @@ def test_a_cache_folder_that_cannot_be_written_still_plans_and_reports_the_feedb
     w = _workload()
     plat = fixed().platform(cores=2, contention=1.0, single_speedup=1.0)
     single = Measurement(strategy="single", devices=1, step_s=0.05)
-    solved, where = feed_back_measured(w, plat, check(_rows(w, plat), [single]))
-    assert set(solved) == {"compute_scale"} and where.startswith("not written") and "MULTIGPU_CACHE_DIR" in where
+    fed, where = feed_back_measured(w, plat, check(_rows(w, plat), [single]))
+    assert set(fed.solved) == {"compute_scale"} and where.startswith("not written") and "MULTIGPU_CACHE_DIR" in where
     capsys.readouterr()
