@@ -52,9 +52,9 @@ from torch import nn
 from multigpu.core.lookup import lookup
 from multigpu.errors import ConfigError
 from multigpu.parallel.replicas import build_replicas
-from multigpu.planning.counting import LossFn, OpCounter, default_loss, device_seconds, fastest_s
+from multigpu.planning.counting import LossFn, OpCounter, default_loss, device_seconds
 from multigpu.planning.hardware import DEFAULT_HOST, TIME_FIELDS, HostCosts
-from multigpu.planning.timing import CPU_CLOCK, SHORT_REPEATS, quantile_s
+from multigpu.planning.timing import CPU_CLOCK, REPEATS, SHORT_REPEATS, WAIT_QUANTILE, low_quantile, quantile_s
 from multigpu.profiling.bandwidth import bus_factor
 
 
@@ -272,6 +272,7 @@ class ReplicaProbe:
                 torch.set_num_threads(intra_op)
 
         self._pool = ThreadPoolExecutor(max_workers=replicas, thread_name_prefix="multigpu-probe", initializer=init)
+        self._one_thread = (torch.get_num_threads() if intra_op is None else intra_op) == 1
 
     def _one(self, i: int) -> float:
         """One replica's forward and backward; the CPU seconds of the thread that ran it."""
@@ -294,7 +295,7 @@ class ReplicaProbe:
         """As :meth:`rounds`, with the replicas' thread CPU seconds, and ``whole`` (another call: the
         whole batch in this thread) timed third in each round, so that every list samples the same
         moments of the machine's load."""
-        self.times(repeats=1)
+        self._warm()
         if whole is not None:
             whole()
         timed = ProbeRounds([], [], [], [], [])
@@ -311,11 +312,18 @@ class ReplicaProbe:
                 timed.whole.append(time.perf_counter() - start)
         return timed
 
-    def times(self, *, repeats: int = 3) -> tuple[float, float]:
-        """(one replica alone, all at once): best forward + backward seconds of ``repeats``."""
-        together = fastest_s(lambda: list(self._pool.map(self._one, range(len(self._copies)))), repeats)
-        solo = fastest_s(lambda: self._pool.submit(self._one, 0).result(), repeats)
-        return solo, together
+    def _warm(self) -> None:
+        self._pool.submit(self._one, 0).result()
+        list(self._pool.map(self._one, range(len(self._copies))))
+
+    def times(self, *, repeats: int = REPEATS) -> tuple[float, float]:
+        """(one replica alone, all at once): forward + backward seconds, the low quantile of ``repeats``
+        rounds of :meth:`interleaved`. With one intra-op thread per replica the replicas' thread CPU time
+        (all at once: the slowest replica's), which other processes do not move; else the wall time."""
+        timed = self.interleaved(repeats)
+        if self._one_thread:
+            return low_quantile(timed.solo_cpu), low_quantile(timed.together_cpu)
+        return low_quantile(timed.solo), low_quantile(timed.together)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -355,17 +363,18 @@ def replica_contention(
     *,
     replicas: int = 2,
     loss_fn: LossFn = default_loss,
-    rounds: int = 5,
+    rounds: int = REPEATS,
     host_s: float = 0.0,
 ) -> float:
     """How much slower one replica's device share runs while ``replicas`` run in threads.
 
-    Solo and concurrent runs alternate over ``rounds``, so a change in machine load touches both;
-    the best times go to :func:`device_contention`.
+    Solo and concurrent runs alternate over ``rounds``; each round's wall times go to
+    :func:`device_contention` (a load that lasts a round slows both) and the rounds' low quantile
+    is kept (other work only raises the contention: both replicas must hold a core at once).
     """
     with ReplicaProbe(model, chunk, replicas=replicas, loss_fn=loss_fn) as probe:
-        solo, together = zip(*(probe.times() for _ in range(rounds)))
-    return device_contention(min(solo), min(together), host_s)
+        timed = probe.interleaved(rounds)
+    return low_quantile([device_contention(s, t, host_s) for s, t in zip(timed.solo, timed.together)])
 
 
 def thread_handoff_s(repeats: int = 50) -> float:
@@ -374,10 +383,19 @@ def thread_handoff_s(repeats: int = 50) -> float:
         return quantile_s(lambda: pool.submit(threading.get_ident).result(), repeats)
 
 
-def allreduce_busbw(nbytes: int, *, repeats: int = 7) -> float:
+def _collective_s(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) -> float:
+    """A collective waits on the other processes: wall time, the second fastest of many short calls
+    (:data:`~multigpu.planning.timing.WAIT_QUANTILE`: never faster than when every process holds a core)."""
+    return quantile_s(fn, repeats, q=WAIT_QUANTILE, clock=clock)
+
+
+def allreduce_busbw(
+    nbytes: int, *, repeats: int = SHORT_REPEATS, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """Bus bandwidth (bytes/s) of an all-reduce of ``nbytes`` float32 in the default process group.
 
-    Every rank must call it (it runs collectives). busbw = nbytes / t * 2(n-1)/n (nccl-tests).
+    Every rank must call it (it runs collectives). busbw = nbytes / t * 2(n-1)/n (nccl-tests), t the
+    :data:`~multigpu.planning.timing.WAIT_QUANTILE` of ``repeats`` wall times by ``clock``.
     """
     import torch.distributed as dist
 
@@ -385,11 +403,13 @@ def allreduce_busbw(nbytes: int, *, repeats: int = 7) -> float:
 
     world = world_size()
     tensor = torch.ones(max(1, nbytes // 4))
-    seconds = fastest_s(lambda: dist.all_reduce(tensor), repeats)
+    seconds = _collective_s(lambda: dist.all_reduce(tensor), repeats, clock)
     return tensor.numel() * 4 / seconds * bus_factor("all-reduce", world)
 
 
-def gather_busbw(group_bytes: Sequence[int], *, repeats: int = 7) -> float:
+def gather_busbw(
+    group_bytes: Sequence[int], *, repeats: int = SHORT_REPEATS, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """Bus bandwidth (bytes/s) of fsdp's collectives over groups of ``group_bytes`` (float32) each.
 
     Every rank must call it (it runs collectives). One step's worth, as FSDP2 issues them: an
@@ -397,7 +417,7 @@ def gather_busbw(group_bytes: Sequence[int], *, repeats: int = 7) -> float:
     then a reduce-scatter of every group in reverse, each into buffers allocated for it (FSDP2
     allocates them anew every step; on a CPU the first touch of fresh memory is part of the cost).
     busbw = sum of S (n-1)/n over the time of the sequence (nccl-tests: busbw = algbw (n-1)/n for
-    both, S the whole array).
+    both, S the whole array), timed as :func:`allreduce_busbw` times its all-reduce.
     """
     import torch.distributed as dist
 
@@ -420,7 +440,7 @@ def gather_busbw(group_bytes: Sequence[int], *, repeats: int = 7) -> float:
             reduce_scatter(torch.empty(shard), torch.ones(shard * world))
 
     moved = sum(shard * world * 4 for shard in [*gathers, *shards]) * bus_factor("all-gather", world)
-    return moved / fastest_s(step, repeats)
+    return moved / _collective_s(step, repeats, clock)
 
 
 def _main() -> None:
