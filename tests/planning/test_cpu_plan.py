@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from multigpu.planning.calibrate import ProbeRounds
 from multigpu.planning.cpu_plan import (
@@ -48,6 +51,17 @@ def test_the_calibration_puts_the_thread_count_back_and_builds_on_the_machine_co
     assert plat.sharded_copy_bandwidth == constants.fresh_copy_bandwidth
     assert w.params == 32 * 64 + 64 + 64 * 4 + 4 and w.optimizer_s is not None and w.compute_s_per_sample > 0
     assert w.counts.module_calls == 4 and w.counts.tensors == 4  # counted, as a GPU plan counts it
+
+
+def test_the_optimizer_step_of_one_intra_op_thread_is_timed_by_its_cpu_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # every optimizer step first waits 30 ms, as when other processes hold the core: not its CPU time
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # 2 cores, 2 replicas: one intra-op thread each
+    waits = register_optimizer_step_pre_hook(lambda *_: time.sleep(0.03))
+    try:
+        w, _ = calibrate_cpu(build(), lambda n: torch.randn(n, 32), CpuBatches(16, 8, 2), fixed(), cores=2)
+    finally:
+        waits.remove()
+    assert w.optimizer_s is not None and w.optimizer_s < 0.01
 
 
 def test_the_calibration_counts_one_replicas_large_allocations_at_the_replicas_batch() -> None:

@@ -25,6 +25,7 @@ of each. A fed-back ``compute_scale`` (:mod:`multigpu.planning.machine`) multipl
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -38,7 +39,7 @@ from multigpu.planning.costs import host_step_s
 from multigpu.planning.counting import LossFn, build_optimizer, default_loss, device_seconds, measure_workload
 from multigpu.planning.hardware import Platform
 from multigpu.planning.machine import MachineConstants
-from multigpu.planning.timing import QUANTILE, low_quantile, quantile_s
+from multigpu.planning.timing import CPU_CLOCK, QUANTILE, low_quantile, quantile_s
 from multigpu.planning.workload import Workload
 
 ROUNDS = 15  # rounds of the replica probe (alone, all at once, the whole batch), each kind kept at QUANTILE
@@ -177,7 +178,8 @@ def calibrate_cpu(
         opt = build_optimizer(optimizer, model)
         model.zero_grad(set_to_none=True)
         loss_fn(model(inputs(1))).backward()  # gradients for the optimizer to step on
-        optimizer_s = quantile_s(opt.step)
+        # one intra-op thread: the thread's CPU time (other processes only keep it off the core)
+        optimizer_s = quantile_s(opt.step, clock=CPU_CLOCK if replica_threads == 1 else time.perf_counter)
         model.zero_grad(set_to_none=True)
     finally:
         torch.set_num_threads(previous)
