@@ -138,6 +138,8 @@ def main() -> int:
                         "measured_ms": row["step_ms"],
                         "error": error,
                         "ok": ok,
+                        "status": row["status"],
+                        "reason": row["reason"],
                         "advise_wall_s": wall,
                         "load": load,
                     }
@@ -152,7 +154,11 @@ def main() -> int:
             f"{r['model']:8s} {r['batch']:5d} {r['strategy']:8s} {r['devices']:2d} {pred:>8s} {meas:>8s} {err:>7s}"
             f" {r['load']:5.1f}"
             f"{'' if r['ok'] else '  <- beyond ' + format(args.tolerance, '.0%')}"
+            f"{'' if r['status'] == 'ok' else ' (' + r['status'] + ')'}"
         )
+    for r in rows:
+        if r["status"] != "ok":  # why a run has no measurement: the limit, or its last error line
+            print(f"{r['model']}:{r['batch']} {r['strategy']} {r['status']}: {r['reason']}")
     for strategy in STRATEGIES:
         errors = [r["error"] for r in rows if r["strategy"] == strategy and r["error"] is not None]
         if errors:

@@ -52,11 +52,16 @@ def test_a_factory_is_measured_beside_its_prediction_and_a_failing_strategy_does
     assert {r["strategy"] for r in plan["rows"]} >= {"single", "ddp"}  # the prediction is there too
     assert json.loads((tmp_path / "advise.json").read_text())["measured"] == plan["measured"]
     assert (tmp_path / "advise-measured.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # what ran fed its own constant back into this machine's cache; the failed ddp fed nothing
+    # what ran solved its own constant, fed back into this machine's cache unless the machine was loaded
+    # (then refused, with why: tests/planning/test_machine.py checks the rule); the failed ddp solved nothing
     fed = plan["measured"]["fed_back"]
-    assert set(fed["constants"]) == {"compute_scale"} and fed["file"] == str(cache)
+    assert set(fed["constants"]) | set(fed["refused"]) == {"compute_scale"}
     kept = machine.load(cache.parent, machine.machine_key())
-    assert kept is not None and kept.feedback == {"compute_scale": [fed["constants"]["compute_scale"]]}
+    assert kept is not None
+    if fed["constants"]:
+        assert fed["file"] == str(cache) and kept.feedback == {"compute_scale": [fed["constants"]["compute_scale"]]}
+    else:
+        assert fed["file"].startswith("not written") and kept.feedback == {}
 
 
 @pytest.mark.multiprocess

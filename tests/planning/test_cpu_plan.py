@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from multigpu.planning.cpu_plan import MAX_PROBE_S, CpuBatches, _probe_batch, calibrate_cpu, cpu_batches
+from multigpu.planning.calibrate import ProbeRounds
+from multigpu.planning.cpu_plan import (
+    MAX_PROBE_S,
+    CpuBatches,
+    _probe_batch,
+    calibrate_cpu,
+    cpu_batches,
+    replica_rates,
+)
 from tests.planning._tiny_model import build
 from tests.planning.machine_constants import fixed
 
@@ -42,6 +53,17 @@ def test_the_calibration_puts_the_thread_count_back_and_builds_on_the_machine_co
     assert w.counts.module_calls == 4 and w.counts.tensors == 4  # counted, as a GPU plan counts it
 
 
+def test_the_optimizer_step_of_one_intra_op_thread_is_timed_by_its_cpu_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # every optimizer step first waits 30 ms, as when other processes hold the core: not its CPU time
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # 2 cores, 2 replicas: one intra-op thread each
+    waits = register_optimizer_step_pre_hook(lambda *_: time.sleep(0.03))
+    try:
+        w, _ = calibrate_cpu(build(), lambda n: torch.randn(n, 32), CpuBatches(16, 8, 2), fixed(), cores=2)
+    finally:
+        waits.remove()
+    assert w.optimizer_s is not None and w.optimizer_s < 0.01
+
+
 def test_the_calibration_counts_one_replicas_large_allocations_at_the_replicas_batch() -> None:
     from multigpu.devices.cpu import SHARDED_MMAP_THRESHOLD
     from multigpu.planning.allocations import large_allocations
@@ -68,3 +90,53 @@ def test_the_calibration_counts_one_replicas_large_allocations_at_the_replicas_b
     assert w.large_allocations == seen.count > 10
     assert w.large_allocation_bytes_per_sample * 16 == pytest.approx(seen.bytes, rel=0.05)
     assert (plat.fresh_alloc_s, plat.fresh_byte_s) == (2e-5, 1e-10)  # the machine's, for fsdp's step
+
+
+# --- the rates from the probe's rounds: fed timings, the formula (replica_rates) -----------------------------
+
+# Four rounds of a replica of 10 samples and the whole batch of 20, 2 ms of host work per call. Round 2
+# is loaded: wall times long, the replica's CPU time as in the quiet rounds.
+ROUNDS = ProbeRounds(
+    solo=[0.012, 0.012, 0.060, 0.013],
+    together=[0.014, 0.017, 0.150, 0.015],
+    solo_cpu=[0.012, 0.0121, 0.0125, 0.012],
+    together_cpu=[0.013] * 4,
+    whole=[0.0140, 0.0145, 0.400, 0.0142],
+)
+
+
+def test_the_compute_is_the_low_quantile_of_the_replicas_cpu_time_less_the_host() -> None:
+    rates = replica_rates(ROUNDS, host_s=0.002, replica_n=10, single_n=20)
+    assert rates.per_sample_s == pytest.approx((0.012 - 0.002) / 10)  # the loaded round's wall time is not read
+    walls = replica_rates(ROUNDS, host_s=0.002, replica_n=10, single_n=20, replica_threads=2)
+    assert walls.per_sample_s == pytest.approx((0.012 - 0.002) / 10)  # several threads: the wall time's quantile
+
+
+def test_contention_and_speedup_are_ratios_within_a_round_at_their_load_free_end() -> None:
+    rates = replica_rates(ROUNDS, host_s=0.002, replica_n=10, single_n=20)
+    # per round: (together - solo + device) / device = 1.2, 1.5, 2.55, 1.18: the lowest quartile
+    assert rates.contention == pytest.approx((0.015 - 0.013 + 0.011) / 0.011)
+    # per round: (solo - host) / 10 over (whole - host) / 20 = 1.67, 1.6, 0.29, 1.80: the third of four
+    assert rates.single_speedup == pytest.approx((0.010 / 10) / (0.012 / 20))
+
+
+def test_load_never_makes_replicas_faster_together_or_every_core_slower_than_one() -> None:
+    loaded = ProbeRounds(
+        solo=[0.010] * 3, together=[0.009] * 3, solo_cpu=[0.010] * 3, together_cpu=[0.010] * 3, whole=[0.05] * 3
+    )
+    rates = replica_rates(loaded, host_s=0.0, replica_n=10, single_n=20)
+    assert (rates.contention, rates.single_speedup) == (1.0, 1.0)
+
+
+def test_the_probe_times_the_whole_batch_in_each_round_beside_the_replicas() -> None:
+    from torch import nn
+
+    from multigpu.planning.calibrate import ReplicaProbe
+
+    whole_calls: list[int] = []
+    with ReplicaProbe(nn.Linear(16, 16), torch.randn(8, 16)) as probe:
+        timed = probe.interleaved(3, lambda: whole_calls.append(1))
+    assert len(whole_calls) == 4  # one warm-up, then one per round
+    assert [len(v) for v in (timed.solo, timed.together, timed.solo_cpu, timed.together_cpu, timed.whole)] == [3] * 5
+    # a replica's thread cannot spend more CPU time than the wall time its call took (one intra-op thread here)
+    assert all(0 < cpu <= wall * 1.05 + 1e-4 for cpu, wall in zip(timed.solo_cpu, timed.solo))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +15,15 @@ from multigpu.errors import ConfigError
 from multigpu.planning import machine
 from multigpu.planning.costs import predict_step
 from multigpu.planning.measured import Measurement, check
-from multigpu.planning.timing import QUANTILE, REPEATS, low_quantile
+from multigpu.planning.timing import (
+    CPU_CLOCK,
+    QUANTILE,
+    REPEATS,
+    SHORT_REPEATS,
+    WAIT_QUANTILE,
+    low_quantile,
+    quantile_s,
+)
 from multigpu.planning.workload import FsdpLayout, StepCounts, Workload
 from tests.planning.machine_constants import FIXED_SOURCE, fixed
 
@@ -37,6 +46,27 @@ def test_a_burst_of_load_over_the_median_does_not_reach_the_quantile() -> None:
     timings = [0.010] * 3 + [0.050] * 6
     assert low_quantile(timings) == 0.010
     assert sorted(timings)[len(timings) // 2] == 0.050  # the median would read the burst
+
+
+def test_a_collective_keeps_the_second_fastest_of_its_short_repeats() -> None:
+    # one reading below the rest is kept out (a clock hiccup); the load's slow readings never reach it
+    timings = [0.004, 0.010, 0.0102] + [0.010 * k for k in range(2, SHORT_REPEATS - 1)]
+    assert len(timings) == SHORT_REPEATS == 25
+    assert low_quantile(timings, WAIT_QUANTILE) == 0.010
+
+
+def test_a_probe_is_timed_by_the_clock_it_is_given() -> None:
+    ticks = iter([0.0, 1.0, 1.0, 3.0, 3.0, 3.5])  # a fake clock: the three timed calls read 1, 2 and 0.5
+    calls: list[int] = []
+    assert quantile_s(lambda: calls.append(1), repeats=3, q=0.0, clock=lambda: next(ticks)) == 0.5
+    assert len(calls) == 4  # one warm-up, three timed
+
+
+def test_a_one_thread_probe_reads_its_thread_cpu_time_not_the_time_it_waited() -> None:
+    # the wait stands for the time another process holds the core: wall time sees it, the thread's CPU time not
+    wall = quantile_s(lambda: time.sleep(0.02), repeats=3)
+    cpu = quantile_s(lambda: time.sleep(0.02), repeats=3, clock=CPU_CLOCK)
+    assert wall >= 0.02 and cpu < 0.005
 
 
 @pytest.mark.parametrize(("values", "q", "match"), [([], 0.25, "no timings"), ([1.0], 1.5, r"q=1.5 must be")])
@@ -121,7 +151,7 @@ def test_feeding_back_a_measurement_makes_the_next_prediction_that_measurement()
     checked = check(
         rows, [Measurement(strategy=s, devices=1 if s == "single" else 2, step_s=t) for s, t in measured.items()]
     )
-    solved = machine.feed_back(constants, w, plat, checked)
+    solved = machine.feed_back(constants, w, plat, checked).solved
     assert set(solved) == set(machine.FED_BACK)
     after = _predicted(constants.with_feedback(solved), w)
     for strategy, seconds in measured.items():
@@ -132,7 +162,56 @@ def test_a_strategy_that_did_not_run_feeds_nothing_back() -> None:
     constants, w = fixed(), _workload()
     plat = constants.platform(cores=2, contention=1.3, single_speedup=1.6)
     failed = Measurement(strategy="ddp", devices=2, status="failed", reason="boom")
-    assert machine.feed_back(constants, w, plat, check(_rows(w, plat), [failed])) == {}
+    assert machine.feed_back(constants, w, plat, check(_rows(w, plat), [failed])) == machine.FedBack({}, {})
+
+
+def _measured_at(factor: float, constants: machine.MachineConstants, w: Workload) -> list:
+    """Every strategy measured at ``factor`` times its prediction, checked against the plan."""
+    plat = constants.platform(cores=2, contention=1.3, single_speedup=1.6)
+    before = _predicted(constants, w)
+    return check(
+        _rows(w, plat),
+        [Measurement(strategy=s, devices=1 if s == "single" else 2, step_s=factor * t) for s, t in before.items()],
+    )
+
+
+def test_a_measurement_under_load_is_refused_and_a_quiet_one_fed_back() -> None:
+    constants, w = fixed(), _workload()
+    plat = constants.platform(cores=2, contention=1.3, single_speedup=1.6)
+    checked = _measured_at(1.3, constants, w)  # 30% slower: within the bound, a quiet machine's error
+    loaded = machine.feed_back(constants, w, plat, checked, load=3.0)
+    assert loaded.solved == {} and set(loaded.refused) == set(machine.FED_BACK)
+    assert all("load 3 per core besides the runs (over 0.5)" in why for why in loaded.refused.values())
+    assert constants.with_feedback(loaded.solved) == constants  # the cache does not move
+    quiet = machine.feed_back(constants, w, plat, checked, load=0.2)
+    assert set(quiet.solved) == set(machine.FED_BACK) and quiet.refused == {}
+    assert constants.with_feedback(quiet.solved).value("compute_scale") == pytest.approx(1.3, rel=0.02)
+    assert machine.feed_back(constants, w, plat, checked, load=None) == quiet  # no load average: the bound only
+
+
+@pytest.mark.parametrize("factor", [10.0, 0.3])
+def test_a_step_beyond_the_bound_of_its_prediction_is_refused(factor: float) -> None:
+    # a loaded machine measured 10x the quiet step, which would solve a compute scale of 10
+    constants, w = fixed(), _workload()
+    plat = constants.platform(cores=2, contention=1.3, single_speedup=1.6)
+    fed = machine.feed_back(constants, w, plat, _measured_at(factor, constants, w))
+    assert fed.solved == {} and set(fed.refused) == set(machine.FED_BACK)
+    assert fed.refused["compute_scale"].startswith(f"single measured {factor:.3g}x its prediction, beyond 2x")
+    for value in (1.1, 0.9, 1.2, 1.0):  # four quiet runs, then a loaded one: refused, the median stays
+        constants = constants.with_feedback({"compute_scale": value})
+    constants = constants.with_feedback(
+        machine.feed_back(constants, w, plat, _measured_at(factor, constants, w)).solved
+    )
+    assert constants.feedback["compute_scale"] == [1.1, 0.9, 1.2, 1.0]
+    assert machine.STEP_BOUND == 2.0
+
+
+def test_the_load_besides_the_runs_is_the_larger_of_before_and_after_less_their_own() -> None:
+    assert machine.load_besides(0.4, 2.6, own=2, cores=2) == pytest.approx(0.3)  # the runs' own 2 counted out
+    assert machine.load_besides(0.4, 8.0, own=2, cores=2) == pytest.approx(3.0)  # others started meanwhile
+    assert machine.load_besides(0.4, 1.0, own=2, cores=2) == pytest.approx(0.2)  # never below what ran before
+    assert machine.load_besides(None, None, own=2, cores=2) is None
+    assert machine.load_besides(None, 3.0, own=2, cores=2) == pytest.approx(0.5)
 
 
 def _rows(w: Workload, plat: object) -> list:
@@ -214,6 +293,6 @@ def test_a_cache_folder_that_cannot_be_written_still_plans_and_reports_the_feedb
     w = _workload()
     plat = fixed().platform(cores=2, contention=1.0, single_speedup=1.0)
     single = Measurement(strategy="single", devices=1, step_s=0.05)
-    solved, where = feed_back_measured(w, plat, check(_rows(w, plat), [single]))
-    assert set(solved) == {"compute_scale"} and where.startswith("not written") and "MULTIGPU_CACHE_DIR" in where
+    fed, where = feed_back_measured(w, plat, check(_rows(w, plat), [single]))
+    assert set(fed.solved) == {"compute_scale"} and where.startswith("not written") and "MULTIGPU_CACHE_DIR" in where
     capsys.readouterr()

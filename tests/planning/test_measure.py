@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import ast
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,37 @@ def test_cpu_probes_return_plausible_values() -> None:
     assert solo > 0 and together > 0
 
 
+def _sleeping_loss(output: torch.Tensor) -> torch.Tensor:
+    # the sleep stands for the time other processes hold the core: wall time sees it, the thread's CPU time not
+    time.sleep(0.03)
+    return output.square().mean()
+
+
+def test_a_one_thread_cpu_step_is_timed_by_its_cpu_time_and_a_threaded_one_by_its_wall_time() -> None:
+    model, x = nn.Linear(16, 4), torch.randn(8, 16)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = measure_workload(model, x, loss_fn=_sleeping_loss, repeats=3)
+        torch.set_num_threads(2)
+        two = measure_workload(model, x, loss_fn=_sleeping_loss, repeats=3)
+    finally:
+        torch.set_num_threads(previous)
+    assert one.compute_s_per_sample * 8 < 0.01  # a tiny Linear's CPU time, not the 30 ms it waited
+    assert two.compute_s_per_sample * 8 >= 0.003  # the wall time, the wait in it (a tenth kept at least)
+
+
+@pytest.mark.parametrize(("intra_op", "waited"), [(1, False), (2, True)])
+def test_the_replica_probe_reads_its_threads_cpu_time_with_one_intra_op_thread(intra_op: int, waited: bool) -> None:
+    previous = torch.get_num_threads()  # the replica threads set the process's intra-op threads
+    try:
+        with ReplicaProbe(nn.Linear(16, 4), torch.randn(8, 16), loss_fn=_sleeping_loss, intra_op=intra_op) as probe:
+            solo, together = probe.times(repeats=3)
+    finally:
+        torch.set_num_threads(previous)
+    assert (solo >= 0.03, together >= 0.03) == (waited, waited)
+
+
 def test_empty_batch_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"inputs of shape \(0, 4\) hold no batch"):
         measure_workload(nn.Linear(4, 2), torch.randn(0, 4))
@@ -56,15 +89,24 @@ def test_measure_workload_on_a_cuda_device() -> None:
 
 
 _GATHER_BUSBW = """
+import itertools
 import sys
 from pathlib import Path
 
-from multigpu.planning.calibrate import gather_busbw
+from multigpu.planning.calibrate import allreduce_busbw, gather_busbw
 from multigpu.session import Session
+
+
+def clock():  # a fake wall clock: 25 timed calls of 1 ms (a clock hiccup), 10 ms, then 50 ms (load)
+    durations = [0.050] * 11 + [0.001] + [0.050] * 5 + [0.010] + [0.050] * 7
+    ticks = itertools.chain.from_iterable((i, i + d) for i, d in enumerate(durations))
+    return lambda: next(ticks)
+
 
 with Session(strategy="ddp", timeout_s=60) as session:
     value = gather_busbw([4_000, 200_000, 400_000], repeats=2)
-    Path(sys.argv[1], f"rank{session.global_rank}").write_text(repr(value))
+    faked = [allreduce_busbw(4_000, clock=clock()), gather_busbw([4_000, 200_000, 400_000], clock=clock())]
+    Path(sys.argv[1], f"rank{session.global_rank}").write_text(repr([value, *faked]))
 """
 
 
@@ -74,8 +116,13 @@ def test_fsdp_collectives_bandwidth_over_two_gloo_processes(tmp_path: Path) -> N
     script.write_text(_GATHER_BUSBW)
     done = multigpu_launch("--strategy", "ddp", "--nproc-per-node", "2", str(script), str(tmp_path), timeout_s=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    values = [float((tmp_path / f"rank{r}").read_text()) for r in range(2)]
-    assert all(0 < v < 1e13 for v in values)  # bytes/s: positive and finite, below 10 TB/s on loopback
+    values = [ast.literal_eval((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+    assert all(0 < v[0] < 1e13 for v in values)  # bytes/s: positive and finite, below 10 TB/s on loopback
+    # the faked clock's second fastest call, 10 ms: 4000 bytes x 2(n-1)/n; the groups' shards of 500, 25000
+    # and 50000 floats gathered, all but the first again, and reduce-scattered, 8 bytes each x (n-1)/n
+    for _, allreduce, gather in values:
+        assert allreduce == pytest.approx(4000 * 1.0 / 0.010)
+        assert gather == pytest.approx((75_500 + 75_000 + 75_500) * 8 * 0.5 / 0.010)
 
 
 def test_fsdp_collectives_need_two_processes() -> None:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from multigpu.planning.hardware import Platform
-    from multigpu.planning.machine import MachineConstants
+    from multigpu.planning.machine import FedBack, MachineConstants
     from multigpu.planning.measured import Checked
     from multigpu.planning.workload import Workload
 
@@ -63,15 +63,20 @@ def cpu_plan(
     )
 
 
-def feed_back_measured(w: Workload, plat: Platform, checked: Sequence[Checked]) -> tuple[dict[str, float], str]:
-    """Solve the measured strategies' constants into this machine's cache; (the solved values, the file
-    written, or why none was: the measurement is reported either way)."""
+def feed_back_measured(
+    w: Workload, plat: Platform, checked: Sequence[Checked], *, load: float | None = None
+) -> tuple[FedBack, str]:
+    """Solve the measured strategies' constants into this machine's cache, unless refused (``load``: the
+    runnable processes per core besides the runs', :func:`multigpu.planning.machine.load_besides`);
+    (what was solved and refused, the file written, or why none was: the measurement is reported either way)."""
     from multigpu.planning import machine
     from multigpu.runtime.world import cache_dir
 
     constants = machine_constants()
-    solved = machine.feed_back(constants, w, plat, checked)
+    fed = machine.feed_back(constants, w, plat, checked, load=load)
+    if not fed.solved:
+        return fed, "not written: nothing to feed back"
     try:
-        return solved, str(machine.save(constants.with_feedback(solved), cache_dir()))
+        return fed, str(machine.save(constants.with_feedback(fed.solved), cache_dir()))
     except OSError as exc:
-        return solved, f"not written: {exc}; set MULTIGPU_CACHE_DIR to a writable folder"
+        return fed, f"not written: {exc}; set MULTIGPU_CACHE_DIR to a writable folder"

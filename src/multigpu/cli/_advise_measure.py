@@ -13,6 +13,7 @@ rows beside its predictions (:mod:`multigpu.planning.measured`).
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 from typing import TYPE_CHECKING, Any
 
@@ -136,6 +137,7 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
 
     from multigpu.launcher.measure import measure
     from multigpu.planning.advise import print_plan, recommend, to_json
+    from multigpu.planning.machine import load_besides
     from multigpu.planning.measured import check, measured_json, plot_measured, print_measured, recommend_measured
 
     try:
@@ -178,11 +180,13 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
                 description=f"measuring {run.strategy} x{run.devices}",
             )
 
+        before = _load_average()
         measurements = measure(runs, spec, budget_s=args.budget, progress=told)
+    load = load_besides(before, _load_average(), own=max(r.devices for r in runs), cores=os.cpu_count() or 1)
     checked = check(rows, measurements)
     rec_measured = recommend_measured(checked)
     result_json = {**plan, "measured": measured_json(checked, rec_measured, args.budget)}
-    fed_back = _feed_back(planned, checked)
+    fed_back = _feed_back(planned, checked, load)
     if fed_back is not None:
         result_json["measured"]["fed_back"] = fed_back
     title = f"{args.model or args.script}: measured here"
@@ -192,6 +196,8 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
         if fed_back is not None:
             solved = ", ".join(f"{k} {v:.3g}" for k, v in fed_back["constants"].items()) or "nothing"
             console.print(f"fed back into this machine's constants ({fed_back['file']}): {solved}", soft_wrap=True)
+            for name, why in fed_back["refused"].items():
+                console.print(f"not fed back: {name}: {why}", soft_wrap=True)
         console.print(written, soft_wrap=True)
     return 0
 
@@ -208,11 +214,19 @@ def _plans_what_runs(args: argparse.Namespace) -> bool:
     )
 
 
-def _feed_back(planned: tuple[Any, Any] | None, checked: list[Any]) -> dict[str, Any] | None:
+def _load_average() -> float | None:
+    """The 1-minute load average (None where the system has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def _feed_back(planned: tuple[Any, Any] | None, checked: list[Any], load: float | None) -> dict[str, Any] | None:
     """The measured steps solved into this machine's cached constants (None: not a CPU plan of what ran)."""
     if planned is None:
         return None
     from multigpu.cli._advise_calibrate import feed_back_measured
 
-    solved, path = feed_back_measured(*planned, checked)
-    return {"constants": solved, "file": path}
+    fed, path = feed_back_measured(*planned, checked, load=load)
+    return {"constants": fed.solved, "refused": fed.refused, "load_per_core": load, "file": path}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,7 +29,13 @@ FRESH_SMALL, FRESH_LARGE = 256 << 10, 4 << 20
 
 
 def _collectives(kind: str) -> dict[str, float]:
-    from multigpu.planning.timing import quantile_s
+    from multigpu.planning.timing import CPU_CLOCK, SHORT_REPEATS, WAIT_QUANTILE, quantile_s
+
+    def waits(fn: Callable[[], object]) -> float:  # a collective waits on the other process: wall time, more repeats
+        return quantile_s(fn, SHORT_REPEATS, q=WAIT_QUANTILE)
+
+    def own(fn: Callable[[], object]) -> float:  # this thread alone (copies, page faults): its CPU time
+        return quantile_s(fn, clock=CPU_CLOCK)
 
     world = dist.get_world_size()
     out: dict[str, float] = {}
@@ -38,19 +45,19 @@ def _collectives(kind: str) -> dict[str, float]:
         n = nbytes // 4
         if kind == "allreduce":
             whole = torch.ones(n)
-            out[f"allreduce_{label}_s"] = quantile_s(lambda: dist.all_reduce(whole))  # noqa: B023 (called at once)
+            out[f"allreduce_{label}_s"] = waits(lambda: dist.all_reduce(whole))  # noqa: B023 (called at once)
             continue
         shard = torch.ones(n // world)
         full = torch.ones(n)
-        out[f"gather_{label}_s"] = quantile_s(lambda: all_gather(torch.empty(n), shard))  # noqa: B023
-        out[f"scatter_{label}_s"] = quantile_s(lambda: reduce_scatter(torch.empty(n // world), full))  # noqa: B023
+        out[f"gather_{label}_s"] = waits(lambda: all_gather(torch.empty(n), shard))  # noqa: B023
+        out[f"scatter_{label}_s"] = waits(lambda: reduce_scatter(torch.empty(n // world), full))  # noqa: B023
     if kind == "sharded":
         src = torch.ones(LARGE // 4)
-        out["fresh_copy_s"] = quantile_s(lambda: torch.empty_like(src).copy_(src))
+        out["fresh_copy_s"] = own(lambda: torch.empty_like(src).copy_(src))
         for label, nbytes in (("small", FRESH_SMALL), ("large", FRESH_LARGE)):
             warm = torch.empty(nbytes // 4)
-            out[f"fresh_fill_{label}_s"] = quantile_s(lambda: torch.empty(nbytes // 4).fill_(1.0))  # noqa: B023
-            out[f"warm_fill_{label}_s"] = quantile_s(lambda: warm.fill_(1.0))  # noqa: B023
+            out[f"fresh_fill_{label}_s"] = own(lambda: torch.empty(nbytes // 4).fill_(1.0))  # noqa: B023
+            out[f"warm_fill_{label}_s"] = own(lambda: warm.fill_(1.0))  # noqa: B023
     return out
 
 
@@ -61,7 +68,7 @@ def main(argv: list[str]) -> None:
     if kind == "sharded":
         from multigpu.planning.calibrate import fsdp_group_s
 
-        result["fsdp_group_s"] = fsdp_group_s(groups=8, repeats=5)
+        result["fsdp_group_s"] = fsdp_group_s(groups=8, repeats=9)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

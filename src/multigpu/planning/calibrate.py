@@ -2,14 +2,16 @@
 
 The host costs (:class:`~multigpu.planning.hardware.HostCosts`) take about a second.
 
-Each constant is the fastest of ``repeats`` timings of a probe (other work on a shared machine
-only adds time) divided by the items it holds, counted as :mod:`multigpu.planning.counting` counts:
+Each constant is the low quantile (:mod:`multigpu.planning.timing`) of ``repeats`` timings of a probe,
+by its thread's CPU time (each probe runs on one thread: other processes on a shared machine only
+keep it off the core), divided by the items it holds, counted as :mod:`multigpu.planning.counting` counts:
 
 - ``op_s``: ``y = y.add(1)`` on a one-element tensor, from Python (one dispatched op each);
 - ``module_call_s``: an ``nn.Sequential`` of ``nn.Identity`` modules (calls without ops);
 - ``backward_op_s``: backward of a chain of multiplications, over the ops it dispatches;
 - ``gil_contention``: the op loop on ``threads`` long-lived threads at once, over ``threads`` times
-  one thread's time (1: the GIL serialises them perfectly; above 1: taking turns costs extra);
+  one thread's time (1: the GIL serialises them perfectly; above 1: taking turns costs extra); wall
+  time of a loop a tenth as long, over more repeats (threads that wait on each other);
 - ``replicate_module_s`` / ``replicate_tensor_s``: replicating a tree of empty modules, and one
   module holding many parameters, per module and per tensor. ``replicate="torch"`` times
   ``torch.nn.parallel.replicate`` (what nn.DataParallel runs on GPUs; its CUDA-only coalesced
@@ -41,6 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from unittest import mock
 
 import torch
@@ -49,9 +52,15 @@ from torch import nn
 from multigpu.core.lookup import lookup
 from multigpu.errors import ConfigError
 from multigpu.parallel.replicas import build_replicas
-from multigpu.planning.counting import LossFn, OpCounter, default_loss, device_seconds, fastest_s
+from multigpu.planning.counting import LossFn, OpCounter, default_loss, device_seconds
 from multigpu.planning.hardware import DEFAULT_HOST, TIME_FIELDS, HostCosts
+from multigpu.planning.timing import CPU_CLOCK, REPEATS, SHORT_REPEATS, WAIT_QUANTILE, low_quantile, quantile_s
 from multigpu.profiling.bandwidth import bus_factor
+
+
+def _cpu_s(fn: Callable[[], object], repeats: int) -> float:
+    """A one-thread probe's seconds: the low quantile of its thread's CPU time (other processes only add wall time)."""
+    return quantile_s(fn, repeats, clock=CPU_CLOCK)
 
 
 def _op_loop(items: int) -> Callable[[], object]:
@@ -67,7 +76,7 @@ def _op_loop(items: int) -> Callable[[], object]:
 
 def _module_call_s(items: int, repeats: int) -> float:
     modules, x = nn.Sequential(*[nn.Identity() for _ in range(items)]), torch.ones(1)
-    return fastest_s(lambda: modules(x), repeats) / items
+    return _cpu_s(lambda: modules(x), repeats) / items
 
 
 def _backward_op_s(items: int, repeats: int) -> float:
@@ -83,15 +92,17 @@ def _backward_op_s(items: int, repeats: int) -> float:
     loss = forward()
     with counter:
         loss.backward()
-    both = fastest_s(lambda: forward().backward(), repeats)
-    return max(0.0, both - fastest_s(forward, repeats)) / counter.total
+    both = _cpu_s(lambda: forward().backward(), repeats)  # a CPU backward runs on the calling thread
+    return max(0.0, both - _cpu_s(forward, repeats)) / counter.total
 
 
 def _gil_contention(items: int, repeats: int, threads: int) -> float:
-    loop = _op_loop(items)
+    # threads that wait on each other: wall time, in calls short beside the scheduler's slice, repeated more
+    loop = _op_loop(max(1, items // 10))
+    repeats = max(repeats, SHORT_REPEATS)
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="multigpu-calibrate") as pool:
-        alone = fastest_s(lambda: pool.submit(loop).result(), repeats)
-        together = fastest_s(lambda: [f.result() for f in [pool.submit(loop) for _ in range(threads)]], repeats)
+        alone = quantile_s(lambda: pool.submit(loop).result(), repeats)
+        together = quantile_s(lambda: [f.result() for f in [pool.submit(loop) for _ in range(threads)]], repeats)
     return together / (threads * alone)
 
 
@@ -122,9 +133,9 @@ def _replicate_costs(items: int, repeats: int, which: str) -> tuple[float, float
     """(seconds per module, seconds per tensor) of one replica."""
     run = _replicate_fn(which)
     modules = nn.Sequential(*[nn.Identity() for _ in range(items)])
-    per_module = fastest_s(lambda: run(modules), repeats) / (items + 1)
+    per_module = _cpu_s(lambda: run(modules), repeats) / (items + 1)
     tensors = nn.ParameterList([nn.Parameter(torch.ones(1)) for _ in range(items)])
-    with_tensors = fastest_s(lambda: run(tensors), repeats)
+    with_tensors = _cpu_s(lambda: run(tensors), repeats)
     return per_module, max(0.0, with_tensors - per_module) / items
 
 
@@ -156,7 +167,8 @@ def _fsdp_group_s(groups: int, repeats: int) -> float | None:
 
             return run
 
-        extra = fastest_s(step(sharded), repeats) - fastest_s(step(plain), repeats)
+        # one process, no collective to wait on: the thread's CPU time
+        extra = _cpu_s(step(sharded), repeats) - _cpu_s(step(plain), repeats)
         return max(0.0, extra) / (groups + 1)  # the root is a group too
     finally:
         dist.destroy_process_group()
@@ -176,7 +188,8 @@ def measure_host_costs(
 
     Args:
         items: ops, modules or tensors per probe.
-        repeats: timed repeats per probe; the fastest is kept.
+        repeats: timed repeats per probe; the low quantile of the thread's CPU time is kept
+            (the GIL probe: of the wall time, over at least ``SHORT_REPEATS`` calls a tenth as long).
         threads: threads for the GIL probe (at most the cores free for them).
         replicate: whose replicate to time: ``"multigpu"`` (the engine, as CPU replicas run it)
             or ``"torch"`` (nn.DataParallel's, as GPU replicas in public reports run it).
@@ -188,24 +201,43 @@ def measure_host_costs(
         replicate_module_s, replicate_tensor_s = _replicate_costs(items, repeats, replicate)
         fsdp = _fsdp_group_s(fsdp_groups, repeats) if fsdp_groups else None
         return HostCosts(
-            op_s=fastest_s(_op_loop(items), repeats) / items,
+            op_s=_cpu_s(_op_loop(items), repeats) / items,
             module_call_s=_module_call_s(items, repeats),
             backward_op_s=_backward_op_s(items, repeats),
             gil_contention=max(1.0 / threads, _gil_contention(items, repeats, threads)),
             replicate_module_s=replicate_module_s,
             replicate_tensor_s=replicate_tensor_s,
             fsdp_group_s=DEFAULT_HOST.fsdp_group_s if fsdp is None else fsdp,
-            source=f"measured here (fastest of {repeats}, {items} items per probe, {replicate} replicate)",
+            source=f"measured here (CPU time, 25th percentile of {repeats}, {items} items per probe, {replicate} replicate)",
         )
     finally:
         torch.set_num_threads(previous)
 
 
 def memory_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 7) -> float:
-    """Bytes/s of a large CPU copy (read + write counted)."""
+    """Bytes/s of a large CPU copy on one thread (read + write counted): what each of ddp's processes and
+    the DataParallel engine's reduce copy at, timed by the thread's CPU time."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    return 2 * nbytes / fastest_s(lambda: dst.copy_(src), repeats)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return 2 * nbytes / _cpu_s(lambda: dst.copy_(src), repeats)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@dataclass(frozen=True)
+class ProbeRounds:
+    """Seconds per round of :meth:`ReplicaProbe.interleaved`: wall time of one replica alone and of all at
+    once, the CPU time of the replica's thread alone and the most any replica's thread took at once,
+    and the wall time of the call timed beside them (empty without one)."""
+
+    solo: list[float]
+    together: list[float]
+    solo_cpu: list[float]
+    together_cpu: list[float]
+    whole: list[float]
 
 
 class ReplicaProbe:
@@ -240,30 +272,58 @@ class ReplicaProbe:
                 torch.set_num_threads(intra_op)
 
         self._pool = ThreadPoolExecutor(max_workers=replicas, thread_name_prefix="multigpu-probe", initializer=init)
+        self._one_thread = (torch.get_num_threads() if intra_op is None else intra_op) == 1
 
-    def _one(self, i: int) -> None:
+    def _one(self, i: int) -> float:
+        """One replica's forward and backward; the CPU seconds of the thread that ran it."""
+        start = CPU_CLOCK()
         self._copies[i].zero_grad(set_to_none=True)
         self._loss_fn(self._copies[i](self._chunk)).backward()
+        return CPU_CLOCK() - start
+
+    def solo_cpu_s(self) -> float:
+        """CPU seconds of one replica's call alone (its thread's)."""
+        return self._pool.submit(self._one, 0).result()
 
     def rounds(self, rounds: int) -> tuple[list[float], list[float]]:
         """Per round, one replica alone then all at once (one call each, after a warm-up of both): the
         two lists of seconds, for a quantile (a change of load touches both)."""
-        self.times(repeats=1)
-        solo, together = [], []
+        timed = self.interleaved(rounds)
+        return timed.solo, timed.together
+
+    def interleaved(self, rounds: int, whole: Callable[[], object] | None = None) -> ProbeRounds:
+        """As :meth:`rounds`, with the replicas' thread CPU seconds, and ``whole`` (another call: the
+        whole batch in this thread) timed third in each round, so that every list samples the same
+        moments of the machine's load."""
+        self._warm()
+        if whole is not None:
+            whole()
+        timed = ProbeRounds([], [], [], [], [])
         for _ in range(rounds):
             start = time.perf_counter()
-            self._pool.submit(self._one, 0).result()
-            solo.append(time.perf_counter() - start)
+            timed.solo_cpu.append(self._pool.submit(self._one, 0).result())
+            timed.solo.append(time.perf_counter() - start)
             start = time.perf_counter()
-            list(self._pool.map(self._one, range(len(self._copies))))
-            together.append(time.perf_counter() - start)
-        return solo, together
+            timed.together_cpu.append(max(self._pool.map(self._one, range(len(self._copies)))))
+            timed.together.append(time.perf_counter() - start)
+            if whole is not None:
+                start = time.perf_counter()
+                whole()
+                timed.whole.append(time.perf_counter() - start)
+        return timed
 
-    def times(self, *, repeats: int = 3) -> tuple[float, float]:
-        """(one replica alone, all at once): best forward + backward seconds of ``repeats``."""
-        together = fastest_s(lambda: list(self._pool.map(self._one, range(len(self._copies)))), repeats)
-        solo = fastest_s(lambda: self._pool.submit(self._one, 0).result(), repeats)
-        return solo, together
+    def _warm(self) -> None:
+        self._pool.submit(self._one, 0).result()
+        list(self._pool.map(self._one, range(len(self._copies))))
+
+    def times(self, *, repeats: int = REPEATS) -> tuple[float, float]:
+        """(one replica alone, all at once): forward + backward seconds, the low quantile of ``repeats``
+        rounds of :meth:`interleaved`. With one intra-op thread per replica the replicas' thread CPU time
+        (all at once: the slowest replica's), which other processes do not move; else the wall time."""
+        timed = self.interleaved(repeats)
+        if self._one_thread:
+            return low_quantile(timed.solo_cpu), low_quantile(timed.together_cpu)
+        return low_quantile(timed.solo), low_quantile(timed.together)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -303,29 +363,39 @@ def replica_contention(
     *,
     replicas: int = 2,
     loss_fn: LossFn = default_loss,
-    rounds: int = 5,
+    rounds: int = REPEATS,
     host_s: float = 0.0,
 ) -> float:
     """How much slower one replica's device share runs while ``replicas`` run in threads.
 
-    Solo and concurrent runs alternate over ``rounds``, so a change in machine load touches both;
-    the best times go to :func:`device_contention`.
+    Solo and concurrent runs alternate over ``rounds``; each round's wall times go to
+    :func:`device_contention` (a load that lasts a round slows both) and the rounds' low quantile
+    is kept (other work only raises the contention: both replicas must hold a core at once).
     """
     with ReplicaProbe(model, chunk, replicas=replicas, loss_fn=loss_fn) as probe:
-        solo, together = zip(*(probe.times() for _ in range(rounds)))
-    return device_contention(min(solo), min(together), host_s)
+        timed = probe.interleaved(rounds)
+    return low_quantile([device_contention(s, t, host_s) for s, t in zip(timed.solo, timed.together)])
 
 
 def thread_handoff_s(repeats: int = 50) -> float:
     """Seconds to hand one task to a waiting pool thread and get its result back."""
     with ThreadPoolExecutor(max_workers=1) as pool:
-        return fastest_s(lambda: pool.submit(threading.get_ident).result(), repeats)
+        return quantile_s(lambda: pool.submit(threading.get_ident).result(), repeats)
 
 
-def allreduce_busbw(nbytes: int, *, repeats: int = 7) -> float:
+def _collective_s(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) -> float:
+    """A collective waits on the other processes: wall time, the second fastest of many short calls
+    (:data:`~multigpu.planning.timing.WAIT_QUANTILE`: never faster than when every process holds a core)."""
+    return quantile_s(fn, repeats, q=WAIT_QUANTILE, clock=clock)
+
+
+def allreduce_busbw(
+    nbytes: int, *, repeats: int = SHORT_REPEATS, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """Bus bandwidth (bytes/s) of an all-reduce of ``nbytes`` float32 in the default process group.
 
-    Every rank must call it (it runs collectives). busbw = nbytes / t * 2(n-1)/n (nccl-tests).
+    Every rank must call it (it runs collectives). busbw = nbytes / t * 2(n-1)/n (nccl-tests), t the
+    :data:`~multigpu.planning.timing.WAIT_QUANTILE` of ``repeats`` wall times by ``clock``.
     """
     import torch.distributed as dist
 
@@ -333,11 +403,13 @@ def allreduce_busbw(nbytes: int, *, repeats: int = 7) -> float:
 
     world = world_size()
     tensor = torch.ones(max(1, nbytes // 4))
-    seconds = fastest_s(lambda: dist.all_reduce(tensor), repeats)
+    seconds = _collective_s(lambda: dist.all_reduce(tensor), repeats, clock)
     return tensor.numel() * 4 / seconds * bus_factor("all-reduce", world)
 
 
-def gather_busbw(group_bytes: Sequence[int], *, repeats: int = 7) -> float:
+def gather_busbw(
+    group_bytes: Sequence[int], *, repeats: int = SHORT_REPEATS, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """Bus bandwidth (bytes/s) of fsdp's collectives over groups of ``group_bytes`` (float32) each.
 
     Every rank must call it (it runs collectives). One step's worth, as FSDP2 issues them: an
@@ -345,7 +417,7 @@ def gather_busbw(group_bytes: Sequence[int], *, repeats: int = 7) -> float:
     then a reduce-scatter of every group in reverse, each into buffers allocated for it (FSDP2
     allocates them anew every step; on a CPU the first touch of fresh memory is part of the cost).
     busbw = sum of S (n-1)/n over the time of the sequence (nccl-tests: busbw = algbw (n-1)/n for
-    both, S the whole array).
+    both, S the whole array), timed as :func:`allreduce_busbw` times its all-reduce.
     """
     import torch.distributed as dist
 
@@ -368,7 +440,7 @@ def gather_busbw(group_bytes: Sequence[int], *, repeats: int = 7) -> float:
             reduce_scatter(torch.empty(shard), torch.ones(shard * world))
 
     moved = sum(shard * world * 4 for shard in [*gathers, *shards]) * bus_factor("all-gather", world)
-    return moved / fastest_s(step, repeats)
+    return moved / _collective_s(step, repeats, clock)
 
 
 def _main() -> None:

@@ -18,7 +18,7 @@ What is counted, per step (forward, the loss, backward):
   bytes of the first output and of the inputs.
 
 A GPU plan turns the counts into a workload with the GPU's peak (:func:`counted_workload`); a plan
-on this CPU times forward + backward of one batch and the optimizer step (fastest of repeats) and
+on this CPU times forward + backward of one batch and the optimizer step (a low quantile of repeats) and
 keeps as per-sample compute what the host's share (counts x host costs) leaves (:func:`measure_workload`).
 
 Example:
@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,8 +48,8 @@ from multigpu.devices import synchronizer
 from multigpu.errors import ConfigError
 from multigpu.planning.costs import host_step_s
 from multigpu.planning.hardware import DEFAULT_HOST, GpuSpec, HostCosts
+from multigpu.planning.timing import CPU_CLOCK, quantile_s
 from multigpu.planning.workload import FP32_UTILIZATION, StepCounts, Workload, compute_s_per_sample
-from multigpu.profiling.bandwidth import time_per_op
 
 LossFn = Callable[[Any], torch.Tensor]
 # Per-sample compute never drops below this share of the measured step: host costs measured on a
@@ -275,11 +276,6 @@ def counted_workload(
     )
 
 
-def fastest_s(fn: Callable[[], object], repeats: int) -> float:
-    """The fastest of ``repeats`` calls after one warm-up (the profiler's timer, one call per loop)."""
-    return time_per_op(fn, lambda: None, iters=1, repeats=repeats)
-
-
 def measure_workload(
     model: nn.Module,
     inputs: torch.Tensor,
@@ -297,7 +293,9 @@ def measure_workload(
         inputs: one batch (dim 0 is the batch); a small one is enough, compute scales linearly.
         loss_fn: output -> scalar loss (default: mean square of the first output).
         optimizer: ``sgd``, ``sgd-momentum``, ``adam`` or ``adamw``: the step that is timed.
-        repeats: timed repeats; the fastest is kept (other work on the machine only adds time).
+        repeats: timed repeats; their low quantile is kept (:mod:`multigpu.planning.timing`): of the
+            thread's CPU time on a CPU with one intra-op thread (other processes only keep it off
+            the core), else of the wall time (other threads' or an accelerator's work is in it).
         name: the workload's name in reports.
         host: the host costs whose share of the timed step is not per-sample compute.
 
@@ -315,8 +313,10 @@ def measure_workload(
         loss_fn(model(inputs)).backward()
         sync()  # a sync point: the time must include the device's work
 
-    step_s = fastest_s(compute, repeats)
-    optimizer_s = fastest_s(lambda: (opt.step(), sync()), repeats)
+    one_thread = inputs.device.type == "cpu" and torch.get_num_threads() == 1
+    clock = CPU_CLOCK if one_thread else time.perf_counter
+    step_s = quantile_s(compute, repeats, clock=clock)
+    optimizer_s = quantile_s(lambda: (opt.step(), sync()), repeats, clock=clock)
     model.zero_grad(set_to_none=True)
     return Workload(
         name=name,

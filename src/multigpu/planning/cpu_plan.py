@@ -25,6 +25,7 @@ of each. A fed-back ``compute_scale`` (:mod:`multigpu.planning.machine`) multipl
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -33,14 +34,15 @@ from torch import nn
 
 from multigpu.devices.cpu import SHARDED_MMAP_THRESHOLD
 from multigpu.planning.allocations import large_allocations
-from multigpu.planning.calibrate import ReplicaProbe, device_contention
+from multigpu.planning.calibrate import ProbeRounds, ReplicaProbe, device_contention
 from multigpu.planning.costs import host_step_s
 from multigpu.planning.counting import LossFn, build_optimizer, default_loss, device_seconds, measure_workload
 from multigpu.planning.hardware import Platform
 from multigpu.planning.machine import MachineConstants
-from multigpu.planning.timing import REPEATS, low_quantile, quantile_s
+from multigpu.planning.timing import CPU_CLOCK, QUANTILE, low_quantile, quantile_s
 from multigpu.planning.workload import Workload
 
+ROUNDS = 15  # rounds of the replica probe (alone, all at once, the whole batch), each kind kept at QUANTILE
 COUNT_BATCH = 8  # samples of the counting step (host counts, bytes per sample)
 MAX_PROBE_S = 0.25  # a timed call longer than this is timed at a smaller batch and scaled
 
@@ -52,6 +54,49 @@ class CpuBatches:
     single: int
     replica: int
     replicas: int
+
+
+@dataclass(frozen=True)
+class ReplicaRates:
+    """What the replica probe's rounds give the plan (see :func:`replica_rates`)."""
+
+    per_sample_s: float  # one replica's device seconds per sample, on its own threads
+    contention: float  # s(N): its device share's slowdown beside the other replicas (>= 1)
+    single_speedup: float  # s_1: the whole batch on every core, per sample, over one replica (>= 1)
+
+
+def replica_rates(
+    rounds: ProbeRounds, host_s: float, replica_n: int, single_n: int, *, replica_threads: int = 1
+) -> ReplicaRates:
+    """The per-sample compute, the contention and the one-process speed-up from the probe's rounds.
+
+    - compute: the :data:`~multigpu.planning.timing.QUANTILE` of the replica's thread CPU time alone,
+      less the host's share ``host_s``, over its ``replica_n`` samples (one intra-op thread: its CPU
+      time is the step's quiet duration however loaded the machine; with ``replica_threads`` > 1 the
+      other threads' work is not in it, and the wall time's quantile is taken);
+    - contention and speed-up: ratios of wall times taken in the same round (a load that lasts a
+      round slows both). Other work only raises the contention (both replicas must hold a core at
+      once) and lowers the speed-up (two intra-op threads wait for each other at every op), so the
+      contention is the low quantile of its rounds and the speed-up the high one (``1 - QUANTILE``);
+      each at least 1: on a quiet machine replicas never run faster together than alone, and every
+      core on twice the batch never runs slower per sample than one.
+
+    Example:
+        >>> r = ProbeRounds(solo=[0.010] * 4, together=[0.012, 0.030, 0.013, 0.012],
+        ...                 solo_cpu=[0.010] * 4, together_cpu=[0.011] * 4, whole=[0.011, 0.040, 0.012, 0.011])
+        >>> rates = replica_rates(r, host_s=0.0, replica_n=10, single_n=20)
+        >>> round(rates.per_sample_s, 6), rates.contention, round(rates.single_speedup, 3)
+        (0.001, 1.2, 1.818)
+    """
+    solo = rounds.solo_cpu if replica_threads == 1 else rounds.solo
+    per_sample = device_seconds(low_quantile(solo), host_s) / replica_n
+    contention = low_quantile([device_contention(s, t, host_s) for s, t in zip(rounds.solo, rounds.together)])
+    speedups = [
+        (device_seconds(s, host_s) / replica_n) / (device_seconds(w, host_s) / single_n)
+        for s, w in zip(rounds.solo, rounds.whole)
+    ]
+    speedup = low_quantile(speedups, 1.0 - QUANTILE) if speedups else 1.0
+    return ReplicaRates(per_sample, max(1.0, contention), max(1.0, speedup))
 
 
 def _threads(cores: int, replicas: int) -> int:
@@ -98,15 +143,30 @@ def calibrate_cpu(
         rough = max(counted.compute_s_per_sample, 1e-9)
 
         replica_n = _probe_batch(batches.replica, rough)
+        replica_threads, single_threads = _threads(cores, batches.replicas), _threads(cores, 1)
         with ReplicaProbe(
             model,
             inputs(replica_n),
             replicas=max(2, batches.replicas),
             loss_fn=loss_fn,
-            intra_op=_threads(cores, batches.replicas),
+            intra_op=replica_threads,
         ) as probe:
-            solo_s, together_s = (low_quantile(t) for t in probe.rounds(REPEATS))
-        per_sample = device_seconds(solo_s, host_s) / replica_n
+            probe.times(repeats=1)  # warm: the first call builds what later ones reuse
+            first_s = probe.solo_cpu_s() if replica_threads == 1 else probe.times(repeats=1)[0]
+            single_n = _probe_batch(batches.single, device_seconds(first_s, host_s) / replica_n)
+            x = inputs(single_n)
+
+            def whole() -> None:
+                # the whole batch with every core, as ``single`` runs it, in this thread between the replicas' calls
+                torch.set_num_threads(single_threads)
+                try:
+                    model.zero_grad(set_to_none=True)
+                    loss_fn(model(x)).backward()
+                finally:
+                    torch.set_num_threads(replica_threads)
+
+            timed = probe.interleaved(ROUNDS, whole)
+        rates = replica_rates(timed, host_s, replica_n, single_n, replica_threads=replica_threads)
         replica_x = inputs(replica_n)
 
         def replica_step() -> None:
@@ -118,32 +178,23 @@ def calibrate_cpu(
         opt = build_optimizer(optimizer, model)
         model.zero_grad(set_to_none=True)
         loss_fn(model(inputs(1))).backward()  # gradients for the optimizer to step on
-        optimizer_s = quantile_s(opt.step)
-
-        torch.set_num_threads(_threads(cores, 1))
-        single_n = _probe_batch(batches.single, per_sample)
-        x = inputs(single_n)
-
-        def whole() -> None:
-            model.zero_grad(set_to_none=True)
-            loss_fn(model(x)).backward()
-
-        single_per_sample = device_seconds(quantile_s(whole), host_s) / single_n
+        # one intra-op thread: the thread's CPU time (other processes only keep it off the core)
+        optimizer_s = quantile_s(opt.step, clock=CPU_CLOCK if replica_threads == 1 else time.perf_counter)
         model.zero_grad(set_to_none=True)
     finally:
         torch.set_num_threads(previous)
     scale = constants.value("compute_scale")
     w = replace(
         counted,
-        compute_s_per_sample=per_sample * scale,
+        compute_s_per_sample=rates.per_sample_s * scale,
         optimizer_s=optimizer_s,
         large_allocations=large.count,
         large_allocation_bytes_per_sample=large.bytes / replica_n,
     )
     plat = constants.platform(
         cores=cores,
-        contention=device_contention(solo_s, together_s, host_s),
-        single_speedup=per_sample / single_per_sample,
+        contention=rates.contention,
+        single_speedup=rates.single_speedup,
     )
     return w, plat
 

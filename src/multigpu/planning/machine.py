@@ -19,8 +19,12 @@ holds, the others' held at their values (:func:`feed_back`):
 - ``ddp`` -> ``allreduce_busbw``: gloo's all-reduce inside DDP (latency per bucket kept);
 - ``fsdp`` -> ``fsdp_group_s``: FSDP2's work per group and step.
 
-Each keeps its last :data:`HISTORY` solved values; the planner uses their median, so one run on a
-loaded machine moves it little.
+Each keeps its last :data:`HISTORY` solved values; the planner uses their median. A measurement on a
+loaded machine is refused, not fed back (on the 2 development cores other work made the measured
+steps 2-40x the quiet ones, and a single step 10x slower solves a compute scale of 10): the whole
+run when other processes kept the cores busy (:func:`load_besides` above :data:`LOADED` per core),
+a strategy when its step is beyond :data:`STEP_BOUND` times its prediction either way. ``advise
+--recalibrate`` measures the machine again and starts every history empty.
 
 Example:
     >>> from multigpu.planning.hardware import DEFAULT_HOST
@@ -54,6 +58,12 @@ if TYPE_CHECKING:
     from multigpu.planning.workload import Workload
 
 HISTORY = 5  # solved values kept per fed-back constant (their median is used)
+# Runnable processes per core besides the measured runs' own above which nothing is fed back: on the 2
+# development cores one more busy process already slows a 2-process run 1.5x.
+LOADED = 0.5
+# A strategy's measured step beyond this factor of its prediction (either way) feeds nothing back: at load
+# 1.5-2.1 the calibrated plans came within 31% (docs/planning.md); loaded machines measured 2-40x the quiet step.
+STEP_BOUND = 2.0
 FED_BACK = ("compute_scale", "thread_overhead_s", "allreduce_busbw", "fsdp_group_s")
 _VERSION = 2  # of the file's layout; another version is measured again (2: large allocations' costs)
 
@@ -198,55 +208,104 @@ def _device_s(step: StepTime, w: Workload, plat: Platform) -> float:
     return max(0.0, step.parts.get("forward", 0.0) + step.parts.get("backward", 0.0) - host_step_s(w.counts, plat.host))
 
 
-def feed_back(constants: MachineConstants, w: Workload, plat: Platform, checked: Sequence[Checked]) -> dict[str, float]:
+@dataclass(frozen=True)
+class FedBack:
+    """What :func:`feed_back` solved (to append to the histories) and what it refused, by constant, with why."""
+
+    solved: dict[str, float]
+    refused: dict[str, str]
+
+
+_OWN = {"single": "compute_scale", "dp": "thread_overhead_s", "ddp": "allreduce_busbw", "fsdp": "fsdp_group_s"}
+
+
+def load_besides(before: float | None, after: float | None, own: int, cores: int) -> float | None:
+    """Runnable processes per core besides the measured runs' own (None: not known).
+
+    ``before`` and ``after``: the 1-minute load average as the runs started and ended; ``own``: the
+    most processes a run held (counted out of ``after`` whole, so a short run reads a little low;
+    ``before`` holds what ran before it). The larger of the two, over ``cores``.
+
+    Example:
+        >>> load_besides(0.3, 2.2, own=2, cores=2), load_besides(6.0, 7.5, own=2, cores=2)
+        (0.15, 3.0)
+    """
+    seen = [load for load in (before, None if after is None else after - own) if load is not None]
+    return max(0.0, *seen) / max(1, cores) if seen else None
+
+
+def _refused_for(ratio: float) -> str | None:
+    if 1 / STEP_BOUND <= ratio <= STEP_BOUND:
+        return None
+    return (
+        f"measured {ratio:.3g}x its prediction, beyond {STEP_BOUND:g}x either way: a loaded machine's step "
+        "(or a plan to measure again: advise --recalibrate)"
+    )
+
+
+def feed_back(
+    constants: MachineConstants,
+    w: Workload,
+    plat: Platform,
+    checked: Sequence[Checked],
+    *,
+    load: float | None = None,
+) -> FedBack:
     """Solve each measured strategy's own constant from its measured step (see the module's list).
 
-    ``w`` and ``plat`` are what the predictions were made from. In the module's order, each solved
-    constant is put into the plan before the next strategy is re-predicted and solved (the compute
-    single solves is in every strategy; the all-reduce's bandwidth bounds fsdp's collectives). Returns the solved
-    values (strategies that did not run, or whose own term cannot absorb the difference, solve
-    nothing; a term is never set below zero).
+    ``w`` and ``plat`` are what the predictions were made from; ``load`` the runnable processes per
+    core besides the runs' own while they ran (:func:`load_besides`; None: not known). Above
+    :data:`LOADED` every strategy that ran is refused; so is one whose step is beyond
+    :data:`STEP_BOUND` times its prediction (re-predicted with what the strategies before it
+    solved). In the module's order, each solved constant is put into the plan before the next
+    strategy is re-predicted and solved (the compute single solves is in every strategy; the
+    all-reduce's bandwidth bounds fsdp's collectives). Strategies that did not run, or whose own
+    term cannot absorb the difference, solve nothing; a term is never set below zero.
     """
-    from multigpu.planning.costs import predict_step
+    from multigpu.planning.costs import ddp_buckets, predict_step
+    from multigpu.profiling.bandwidth import bus_factor
 
-    solved: dict[str, float] = {}
-    single = _measured_s(checked, "single")
-    if single is not None:
-        measured, step = single
-        device = _device_s(step, w, plat)
-        if device > 0:
-            ratio = max(0.1, (measured - (step.total_s - device)) / device)
-            solved["compute_scale"] = constants.value("compute_scale") * ratio
-            w = replace(w, compute_s_per_sample=w.compute_s_per_sample * ratio)
+    ran = {s: m for s in _OWN if (m := _measured_s(checked, s)) is not None}
+    if load is not None and load > LOADED:
+        why = f"load {load:.2g} per core besides the runs (over {LOADED:g}): their steps are the load's"
+        return FedBack({}, {_OWN[s]: why for s in ran})
+    fed = FedBack({}, {})
 
     def again(strategy: str, step: StepTime) -> StepTime:
         return predict_step(strategy, w, plat, chunks=list(step.chunks))
 
-    dp = _measured_s(checked, "dp")
-    if dp is not None:
-        step = again("dp", dp[1])
-        handoffs = 2 * step.devices
-        rest = step.total_s - step.parts.get("threads", 0.0)
-        solved["thread_overhead_s"] = max(0.0, dp[0] - rest) / handoffs
-        plat = replace(plat, thread_overhead_s=solved["thread_overhead_s"])
-    ddp = _measured_s(checked, "ddp")
-    if ddp is not None:
-        step = again("ddp", ddp[1])
-        own = ddp[0] - (step.total_s - step.parts.get("allreduce", 0.0))
-        from multigpu.planning.costs import ddp_buckets
-        from multigpu.profiling.bandwidth import bus_factor
+    def bounded(strategy: str, measured: float, predicted: StepTime) -> bool:
+        refused = _refused_for(measured / predicted.total_s) if predicted.total_s > 0 else None
+        if refused is not None:
+            fed.refused[_OWN[strategy]] = f"{strategy} {refused}"
+        return refused is None
 
+    if "single" in ran:
+        measured, step = ran["single"]
+        device = _device_s(step, w, plat)
+        if device > 0 and bounded("single", measured, step):
+            ratio = max(0.1, (measured - (step.total_s - device)) / device)
+            fed.solved["compute_scale"] = constants.value("compute_scale") * ratio
+            w = replace(w, compute_s_per_sample=w.compute_s_per_sample * ratio)
+    if "dp" in ran:
+        measured, step = ran["dp"][0], again("dp", ran["dp"][1])
+        if bounded("dp", measured, step):
+            rest = step.total_s - step.parts.get("threads", 0.0)
+            fed.solved["thread_overhead_s"] = max(0.0, measured - rest) / (2 * step.devices)
+            plat = replace(plat, thread_overhead_s=fed.solved["thread_overhead_s"])
+    if "ddp" in ran:
+        measured, step = ran["ddp"][0], again("ddp", ran["ddp"][1])
         buckets = ddp_buckets(w)
-        moved = sum(b for b, _ in buckets) * bus_factor("all-reduce", step.devices)
-        wire = own - len(buckets) * plat.collective_latency_s
-        if wire > 0:
-            solved["allreduce_busbw"] = moved / wire
+        wire = measured - (step.total_s - step.parts.get("allreduce", 0.0)) - len(buckets) * plat.collective_latency_s
+        if bounded("ddp", measured, step) and wire > 0:
+            moved = sum(b for b, _ in buckets) * bus_factor("all-reduce", step.devices)
+            fed.solved["allreduce_busbw"] = moved / wire
             # fsdp's collectives run at most at the all-reduce's bus bandwidth (Platform.gather_busbw_at)
-            plat = replace(plat, link=measured_link(solved["allreduce_busbw"], name=plat.link.name))
-    fsdp = _measured_s(checked, "fsdp")
-    if fsdp is not None:
-        step = again("fsdp", fsdp[1])
-        groups = len(w.fsdp.resolved(w.params))
-        hooks = groups * plat.host.fsdp_group_s
-        solved["fsdp_group_s"] = max(0.0, fsdp[0] - (step.total_s - hooks)) / groups
-    return solved
+            plat = replace(plat, link=measured_link(fed.solved["allreduce_busbw"], name=plat.link.name))
+    if "fsdp" in ran:
+        measured, step = ran["fsdp"][0], again("fsdp", ran["fsdp"][1])
+        if bounded("fsdp", measured, step):
+            groups = len(w.fsdp.resolved(w.params))
+            hooks = groups * plat.host.fsdp_group_s
+            fed.solved["fsdp_group_s"] = max(0.0, measured - (step.total_s - hooks)) / groups
+    return fed

@@ -7,6 +7,12 @@ repeats. The planner keeps the :data:`QUANTILE` (the 25th percentile) of :data:`
 timings after one warm-up call: the third fastest, so two disturbed-low or lucky timings and up to
 six slowed ones leave it where it is, and it still reads the machine's typical quiet speed.
 
+Two more rules keep a probe steady when other processes hold the cores. A call much longer than
+the scheduler's time slice (a few ms) is interrupted every time, so that no quantile of its wall
+time is quiet: such calls on one thread are timed by that thread's CPU time (:data:`CPU_CLOCK`);
+calls that use several threads or wait on other processes are kept short (below a slice) and
+repeated more (:data:`SHORT_REPEATS`).
+
 Example:
     >>> low_quantile([5.0, 1.0, 9.0, 2.0, 3.0, 8.0, 4.0, 7.0, 6.0])
     3.0
@@ -24,6 +30,16 @@ from multigpu.errors import ConfigError
 
 REPEATS = 9  # timed calls per probe (after one warm-up): a second for a step of 0.1 s
 QUANTILE = 0.25  # the kept one: the third fastest of 9
+SHORT_REPEATS = 25  # timed calls of a probe kept below the scheduler's slice (the host costs, the collectives)
+# A collective between two processes waits until both hold a core, and nothing makes it faster than
+# that: the second fastest of SHORT_REPEATS. Three probes at load 11-12 read fsdp's all-gather and
+# reduce-scatter at 0.12-0.26 GB/s as the 25th percentile of 25, two at load 7-11 at 0.26 as this one.
+WAIT_QUANTILE = 0.08
+# The CPU time of the calling thread (user and system: page faults included). A call that runs on one
+# thread only (one intra-op thread, no waits on other threads) costs the same CPU time however long
+# other processes keep it off the cores: at load 12 on the 2 development cores a one-thread training
+# step of the benchmark's MLP read 8.6-8.8 ms of CPU time in three calibrations, against 33-45 ms wall.
+CPU_CLOCK = time.thread_time
 
 
 def low_quantile(values: Sequence[float], q: float = QUANTILE) -> float:
@@ -40,14 +56,23 @@ def low_quantile(values: Sequence[float], q: float = QUANTILE) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-def quantile_s(fn: Callable[[], object], repeats: int = REPEATS, q: float = QUANTILE) -> float:
-    """Seconds of one call of ``fn``: the ``q`` quantile of ``repeats`` timed calls after a warm-up."""
+def quantile_s(
+    fn: Callable[[], object],
+    repeats: int = REPEATS,
+    q: float = QUANTILE,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Seconds of one call of ``fn``: the ``q`` quantile of ``repeats`` timed calls after a warm-up.
+
+    ``clock``: wall time (the default), or :func:`time.thread_time` for a call that runs on this
+    thread alone (:data:`CPU_CLOCK`).
+    """
     if repeats < 1:
         raise ConfigError(f"repeats={repeats} must be >= 1")
     fn()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return low_quantile(times, q)
