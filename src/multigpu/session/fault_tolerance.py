@@ -5,7 +5,9 @@ does not read a checkpoint: at its first quorum a healthy group sends it this st
 
 - the model's weights and buffers (the unwrapped model's ``state_dict``);
 - each optimizer's ``state_dict`` (applied at the restarted group's first ``session.step``, where the
-  Session first sees the optimizer);
+  Session first sees the optimizer), and the state of each of its learning-rate schedulers, found
+  without the script's help (:mod:`multigpu.session.live_schedulers`) and applied with it to the
+  schedulers that exist then;
 - ``global_step``, the steps committed in this run;
 - each session loader's position (:meth:`multigpu.runtime.data.EpochLoader.state_dict`), rewound by
   the batches of the window in flight, so that the restarted group's next batch is the one the others
@@ -37,6 +39,7 @@ from multigpu.core.keys import unwrap
 from multigpu.runtime.committed_steps import committed_steps, set_committed_steps
 from multigpu.runtime.data import EpochLoader, known_len
 from multigpu.session.coordination import seed_rank_streams
+from multigpu.session.live_schedulers import load_scheduler_states, scheduler_states
 
 
 class LiveState:
@@ -50,6 +53,7 @@ class LiveState:
         ] = []  # in the order the script built them (same in every group)
         self._marked: dict[str, Any] = {}
         self._pending_optimizers: list[dict[str, Any]] | None = None  # received before the optimizer was seen
+        self._pending_schedulers: list[list[dict[str, Any]]] = []  # each optimizer's schedulers' (the same)
 
     def add_loader(self, loader: EpochLoader[Any]) -> None:
         """Send and restore ``loader``'s position (a loader the Session built; the n-th of each group match)."""
@@ -84,7 +88,8 @@ class LiveState:
             {} if self.model is None else {k: v.detach().clone() for k, v in unwrap(self.model).state_dict().items()}
         )
         optimizers = [_cloned(opt.state_dict()) for opt in self.optimizers]
-        return {"model": model, "optimizers": optimizers, **self._marked}
+        schedulers = [scheduler_states(opt) for opt in self.optimizers]
+        return {"model": model, "optimizers": optimizers, "schedulers": schedulers, **self._marked}
 
     def load_state_dict(self, state: dict[str, Any], inside_step: bool = False) -> None:
         """Apply a healthy group's state (the optimizers' at :meth:`attach_optimizer` when not seen yet).
@@ -106,18 +111,28 @@ class LiveState:
             random.setstate(rng["python"])
             np.random.set_state(rng["numpy"])
         self._pending_optimizers = list(state.get("optimizers", []))
+        self._pending_schedulers = list(state.get("schedulers", []))
         for index, optimizer in enumerate(self.optimizers):
-            if index < len(self._pending_optimizers):
-                optimizer.load_state_dict(self._pending_optimizers[index])
+            self._apply_pending(index, optimizer)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Remember ``optimizer`` (sent to restarted groups); apply a received state that waited for it."""
+        """Remember ``optimizer`` (sent to restarted groups); apply a received state that waited for it.
+
+        Its schedulers receive theirs here too: those the script built before this first ``session.step``
+        of the optimizer (a scheduler built later starts its own schedule, as at the start of any run).
+        """
         if any(optimizer is known for known in self.optimizers):
             return
         index = len(self.optimizers)
         self.optimizers.append(optimizer)
+        self._apply_pending(index, optimizer)
+
+    def _apply_pending(self, index: int, optimizer: torch.optim.Optimizer) -> None:
+        """Give the ``index``-th optimizer, and its schedulers, the states received for them (if any)."""
         if self._pending_optimizers is not None and index < len(self._pending_optimizers):
             optimizer.load_state_dict(self._pending_optimizers[index])
+            if index < len(self._pending_schedulers):
+                load_scheduler_states(optimizer, self._pending_schedulers[index], index)
 
 
 def _rewound(loader: EpochLoader[Any], batches: int) -> dict[str, Any]:

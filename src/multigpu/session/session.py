@@ -180,7 +180,8 @@ class Session(Toolkit, RunLog):
         )
 
     def _join_replica_groups(self) -> None:
-        assert self._replicas is not None
+        if self._replicas is None:  # not fault-tolerant, or closed (a session loader iterated after the session)
+            return
         healed_before = self._replicas.healed
         self._replicas.join()
         if self._replicas.healed and not healed_before and self._rank_streams:
@@ -318,7 +319,7 @@ class Session(Toolkit, RunLog):
             drop_last=drop_last,
             **loader_kwargs,
         )
-        self._live.add_loader(loader)
+        self._add_loader(loader)
         return loader
 
     def setup_dataloader(self, loader: DataLoader) -> EpochLoader[Any]:
@@ -341,8 +342,15 @@ class Session(Toolkit, RunLog):
         if self.config.deterministic and loader.worker_init_fn is None:
             loader.worker_init_fn = determinism.seed_worker  # kept by the rebuild
         sharded = loaders.shard_dataloader(loader, self._data_shard(), seed=self.config.seed)
-        self._live.add_loader(sharded)
+        self._add_loader(sharded)
         return sharded
+
+    def _add_loader(self, loader: EpochLoader[Any]) -> None:
+        """A session loader's position is sent to restarted replica groups; under --fault-tolerant, a loop over the
+        loader itself (not ``session.batches``) joins the other groups before its first batch too."""
+        self._live.add_loader(loader)
+        if self._replicas is not None:
+            loader.before_iteration = self._join_replica_groups
 
     def batches(
         self, batches: Iterable[T], *, progress: bool = False, description: str = "batches", even_batches: bool = True
@@ -367,8 +375,7 @@ class Session(Toolkit, RunLog):
                 with several processes.
         """
         loaders.check_sharded(batches, self._data_shard())
-        if self._replicas is not None:  # meet the other groups first: a restarted one takes their position here
-            self._join_replica_groups()
+        self._join_replica_groups()  # meet the other groups first: a restarted one takes their position here
         if not even_batches and not self._joined and self.world_size > 1:
             raise ConfigError(
                 "session.batches(..., even_batches=False) lets ranks take different numbers of batches; "
