@@ -12,7 +12,9 @@ does not read a checkpoint: at its first quorum a healthy group sends it this st
 - each session loader's position (:meth:`multigpu.runtime.data.EpochLoader.state_dict`), rewound by
   the batches of the window in flight, so that the restarted group's next batch is the one the others
   train now; and the position after that window, for a group that heals inside the step;
-- the random state: torch's CPU generator, Python's and numpy's.
+- the random state: torch's CPU generator, Python's and numpy's;
+- the precision's state (fp16's gradient scale: a group at another scale would all-reduce gradients
+  scaled otherwise than the others', and skip other steps).
 
 A group that falls behind while alive (left out of a quorum, or a commit vote that failed on it only)
 heals inside a later ``session.step`` instead (torchft applies the state in its commit): its loaders
@@ -40,6 +42,7 @@ from multigpu.runtime.committed_steps import committed_steps, set_committed_step
 from multigpu.runtime.data import EpochLoader, known_len
 from multigpu.session.coordination import seed_rank_streams
 from multigpu.session.live_schedulers import load_scheduler_states, scheduler_states
+from multigpu.strategies import Precision
 
 
 class LiveState:
@@ -48,6 +51,7 @@ class LiveState:
     def __init__(self) -> None:
         self.model: nn.Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.precision: Precision | None = None
         self._loaders: list[
             weakref.ref[EpochLoader[Any]]
         ] = []  # in the order the script built them (same in every group)
@@ -89,7 +93,14 @@ class LiveState:
         )
         optimizers = [_cloned(opt.state_dict()) for opt in self.optimizers]
         schedulers = [scheduler_states(opt) for opt in self.optimizers]
-        return {"model": model, "optimizers": optimizers, "schedulers": schedulers, **self._marked}
+        precision = {} if self.precision is None else _cloned(self.precision.state_dict())
+        return {
+            "model": model,
+            "optimizers": optimizers,
+            "schedulers": schedulers,
+            "precision": precision,
+            **self._marked,
+        }
 
     def load_state_dict(self, state: dict[str, Any], inside_step: bool = False) -> None:
         """Apply a healthy group's state (the optimizers' at :meth:`attach_optimizer` when not seen yet).
@@ -102,6 +113,8 @@ class LiveState:
         if self.model is not None and state.get("model"):
             unwrap(self.model).load_state_dict(state["model"])
         set_committed_steps(int(state.get("global_step", 0)))
+        if self.precision is not None and state.get("precision"):
+            self.precision.load_state_dict(state["precision"])
         for loader, position in zip(self.loaders, state.get("loaders_after" if inside_step else "loaders", [])):
             if loader is not None and position is not None:
                 loader.load_state_dict(position)

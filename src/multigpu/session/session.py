@@ -115,6 +115,7 @@ class Session(Toolkit, RunLog):
             self.strategy = strategy
             self._replicas = self._maybe_replica_sync()
             self.precision = strategy.build_precision()
+            self._live.precision = self.precision  # fp16's scale: what a restarted replica group receives
             torch.manual_seed(self.config.seed)
             set_committed_steps(0)  # this run's count (Checkpointer.resume puts a saved one back)
             keep_identity(self._tracker_runs)  # every checkpoint saves the trackers' runs, resume continues them
