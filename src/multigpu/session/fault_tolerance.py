@@ -6,7 +6,7 @@ does not read a checkpoint: at its first quorum a healthy group sends it this st
 - the model's weights and buffers (the unwrapped model's ``state_dict``);
 - each optimizer's ``state_dict`` (applied at the restarted group's first ``session.step``, where the
   Session first sees the optimizer), and the state of each of its learning-rate schedulers, found
-  without the script's help (:mod:`multigpu.session.live_schedulers`) and applied with it to the
+  without the script's help (:mod:`multigpu.session.lr_schedulers`) and applied with it to the
   schedulers that exist then;
 - ``global_step``, the steps committed in this run;
 - each session loader's position (:meth:`multigpu.runtime.data.EpochLoader.state_dict`), rewound by
@@ -41,7 +41,7 @@ from multigpu.core.keys import unwrap
 from multigpu.runtime.committed_steps import committed_steps, set_committed_steps
 from multigpu.runtime.data import EpochLoader, known_len
 from multigpu.session.coordination import seed_rank_streams
-from multigpu.session.live_schedulers import load_scheduler_states, scheduler_states
+from multigpu.session.lr_schedulers import load_scheduler_states, scheduler_states
 from multigpu.strategies import Precision
 
 
