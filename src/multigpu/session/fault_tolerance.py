@@ -67,20 +67,23 @@ class LiveState:
     def loaders(self) -> list[EpochLoader[Any] | None]:
         return [ref() for ref in self._loaders]
 
-    def mark(self, window_batches: int, accumulate: int) -> None:
+    def mark(self, window_batches: int, accumulate: int, closes_at_epoch_end: bool = True) -> None:
         """Snapshot the step count, the loaders' positions and the random state (at the quorum's start).
 
         ``window_batches``: the batches of the accumulation window already received, which the position
         gives back (a group healed before its first batch trains them with the others); ``accumulate``:
         the window's length, which the position after the window counts (a group healed inside this step
-        goes on from there).
+        goes on from there). ``closes_at_epoch_end``: the epoch's last batch closes the window (``session.batches``);
+        False for a loop over the loader itself, whose windows run on into the next epoch.
         """
         starts = [None if loader is None else _rewound(loader, window_batches) for loader in self.loaders]
         self._marked = {
             "global_step": committed_steps(),
             "loaders": starts,
             "loaders_after": [
-                None if start is None or loader is None else _after_window(loader, start, accumulate)
+                None
+                if start is None or loader is None
+                else _after_window(loader, start, accumulate, closes_at_epoch_end)
                 for loader, start in zip(self.loaders, starts)
             ],
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
@@ -157,12 +160,18 @@ def _rewound(loader: EpochLoader[Any], batches: int) -> dict[str, Any]:
     return {**state, "epoch": epoch, "batch": max(0, batch)}
 
 
-def _after_window(loader: EpochLoader[Any], start: dict[str, Any], accumulate: int) -> dict[str, Any]:
-    """The position after an accumulation window that begins at ``start``: ``accumulate`` batches on, or the
-    epoch's end (its last batch closes the window: ``session.batches``)."""
+def _after_window(
+    loader: EpochLoader[Any], start: dict[str, Any], accumulate: int, closes_at_epoch_end: bool
+) -> dict[str, Any]:
+    """The position after an accumulation window that begins at ``start``: ``accumulate`` batches on; or the
+    epoch's end where its last batch closes the window (``session.batches``), else as many into the next epochs."""
     length = known_len(loader.loader)
     batch = start["batch"] + accumulate
-    return {**start, "batch": batch if length is None else min(batch, length)}
+    if length is None or batch <= length:
+        return {**start, "batch": batch}
+    if closes_at_epoch_end:
+        return {**start, "batch": length}
+    return {**start, "epoch": start["epoch"] + batch // length, "batch": batch % length}
 
 
 def reseed_after_heal(seed: int, step: int, rank: int | None) -> None:

@@ -459,7 +459,8 @@ class Session(Toolkit, RunLog):
         self._micro += 1
         self._throughput.micro_step()
         if self._replicas is not None and self._micro == 1:  # the step's quorum overlaps forward and backward
-            self._live.mark(window_batches=1, accumulate=self.config.accumulate)
+            # outside session.batches (a loop over the loader itself) no epoch's end closes a window
+            self._live.mark(1, self.config.accumulate, closes_at_epoch_end=self._position is not None)
             self._replicas.begin_step()
         if self.should_step:
             return precision.autocast()
