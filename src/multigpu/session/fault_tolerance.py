@@ -167,11 +167,15 @@ def _after_window(
     epoch's end where its last batch closes the window (``session.batches``), else as many into the next epochs."""
     length = known_len(loader.loader)
     batch = start["batch"] + accumulate
-    if length is None or batch <= length:
+    if length is None or batch < length:
         return {**start, "batch": batch}
     if closes_at_epoch_end:
-        return {**start, "batch": length}
-    return {**start, "epoch": start["epoch"] + batch // length, "batch": batch % length}
+        after = {**start, "batch": length}
+    else:
+        after = {**start, "epoch": start["epoch"] + batch // length, "batch": batch % length}
+    if "generator" in start and loader.loader.generator is not None:  # the loader's own generator, from where
+        after["generator"] = loader.loader.generator.get_state()  # the next epoch starts: this one drew from it
+    return after
 
 
 def reseed_after_heal(seed: int, step: int, rank: int | None) -> None:
