@@ -18,6 +18,10 @@ the step, the pid, the parent's pid and the time. A test kills workers by pid fr
 went through on every group (its Manager records an error there), as when a peer dies inside the all-reduce
 and the ring completes on one group but not on another.
 
+``OUT_DIR/scheduler`` holding ``S G``: the script steps a ``StepLR(optimizer, step_size=S, gamma=G)`` after each
+committed step (each record then has the learning rate and the scheduler's ``last_epoch``). ``OUT_DIR/raw``: the loop
+iterates the loader itself (``for x, y in loader``) instead of ``session.batches(loader)``.
+
 ``OUT_DIR/stall`` holding ``G K S``: group G's script sleeps S seconds once, between steps, after the step that made
 ``global_step`` K (its Manager's heartbeat goes on): longer than the lighthouse's join timeout, the other groups go on
 without it and it falls behind while alive. After its next step it removes ``OUT_DIR/hold``: the others, held at SLEEP_S a
@@ -68,6 +72,8 @@ def main() -> None:
         raise RuntimeError("this replica group's script fails at its start (the test's crash file)")
     fail = tuple(int(v) for v in (out / "fail").read_text().split()) if (out / "fail").exists() else None
     stall = [float(v) for v in (out / "stall").read_text().split()] if (out / "stall").exists() else None
+    steplr = (out / "scheduler").read_text().split() if (out / "scheduler").exists() else None
+    raw = (out / "raw").exists()
     stalled = False  # this group's stall is over: release the others' hold after its next step
     generator = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(
@@ -77,11 +83,14 @@ def main() -> None:
     with Session(strategy="ddp") as session:
         model = session.setup_model(nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Linear(16, 1)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        scheduler = None
+        if steplr is not None:
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=int(steplr[0]), gamma=float(steplr[1]))
         loader = session.build_loader(data, batch_size=24)
         path = out / f"group{session.replica_group}-rank{session.rank}.jsonl"
         with path.open("a") as log:
             while session.global_step < total:
-                for x, y in session.batches(loader):
+                for x, y in loader if raw else session.batches(loader):
                     with session.micro_step(model):
                         loss = nn.functional.mse_loss(model(x), y)
                         session.backward(loss)
@@ -91,6 +100,8 @@ def main() -> None:
                         fail = None
                         fail_after_the_all_reduce(session)
                     committed = session.step(optimizer)
+                    if committed and scheduler is not None:
+                        scheduler.step()
                     record = {
                         "group": session.replica_group,
                         "committed": committed,
@@ -102,6 +113,8 @@ def main() -> None:
                         "first": float(x[0, 0]),
                         "samples": [index[float(v)] for v in x[:, 0]],
                         "rng": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16],
+                        "lr": optimizer.param_groups[0]["lr"],
+                        "schedule": None if scheduler is None else scheduler.last_epoch,
                         "pid": os.getpid(),
                         "ppid": os.getppid(),
                         "started": started,

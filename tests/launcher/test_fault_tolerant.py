@@ -300,7 +300,11 @@ def test_sigterm_to_the_launcher_stops_every_group_at_its_loop_in_bounded_time_a
 
 
 def test_sigterm_to_one_worker_is_its_groups_loss_the_group_is_restarted_and_the_run_finishes(tmp_path: Path) -> None:
+    # the script steps a StepLR and loops over the loader itself: the restarted group takes up the others' schedule
+    # and their batch from its first one (it joins as the loop's iteration starts, not at its first micro-step)
     (tmp_path / "hold").touch()
+    (tmp_path / "scheduler").write_text("7 0.9")
+    (tmp_path / "raw").touch()
     launch = Launch(
         "--strategy", "ddp", "--fault-tolerant", "--replicas", "2", "--nproc-per-node", "1", "--max-restarts", "1",
         WORKER, str(tmp_path), "400", str(PAUSE_S),
@@ -322,6 +326,17 @@ def test_sigterm_to_one_worker_is_its_groups_loss_the_group_is_restarted_and_the
     assert len({r["pid"] for r in records(tmp_path, 0)}) == 1  # the other group went on in its process
     assert records(tmp_path, 1)[-1]["global_step"] == 400
     assert not list(tmp_path.glob("stopped-group0-*.json"))
+    # every group holds bit-identical weights, loader position and learning rate at each committed step, and the
+    # scheduler counts every committed step, in the restarted group too
+    committed = [r for group in (0, 1) for r in records(tmp_path, group) if r["committed"]]
+    by_step: dict[int, set[tuple]] = {}
+    for r in committed:
+        by_step.setdefault(r["global_step"], set()).add((r["digest"], r["epoch"], r["position"], r["lr"]))
+    assert sorted(by_step) == list(range(1, 401))
+    assert all(len(states) == 1 for states in by_step.values()), [s for s in by_step.items() if len(s[1]) > 1][:3]
+    assert all(r["schedule"] == r["global_step"] for r in committed)
+    restarted = [r for r in records(tmp_path, 1) if r["pid"] != victim and r["committed"]]
+    assert len({r["lr"] for r in restarted}) > 2  # the schedule moved the rate after the restart
 
 
 def test_groups_of_two_processes_commit_every_step_with_the_same_weights_on_all_four_ranks(tmp_path: Path) -> None:

@@ -104,3 +104,65 @@ def test_the_position_sent_for_a_heal_inside_a_step_is_the_senders_after_its_win
                     after = build_at(lambda: session.build_loader(loader.dataset, batch_size=batch), sent)
                     assert _position(after.state_dict()) == _position(loader.state_dict())
         assert windows >= 3
+
+
+@settings(max_examples=_EXAMPLES, derandomize=True, deadline=None)
+@given(n=st.integers(6, 30), batch=st.integers(1, 4), accumulate=st.integers(2, 4))
+def test_the_position_sent_for_a_heal_inside_a_step_of_a_loop_over_the_loader_itself_runs_into_the_next_epoch(
+    n: int, batch: int, accumulate: int
+) -> None:
+    # without session.batches no epoch's end closes a window: a window may end in the next epoch
+    with Session(strategy="single", accumulate=accumulate) as session:
+        model = session.setup_model(nn.Linear(1, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        loader = session.build_loader(TensorDataset(torch.arange(float(n))), batch_size=batch)
+        live = LiveState()
+        live.add_loader(loader)
+        windows, window_open = 0, False
+        for _ in range(4 * accumulate):  # at least 4 windows, whatever the epoch's length
+            for (x,) in loader:
+                if not window_open:
+                    live.mark(window_batches=1, accumulate=accumulate, closes_at_epoch_end=False)
+                    sent = live.state_dict()["loaders_after"][0]
+                    window_open = True
+                with session.micro_step(model):
+                    session.backward(model(x[:, None]).sum())
+                if session.step(optimizer):
+                    window_open = False
+                    windows += 1
+                    after = build_at(lambda: session.build_loader(loader.dataset, batch_size=batch), sent)
+                    assert _position(after.state_dict()) == _position(loader.state_dict())
+        assert windows >= 4
+
+
+def test_a_window_of_a_loop_over_the_loader_itself_sends_the_next_epochs_generator_state() -> None:
+    # a loader with its own generator: a position in the next epoch comes with that epoch's generator state
+    with Session(strategy="single", accumulate=3) as session:
+        model = session.setup_model(nn.Linear(1, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        data = TensorDataset(torch.arange(10.0))
+        build = lambda: session.setup_dataloader(  # noqa: E731
+            torch.utils.data.DataLoader(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(1))
+        )
+        loader = build()
+        live = LiveState()
+        live.add_loader(loader)
+        crossed, window_open = 0, False
+        for _ in range(6):
+            for (x,) in loader:
+                if not window_open:
+                    live.mark(window_batches=1, accumulate=3, closes_at_epoch_end=False)
+                    sent, epoch = live.state_dict()["loaders_after"][0], loader.state_dict()["epoch"]
+                    window_open = True
+                with session.micro_step(model):
+                    session.backward(model(x[:, None]).sum())
+                if session.step(optimizer):
+                    window_open = False
+                    after = build_at(build, sent)
+                    crossed += sent["epoch"] > epoch
+                    assert after.state_dict().keys() == loader.state_dict().keys()
+                    for key in ("epoch", "batch", "generator"):
+                        assert torch.equal(
+                            torch.as_tensor(after.state_dict()[key]), torch.as_tensor(loader.state_dict()[key])
+                        )
+        assert crossed >= 2

@@ -33,7 +33,7 @@ Policy (the same under every strategy, so one script gives the same global batch
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -178,6 +178,9 @@ class EpochLoader(Generic[T]):
         self._iteration = 0  # iterations started; only the latest takes up a loaded position
         self._moved = False  # load_state_dict set a position that the iteration in flight has not taken up yet
         self.loads = 0  # positions loaded (session.batches notices one loaded inside its loop)
+        # called as each iteration starts, before its first batch: a fault-tolerant replica group joins the
+        # others there, so that a position it receives is this iteration's also in a loop over the loader itself
+        self.before_iteration: Callable[[], None] | None = None
 
     @property
     def dataset(self) -> Any:
@@ -208,6 +211,8 @@ class EpochLoader(Generic[T]):
         return self._skip
 
     def __iter__(self) -> Iterator[T]:
+        if self.before_iteration is not None:
+            self.before_iteration()
         self._iteration += 1
         return self._count(self._iteration, self._begin())
 

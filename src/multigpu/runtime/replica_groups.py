@@ -21,8 +21,8 @@ averages the gradients across them:
    groups and failed on others.
 
 A restarted group heals before its first batch (``join``): the quorum names a healthy group, which
-sends what :class:`multigpu.session.fault_tolerance.LiveState` collects (weights, optimizer, step
-count, data position, random state) over torchft's HTTP transport; the restarted group loads it and
+sends what :class:`multigpu.session.fault_tolerance.LiveState` collects (weights, optimizer and its
+schedulers, step count, data position, random state, gradient scale) over torchft's HTTP transport; the restarted group loads it and
 trains the same step as the others. A group that fell behind while alive (left out of a quorum) heals
 inside a later step instead: torchft applies the state in its commit, the step commits the other
 groups' gradients onto it, and the commit vote across groups also says that a group healed, after

@@ -5,12 +5,16 @@ does not read a checkpoint: at its first quorum a healthy group sends it this st
 
 - the model's weights and buffers (the unwrapped model's ``state_dict``);
 - each optimizer's ``state_dict`` (applied at the restarted group's first ``session.step``, where the
-  Session first sees the optimizer);
+  Session first sees the optimizer), and the state of each of its learning-rate schedulers, found
+  without the script's help (:mod:`multigpu.session.lr_schedulers`) and applied with it to the
+  schedulers that exist then;
 - ``global_step``, the steps committed in this run;
 - each session loader's position (:meth:`multigpu.runtime.data.EpochLoader.state_dict`), rewound by
   the batches of the window in flight, so that the restarted group's next batch is the one the others
   train now; and the position after that window, for a group that heals inside the step;
-- the random state: torch's CPU generator, Python's and numpy's.
+- the random state: torch's CPU generator, Python's and numpy's;
+- the precision's state (fp16's gradient scale: a group at another scale would all-reduce gradients
+  scaled otherwise than the others', and skip other steps).
 
 A group that falls behind while alive (left out of a quorum, or a commit vote that failed on it only)
 heals inside a later ``session.step`` instead (torchft applies the state in its commit): its loaders
@@ -37,6 +41,8 @@ from multigpu.core.keys import unwrap
 from multigpu.runtime.committed_steps import committed_steps, set_committed_steps
 from multigpu.runtime.data import EpochLoader, known_len
 from multigpu.session.coordination import seed_rank_streams
+from multigpu.session.lr_schedulers import load_scheduler_states, scheduler_states
+from multigpu.strategies import Precision
 
 
 class LiveState:
@@ -45,11 +51,13 @@ class LiveState:
     def __init__(self) -> None:
         self.model: nn.Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.precision: Precision | None = None
         self._loaders: list[
             weakref.ref[EpochLoader[Any]]
         ] = []  # in the order the script built them (same in every group)
         self._marked: dict[str, Any] = {}
         self._pending_optimizers: list[dict[str, Any]] | None = None  # received before the optimizer was seen
+        self._pending_schedulers: list[list[dict[str, Any]]] = []  # each optimizer's schedulers' (the same)
 
     def add_loader(self, loader: EpochLoader[Any]) -> None:
         """Send and restore ``loader``'s position (a loader the Session built; the n-th of each group match)."""
@@ -59,20 +67,23 @@ class LiveState:
     def loaders(self) -> list[EpochLoader[Any] | None]:
         return [ref() for ref in self._loaders]
 
-    def mark(self, window_batches: int, accumulate: int) -> None:
+    def mark(self, window_batches: int, accumulate: int, closes_at_epoch_end: bool = True) -> None:
         """Snapshot the step count, the loaders' positions and the random state (at the quorum's start).
 
         ``window_batches``: the batches of the accumulation window already received, which the position
         gives back (a group healed before its first batch trains them with the others); ``accumulate``:
         the window's length, which the position after the window counts (a group healed inside this step
-        goes on from there).
+        goes on from there). ``closes_at_epoch_end``: the epoch's last batch closes the window (``session.batches``);
+        False for a loop over the loader itself, whose windows run on into the next epoch.
         """
         starts = [None if loader is None else _rewound(loader, window_batches) for loader in self.loaders]
         self._marked = {
             "global_step": committed_steps(),
             "loaders": starts,
             "loaders_after": [
-                None if start is None or loader is None else _after_window(loader, start, accumulate)
+                None
+                if start is None or loader is None
+                else _after_window(loader, start, accumulate, closes_at_epoch_end)
                 for loader, start in zip(self.loaders, starts)
             ],
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
@@ -84,7 +95,15 @@ class LiveState:
             {} if self.model is None else {k: v.detach().clone() for k, v in unwrap(self.model).state_dict().items()}
         )
         optimizers = [_cloned(opt.state_dict()) for opt in self.optimizers]
-        return {"model": model, "optimizers": optimizers, **self._marked}
+        schedulers = [scheduler_states(opt) for opt in self.optimizers]
+        precision = {} if self.precision is None else _cloned(self.precision.state_dict())
+        return {
+            "model": model,
+            "optimizers": optimizers,
+            "schedulers": schedulers,
+            "precision": precision,
+            **self._marked,
+        }
 
     def load_state_dict(self, state: dict[str, Any], inside_step: bool = False) -> None:
         """Apply a healthy group's state (the optimizers' at :meth:`attach_optimizer` when not seen yet).
@@ -97,6 +116,8 @@ class LiveState:
         if self.model is not None and state.get("model"):
             unwrap(self.model).load_state_dict(state["model"])
         set_committed_steps(int(state.get("global_step", 0)))
+        if self.precision is not None and state.get("precision"):
+            self.precision.load_state_dict(state["precision"])
         for loader, position in zip(self.loaders, state.get("loaders_after" if inside_step else "loaders", [])):
             if loader is not None and position is not None:
                 loader.load_state_dict(position)
@@ -106,18 +127,28 @@ class LiveState:
             random.setstate(rng["python"])
             np.random.set_state(rng["numpy"])
         self._pending_optimizers = list(state.get("optimizers", []))
+        self._pending_schedulers = list(state.get("schedulers", []))
         for index, optimizer in enumerate(self.optimizers):
-            if index < len(self._pending_optimizers):
-                optimizer.load_state_dict(self._pending_optimizers[index])
+            self._apply_pending(index, optimizer)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Remember ``optimizer`` (sent to restarted groups); apply a received state that waited for it."""
+        """Remember ``optimizer`` (sent to restarted groups); apply a received state that waited for it.
+
+        Its schedulers receive theirs here too: those the script built before this first ``session.step``
+        of the optimizer (a scheduler built later starts its own schedule, as at the start of any run).
+        """
         if any(optimizer is known for known in self.optimizers):
             return
         index = len(self.optimizers)
         self.optimizers.append(optimizer)
+        self._apply_pending(index, optimizer)
+
+    def _apply_pending(self, index: int, optimizer: torch.optim.Optimizer) -> None:
+        """Give the ``index``-th optimizer, and its schedulers, the states received for them (if any)."""
         if self._pending_optimizers is not None and index < len(self._pending_optimizers):
             optimizer.load_state_dict(self._pending_optimizers[index])
+            if index < len(self._pending_schedulers):
+                load_scheduler_states(optimizer, self._pending_schedulers[index], index)
 
 
 def _rewound(loader: EpochLoader[Any], batches: int) -> dict[str, Any]:
@@ -129,12 +160,22 @@ def _rewound(loader: EpochLoader[Any], batches: int) -> dict[str, Any]:
     return {**state, "epoch": epoch, "batch": max(0, batch)}
 
 
-def _after_window(loader: EpochLoader[Any], start: dict[str, Any], accumulate: int) -> dict[str, Any]:
-    """The position after an accumulation window that begins at ``start``: ``accumulate`` batches on, or the
-    epoch's end (its last batch closes the window: ``session.batches``)."""
+def _after_window(
+    loader: EpochLoader[Any], start: dict[str, Any], accumulate: int, closes_at_epoch_end: bool
+) -> dict[str, Any]:
+    """The position after an accumulation window that begins at ``start``: ``accumulate`` batches on; or the
+    epoch's end where its last batch closes the window (``session.batches``), else as many into the next epochs."""
     length = known_len(loader.loader)
     batch = start["batch"] + accumulate
-    return {**start, "batch": batch if length is None else min(batch, length)}
+    if length is None or batch < length:
+        return {**start, "batch": batch}
+    if closes_at_epoch_end:
+        after = {**start, "batch": length}
+    else:
+        after = {**start, "epoch": start["epoch"] + batch // length, "batch": batch % length}
+    if "generator" in start and loader.loader.generator is not None:  # the loader's own generator, from where
+        after["generator"] = loader.loader.generator.get_state()  # the next epoch starts: this one drew from it
+    return after
 
 
 def reseed_after_heal(seed: int, step: int, rank: int | None) -> None:

@@ -115,6 +115,7 @@ class Session(Toolkit, RunLog):
             self.strategy = strategy
             self._replicas = self._maybe_replica_sync()
             self.precision = strategy.build_precision()
+            self._live.precision = self.precision  # fp16's scale: what a restarted replica group receives
             torch.manual_seed(self.config.seed)
             set_committed_steps(0)  # this run's count (Checkpointer.resume puts a saved one back)
             keep_identity(self._tracker_runs)  # every checkpoint saves the trackers' runs, resume continues them
@@ -180,7 +181,8 @@ class Session(Toolkit, RunLog):
         )
 
     def _join_replica_groups(self) -> None:
-        assert self._replicas is not None
+        if self._replicas is None:  # not fault-tolerant, or closed (a session loader iterated after the session)
+            return
         healed_before = self._replicas.healed
         self._replicas.join()
         if self._replicas.healed and not healed_before and self._rank_streams:
@@ -318,7 +320,7 @@ class Session(Toolkit, RunLog):
             drop_last=drop_last,
             **loader_kwargs,
         )
-        self._live.add_loader(loader)
+        self._add_loader(loader)
         return loader
 
     def setup_dataloader(self, loader: DataLoader) -> EpochLoader[Any]:
@@ -341,8 +343,15 @@ class Session(Toolkit, RunLog):
         if self.config.deterministic and loader.worker_init_fn is None:
             loader.worker_init_fn = determinism.seed_worker  # kept by the rebuild
         sharded = loaders.shard_dataloader(loader, self._data_shard(), seed=self.config.seed)
-        self._live.add_loader(sharded)
+        self._add_loader(sharded)
         return sharded
+
+    def _add_loader(self, loader: EpochLoader[Any]) -> None:
+        """A session loader's position is sent to restarted replica groups; under --fault-tolerant, a loop over the
+        loader itself (not ``session.batches``) joins the other groups before its first batch too."""
+        self._live.add_loader(loader)
+        if self._replicas is not None:
+            loader.before_iteration = self._join_replica_groups
 
     def batches(
         self, batches: Iterable[T], *, progress: bool = False, description: str = "batches", even_batches: bool = True
@@ -367,8 +376,7 @@ class Session(Toolkit, RunLog):
                 with several processes.
         """
         loaders.check_sharded(batches, self._data_shard())
-        if self._replicas is not None:  # meet the other groups first: a restarted one takes their position here
-            self._join_replica_groups()
+        self._join_replica_groups()  # meet the other groups first: a restarted one takes their position here
         if not even_batches and not self._joined and self.world_size > 1:
             raise ConfigError(
                 "session.batches(..., even_batches=False) lets ranks take different numbers of batches; "
@@ -451,7 +459,8 @@ class Session(Toolkit, RunLog):
         self._micro += 1
         self._throughput.micro_step()
         if self._replicas is not None and self._micro == 1:  # the step's quorum overlaps forward and backward
-            self._live.mark(window_batches=1, accumulate=self.config.accumulate)
+            # outside session.batches (a loop over the loader itself) no epoch's end closes a window
+            self._live.mark(1, self.config.accumulate, closes_at_epoch_end=self._position is not None)
             self._replicas.begin_step()
         if self.should_step:
             return precision.autocast()
