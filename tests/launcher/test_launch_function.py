@@ -311,16 +311,26 @@ import torch
 import multigpu
 from multigpu.session import Session
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
 def mmapped_again():
     # glibc raises its mmap threshold when a mapped block is freed, unless the threshold was fixed (fsdp's
     # setting): then a second block of the same size is mapped again instead of coming from the heap. The
     # block's own chunk header says so (IS_MMAPPED, bit 1 of the size word before it): a count of mapped
-    # blocks would also move with what the rank's other threads map and free meanwhile
+    # blocks would also move with what the rank's other threads map and free meanwhile. The block is larger
+    # than all the heap holds free (mallinfo2's fordblks), so no free chunk the run left behind can serve it
+    # (a 1 MiB one did, now and then), and below the 32 MiB a raised threshold stops at
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
-    libc.free(libc.malloc(1 << 20))
-    block = libc.malloc(1 << 20)
+    libc.mallinfo2.restype = _Mallinfo2
+    size = libc.mallinfo2().fordblks + (1 << 20)
+    assert size < 30 << 20, size
+    libc.free(libc.malloc(size))
+    block = libc.malloc(size)
     again = bool(ctypes.c_size_t.from_address(block - ctypes.sizeof(ctypes.c_size_t)).value & 2)
     libc.free(block)
     return again

@@ -396,28 +396,30 @@ class PlannedStrategy:
     one_process: bool  # threads in one process: cannot span nodes
     step: Callable[[Workload, Platform, Sequence[int]], StepTime]
     memory: Callable[[Workload, Platform, Sequence[int]], list[float]]  # peak bytes per device
+    feeds: str | None = None  # the machine constant its measured step solves (advise --measure's feedback)
 
 
 def _planned(
     name: str,
     step: Callable[[Workload, Platform, Sequence[int]], StepTime],
     device_peaks: Callable[[Workload, Platform, Sequence[int]], list[float]],
+    feeds: str | None = None,
 ) -> PlannedStrategy:
     """A row of the table: the strategy's own facts (:mod:`multigpu.strategies`) and the model's equations."""
     label = strategy_labels()[name]
     return PlannedStrategy(
-        name, label, name in multi_device_strategies(), name not in process_strategies(), step, device_peaks
+        name, label, name in multi_device_strategies(), name not in process_strategies(), step, device_peaks, feeds
     )
 
 
 PLANNED: dict[str, PlannedStrategy] = {
     s.name: s
     for s in (
-        _planned(SINGLE, single_step, memory.single_memory),
-        _planned(DP, dataparallel_step, memory.dataparallel_memory),
+        _planned(SINGLE, single_step, memory.single_memory, feeds="compute_scale"),
+        _planned(DP, dataparallel_step, memory.dataparallel_memory, feeds="thread_overhead_s"),
         _planned(DP_BALANCED, balanced_dataparallel_step, memory.dataparallel_memory),
-        _planned(DDP, ddp_step, memory.ddp_memory),
-        _planned(FSDP, fsdp_step, memory.fsdp_memory),
+        _planned(DDP, ddp_step, memory.ddp_memory, feeds="allreduce_busbw"),
+        _planned(FSDP, fsdp_step, memory.fsdp_memory, feeds="fsdp_group_s"),
     )
 }
 

@@ -216,9 +216,6 @@ class FedBack:
     refused: dict[str, str]
 
 
-_OWN = {"single": "compute_scale", "dp": "thread_overhead_s", "ddp": "allreduce_busbw", "fsdp": "fsdp_group_s"}
-
-
 def load_besides(before: float | None, after: float | None, own: int, cores: int) -> float | None:
     """Runnable processes per core besides the measured runs' own (None: not known).
 
@@ -262,13 +259,14 @@ def feed_back(
     all-reduce's bandwidth bounds fsdp's collectives). Strategies that did not run, or whose own
     term cannot absorb the difference, solve nothing; a term is never set below zero.
     """
-    from multigpu.planning.costs import ddp_buckets, predict_step
+    from multigpu.planning.costs import PLANNED, ddp_buckets, predict_step
     from multigpu.profiling.bandwidth import bus_factor
 
-    ran = {s: m for s in _OWN if (m := _measured_s(checked, s)) is not None}
+    own = {name: row.feeds for name, row in PLANNED.items() if row.feeds is not None}  # what each one's step solves
+    ran = {s: m for s in own if (m := _measured_s(checked, s)) is not None}
     if load is not None and load > LOADED:
         why = f"load {load:.2g} per core besides the runs (over {LOADED:g}): their steps are the load's"
-        return FedBack({}, {_OWN[s]: why for s in ran})
+        return FedBack({}, {own[s]: why for s in ran})
     fed = FedBack({}, {})
 
     def again(strategy: str, step: StepTime) -> StepTime:
@@ -277,7 +275,7 @@ def feed_back(
     def bounded(strategy: str, measured: float, predicted: StepTime) -> bool:
         refused = _refused_for(measured / predicted.total_s) if predicted.total_s > 0 else None
         if refused is not None:
-            fed.refused[_OWN[strategy]] = f"{strategy} {refused}"
+            fed.refused[own[strategy]] = f"{strategy} {refused}"
         return refused is None
 
     if "single" in ran:
