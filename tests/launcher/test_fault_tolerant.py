@@ -110,6 +110,9 @@ def zygote_of(launcher: int) -> int:
     raise AssertionError(f"launcher {launcher} has no zygote")
 
 
+@pytest.mark.skipif(  # a SIGKILL inside a step, restart and live heal stay in every run: test_fault_tolerant_nodes.py
+    not os.environ.get("MULTIGPU_LONG"), reason="about 75 s of CI's 15 minutes: runs with MULTIGPU_LONG=1"
+)
 def test_groups_outlive_two_kills_in_sequence_and_the_restarted_ones_rejoin_with_the_same_weights(
     tmp_path: Path,
 ) -> None:
