@@ -9,6 +9,7 @@ where its own loader stands once the window's step is done.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -78,31 +79,41 @@ def build_at(build: Any, state: dict[str, Any]) -> Any:
     return loader
 
 
+def _windows(
+    session: Session, loader: Any, passes: int, iterate: Callable[[Any], Iterable[Any]], **mark: bool
+) -> Iterator[tuple[dict[str, Any], int]]:
+    """Train ``passes`` passes of ``iterate(loader)`` in the session's accumulation windows; at each window's step,
+    the position a healthy group marked at the window's start for a heal inside it, and the loader's epoch then."""
+    model = session.setup_model(nn.Linear(1, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    live = LiveState()
+    live.add_loader(loader)
+    window_open = False
+    for _ in range(passes):
+        for (x,) in iterate(loader):
+            if not window_open:  # the window's first micro-step: where the Session marks it
+                live.mark(window_batches=1, accumulate=session.config.accumulate, **mark)
+                sent, epoch = live.state_dict()["loaders_after"][0], loader.state_dict()["epoch"]
+                window_open = True
+            with session.micro_step(model):
+                session.backward(model(x[:, None]).sum())
+            if session.step(optimizer):
+                window_open = False
+                yield sent, epoch
+
+
 @settings(max_examples=_EXAMPLES, derandomize=True, deadline=None)
 @given(n=st.integers(6, 30), batch=st.integers(1, 4), accumulate=st.integers(1, 4))
 def test_the_position_sent_for_a_heal_inside_a_step_is_the_senders_after_its_window(
     n: int, batch: int, accumulate: int
 ) -> None:
     with Session(strategy="single", accumulate=accumulate) as session:
-        model = session.setup_model(nn.Linear(1, 1))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         loader = session.build_loader(TensorDataset(torch.arange(float(n))), batch_size=batch)
-        live = LiveState()
-        live.add_loader(loader)
-        windows, window_open = 0, False
-        for _ in range(3):
-            for (x,) in session.batches(loader):
-                if not window_open:  # the window's first micro-step: where the Session marks it
-                    live.mark(window_batches=1, accumulate=accumulate)
-                    sent = live.state_dict()["loaders_after"][0]
-                    window_open = True
-                with session.micro_step(model):
-                    session.backward(model(x[:, None]).sum())
-                if session.step(optimizer):
-                    window_open = False
-                    windows += 1
-                    after = build_at(lambda: session.build_loader(loader.dataset, batch_size=batch), sent)
-                    assert _position(after.state_dict()) == _position(loader.state_dict())
+        windows = 0
+        for sent, _ in _windows(session, loader, 3, session.batches):
+            windows += 1
+            after = build_at(lambda: session.build_loader(loader.dataset, batch_size=batch), sent)
+            assert _position(after.state_dict()) == _position(loader.state_dict())
         assert windows >= 3
 
 
@@ -113,56 +124,29 @@ def test_the_position_sent_for_a_heal_inside_a_step_of_a_loop_over_the_loader_it
 ) -> None:
     # without session.batches no epoch's end closes a window: a window may end in the next epoch
     with Session(strategy="single", accumulate=accumulate) as session:
-        model = session.setup_model(nn.Linear(1, 1))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         loader = session.build_loader(TensorDataset(torch.arange(float(n))), batch_size=batch)
-        live = LiveState()
-        live.add_loader(loader)
-        windows, window_open = 0, False
-        for _ in range(4 * accumulate):  # at least 4 windows, whatever the epoch's length
-            for (x,) in loader:
-                if not window_open:
-                    live.mark(window_batches=1, accumulate=accumulate, closes_at_epoch_end=False)
-                    sent = live.state_dict()["loaders_after"][0]
-                    window_open = True
-                with session.micro_step(model):
-                    session.backward(model(x[:, None]).sum())
-                if session.step(optimizer):
-                    window_open = False
-                    windows += 1
-                    after = build_at(lambda: session.build_loader(loader.dataset, batch_size=batch), sent)
-                    assert _position(after.state_dict()) == _position(loader.state_dict())
+        windows = 0
+        # at least 4 windows, whatever the epoch's length
+        for sent, _ in _windows(session, loader, 4 * accumulate, iter, closes_at_epoch_end=False):
+            windows += 1
+            after = build_at(lambda: session.build_loader(loader.dataset, batch_size=batch), sent)
+            assert _position(after.state_dict()) == _position(loader.state_dict())
         assert windows >= 4
 
 
 def test_a_window_of_a_loop_over_the_loader_itself_sends_the_next_epochs_generator_state() -> None:
     # a loader with its own generator: a position in the next epoch comes with that epoch's generator state
     with Session(strategy="single", accumulate=3) as session:
-        model = session.setup_model(nn.Linear(1, 1))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         data = TensorDataset(torch.arange(10.0))
         build = lambda: session.setup_dataloader(  # noqa: E731
             torch.utils.data.DataLoader(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(1))
         )
         loader = build()
-        live = LiveState()
-        live.add_loader(loader)
-        crossed, window_open = 0, False
-        for _ in range(6):
-            for (x,) in loader:
-                if not window_open:
-                    live.mark(window_batches=1, accumulate=3, closes_at_epoch_end=False)
-                    sent, epoch = live.state_dict()["loaders_after"][0], loader.state_dict()["epoch"]
-                    window_open = True
-                with session.micro_step(model):
-                    session.backward(model(x[:, None]).sum())
-                if session.step(optimizer):
-                    window_open = False
-                    after = build_at(build, sent)
-                    crossed += sent["epoch"] > epoch
-                    assert after.state_dict().keys() == loader.state_dict().keys()
-                    for key in ("epoch", "batch", "generator"):
-                        assert torch.equal(
-                            torch.as_tensor(after.state_dict()[key]), torch.as_tensor(loader.state_dict()[key])
-                        )
+        crossed = 0
+        for sent, epoch in _windows(session, loader, 6, iter, closes_at_epoch_end=False):
+            after = build_at(build, sent)
+            crossed += sent["epoch"] > epoch
+            assert after.state_dict().keys() == loader.state_dict().keys()
+            for key in ("epoch", "batch", "generator"):
+                assert torch.equal(torch.as_tensor(after.state_dict()[key]), torch.as_tensor(loader.state_dict()[key]))
         assert crossed >= 2
