@@ -27,6 +27,7 @@ interpreter takes to import torch, torchft and multigpu at that moment. This fil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -59,6 +60,34 @@ def process_start_time() -> float:
     return time.time() - (uptime - start)
 
 
+def _stat(pid: int | str) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def launch_cpu_s() -> float:
+    """CPU seconds (user + system, every thread) so far of every live process of this launch: the launcher (with
+    its lighthouse), its zygote, torchrun's agent, every worker. The launcher is this worker's furthest ancestor
+    that runs ``multigpu launch``."""
+    launcher, pid = os.getpid(), os.getpid()
+    while pid > 1:
+        pid = int(_stat(pid)[1])
+        with contextlib.suppress(OSError):
+            if b"multigpu\x00launch" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                launcher = pid
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            children.setdefault(int(_stat(entry.name)[1]), []).append(int(entry.name))
+    total, todo = 0.0, [launcher]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        with contextlib.suppress(OSError, IndexError):
+            fields = _stat(pid)
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def worker(out: Path, steps: int, pause_s: float) -> None:
     from multigpu.session import Session
 
@@ -72,6 +101,7 @@ def worker(out: Path, steps: int, pause_s: float) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         loader = session.build_loader(data, batch_size=64)
         times: list[float] = []
+        cpu: list[float] = []  # the launch's CPU seconds after the warm-up and at the end (rank 0 of group 0)
         log = (out / f"group{session.replica_group}-rank{session.rank}.jsonl").open("a")
         last = time.perf_counter()
         while session.global_step < steps and not (out / "stop").exists():
@@ -85,6 +115,8 @@ def worker(out: Path, steps: int, pause_s: float) -> None:
                 now = time.perf_counter()
                 times.append(now - last)
                 last = now
+                if session.is_main_process and len(times) == WARMUP:
+                    cpu.append(launch_cpu_s())
                 record = {
                     "committed": committed,
                     "global_step": session.global_step,
@@ -96,7 +128,9 @@ def worker(out: Path, steps: int, pause_s: float) -> None:
                 if session.global_step >= steps or (out / "stop").exists():  # the kill run ends when it is done
                     break
         if session.is_main_process:
+            cpu.append(launch_cpu_s())  # before the session closes: the other workers are still alive
             (out / "times.json").write_text(json.dumps(times[WARMUP:]))
+            (out / "cpu.json").write_text(json.dumps((cpu[-1] - cpu[0]) / max(1, len(times) - WARMUP)))
 
 
 def launch(flags: list[str], out: Path, steps: int, pause_s: float = 0.0) -> subprocess.Popen[bytes]:
@@ -106,12 +140,14 @@ def launch(flags: list[str], out: Path, steps: int, pause_s: float = 0.0) -> sub
     return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def median_step(flags: list[str], steps: int) -> float:
+def median_step(flags: list[str], steps: int) -> tuple[float, float]:
+    """The median step time of a run, and the CPU seconds per step that all its processes spent together."""
     with tempfile.TemporaryDirectory() as folder:
         proc = launch(flags, Path(folder), steps)
         if proc.wait(timeout=600) != 0:
             raise SystemExit(f"the run {flags} failed")
-        return statistics.median(json.loads((Path(folder) / "times.json").read_text()))
+        times = json.loads((Path(folder) / "times.json").read_text())
+        return statistics.median(times), json.loads((Path(folder) / "cpu.json").read_text())
 
 
 def read(out: Path, group: int) -> list[dict]:
@@ -207,6 +243,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--kill-only", action="store_true", help="only the SIGKILL run")
+    parser.add_argument("--step-only", action="store_true", help="only the step cost (no SIGKILL run)")
     parser.add_argument("--kills", type=int, default=5, help="kills with the zygote, then as many without")
     parser.add_argument("--worker", nargs=3, metavar=("OUT", "STEPS", "PAUSE"))
     args = parser.parse_args()
@@ -215,13 +252,23 @@ def main() -> None:
         return
     plain = ["--nproc-per-node", "2"]
     tolerant = ["--fault-tolerant", "--replicas", "2", "--nproc-per-node", "1"]
-    ratios = []
+    ratios, cpu_ratios = [], []
     for repeat in range(0 if args.kill_only else args.repeats):
-        a, b = median_step(plain, args.steps), median_step(tolerant, args.steps)
+        (a, a_cpu), (b, b_cpu) = median_step(plain, args.steps), median_step(tolerant, args.steps)
         ratios.append(b / a)
-        print(f"repeat {repeat}: ddp {a * 1e3:.2f} ms, fault-tolerant {b * 1e3:.2f} ms, ratio {b / a:.3f}", flush=True)
+        cpu_ratios.append(b_cpu / a_cpu)
+        print(
+            f"repeat {repeat}: ddp {a * 1e3:.2f} ms ({a_cpu * 1e3:.2f} CPU-ms), fault-tolerant {b * 1e3:.2f} ms "
+            f"({b_cpu * 1e3:.2f} CPU-ms), ratio {b / a:.3f} (CPU {b_cpu / a_cpu:.3f})",
+            flush=True,
+        )
     if ratios:
-        print(f"fault-tolerant step / ddp step: median {statistics.median(ratios):.3f} (target <= 1.15)")
+        print(
+            f"fault-tolerant step / ddp step: median {statistics.median(ratios):.3f} (target <= 1.15); CPU-seconds "
+            f"per step of all the run's processes: median {statistics.median(cpu_ratios):.3f}"
+        )
+    if args.step_only:
+        return
     summary, results = kill_run(100_000, args.kills)
     for name, value in summary.items():
         print(f"{name}: {value:.3f}")

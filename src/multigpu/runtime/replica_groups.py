@@ -46,7 +46,10 @@ from torch.distributed import AllreduceOptions, ReduceOp
 from multigpu.errors import LaunchError
 from multigpu.runtime.collectives import issuing
 
-BUCKET_BYTES = 1 << 20  # a bucket's all-reduce starts once backward has this many bytes of gradients ready
+# a bucket's all-reduce starts once backward has this many bytes of gradients ready: a small first bucket (it starts
+# early in backward), then large ones (each all-reduce has a fixed cost), as DDP's buckets
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 25 << 20
 QUORUM_TIMEOUT_S = 60.0  # how long a quorum may wait for the lighthouse (a group that just restarted imports torch)
 JOIN_TIMEOUT_S = 60.0  # how long the first groups wait for all R to arrive before the run starts
 
@@ -124,7 +127,7 @@ class ReplicaSync:
             return
         self._bucket.append(param)
         self._bucket_bytes += param.grad.numel() * param.grad.element_size()
-        if self._bucket_bytes >= BUCKET_BYTES:
+        if self._bucket_bytes >= (BUCKET_BYTES if self._in_flight else FIRST_BUCKET_BYTES):
             self._send_bucket()
 
     def _send_bucket(self) -> None:
@@ -133,7 +136,31 @@ class ReplicaSync:
             return
         flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
         self.begin_step()
-        self._in_flight.append((self._manager.allreduce(flat), flat, params))
+        self._in_flight.append((self._start_sum(flat), flat, params))
+
+    def _start_sum(self, flat: torch.Tensor) -> Any:
+        """Start summing ``flat`` over the groups of the quorum; its work, or None once this step has failed.
+
+        What torchft's ``Manager.allreduce`` does, less its per-call futures (a continuation that divides, an error
+        wrapper, a timer on torchft's event-loop thread): on a machine with few cores their CPU time was most of the
+        fault-tolerant step's cost over ddp's. The group's process group already times out (the Manager's timeout), a
+        failure is recorded by the Manager as its own are (``report_error``: :meth:`commit` then says False), and a
+        group healing inside this step contributes zeros, as torchft's does. The division by the participants is
+        folded into the copy back (:meth:`average_gradients`).
+        """
+        manager = self._manager
+        manager.wait_quorum()  # this step's process group is configured (or its configuration failed: recorded)
+        if manager.errored() is not None:  # the step already failed: nothing it sends would be used
+            return None
+        if not manager.is_participating():
+            flat.zero_()
+        options = AllreduceOptions()
+        options.reduceOp = ReduceOp(ReduceOp.SUM)
+        try:
+            return manager._pg.allreduce([flat], options)
+        except Exception as error:  # the group's link failed as the all-reduce started
+            manager.report_error(error)
+            return None
 
     # -- life cycle --------------------------------------------------------------------------------
 
@@ -205,15 +232,28 @@ class ReplicaSync:
         rest = [p for p in params if p.grad is not None]
         if rest:
             flat = torch.cat([p.grad.reshape(-1) for p in rest])  # type: ignore[union-attr]
-            in_flight.append((self._manager.allreduce(flat), flat, rest))
+            in_flight.append((self._start_sum(flat), flat, rest))
+        participants = max(1, self._manager.num_participants())
         for work, flat, bucket in in_flight:
-            work.wait()  # a failed all-reduce is recorded by the Manager (commit says False), not raised
+            if not self._finished(work):  # a failed all-reduce is recorded (commit says False), not raised
+                continue
             offset = 0
             for param in bucket:
                 grad = param.grad
                 assert grad is not None
-                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                torch.div(flat[offset : offset + grad.numel()].view_as(grad), participants, out=grad)
                 offset += grad.numel()
+
+    def _finished(self, work: Any) -> bool:
+        """Wait for an all-reduce of :meth:`_start_sum`; False (recorded by the Manager) where it failed."""
+        if work is None:
+            return False
+        try:
+            work.wait()
+        except Exception as error:  # a peer group died inside it, or it timed out
+            self._manager.report_error(error)
+            return False
+        return self._manager.errored() is None
 
     def commit(self) -> bool:
         """Whether this step went through on every group of the quorum: step the optimizer only then.
@@ -226,20 +266,51 @@ class ReplicaSync:
         self._quorum_started = False
         manager = self._manager
         self._received = False
-        here = bool(manager.should_commit())  # a group behind receives the state here (torchft heals in it)
+        local = self._commits_locally()
+        # a group behind receives the state here (torchft heals in it)
+        here = self._should_commit_alone() if local else bool(manager.should_commit())
         agreed, healed = self._agreed(here, self._received)
         self.healed_in_step = healed
-        # torchft's Manager has no public way to take a counted step back: its counters are set here, which
-        # is why the extra pins torchft below 0.3 (tests/launcher/test_fault_tolerant.py checks the result)
-        if here and not agreed:  # torchft counted the step: take it back, as no group applies it
+        # torchft's Manager has no public way to count a step or take a counted one back: its counters are set
+        # here, which is why the extra pins torchft below 0.3 (tests/launcher/test_fault_tolerant.py checks them)
+        if local:  # what torchft's should_commit does with its counters, on the vote across the groups
+            if agreed:
+                manager._step += 1
+                manager._batches_committed += manager.num_participants()
+                manager._commit_failures = 0
+            else:
+                manager._commit_failures += 1  # the lighthouse then forms the next quorum anew (a fresh process group)
+        elif here and not agreed:  # torchft counted the step: take it back, as no group applies it
             manager._step -= 1
             manager._batches_committed -= manager.num_participants()
-            manager._commit_failures += 1  # the lighthouse then forms the next quorum anew (a fresh process group)
+            manager._commit_failures += 1
         if not agreed and self._quorum_size() > 1:
             # A peer still blocked in this step's all-reduce (waiting for data this group will not send) fails
             # now rather than when the next quorum replaces the group: otherwise it misses that quorum.
             manager._pg.abort()
         return agreed
+
+    def _commits_locally(self) -> bool:
+        """Whether this group decides its own commit (:meth:`_should_commit_alone`) instead of torchft's
+        ``should_commit``: one process per group, on the CPU (no accelerator stream for torchft to synchronize)."""
+        return self.group_size == 1 and self._manager._recovery_stream is None
+
+    def _should_commit_alone(self) -> bool:
+        """torchft's ``should_commit`` for a group of one process, less its round trip to the group's manager
+        server (which only ANDs the votes of the group's ranks: here, one) and its logging.
+
+        That round trip crosses two of torchft's threads and gRPC each step; on a machine with few cores it cost
+        about as much CPU time as the cross-group vote. The rest is torchft's: a failure the process group
+        recorded counts, a state received in this step is applied here, the checkpoint stops being served.
+        """
+        manager = self._manager
+        error = manager._pg.errored()
+        if error is not None:
+            manager.report_error(error)
+        if manager._healing:  # a group left behind: torchft received the state in this step's quorum
+            manager._apply_pending_state_dict()
+        manager._checkpoint_transport.disallow_checkpoint()
+        return manager.num_participants() >= manager._min_replica_size and manager.errored() is None
 
     def _agreed(self, here: bool, healed: bool) -> tuple[bool, bool]:
         """Whether every group of the quorum commits (a MIN of the votes; False where the vote fails), and
