@@ -12,7 +12,7 @@ Each step reads ``session.should_stop``: once a SIGTERM has stopped the group, t
 Each worker appends one JSON line per ``session.step`` to ``OUT_DIR/group<g>-rank<r>.jsonl``: the group,
 the step's result, ``global_step``, the digest of the weights after the step and the weights, the loader's position, the
 first sample of the batch it trained and the dataset indices of its samples, the digest of torch's random state after
-the step, the pid, the parent's pid and the time. A test kills workers by pid from these lines.
+the step, the pid, the parent's pid, the time and how many quorums the group has run. A test kills workers by pid from these lines.
 
 ``OUT_DIR/fail`` holding ``G K``: group G's step at ``global_step`` K fails once after its cross-group all-reduce
 went through on every group (its Manager records an error there), as when a peer dies inside the all-reduce
@@ -20,11 +20,12 @@ and the ring completes on one group but not on another.
 
 ``OUT_DIR/scheduler`` holding ``S G``: the script steps a ``StepLR(optimizer, step_size=S, gamma=G)`` after each
 committed step (each record then has the learning rate and the scheduler's ``last_epoch``). ``OUT_DIR/raw``: the loop
-iterates the loader itself (``for x, y in loader``) instead of ``session.batches(loader)``.
+iterates the loader itself (``for x, y in loader``) instead of ``session.batches(loader)``. ``OUT_DIR/interval`` holding
+``S``: a quorum runs at least every S seconds (``multigpu.runtime.replica_groups.QUORUM_INTERVAL_S``).
 
-``OUT_DIR/stall`` holding ``G K S``: group G's script sleeps S seconds once, between steps, after the step that made
-``global_step`` K (its Manager's heartbeat goes on): longer than the lighthouse's join timeout, the other groups go on
-without it and it falls behind while alive. After its next step it removes ``OUT_DIR/hold``: the others, held at SLEEP_S a
+``OUT_DIR/stall`` holding ``G K S``: group G's script sleeps S seconds once, between steps, after the first step that
+made ``global_step`` K or more and after which a quorum is due (its Manager's heartbeat goes on): longer than the
+lighthouse's join timeout, the other groups go on without it and it falls behind while alive. After its next step it removes ``OUT_DIR/hold``: the others, held at SLEEP_S a
 step until it was back, run the rest at full speed.
 """
 
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from multigpu.runtime import replica_groups
 from multigpu.session import Session
 
 
@@ -74,6 +76,8 @@ def main() -> None:
     stall = [float(v) for v in (out / "stall").read_text().split()] if (out / "stall").exists() else None
     steplr = (out / "scheduler").read_text().split() if (out / "scheduler").exists() else None
     raw = (out / "raw").exists()
+    if (out / "interval").exists():  # the longest stretch without a quorum (when none is due for another reason)
+        replica_groups.QUORUM_INTERVAL_S = float((out / "interval").read_text())
     stalled = False  # this group's stall is over: release the others' hold after its next step
     generator = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(
@@ -117,6 +121,7 @@ def main() -> None:
                         "schedule": None if scheduler is None else scheduler.last_epoch,
                         "pid": os.getpid(),
                         "ppid": os.getppid(),
+                        "quorums": None if session._replicas is None else session._replicas.quorums,
                         "started": started,
                         "time": time.time(),
                     }
@@ -133,9 +138,10 @@ def main() -> None:
                     if stalled:
                         (out / "hold").unlink(missing_ok=True)
                         stalled = False
-                    if stall is not None and [session.replica_group, session.global_step] == stall[:2]:
-                        time.sleep(stall[2])  # between steps: the quorums go on without this group
-                        stall, stalled = None, True
+                    if stall is not None and session.replica_group == stall[0] and session.global_step >= stall[1]:
+                        if session._replicas is not None and session._replicas._quorum_due:
+                            time.sleep(stall[2])  # between steps, before a quorum: it goes on without this group
+                            stall, stalled = None, True
 
 
 if __name__ == "__main__":

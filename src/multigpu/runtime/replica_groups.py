@@ -52,6 +52,10 @@ FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
 QUORUM_TIMEOUT_S = 60.0  # how long a quorum may wait for the lighthouse (a group that just restarted imports torch)
 JOIN_TIMEOUT_S = 60.0  # how long the first groups wait for all R to arrive before the run starts
+# A step runs a quorum only when one is due (:meth:`ReplicaSync.commit`): after a step that was not committed, after
+# a quorum in which a group was behind, or once this long has passed since the last one (a restarted group waits
+# at most about this long, plus a step, for the others to meet it). Well below the lighthouse's join timeout.
+QUORUM_INTERVAL_S = 0.25
 
 
 class _NoNcclRecorderNote(logging.Filter):
@@ -99,7 +103,11 @@ class ReplicaSync:
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
         self.timeout_s = timeout_s
         self._manager: Any = None
-        self._quorum_started = False  # the quorum of the step in flight was started (by join or begin_step)
+        self._quorum_started = False  # the step in flight has its quorum (started by join or begin_step, or kept)
+        self._quorum_due = True  # the next step runs a quorum (decided alike on every group: commit's vote)
+        self._last_quorum = 0.0  # time.monotonic() when this group last started one
+        self._participants = 0  # the groups training the step in flight (its quorum's participants), once waited for
+        self.quorums = 0  # how many quorums this group has started (at its join and at the steps one was due in)
         self.healed = False  # this group loaded a healthy group's state at join
         self.healed_in_step = False  # a group of the last step's quorum (this one or another) healed inside it
         self._joining = False  # a state received now is applied before the first batch
@@ -149,7 +157,7 @@ class ReplicaSync:
         folded into the copy back (:meth:`average_gradients`).
         """
         manager = self._manager
-        manager.wait_quorum()  # this step's process group is configured (or its configuration failed: recorded)
+        self._wait_quorum()  # this step's process group is configured (or its configuration failed: recorded)
         if manager.errored() is not None:  # the step already failed: nothing it sends would be used
             return None
         if not manager.is_participating():
@@ -180,6 +188,7 @@ class ReplicaSync:
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while True:
             self._manager.start_quorum()
+            self._last_quorum, self.quorums = time.monotonic(), self.quorums + 1
             self._manager.wait_quorum()
             if self._manager._healing:  # a restarted group: apply the state now, before its first batch
                 self._joining = True
@@ -210,11 +219,28 @@ class ReplicaSync:
     # -- one step ----------------------------------------------------------------------------------
 
     def begin_step(self) -> None:
-        """Start this step's quorum in the background (overlapping forward and backward)."""
+        """Start this step's quorum in the background (overlapping forward and backward), if one is due.
+
+        Otherwise the step keeps the last quorum: the same groups, process group and participants. A quorum costs
+        a round trip through torchft's manager server and the lighthouse on three threads; with a few cores shared
+        by the workers that was the largest part of the fault-tolerant step's cost over ddp's. A group that fails
+        in such a step fails its all-reduce or the vote (the step is committed nowhere and the next one runs a
+        quorum without it), as it would inside a step with a quorum.
+        """
         self.join()
         if not self._quorum_started:
-            self._manager.start_quorum()
+            if self._quorum_due:
+                self._manager.start_quorum()
+                self._last_quorum, self.quorums = time.monotonic(), self.quorums + 1
+                self._participants = 0
             self._quorum_started = True
+
+    def _wait_quorum(self) -> int:
+        """Wait for this step's quorum (once a step); its participants."""
+        if not self._participants:
+            self._manager.wait_quorum()
+            self._participants = int(self._manager.num_participants())
+        return self._participants
 
     def average_gradients(self, params: list[torch.Tensor]) -> None:
         """Average the ``.grad`` of ``params`` over the groups of this step's quorum (one flat all-reduce).
@@ -233,7 +259,7 @@ class ReplicaSync:
         if rest:
             flat = torch.cat([p.grad.reshape(-1) for p in rest])  # type: ignore[union-attr]
             in_flight.append((self._start_sum(flat), flat, rest))
-        participants = max(1, self._manager.num_participants())
+        participants = max(1, self._wait_quorum())
         for work, flat, bucket in in_flight:
             if not self._finished(work):  # a failed all-reduce is recorded (commit says False), not raised
                 continue
@@ -269,22 +295,27 @@ class ReplicaSync:
         local = self._commits_locally()
         # a group behind receives the state here (torchft heals in it)
         here = self._should_commit_alone() if local else bool(manager.should_commit())
-        agreed, healed = self._agreed(here, self._received)
+        size = self._quorum_size()
+        # a group of this quorum was behind (it heals, or healed at its join, and trains nothing in it): the next
+        # step's quorum counts it in; and a group restarted meanwhile waits for the others' next quorum to join
+        due = self._wait_quorum() < size or time.monotonic() - self._last_quorum >= QUORUM_INTERVAL_S
+        agreed, healed, due = self._agreed(here, self._received, due, size)
         self.healed_in_step = healed
+        self._quorum_due = due or not agreed  # a failed step's next quorum leaves out a group that failed
         # torchft's Manager has no public way to count a step or take a counted one back: its counters are set
         # here, which is why the extra pins torchft below 0.3 (tests/launcher/test_fault_tolerant.py checks them)
         if local:  # what torchft's should_commit does with its counters, on the vote across the groups
             if agreed:
                 manager._step += 1
-                manager._batches_committed += manager.num_participants()
+                manager._batches_committed += self._participants
                 manager._commit_failures = 0
             else:
                 manager._commit_failures += 1  # the lighthouse then forms the next quorum anew (a fresh process group)
         elif here and not agreed:  # torchft counted the step: take it back, as no group applies it
             manager._step -= 1
-            manager._batches_committed -= manager.num_participants()
+            manager._batches_committed -= self._participants
             manager._commit_failures += 1
-        if not agreed and self._quorum_size() > 1:
+        if not agreed and size > 1:
             # A peer still blocked in this step's all-reduce (waiting for data this group will not send) fails
             # now rather than when the next quorum replaces the group: otherwise it misses that quorum.
             manager._pg.abort()
@@ -310,11 +341,12 @@ class ReplicaSync:
         if manager._healing:  # a group left behind: torchft received the state in this step's quorum
             manager._apply_pending_state_dict()
         manager._checkpoint_transport.disallow_checkpoint()
-        return manager.num_participants() >= manager._min_replica_size and manager.errored() is None
+        return self._wait_quorum() >= manager._min_replica_size and manager.errored() is None
 
-    def _agreed(self, here: bool, healed: bool) -> tuple[bool, bool]:
-        """Whether every group of the quorum commits (a MIN of the votes; False where the vote fails), and
-        whether a group of the quorum healed in this step (a MIN of the negated flags: their MAX).
+    def _agreed(self, here: bool, healed: bool, due: bool, size: int) -> tuple[bool, bool, bool]:
+        """Whether every group of the quorum commits (a MIN of the votes; False where the vote fails), whether a
+        group of the quorum healed in this step and whether one wants a quorum at the next step (MINs of the
+        negated flags: their MAX). ``size``: the groups in this step's process group.
 
         The vote runs on the quorum's process group itself, not through the Manager's all-reduce (which
         skips a group that has already failed, leaving the others to wait for it until the timeout), and
@@ -323,8 +355,8 @@ class ReplicaSync:
         takes the MIN of its ranks' outcomes over its own process group, so all its ranks agree.
         """
         manager = self._manager
-        vote = torch.tensor([1.0 if here else 0.0, -1.0 if healed else 0.0])
-        if self._quorum_size() > 1:
+        vote = torch.tensor([1.0 if here else 0.0, -1.0 if healed else 0.0, -1.0 if due else 0.0])
+        if size > 1:
             options = AllreduceOptions()
             options.reduceOp = ReduceOp(ReduceOp.MIN)
             try:
@@ -336,7 +368,8 @@ class ReplicaSync:
         if self.group_size > 1:
             with issuing("all_reduce", [vote]):  # the group's own ranks: one answer for all of them
                 dist.all_reduce(vote, op=dist.ReduceOp.MIN)
-        return bool(vote[0].item() == 1.0), healed or bool(vote[1].item() < 0)
+        agreed, anyone_healed, anyone_due = vote.tolist()
+        return agreed == 1.0, healed or anyone_healed < 0, due or anyone_due < 0
 
     def _quorum_size(self) -> int:
         """The groups in this step's process group: the participants and any group healing in the step."""
