@@ -138,10 +138,10 @@ def main() -> None:
                     if stalled:
                         (out / "hold").unlink(missing_ok=True)
                         stalled = False
-                    if stall is not None and session.replica_group == stall[0] and session.global_step >= stall[1]:
-                        if session._replicas is not None and session._replicas._quorum_due:
-                            time.sleep(stall[2])  # between steps, before a quorum: it goes on without this group
-                            stall, stalled = None, True
+                    due = session._replicas is not None and session._replicas._quorum_due  # the next step runs one
+                    if stall and due and session.replica_group == stall[0] and session.global_step >= stall[1]:
+                        time.sleep(stall[2])  # between steps, before a quorum: it goes on without this group
+                        stall, stalled = None, True
 
 
 if __name__ == "__main__":

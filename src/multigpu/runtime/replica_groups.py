@@ -2,23 +2,26 @@
 
 ``multigpu launch --strategy ddp --fault-tolerant --replicas R`` starts R replica groups (each one
 ordinary ddp process group) and a torchft lighthouse (:mod:`multigpu.launcher.fault_tolerant`). In
-each worker, :class:`ReplicaSync` joins the groups that are alive into one quorum per step and
+each worker, :class:`ReplicaSync` joins the groups that are alive into a quorum (when one is due) and
 averages the gradients across them:
 
-1. ``begin_step`` (at a window's first micro-step) starts the step's quorum on torchft's thread, so the
-   round trip to the lighthouse overlaps the forward and backward;
-2. the gradients are averaged over the groups of the quorum through the Manager's all-reduce, in
-   buckets of about :data:`BUCKET_BYTES`: with one process per group, each bucket starts as soon as
-   backward has produced its gradients (hooks on the parameters, :meth:`watch`), so the all-reduce
-   overlaps the rest of backward as DDP's does; with several, after backward (DDP has averaged inside
-   the group by then). ``average_gradients`` (in ``session.step``) waits for them. No torchft DDP
-   wrapper: its comm hook's future fails ``assert fut._fut`` when a peer dies inside the step and takes
-   the healthy group down with it (https://github.com/meta-pytorch/torchft/issues/304); a failed
-   all-reduce is recorded by the Manager instead;
+1. ``begin_step`` (at a window's first micro-step) starts the step's quorum on torchft's thread when one is
+   due, so the round trip to the lighthouse overlaps the forward and backward; otherwise the step keeps
+   the last quorum (:data:`QUORUM_INTERVAL_S`, :meth:`ReplicaSync.begin_step`);
+2. the gradients are summed over the groups of the quorum on its process group, in buckets (a first of
+   :data:`FIRST_BUCKET_BYTES`, then of :data:`BUCKET_BYTES`): with one process per group, each bucket
+   starts as soon as backward has produced its gradients (hooks on the parameters, :meth:`watch`), so
+   the all-reduce overlaps the rest of backward as DDP's does; with several, after backward (DDP has
+   averaged inside the group by then). ``average_gradients`` (in ``session.step``) waits for them and
+   divides by the participants. No torchft DDP wrapper: its comm hook's future fails ``assert fut._fut``
+   when a peer dies inside the step and takes the healthy group down with it
+   (https://github.com/meta-pytorch/torchft/issues/304); a failed all-reduce is recorded with the
+   Manager instead;
 3. ``commit`` asks the group whether every rank's step went through (torchft's ``should_commit``, a
-   vote inside the group), then the groups of the quorum vote across (a MIN all-reduce): a step
-   during which a peer group failed is committed nowhere, also when the all-reduce completed on some
-   groups and failed on others.
+   vote inside the group; decided locally for a group of one process), then the groups of the quorum
+   vote across (a MIN all-reduce): a step during which a peer group failed is committed nowhere, also
+   when the all-reduce completed on some groups and failed on others. The same vote says whether the
+   next step runs a quorum.
 
 A restarted group heals before its first batch (``join``): the quorum names a healthy group, which
 sends what :class:`multigpu.session.fault_tolerance.LiveState` collects (weights, optimizer and its
