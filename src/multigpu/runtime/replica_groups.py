@@ -120,6 +120,7 @@ class ReplicaSync:
         self._bucket: list[torch.Tensor] = []  # parameters whose gradient is ready, not yet in an all-reduce
         self._bucket_bytes = 0
         self._in_flight: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []  # (work, flat buffer, parameters)
+        self._flats: list[torch.Tensor] = []  # the step's n-th bucket's buffer, kept for the next step's n-th
 
     def watch(self, params: list[torch.Tensor]) -> None:
         """All-reduce these parameters' gradients during backward (one process per group: no DDP averaging to wait for)."""
@@ -145,9 +146,22 @@ class ReplicaSync:
         params, self._bucket, self._bucket_bytes = self._bucket, [], 0
         if not params:
             return
-        flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+        flat = self._flatten(params)
         self.begin_step()
         self._in_flight.append((self._start_sum(flat), flat, params))
+
+    def _flatten(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The gradients of ``params`` in one flat buffer: the one this bucket had at the last step where it fits
+        (a new buffer of megabytes costs a page fault per 4 KiB at its first write, each step: DDP keeps its
+        buckets' too)."""
+        grads = [p.grad.reshape(-1) for p in params]  # type: ignore[union-attr]
+        index, numel = len(self._in_flight), sum(g.numel() for g in grads)
+        kept = self._flats[index] if index < len(self._flats) else None
+        if kept is None or kept.numel() != numel or any(g.dtype != kept.dtype for g in grads):
+            kept = torch.cat(grads)
+            self._flats[index:] = [kept]
+            return kept
+        return torch.cat(grads, out=kept)
 
     def _start_sum(self, flat: torch.Tensor) -> Any:
         """Start summing ``flat`` over the groups of the quorum; its work, or None once this step has failed.
@@ -246,7 +260,7 @@ class ReplicaSync:
         return self._participants
 
     def average_gradients(self, params: list[torch.Tensor]) -> None:
-        """Average the ``.grad`` of ``params`` over the groups of this step's quorum (one flat all-reduce).
+        """Average the ``.grad`` of ``params`` over the groups of this step's quorum (flat all-reduces by bucket).
 
         A peer group that fails during it leaves the gradients undefined and the step uncommitted
         (:meth:`commit` says False); nothing is raised here.
@@ -257,14 +271,15 @@ class ReplicaSync:
             self._send_bucket()
             sent = {id(p) for _, _, bucket in self._in_flight for p in bucket}
             params = [p for p in params if p.grad is not None and id(p) not in sent]  # made outside backward
-        in_flight, self._in_flight = self._in_flight, []
         rest = [p for p in params if p.grad is not None]
         if rest:
-            flat = torch.cat([p.grad.reshape(-1) for p in rest])  # type: ignore[union-attr]
-            in_flight.append((self._start_sum(flat), flat, rest))
+            flat = self._flatten(rest)
+            self._in_flight.append((self._start_sum(flat), flat, rest))
+        in_flight, self._in_flight = self._in_flight, []
         participants = max(1, self._wait_quorum())
         for work, flat, bucket in in_flight:
             if not self._finished(work):  # a failed all-reduce is recorded (commit says False), not raised
+                self._flats = []  # one that failed may still write into its buffer: the next step takes new ones
                 continue
             offset = 0
             for param in bucket:
