@@ -138,7 +138,7 @@ def main() -> None:
                     if stalled:
                         (out / "hold").unlink(missing_ok=True)
                         stalled = False
-                    due = session._replicas is not None and session._replicas._quorum_due  # the next step runs one
+                    due = session._replicas is not None and session._replicas.quorum_due  # the next step runs one
                     if stall and due and session.replica_group == stall[0] and session.global_step >= stall[1]:
                         time.sleep(stall[2])  # between steps, before a quorum: it goes on without this group
                         stall, stalled = None, True

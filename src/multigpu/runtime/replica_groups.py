@@ -252,6 +252,11 @@ class ReplicaSync:
                 self._participants = 0
             self._quorum_started = True
 
+    @property
+    def quorum_due(self) -> bool:
+        """Whether the next :meth:`begin_step` starts a quorum (the only steps in which a group sends its state)."""
+        return self._quorum_due or self._manager is None
+
     def _wait_quorum(self) -> int:
         """Wait for this step's quorum (once a step); its participants."""
         if not self._participants:

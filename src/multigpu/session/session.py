@@ -459,8 +459,9 @@ class Session(Toolkit, RunLog):
         self._micro += 1
         self._throughput.micro_step()
         if self._replicas is not None and self._micro == 1:  # the step's quorum overlaps forward and backward
-            # outside session.batches (a loop over the loader itself) no epoch's end closes a window
-            self._live.mark(1, self.config.accumulate, closes_at_epoch_end=self._position is not None)
+            if self._replicas.quorum_due:  # what a group behind receives: marked in the steps that run a quorum
+                # outside session.batches (a loop over the loader itself) no epoch's end closes a window
+                self._live.mark(1, self.config.accumulate, closes_at_epoch_end=self._position is not None)
             self._replicas.begin_step()
         if self.should_step:
             return precision.autocast()
