@@ -3,7 +3,7 @@
     multigpu launch --strategy ddp --fault-tolerant --replicas 2 --nproc-per-node 1 --max-restarts 3 train.py
 
 Each replica group is an ordinary ddp process group of ``--nproc-per-node`` processes with a store of
-its own; the groups meet, once per step, at a torchft lighthouse that this launcher starts (on
+its own; the groups meet, in a quorum when one is due, at a torchft lighthouse that this launcher starts (on
 several nodes, node 0's launcher starts it at ``--lighthouse HOST:PORT`` and the others are told the
 same address). The workers average their gradients over the groups alive in each step
 (:mod:`multigpu.runtime.replica_groups`).
