@@ -1,0 +1,77 @@
+"""What a run folder may hold where the csv tracker and the run record write: each refused naming the file and the fix.
+
+A folder, a named pipe or a link at ``metrics.csv``, ``hparams.json`` or ``multigpu-run.json``, JSON nested past the
+parser's recursion, a CSV of another writer (another header, bytes that are not UTF-8, a field past the csv module's
+limit): a ConfigError, in bounded time (a pipe opened for appending would wait for a reader forever), and the file
+left as it was. A run record naming a run id or tracker state no run of multigpu's has is refused the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from multigpu.errors import ConfigError
+from multigpu.session import Session
+from multigpu.session.metrics import RUN_RECORD
+
+pytestmark = pytest.mark.timeout(30)  # a pipe opened for appending would block forever
+
+
+def _record(**fields: object) -> bytes:
+    record = {"run_id": "0" * 32, "run_name": "a", "run_dir": "b", "trackers": {"csv": {}}, "token": "tok", **fields}
+    return json.dumps(record).encode()
+
+
+HOSTILE: dict[str, Callable[[Path], object]] = {
+    "a folder": lambda path: path.mkdir(),
+    "a named pipe": lambda path: os.mkfifo(path),
+    "a link": lambda path: path.symlink_to(path.with_name("elsewhere")),
+}
+CONTENTS = [
+    ("metrics.csv", b"epoch,loss\n1,0.5\n"),  # another writer's CSV: not appended to, not rewritten
+    ("metrics.csv", b"epoch,loss\n1,0.5\n2,0."),
+    ("metrics.csv", b"step,metric,value,time\n1,v,\xff,0\n2,v"),
+    ("metrics.csv", b'step,metric,value,time\n1,v,"' + b"x" * 200_000 + b'",0\n2,v'),
+    ("hparams.json", b'{"a":' * 100_000),
+    (RUN_RECORD, b'{"a":' * 100_000),
+    (RUN_RECORD, _record(run_id="x' or '1'='1")),  # the run id reaches MLflow's search filter
+    (RUN_RECORD, _record(trackers={"csv": {}, "aim": {"hash": 5}})),
+]
+
+
+def _log(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MULTIGPU_RUN_ID", "tok")
+    with Session(strategy="single", trackers=("csv",), run_dir=folder) as session:
+        session.log_hparams({"lr": 0.1})
+        session.log({"v": 1.0}, 1)
+        session.log_hparams({"batch": 8})
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+@pytest.mark.parametrize("name", ["metrics.csv", "hparams.json", RUN_RECORD])
+def test_something_else_at_a_trackers_file_is_refused_naming_it(
+    name: str, kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    HOSTILE[kind](folder / name)
+    with pytest.raises(ConfigError, match=rf"{name}'? is .*(move it away|delete it)"):
+        _log(folder, monkeypatch)
+    assert not (folder / "elsewhere").exists()  # nothing written through the link
+
+
+@pytest.mark.parametrize(("name", "content"), CONTENTS)
+def test_a_file_its_writer_cannot_have_written_is_refused_naming_it_and_left_as_it_was(
+    name: str, content: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / name).write_bytes(content)
+    with pytest.raises(ConfigError, match=rf"{name}'? is .*(move it away|delete it)"):
+        _log(folder, monkeypatch)
+    assert (folder / name).read_bytes() == content
