@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import random
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -38,10 +39,12 @@ import torch
 from torch import nn
 
 from multigpu.core.keys import unwrap
+from multigpu.errors import ConfigError
 from multigpu.runtime.committed_steps import committed_steps, set_committed_steps
 from multigpu.runtime.data import EpochLoader, known_len
 from multigpu.session.coordination import seed_rank_streams
-from multigpu.session.lr_schedulers import load_scheduler_states, scheduler_states
+from multigpu.session.lr_schedulers import check_scheduler_states, load_scheduler_states, scheduler_states
+from multigpu.session.peer_state import check_like, check_optimizer, list_of, refused
 from multigpu.strategies import Precision
 
 
@@ -112,10 +115,16 @@ class LiveState:
         before its first batch. The step then commits the other groups' gradients onto the received
         weights, so the loaders go on after the sender's window, and the random state is not applied:
         every group of the quorum reseeds after such a step (:func:`reseed_after_heal`).
+
+        Raises:
+            CheckpointError: the state is not one :meth:`state_dict` of this script sends (:meth:`check`); nothing
+                of it was applied.
         """
-        if self.model is not None and state.get("model"):
+        self.check(state)
+        if self.model is not None and state["model"]:
             unwrap(self.model).load_state_dict(state["model"])
-        set_committed_steps(int(state.get("global_step", 0)))
+        if "global_step" in state:  # a sender that had not begun a step yet sends no position: none to take up
+            set_committed_steps(state["global_step"])
         if self.precision is not None and state.get("precision"):
             self.precision.load_state_dict(state["precision"])
         for loader, position in zip(self.loaders, state.get("loaders_after" if inside_step else "loaders", [])):
@@ -130,6 +139,38 @@ class LiveState:
         self._pending_schedulers = list(state.get("schedulers", []))
         for index, optimizer in enumerate(self.optimizers):
             self._apply_pending(index, optimizer)
+
+    def check(self, state: Any) -> None:
+        """Refuse (a CheckpointError naming the entry) a received state unlike what this group holds.
+
+        It came from another process: each part is held against this group's own (the weights' names, shapes and
+        dtypes, the optimizers' parameter groups, the loaders' data, the random generators' and the gradient
+        scale's forms) before any of it is applied.
+        """
+        if not isinstance(state, Mapping):
+            raise refused("", f"the form {type(state).__name__}, not a mapping")
+        marked = {"global_step", "loaders", "loaders_after", "rng"}
+        missing = (
+            {"model", "optimizers", "schedulers", "precision"} | (marked if marked & set(state) else set())
+        ) - set(state)
+        if missing or set(state) - marked - {"model", "optimizers", "schedulers", "precision"}:
+            raise refused("the entries", f"{sorted(state)}; it sends {sorted(marked)} with 'model', 'optimizers', ...")
+        if self.model is not None and state["model"]:
+            check_like(unwrap(self.model).state_dict(), state["model"], "'model'")
+        elif not isinstance(state["model"], Mapping):
+            raise refused("'model'", "that is not a mapping")
+        if self.precision is not None and state["precision"]:
+            check_like(self.precision.state_dict(), state["precision"], "'precision'")
+            if not state["precision"].get("scaler", {}).get("scale", 1) > 0:  # NaN too
+                raise refused("'precision'", f"a gradient scale of {state['precision']['scaler']['scale']!r}")
+        if "global_step" in state:
+            _check_marked(self, state)
+        optimizers = list_of(state["optimizers"], "'optimizers'")
+        schedulers = list_of(state["schedulers"], "'schedulers'")
+        for index, (optimizer, sent) in enumerate(zip(self.optimizers, optimizers)):
+            check_optimizer(optimizer, sent, f"'optimizers'[{index}]")
+        for index, sent in enumerate(schedulers):  # of optimizers not seen yet too: their form, here
+            check_scheduler_states(self.optimizers[index] if index < len(self.optimizers) else None, sent, index)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Remember ``optimizer`` (sent to restarted groups); apply a received state that waited for it.
@@ -146,9 +187,35 @@ class LiveState:
     def _apply_pending(self, index: int, optimizer: torch.optim.Optimizer) -> None:
         """Give the ``index``-th optimizer, and its schedulers, the states received for them (if any)."""
         if self._pending_optimizers is not None and index < len(self._pending_optimizers):
+            check_optimizer(optimizer, self._pending_optimizers[index], f"'optimizers'[{index}]")
+            if index < len(self._pending_schedulers):
+                check_scheduler_states(optimizer, self._pending_schedulers[index], index)
             optimizer.load_state_dict(self._pending_optimizers[index])
             if index < len(self._pending_schedulers):
                 load_scheduler_states(optimizer, self._pending_schedulers[index], index)
+
+
+def _check_marked(live: LiveState, state: Mapping[str, Any]) -> None:
+    """Refuse a step count, loader positions or random states that this group's own cannot take."""
+    step = state["global_step"]
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
+        raise refused("'global_step'", f"{step!r:.80}, not a step count (an int >= 0)")
+    for name in ("loaders", "loaders_after"):
+        for index, (loader, position) in enumerate(zip(live.loaders, list_of(state[name], repr(name)))):
+            if loader is not None and position is not None:
+                try:
+                    loader.check_state_dict(position)
+                except ConfigError as error:
+                    raise refused(f"{name!r}[{index}]", f"that this loader refuses ({error})") from None
+    rng = state["rng"]
+    if not isinstance(rng, Mapping) or set(rng) != {"torch", "python", "numpy"}:
+        raise refused("'rng'", f"{rng!r:.80}, not torch's, Python's and numpy's states")
+    check_like(torch.get_rng_state(), rng["torch"], "'rng'['torch']")
+    for name, scratch in (("python", random.Random().setstate), ("numpy", np.random.RandomState().set_state)):
+        try:
+            scratch(rng[name])  # a generator of its own: this process's is set only when every part passed
+        except Exception:
+            raise refused(f"'rng'[{name!r}]", f"{rng[name]!r:.80}, not a state of {name}'s generator") from None
 
 
 def _rewound(loader: EpochLoader[Any], batches: int) -> dict[str, Any]:

@@ -20,10 +20,13 @@ from __future__ import annotations
 import copy
 import gc
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from multigpu.session.peer_state import check_like, list_of, refused
 
 _SCHEDULERS = (LRScheduler, ReduceLROnPlateau)  # ReduceLROnPlateau was not an LRScheduler before torch 2.2
 
@@ -56,6 +59,30 @@ def scheduler_states(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{"kind": _kind(s), "state": copy.deepcopy(s.state_dict())} for s in find_schedulers(optimizer)]
 
 
+def check_scheduler_states(optimizer: torch.optim.Optimizer | None, states: Any, index: int) -> None:
+    """Refuse (a CheckpointError naming the entry) sent states that :func:`load_scheduler_states` cannot apply whole.
+
+    Each entry is a class name and a state; each state is held against the state of the scheduler it goes to here
+    (the same entries, counts that are ints, rates that are finite numbers, one base rate per parameter group).
+    ``optimizer``: None when the Session has not seen it yet (only the entries' form is checked).
+    """
+    where = f"'schedulers'[{index}]"
+    entries = list_of(states, where)
+    for number, sent in enumerate(entries):
+        if not (
+            isinstance(sent, Mapping) and isinstance(sent.get("kind"), str) and isinstance(sent.get("state"), Mapping)
+        ):
+            raise refused(f"{where}[{number}]", f"{sent!r:.80}, not a scheduler's 'kind' and 'state'")
+    if optimizer is None:
+        return
+    unmatched = find_schedulers(optimizer)
+    for number, sent in enumerate(entries):
+        match = next((s for s in unmatched if _kind(s) == sent["kind"]), None)
+        if match is not None:
+            unmatched.remove(match)
+            check_like(match.state_dict(), sent["state"], f"{where}[{number}]['state']")
+
+
 def load_scheduler_states(optimizer: torch.optim.Optimizer, states: list[dict[str, Any]], index: int) -> None:
     """Give ``optimizer``'s schedulers the states a healthy group sent (:func:`scheduler_states`).
 
@@ -64,6 +91,7 @@ def load_scheduler_states(optimizer: torch.optim.Optimizer, states: list[dict[st
     warning: that group's learning rates may then differ from the others'. ``index``: the optimizer's
     (in the order the Session first saw them), which the warnings name.
     """
+    check_scheduler_states(optimizer, states, index)
     here = find_schedulers(optimizer)
     kinds = [_kind(s) for s in here]
     for kind in set(kinds):
