@@ -35,6 +35,7 @@ from multigpu.checkpoint.safetensors_file import (
     DTYPES,
     Header,
     TensorEntry,
+    packed,
     placeholder,
     read_header,
     read_header_from,
@@ -352,8 +353,10 @@ def _deduplicate(
             aliases[key] = seen[ident]
             continue
         shares = tensor.numel() > 0 and _storage_ptr(tensor) in storages
-        # A partial view of memory another tensor uses, or a strided view, is written as a copy.
-        unique[key] = tensor.clone() if shares or not tensor.is_contiguous() else tensor
+        # A partial view of memory another tensor uses, or a strided view, is written as a copy, in row-major
+        # order (clone alone keeps a transposed view's strides, which the writer refuses)
+        copy = shares or not packed(tensor)
+        unique[key] = tensor.clone(memory_format=torch.contiguous_format) if copy else tensor
         seen[ident] = key
         storages.add(_storage_ptr(tensor))
     return unique, aliases
