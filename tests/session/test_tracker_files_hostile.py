@@ -1,13 +1,15 @@
 """What a run folder may hold where the csv tracker and the run record write: each refused naming the file and the fix.
 
 A folder, a named pipe or a link at ``metrics.csv``, ``hparams.json`` or ``multigpu-run.json``, JSON nested past the
-parser's recursion, a CSV of another writer (another header, bytes that are not UTF-8, a field past the csv module's
-limit): a ConfigError, in bounded time (a pipe opened for appending would wait for a reader forever), and the file
-left as it was. A run record naming a run id or tracker state no run of multigpu's has is refused the same way.
+parser's recursion, a CSV of another writer (another header, bytes that are not UTF-8): a ConfigError, in bounded
+time (a pipe opened for appending would wait for a reader forever), and the file left as it was. A run record naming
+a run id or tracker state no run of multigpu's has is refused the same way. A metric's name longer than the csv
+module's field limit is the csv tracker's own row, read back.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 from collections.abc import Callable
@@ -36,7 +38,6 @@ CONTENTS = [
     ("metrics.csv", b"epoch,loss\n1,0.5\n"),  # another writer's CSV: not appended to, not rewritten
     ("metrics.csv", b"epoch,loss\n1,0.5\n2,0."),
     ("metrics.csv", b"step,metric,value,time\n1,v,\xff,0\n2,v"),
-    ("metrics.csv", b'step,metric,value,time\n1,v,"' + b"x" * 200_000 + b'",0\n2,v'),
     ("hparams.json", b'{"a":' * 100_000),
     (RUN_RECORD, b'{"a":' * 100_000),
     (RUN_RECORD, _record(run_id="x' or '1'='1")),  # the run id reaches MLflow's search filter
@@ -75,3 +76,20 @@ def test_a_file_its_writer_cannot_have_written_is_refused_naming_it_and_left_as_
     with pytest.raises(ConfigError, match=rf"{name}'? is .*(move it away|delete it)"):
         _log(folder, monkeypatch)
     assert (folder / name).read_bytes() == content
+
+
+def test_a_metric_name_longer_than_the_csv_modules_field_limit_reads_back_on_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = "m" * 200_000  # csv.reader's default limit is 131072 characters a field
+    monkeypatch.setenv("MULTIGPU_RUN_ID", "tok")
+    for step in (1, 2):  # the second Session is a restart of the run: it rewrites the file from its first step on
+        with Session(strategy="single", trackers=("csv",), run_dir=tmp_path) as session:
+            session.log({name: float(step)}, step)
+    limit = csv.field_size_limit(1 << 20)
+    try:
+        with (tmp_path / "metrics.csv").open(newline="") as file:
+            rows = list(csv.reader(file, strict=True))
+    finally:
+        csv.field_size_limit(limit)
+    assert [(r[0], r[1] == name, r[2]) for r in rows[1:]] == [("1", True, "1.0"), ("2", True, "2.0")]

@@ -91,11 +91,15 @@ def _rewrite(path: Path, step: int | None) -> None:
     """Rewrite ``path`` without the rows of steps after ``step`` (None: keep every step) and without a last row a
     kill cut short: a new file renamed over the old one."""
     cut = _cut_short(path)
+    limit = csv.field_size_limit()  # a metric's name may be longer than csv's default (128 Ki characters)
     try:
+        csv.field_size_limit(max(limit, path.stat().st_size))
         with path.open(newline="", encoding="utf-8") as file:
             rows = list(csv.reader(file))
     except (UnicodeDecodeError, csv.Error) as error:
         raise refusal(path, _WHAT, f"a file it cannot have written ({error})") from None
+    finally:
+        csv.field_size_limit(limit)
     if cut:
         rows = rows[:-1]
     kept = [row for row in rows[1:] if row and _kept(_step(row[0]), step)]
