@@ -99,7 +99,9 @@ def test_a_damaged_state_from_a_peer_is_refused_before_any_of_it_applies(damage:
     set_committed_steps(0)
     before = (copy.deepcopy(model.state_dict()), loader.state_dict(), torch.get_rng_state(), random.getstate())
     scheduled = (scheduler.state_dict(), copy.deepcopy(optimizer.state_dict()), live.precision.state_dict())
-    with pytest.raises(CheckpointError, match=r"the state a healthy replica group sent has .*same script"):
+    with pytest.raises(
+        CheckpointError, match=r"the state a healthy replica group sent is refused: .* is .*; expected .*same script"
+    ):
         live.load_state_dict(state)
     after = (model.state_dict(), loader.state_dict(), torch.get_rng_state(), random.getstate())
     assert all(torch.equal(before[0][k], after[0][k]) for k in before[0]) and before[1] == after[1]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import random
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -44,7 +44,7 @@ from multigpu.runtime.committed_steps import committed_steps, set_committed_step
 from multigpu.runtime.data import EpochLoader, known_len
 from multigpu.session.coordination import seed_rank_streams
 from multigpu.session.lr_schedulers import check_scheduler_states, load_scheduler_states, scheduler_states
-from multigpu.session.peer_state import check_like, check_optimizer, list_of, refused
+from multigpu.session.peer_state import PEER, check_model, check_optimizer, check_precision, list_of
 from multigpu.strategies import Precision
 
 
@@ -144,33 +144,28 @@ class LiveState:
         """Refuse (a CheckpointError naming the entry) a received state unlike what this group holds.
 
         It came from another process: each part is held against this group's own (the weights' names, shapes and
-        dtypes, the optimizers' parameter groups, the loaders' data, the random generators' and the gradient
-        scale's forms) before any of it is applied.
+        dtypes, the optimizers' parameter groups and buffers, the schedulers' and the gradient scale's entries, the
+        loaders' data, the random generators' forms) before any of it is applied (:mod:`multigpu.session.peer_state`).
         """
-        if not isinstance(state, Mapping):
-            raise refused("", f"the form {type(state).__name__}, not a mapping")
-        marked = {"global_step", "loaders", "loaders_after", "rng"}
-        missing = (
-            {"model", "optimizers", "schedulers", "precision"} | (marked if marked & set(state) else set())
-        ) - set(state)
-        if missing or set(state) - marked - {"model", "optimizers", "schedulers", "precision"}:
-            raise refused("the entries", f"{sorted(state)}; it sends {sorted(marked)} with 'model', 'optimizers', ...")
+        sent = {"model", "optimizers", "schedulers", "precision"}
+        marked = {"global_step", "loaders", "loaders_after", "rng"}  # absent all together: the sender had not marked
+        if not isinstance(state, Mapping) or set(state) not in (sent, sent | marked):
+            PEER.fail("its entries", sorted(state) if isinstance(state, Mapping) else state, f"{sorted(sent | marked)}")
         if self.model is not None and state["model"]:
-            check_like(unwrap(self.model).state_dict(), state["model"], "'model'")
+            check_model(unwrap(self.model).state_dict(), state["model"])
         elif not isinstance(state["model"], Mapping):
-            raise refused("'model'", "that is not a mapping")
+            PEER.fail("'model'", state["model"], "a mapping of weights")
         if self.precision is not None and state["precision"]:
-            check_like(self.precision.state_dict(), state["precision"], "'precision'")
-            if not state["precision"].get("scaler", {}).get("scale", 1) > 0:  # NaN too
-                raise refused("'precision'", f"a gradient scale of {state['precision']['scaler']['scale']!r}")
+            check_precision(self.precision, state["precision"])
         if "global_step" in state:
             _check_marked(self, state)
-        optimizers = list_of(state["optimizers"], "'optimizers'")
-        schedulers = list_of(state["schedulers"], "'schedulers'")
-        for index, (optimizer, sent) in enumerate(zip(self.optimizers, optimizers)):
-            check_optimizer(optimizer, sent, f"'optimizers'[{index}]")
-        for index, sent in enumerate(schedulers):  # of optimizers not seen yet too: their form, here
-            check_scheduler_states(self.optimizers[index] if index < len(self.optimizers) else None, sent, index)
+        for optimizer, sent_state in zip(self.optimizers, list_of(state["optimizers"], "'optimizers'")):
+            if not isinstance(sent_state, dict):
+                PEER.fail("'optimizers'[...]", sent_state, "an optimizer's state_dict")
+            check_optimizer(PEER, sent_state, optimizer)
+        for index, sent_schedulers in enumerate(list_of(state["schedulers"], "'schedulers'")):
+            known = self.optimizers[index] if index < len(self.optimizers) else None  # else the entries' form only
+            check_scheduler_states(known, sent_schedulers, index)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Remember ``optimizer`` (sent to restarted groups); apply a received state that waited for it.
@@ -187,7 +182,7 @@ class LiveState:
     def _apply_pending(self, index: int, optimizer: torch.optim.Optimizer) -> None:
         """Give the ``index``-th optimizer, and its schedulers, the states received for them (if any)."""
         if self._pending_optimizers is not None and index < len(self._pending_optimizers):
-            check_optimizer(optimizer, self._pending_optimizers[index], f"'optimizers'[{index}]")
+            check_optimizer(PEER, self._pending_optimizers[index], optimizer)
             if index < len(self._pending_schedulers):
                 check_scheduler_states(optimizer, self._pending_schedulers[index], index)
             optimizer.load_state_dict(self._pending_optimizers[index])
@@ -199,23 +194,27 @@ def _check_marked(live: LiveState, state: Mapping[str, Any]) -> None:
     """Refuse a step count, loader positions or random states that this group's own cannot take."""
     step = state["global_step"]
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
-        raise refused("'global_step'", f"{step!r:.80}, not a step count (an int >= 0)")
+        PEER.fail("'global_step'", step, "a step count (an int >= 0)")
     for name in ("loaders", "loaders_after"):
         for index, (loader, position) in enumerate(zip(live.loaders, list_of(state[name], repr(name)))):
             if loader is not None and position is not None:
                 try:
                     loader.check_state_dict(position)
                 except ConfigError as error:
-                    raise refused(f"{name!r}[{index}]", f"that this loader refuses ({error})") from None
+                    PEER.fail(f"{name!r}[{index}]", position, f"a position this loader takes ({error})")
     rng = state["rng"]
     if not isinstance(rng, Mapping) or set(rng) != {"torch", "python", "numpy"}:
-        raise refused("'rng'", f"{rng!r:.80}, not torch's, Python's and numpy's states")
-    check_like(torch.get_rng_state(), rng["torch"], "'rng'['torch']")
-    for name, scratch in (("python", random.Random().setstate), ("numpy", np.random.RandomState().set_state)):
+        PEER.fail("'rng'", rng, "torch's, Python's and numpy's random states")
+    scratch: dict[str, Callable[[Any], Any]] = {
+        "torch": torch.Generator().set_state,
+        "python": random.Random().setstate,
+        "numpy": np.random.RandomState().set_state,
+    }
+    for name, set_state in scratch.items():
         try:
-            scratch(rng[name])  # a generator of its own: this process's is set only when every part passed
-        except Exception:
-            raise refused(f"'rng'[{name!r}]", f"{rng[name]!r:.80}, not a state of {name}'s generator") from None
+            set_state(rng[name])  # a generator of its own: this process's are set only when every part passed
+        except Exception:  # whatever the generator says, it did not take the state
+            PEER.fail(f"'rng'[{name!r}]", rng[name], f"a state of {name}'s generator")
 
 
 def _rewound(loader: EpochLoader[Any], batches: int) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from multigpu.session.peer_state import check_like, list_of, refused
+from multigpu.session.peer_state import PEER, check_like, list_of
 
 _SCHEDULERS = (LRScheduler, ReduceLROnPlateau)  # ReduceLROnPlateau was not an LRScheduler before torch 2.2
 
@@ -63,16 +63,17 @@ def check_scheduler_states(optimizer: torch.optim.Optimizer | None, states: Any,
     """Refuse (a CheckpointError naming the entry) sent states that :func:`load_scheduler_states` cannot apply whole.
 
     Each entry is a class name and a state; each state is held against the state of the scheduler it goes to here
-    (the same entries, counts that are ints, rates that are finite numbers, one base rate per parameter group).
+    as a checkpoint's is (:func:`multigpu.checkpoint.validate.check_like`: only its entries, numbers where it has
+    numbers, lists of its lengths, so one base rate per parameter group).
     ``optimizer``: None when the Session has not seen it yet (only the entries' form is checked).
     """
     where = f"'schedulers'[{index}]"
     entries = list_of(states, where)
     for number, sent in enumerate(entries):
         if not (
-            isinstance(sent, Mapping) and isinstance(sent.get("kind"), str) and isinstance(sent.get("state"), Mapping)
+            isinstance(sent, Mapping) and isinstance(sent.get("kind"), str) and isinstance(sent.get("state"), dict)
         ):
-            raise refused(f"{where}[{number}]", f"{sent!r:.80}, not a scheduler's 'kind' and 'state'")
+            PEER.fail(f"{where}[{number}]", sent, "a scheduler's 'kind' (text) and 'state' (a dict)")
     if optimizer is None:
         return
     unmatched = find_schedulers(optimizer)
@@ -80,7 +81,7 @@ def check_scheduler_states(optimizer: torch.optim.Optimizer | None, states: Any,
         match = next((s for s in unmatched if _kind(s) == sent["kind"]), None)
         if match is not None:
             unmatched.remove(match)
-            check_like(match.state_dict(), sent["state"], f"{where}[{number}]['state']")
+            check_like(PEER, sent["state"], match.state_dict(), f"{where}[{number}]['state']")
 
 
 def load_scheduler_states(optimizer: torch.optim.Optimizer, states: list[dict[str, Any]], index: int) -> None:
