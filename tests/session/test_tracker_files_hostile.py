@@ -4,7 +4,8 @@ A folder, a named pipe or a link at ``metrics.csv``, ``hparams.json`` or ``multi
 parser's recursion, a CSV of another writer (another header, bytes that are not UTF-8): a ConfigError, in bounded
 time (a pipe opened for appending would wait for a reader forever), and the file left as it was. A run record naming
 a run id or tracker state no run of multigpu's has is refused the same way. A metric's name longer than the csv
-module's field limit is the csv tracker's own row, read back.
+module's field limit is the csv tracker's own row, read back; a row a kill cut inside a quoted name (one holding a
+newline) is dropped as one cut before its newline is.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from multigpu.errors import ConfigError
 from multigpu.session import Session
 from multigpu.session.metrics import RUN_RECORD
 
-pytestmark = pytest.mark.timeout(30)  # a pipe opened for appending would block forever
+pytestmark = [
+    pytest.mark.timeout(30),  # a pipe opened for appending would block forever
+    pytest.mark.filterwarnings("ignore:a tracker failed to close"),  # the Session closing after the refusal
+]
 
 
 def _record(**fields: object) -> bytes:
@@ -93,3 +97,28 @@ def test_a_metric_name_longer_than_the_csv_modules_field_limit_reads_back_on_a_r
     finally:
         csv.field_size_limit(limit)
     assert [(r[0], r[1] == name, r[2]) for r in rows[1:]] == [("1", True, "1.0"), ("2", True, "2.0")]
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_a_row_a_kill_cut_inside_a_quoted_name_is_dropped_not_joined_to_the_next(
+    restart: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MULTIGPU_RUN_ID", "tok")
+    with Session(strategy="single", trackers=("csv",), run_dir=tmp_path) as session:
+        for step in (1, 2):
+            session.log({"a": float(step), "two\nlines": -float(step)}, step)
+    path = tmp_path / "metrics.csv"
+    text = path.read_bytes()
+    path.write_bytes(text[: text.rindex(b'"two\n') + 5])  # the kill came right after the newline inside the name
+    monkeypatch.setenv("MULTIGPU_RUN_ID", "tok" if restart else "other")  # a restart rewrites; another run appends
+    with Session(strategy="single", trackers=("csv",), run_dir=tmp_path) as session:
+        session.log({"a": 3.0, "two\nlines": -3.0}, 3)
+    with path.open(newline="") as file:
+        rows = [tuple(row[:3]) for row in csv.reader(file, strict=True)][1:]
+    assert rows == [
+        ("1", "a", "1.0"),
+        ("1", "two\nlines", "-1.0"),
+        ("2", "a", "2.0"),
+        ("3", "a", "3.0"),
+        ("3", "two\nlines", "-3.0"),
+    ]

@@ -72,10 +72,11 @@ class CsvTracker(Tracker):
 
 
 def _cut_short(path: Path) -> bool:
-    """Whether the file's last row lacks its newline: a process killed while writing it (the next would join it)."""
+    """Whether the file's last row was cut short by a process killed while writing it (the next would join it): it
+    lacks its newline, or ends inside a quoted field (a metric's name may hold a newline; quotes come in pairs)."""
     with path.open("rb") as file:
-        file.seek(-1, os.SEEK_END)
-        return file.read(1) != b"\n"
+        data = file.read()
+    return not data.endswith(b"\n") or data.count(b'"') % 2 == 1
 
 
 def _check_header(path: Path) -> None:
