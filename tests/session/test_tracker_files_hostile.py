@@ -5,7 +5,8 @@ parser's recursion, a CSV of another writer (another header, bytes that are not 
 time (a pipe opened for appending would wait for a reader forever), and the file left as it was. A run record naming
 a run id or tracker state no run of multigpu's has is refused the same way. A metric's name longer than the csv
 module's field limit is the csv tracker's own row, read back; a row a kill cut inside a quoted name (one holding a
-newline) is dropped as one cut before its newline is.
+newline) is dropped as one cut before its newline is. A checkpoint's MLflow or Aim run that the store does not hold
+is refused naming the store.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
+from multigpu.checkpoint import Checkpointer
 from multigpu.errors import ConfigError
 from multigpu.session import Session
 from multigpu.session.metrics import RUN_RECORD
@@ -122,3 +125,25 @@ def test_a_row_a_kill_cut_inside_a_quoted_name_is_dropped_not_joined_to_the_next
         ("3", "a", "3.0"),
         ("3", "two\nlines", "-3.0"),
     ]
+
+
+@pytest.mark.multiprocess  # MLflow and Aim start processes of their own
+@pytest.mark.skipif(not os.environ.get("MULTIGPU_LONG"), reason="imports for 10-20 s: MULTIGPU_LONG=1")
+@pytest.mark.parametrize(
+    ("tracker", "option", "says"), [("mlflow", "tracking_uri", "tracking store"), ("aim", "repo", "repository")]
+)
+def test_a_resumed_run_the_trackers_store_does_not_hold_is_refused_naming_it(
+    tracker: str, option: str, says: str, tmp_path: Path
+) -> None:
+    model, checkpoints = torch.nn.Linear(2, 1), Checkpointer(folder=tmp_path / "ckpt")
+    where = {"first": tmp_path / "first", "other": tmp_path / "other"}
+    if tracker == "mlflow":
+        where = {name: f"sqlite:///{path}.db" for name, path in where.items()}  # type: ignore[misc]
+    stores = {name: {tracker: {option: str(store)}} for name, store in where.items()}
+    with Session(strategy="single", trackers=(tracker,), run_dir=tmp_path, tracker_options=stores["first"]) as session:
+        session.log({"v": 1.0}, 1)
+        checkpoints.save(step=1, model=model)
+    with pytest.raises(ConfigError, match=rf"(?i){tracker} run \w+ is not in the {says} .*other.*{option}"):
+        with Session(strategy="single", trackers=(tracker,), run_dir=tmp_path, tracker_options=stores["other"]) as s:
+            checkpoints.resume(model=model)
+            s.log({"v": 2.0}, 2)
