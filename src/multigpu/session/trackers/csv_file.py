@@ -74,9 +74,11 @@ class CsvTracker(Tracker):
 def _cut_short(path: Path) -> bool:
     """Whether the file's last row was cut short by a process killed while writing it (the next would join it): it
     lacks its newline, or ends inside a quoted field (a metric's name may hold a newline; quotes come in pairs)."""
+    quotes, last = 0, b""
     with path.open("rb") as file:
-        data = file.read()
-    return not data.endswith(b"\n") or data.count(b'"') % 2 == 1
+        while chunk := file.read(1 << 20):  # a long run's file, a piece at a time
+            quotes, last = quotes + chunk.count(b'"'), chunk[-1:]
+    return last != b"\n" or quotes % 2 == 1
 
 
 def _check_header(path: Path) -> None:
