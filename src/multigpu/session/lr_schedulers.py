@@ -34,10 +34,13 @@ _SCHEDULERS = (LRScheduler, ReduceLROnPlateau)  # ReduceLROnPlateau was not an L
 def find_schedulers(optimizer: torch.optim.Optimizer) -> list[Any]:
     """The schedulers that step ``optimizer`` and are not a member of another's chain, ordered by class name.
 
-    Since Python 3.11 an instance's attributes live inline until its ``__dict__`` is first read (a
+    A scheduler the script no longer holds is collected first: held in a reference cycle, it would be found and
+    sent too (its state matched to a live scheduler of its class on the healed side). Since Python 3.11 an
+    instance's attributes live inline until its ``__dict__`` is first read (a
     scheduler's ``state_dict`` reads it): the object that refers to the optimizer is then the scheduler
     itself, or else its ``__dict__``, whose owner one more search finds.
     """
+    gc.collect()  # a scheduler the script dropped may live on in a reference cycle until the collector runs
     found: list[Any] = []
     dicts: list[dict[str, Any]] = []
     for referrer in gc.get_referrers(optimizer):
