@@ -267,11 +267,12 @@ class MetricsLog:
 
 
 def _tracker_state(name: Any, state: Any) -> bool:
-    """Whether ``state`` is one a tracker's :meth:`~multigpu.session.trackers.Tracker.state` returns: names -> text."""
+    """Whether ``state`` is one a tracker's :meth:`~multigpu.session.trackers.Tracker.state` returns: names -> text
+    (or None, where a library leaves a field unset)."""
     return (
         isinstance(name, str)
         and isinstance(state, Mapping)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in state.items())
+        and all(isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in state.items())
     )
 
 
