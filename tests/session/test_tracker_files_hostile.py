@@ -6,7 +6,7 @@ time (a pipe opened for appending would wait for a reader forever), and the file
 a run id or tracker state no run of multigpu's has is refused the same way. A metric's name longer than the csv
 module's field limit is the csv tracker's own row, read back; a row a kill cut inside a quoted name (one holding a
 newline) is dropped as one cut before its newline is. A checkpoint's MLflow or Aim run that the store does not hold
-is refused naming the store.
+is refused naming the store, and so is a run folder that is a file, or lies under one.
 """
 
 from __future__ import annotations
@@ -147,3 +147,15 @@ def test_a_resumed_run_the_trackers_store_does_not_hold_is_refused_naming_it(
         with Session(strategy="single", trackers=(tracker,), run_dir=tmp_path, tracker_options=stores["other"]) as s:
             checkpoints.resume(model=model)
             s.log({"v": 2.0}, 2)
+
+
+@pytest.mark.parametrize("tracker", ["csv", "tensorboard"])
+@pytest.mark.parametrize("where", ["a file", "under a file", "a named pipe"])
+def test_a_run_folder_that_cannot_be_one_is_refused_naming_it(tracker: str, where: str, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("mine")
+    os.mkfifo(tmp_path / "pipe")
+    folder = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "run", "a named pipe": tmp_path / "pipe"}
+    with pytest.raises(ConfigError, match=rf"run folder '{folder[where]}' cannot be made .*Session\(run_dir="):
+        with Session(strategy="single", trackers=(tracker,), run_dir=folder[where]) as session:
+            session.log({"v": 1.0}, 1)
+    assert (tmp_path / "file").read_text() == "mine"

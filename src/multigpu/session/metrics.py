@@ -211,6 +211,13 @@ class MetricsLog:
 
     def _trackers(self, first_step: int | None = None) -> list[Tracker]:
         if self._open is None:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+            except OSError as error:  # a file there, or above it
+                raise ConfigError(
+                    f"the run folder {str(self.folder)!r} cannot be made ({error.strerror or error}); pass "
+                    "Session(run_dir=...) a folder, or a path where one can be made"
+                ) from None
             if self._resumed_step is None and self._token is not None:  # no checkpoint resumed: a restart?
                 self._continue_recorded(first_step)
             self._open = []
