@@ -73,6 +73,8 @@ DAMAGES: dict[str, Callable[[dict[str, Any]], None]] = {
     "a weight too many": _set(("model", "extra"), torch.zeros(1)),
     "a weight missing": _set(("model", "0.bias"), _DROP),
     "a weight that is a list": _set(("model", "0.bias"), [0.0] * 4),
+    "a weight without data": _set(("model", "1.bias"), torch.empty(4, device="meta")),  # after others: half applied
+    "a sparse weight": _set(("model", "1.bias"), torch.zeros(4).to_sparse()),
     "a torch random state of another size": _set(("rng", "torch"), lambda t: t[:10]),
     "a python random state of garbage": _set(("rng", "python"), (3, (1, 2), None)),
     "a numpy random state of garbage": _set(("rng", "numpy"), ("MT19937", [1, 2])),

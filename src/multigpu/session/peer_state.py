@@ -61,6 +61,8 @@ def check_model(local: Mapping[str, torch.Tensor], sent: Any) -> None:
         if not isinstance(value, torch.Tensor) or value.shape != tensor.shape or value.dtype != tensor.dtype:
             shown = value if not isinstance(value, torch.Tensor) else f"a {value.dtype} tensor {tuple(value.shape)}"
             PEER.fail(f"'model'[{name!r}]", shown, f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}")
+        if value.layout != torch.strided or value.is_meta or value.is_quantized or value.is_nested:  # no data to copy
+            PEER.fail(f"'model'[{name!r}]", f"a {value.layout} tensor on {value.device}", "a dense tensor with data")
 
 
 def check_precision(precision: Any, sent: Any) -> None:
