@@ -81,6 +81,9 @@ DAMAGES: dict[str, Callable[[dict[str, Any]], None]] = {
     "a loader position beyond the epoch": _set(("loaders", 0, "batch"), 99),
     "a loader position of another batch size": _set(("loaders", 0, "data", "global_batch"), 3),
     "a one-element momentum buffer": _set(("optimizers", 0, "state", 0, "momentum_buffer"), torch.zeros(1, 1)),
+    "a momentum buffer without data": _set(
+        ("optimizers", 0, "state", 0, "momentum_buffer"), torch.empty(4, 3, device="meta")
+    ),
     "another count of parameter groups": _set(("optimizers", 0, "param_groups"), lambda g: g * 2),
     "a parameter state for no parameter": _set(("optimizers", 0, "state", 99), {"momentum_buffer": torch.zeros(1)}),
     "a learning rate as text": _set(("optimizers", 0, "param_groups", 0, "lr"), "0.5"),

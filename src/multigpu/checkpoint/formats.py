@@ -169,10 +169,11 @@ def tensors_of(obj: Any, path: str | os.PathLike[str], *, device: str = "cpu") -
 
 
 def check_plain_tensor(value: Any, where: str, *, device: str | None = "cpu") -> torch.Tensor:
-    """``value`` if it is a dense tensor of a known dtype on ``device`` (any if None); else CheckpointError."""
+    """``value`` if it is a dense tensor of a known dtype on ``device`` (None: any that holds data, not meta);
+    else CheckpointError."""
     if type(value) not in (torch.Tensor, torch.nn.Parameter):
         raise CheckpointError(f"{where} is a {type(value).__name__}; expected a plain torch.Tensor.")
-    on_device = device is None or value.device.type == device
+    on_device = value.device.type == device if device is not None else value.device.type != "meta"
     if value.layout != torch.strided or value.is_quantized or value.is_nested or not on_device:
         raise CheckpointError(
             f"{where} is a {value.layout} tensor on {value.device}; only dense tensors are loaded "
