@@ -8,6 +8,9 @@ two names, keys of any characters but the module path's dot. The oracle is the t
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,6 +19,7 @@ from torch import nn
 import multigpu
 from multigpu.checkpoint import Checkpointer
 from multigpu.cli.main import main
+from multigpu.errors import ConfigError
 
 DTYPES = [
     torch.float32,
@@ -110,3 +114,10 @@ def test_a_checkpointer_resumes_the_same_tensors(
     _same(resumed, state)
     _same(multigpu.load(_holder(state), folder / "step-00000003"), state)
     assert main(["ckpt", "inspect", str(folder)]) == 0
+
+
+def test_a_tensor_without_data_in_extra_is_refused_at_save(tmp_path: Path) -> None:
+    # saved, it came back as a meta tensor from every resume: nothing of it was in the file
+    with pytest.raises(ConfigError, match=r"extra\['t'\] is .*on meta"):
+        Checkpointer(folder=tmp_path).save(step=1, model=nn.Linear(2, 2), extra={"t": torch.empty(2, device="meta")})
+    assert not any(tmp_path.iterdir())
