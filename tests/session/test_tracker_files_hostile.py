@@ -6,7 +6,8 @@ time (a pipe opened for appending would wait for a reader forever), and the file
 a run id or tracker state no run of multigpu's has is refused the same way. A metric's name longer than the csv
 module's field limit is the csv tracker's own row, read back; a row a kill cut inside a quoted name (one holding a
 newline) is dropped as one cut before its newline is. A checkpoint's MLflow or Aim run that the store does not hold
-is refused naming the store, and so is a run folder that is a file, or lies under one.
+is refused naming the store, and so is a run folder that is a file, or lies under one. A kill at any byte of the
+CSV's writes leaves each step once after the next process logs (a restart of the run, or another run appending).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from multigpu.checkpoint import Checkpointer
 from multigpu.errors import ConfigError
@@ -159,3 +162,26 @@ def test_a_run_folder_that_cannot_be_one_is_refused_naming_it(tracker: str, wher
         with Session(strategy="single", trackers=(tracker,), run_dir=folder[where]) as session:
             session.log({"v": 1.0}, 1)
     assert (tmp_path / "file").read_text() == "mine"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cut=st.floats(0.0, 1.0), restart=st.booleans())
+def test_a_kill_anywhere_in_a_write_leaves_each_step_once_after_the_next_log(
+    cut: float, restart: bool, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path_factory.mktemp("run")
+    monkeypatch.setenv("MULTIGPU_RUN_ID", "tok")
+    with Session(strategy="single", trackers=("csv",), run_dir=folder) as session:
+        for step in (1, 2, 3):
+            session.log({"a": float(step), 'q"\n': -float(step)}, step)
+    path = folder / "metrics.csv"
+    text = path.read_bytes()
+    path.write_bytes(text[: int(cut * len(text))])  # what a SIGKILL inside the writes leaves
+    monkeypatch.setenv("MULTIGPU_RUN_ID", "tok" if restart else "other")
+    with Session(strategy="single", trackers=("csv",), run_dir=folder) as session:
+        session.log({"a": 9.0, 'q"\n': 9.0}, 3 if restart else 4)
+    with path.open(newline="") as file:
+        rows = list(csv.reader(file, strict=True))
+    assert rows[0] == ["step", "metric", "value", "time"] and all(len(row) == 4 for row in rows[1:])
+    keys = [tuple(row[:2]) for row in rows[1:]]
+    assert len(keys) == len(set(keys)) and {row[2] for row in rows[1:] if row[0] == str(3 if restart else 4)} == {"9.0"}
