@@ -124,3 +124,19 @@ def test_the_state_a_sender_makes_applies_whole() -> None:
     assert torch.equal(
         optimizer.state_dict()["state"][0]["momentum_buffer"], state["optimizers"][0]["state"][0]["momentum_buffer"]
     )
+
+
+class _WithExtraState(torch.nn.Linear):
+    def get_extra_state(self) -> dict[str, int]:
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.calls = state["calls"]
+
+
+def test_a_modules_extra_state_travels_with_the_weights() -> None:
+    sender, receiver = LiveState(), LiveState()
+    sender.model, receiver.model = _WithExtraState(2, 2), _WithExtraState(2, 2)
+    sender.model.calls, receiver.model.calls = 7, 0
+    receiver.load_state_dict(copy.deepcopy(sender.state_dict()))
+    assert receiver.model.calls == 7 and torch.equal(receiver.model.weight, sender.model.weight)

@@ -94,9 +94,7 @@ class LiveState:
 
     def state_dict(self) -> dict[str, Any]:
         """What a healthy group sends (called on torchft's quorum thread)."""
-        model = (
-            {} if self.model is None else {k: v.detach().clone() for k, v in unwrap(self.model).state_dict().items()}
-        )
+        model = {} if self.model is None else {k: _cloned(v) for k, v in unwrap(self.model).state_dict().items()}
         optimizers = [_cloned(opt.state_dict()) for opt in self.optimizers]
         schedulers = [scheduler_states(opt) for opt in self.optimizers]
         precision = {} if self.precision is None else _cloned(self.precision.state_dict())

@@ -58,6 +58,8 @@ def check_model(local: Mapping[str, torch.Tensor], sent: Any) -> None:
         PEER.fail("'model'", sent if not differ else f"weights named otherwise ({differ})", "this model's names")
     for name, tensor in local.items():
         value = sent[name]
+        if not isinstance(tensor, torch.Tensor):  # a module's extra state (get_extra_state): its set_extra_state checks
+            continue
         if not isinstance(value, torch.Tensor) or value.shape != tensor.shape or value.dtype != tensor.dtype:
             shown = value if not isinstance(value, torch.Tensor) else f"a {value.dtype} tensor {tuple(value.shape)}"
             PEER.fail(f"'model'[{name!r}]", shown, f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}")
