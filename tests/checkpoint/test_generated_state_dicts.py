@@ -19,7 +19,7 @@ from torch import nn
 import multigpu
 from multigpu.checkpoint import Checkpointer
 from multigpu.cli.main import main
-from multigpu.errors import ConfigError
+from multigpu.errors import CheckpointError, ConfigError
 
 DTYPES = [
     torch.float32,
@@ -121,3 +121,24 @@ def test_a_tensor_without_data_in_extra_is_refused_at_save(tmp_path: Path) -> No
     with pytest.raises(ConfigError, match=r"extra\['t'\] is .*on meta"):
         Checkpointer(folder=tmp_path).save(step=1, model=nn.Linear(2, 2), extra={"t": torch.empty(2, device="meta")})
     assert not any(tmp_path.iterdir())
+
+
+class _WithExtraState(nn.Linear):
+    def get_extra_state(self) -> dict[str, int]:
+        return {"calls": 3}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        pass
+
+
+def test_a_modules_extra_state_is_refused_naming_it_in_every_writer(tmp_path: Path) -> None:
+    says = r"'_extra_state', a dict \(a module's get_extra_state\?\), not a tensor.*extra="
+    for name in ("w.safetensors", "w.pt"):
+        with pytest.raises(ConfigError, match=says):
+            multigpu.save(_WithExtraState(2, 2), tmp_path / name)
+    with pytest.raises(ConfigError, match=says):
+        Checkpointer(folder=tmp_path / "c").save(step=1, model=_WithExtraState(2, 2))
+    with pytest.raises(CheckpointError, match=says):
+        with Checkpointer(folder=tmp_path / "a", async_save=True) as checkpointer:
+            checkpointer.save(step=1, model=_WithExtraState(2, 2))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == []

@@ -198,11 +198,27 @@ def write_tensors(
     checksum in its header (:mod:`safetensors_file`). torch format writes a plain state dict that
     ``torch.load`` + ``load_state_dict`` reads without multigpu.
     """
+    only_tensors(tensors)
     if format_for(path, format) == "torch":
         plain = OrderedDict((k, v.detach().cpu()) for k, v in tensors.items())
         return atomic_write_file(path, lambda f: torch.save(plain, f))
     write_safetensors(tensors, path, metadata=metadata, stamped=True)
     return Path(path)
+
+
+def only_tensors(tensors: Mapping[str, Any]) -> None:
+    """Refuse a state to write that holds something else than tensors (a module's ``get_extra_state``).
+
+    Raises:
+        ConfigError: naming the first such entry and the fix.
+    """
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(
+                f"the weights to write hold {key!r}, a {type(value).__name__} (a module's get_extra_state?), not a "
+                "tensor; a weights file holds tensors only: pass it through Checkpointer.save(extra=...), or leave "
+                "it out of the state dict (save a dict of the tensors)"
+            )
 
 
 def write_safetensors(
@@ -218,6 +234,7 @@ def write_safetensors(
     while the file is written. ``stamped``: the header also carries the checksum (a file on its own);
     a step folder's file does not (its manifest holds the checksum).
     """
+    only_tensors(tensors)
     unique, aliases = _deduplicate(tensors)
     header = {str(k): str(v) for k, v in (metadata or {}).items()}
     header["format"] = "pt"
