@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from multigpu.core.run_files import UnreadableFile, field, read_bytes, read_json, read_tail
+from multigpu.core.run_files import UnreadableFile, field, read_bytes, read_json, read_tail, write_replacing
 
 LIMIT = 1 << 16
 
@@ -139,3 +139,24 @@ def test_a_record_as_its_writer_writes_it_is_read(tmp_path: Path) -> None:
 def _shaped(data: Any) -> int:
     """What a reader of a record does after parsing: take its rank as an int."""
     return int(field(data, "rank", int))
+
+
+def test_two_threads_replacing_one_file_each_leave_it_whole(tmp_path: Path) -> None:
+    # the partial file was named by the process alone: one thread removed the other's, or renamed it half-written
+    path, texts, failures = tmp_path / "hparams.json", ["a" * 1_000_000, "b" * 1_000_000], []
+
+    def write(text: str) -> None:
+        for _ in range(20):
+            try:
+                write_replacing(path, text)
+                if path.read_text() not in texts:
+                    failures.append("torn")
+            except OSError as error:
+                failures.append(repr(error))
+
+    threads = [threading.Thread(target=write, args=(text,)) for text in texts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == [] and sorted(p.name for p in tmp_path.iterdir()) == ["hparams.json"]

@@ -9,6 +9,7 @@ time, and writes nothing through the link.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,14 +28,16 @@ def launched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 def test_a_fifo_at_the_record_s_partial_name_neither_blocks_nor_stops_the_record(launched: Path) -> None:
-    for name in (f"attempt-0-rank-0.json.{os.getpid()}.tmp", f"attempt-0-rank-0.{os.getpid()}.tmp"):  # new, old
+    partial = f"attempt-0-rank-0.json.{os.getpid()}.{threading.get_ident()}.tmp"  # this thread's, as it is now
+    for name in (partial, f"attempt-0-rank-0.json.{os.getpid()}.tmp", f"attempt-0-rank-0.{os.getpid()}.tmp"):
         os.mkfifo(launched / name)
     within(10, lambda: failure_records.record(ValueError("broke")))
     assert failure_records.read(launched, attempt=0)[0].message == "ValueError: broke"
 
 
 def test_a_fifo_at_the_snapshot_s_partial_name_does_not_block_the_rank_that_timed_out(launched: Path) -> None:
-    for name in (f"attempt-0-snapshot-by-rank-0.json.{os.getpid()}.tmp", "attempt-0-snapshot-by-rank-0.tmp"):
+    partial = f"attempt-0-snapshot-by-rank-0.json.{os.getpid()}.{threading.get_ident()}.tmp"
+    for name in (partial, f"attempt-0-snapshot-by-rank-0.json.{os.getpid()}.tmp", "attempt-0-snapshot-by-rank-0.tmp"):
         os.mkfifo(launched / name)  # the partial's name now, and the one every rank 0 used before
     tracking._ledger._open()
     within(10, lambda: tracking.request_peer_stacks(wait_s=0.1))

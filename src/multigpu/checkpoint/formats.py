@@ -35,6 +35,7 @@ from multigpu.checkpoint.safetensors_file import (
     DTYPES,
     Header,
     TensorEntry,
+    packed,
     placeholder,
     read_header,
     read_header_from,
@@ -168,10 +169,11 @@ def tensors_of(obj: Any, path: str | os.PathLike[str], *, device: str = "cpu") -
 
 
 def check_plain_tensor(value: Any, where: str, *, device: str | None = "cpu") -> torch.Tensor:
-    """``value`` if it is a dense tensor of a known dtype on ``device`` (any if None); else CheckpointError."""
+    """``value`` if it is a dense tensor of a known dtype on ``device`` (None: any that holds data, not meta);
+    else CheckpointError."""
     if type(value) not in (torch.Tensor, torch.nn.Parameter):
         raise CheckpointError(f"{where} is a {type(value).__name__}; expected a plain torch.Tensor.")
-    on_device = device is None or value.device.type == device
+    on_device = value.device.type == device if device is not None else value.device.type != "meta"
     if value.layout != torch.strided or value.is_quantized or value.is_nested or not on_device:
         raise CheckpointError(
             f"{where} is a {value.layout} tensor on {value.device}; only dense tensors are loaded "
@@ -196,11 +198,27 @@ def write_tensors(
     checksum in its header (:mod:`safetensors_file`). torch format writes a plain state dict that
     ``torch.load`` + ``load_state_dict`` reads without multigpu.
     """
+    only_tensors(tensors)
     if format_for(path, format) == "torch":
         plain = OrderedDict((k, v.detach().cpu()) for k, v in tensors.items())
         return atomic_write_file(path, lambda f: torch.save(plain, f))
     write_safetensors(tensors, path, metadata=metadata, stamped=True)
     return Path(path)
+
+
+def only_tensors(tensors: Mapping[str, Any]) -> None:
+    """Refuse a state to write that holds something else than tensors (a module's ``get_extra_state``).
+
+    Raises:
+        ConfigError: naming the first such entry and the fix.
+    """
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(
+                f"the weights to write hold {key!r}, a {type(value).__name__} (a module's get_extra_state?), not a "
+                "tensor; a weights file holds tensors only: pass it through Checkpointer.save(extra=...), or leave "
+                "it out of the state dict (save a dict of the tensors)"
+            )
 
 
 def write_safetensors(
@@ -216,6 +234,7 @@ def write_safetensors(
     while the file is written. ``stamped``: the header also carries the checksum (a file on its own);
     a step folder's file does not (its manifest holds the checksum).
     """
+    only_tensors(tensors)
     unique, aliases = _deduplicate(tensors)
     header = {str(k): str(v) for k, v in (metadata or {}).items()}
     header["format"] = "pt"
@@ -352,8 +371,10 @@ def _deduplicate(
             aliases[key] = seen[ident]
             continue
         shares = tensor.numel() > 0 and _storage_ptr(tensor) in storages
-        # A partial view of memory another tensor uses, or a strided view, is written as a copy.
-        unique[key] = tensor.clone() if shares or not tensor.is_contiguous() else tensor
+        # A partial view of memory another tensor uses, or a strided view, is written as a copy, in row-major
+        # order (clone alone keeps a transposed view's strides, which the writer refuses)
+        copy = shares or not packed(tensor)
+        unique[key] = tensor.clone(memory_format=torch.contiguous_format) if copy else tensor
         seen[ident] = key
         storages.add(_storage_ptr(tensor))
     return unique, aliases

@@ -230,10 +230,20 @@ def placeholder(described: Described, metadata: Mapping[str, str]) -> str:
 def submit_crcs(pool: Executor, tensor: torch.Tensor) -> list[Future[int]]:
     """Start the CRC-32s of ``tensor``'s bytes, one per 4 MiB chunk, on ``pool`` (zlib releases the GIL)."""
     flat = tensor.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    if not packed(flat):  # is_contiguous() takes one element at a stride of 2 as contiguous; a byte view does not
+        flat = flat.clone(memory_format=torch.contiguous_format)
     data = flat.view(torch.uint8).numpy()
     return [pool.submit(_crc, data[start : start + PIECE]) for start in range(0, max(len(data), 1), PIECE)]
+
+
+def packed(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements lie in row-major order with no gaps, each stride exactly that order's."""
+    expected = 1
+    for size, stride in reversed(list(zip(tensor.shape, tensor.stride()))):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def tensor_crcs(pending: Mapping[str, list[Future[int]]]) -> dict[str, list[int]]:

@@ -58,6 +58,7 @@ class Refusal:
     """Raises the CheckpointError of one file: ``fail(entry, found, expected)``."""
 
     file: Path
+    device: str | None = "cpu"  # where its tensors must be: state.pt's load on the CPU (None: any device)
 
     def fail(self, entry: str, found: Any, expected: str) -> NoReturn:
         refuse(
@@ -255,7 +256,7 @@ def check_like(r: Refusal, saved: Any, live: Any, where: str, depth: int = 0) ->
     if depth >= MAX_DEPTH:
         r.fail(where, "a deeper container", f"nesting of at most {MAX_DEPTH} levels")
     if live is None:
-        walk_plain(saved, where, r.fail)
+        walk_plain(saved, where, r.fail, device=r.device)
     elif isinstance(live, Mapping):
         if not isinstance(saved, dict):
             r.fail(where, saved, f"a dict like the live object's ({SHORT.repr(dict(live))})")
@@ -276,11 +277,11 @@ def check_like(r: Refusal, saved: Any, live: Any, where: str, depth: int = 0) ->
         if not isinstance(saved, str):
             r.fail(where, saved, f"a string, like the live value {live!r}")
     elif isinstance(live, torch.Tensor):
-        walk_plain(saved, where, r.fail)
+        walk_plain(saved, where, r.fail, device=r.device)
         if not isinstance(saved, torch.Tensor) or saved.shape != live.shape:
             r.fail(where, saved, f"a tensor of shape {tuple(live.shape)}")
     else:
-        walk_plain(saved, where, r.fail)
+        walk_plain(saved, where, r.fail, device=r.device)
 
 
 def check_scaler(r: Refusal, saved: dict[str, Any], live: Any) -> None:
@@ -338,7 +339,7 @@ def _check_group(r: Refusal, group: Any, live: dict[str, Any], where: str, param
 
 
 def _check_buffer(r: Refusal, value: Any, param: torch.Tensor, key: str, where: str) -> None:
-    walk_plain(value, where, r.fail)
+    walk_plain(value, where, r.fail, device=r.device)
     if not isinstance(value, torch.Tensor):
         return
     if key in _PER_PARAMETER and value.shape != param.shape:

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +154,8 @@ def write_replacing(path: str | os.PathLike[str], text: str) -> None:
         OSError: it could not be written (``path`` is left as it was).
     """
     target = Path(path)
-    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    # named by process and thread: two threads of one process writing the same file each keep their own
+    partial = target.with_name(f"{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     partial.unlink(missing_ok=True)
     try:
         with open(partial, "x", encoding="utf-8") as file:

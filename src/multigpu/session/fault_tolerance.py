@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import random
 import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -38,10 +39,12 @@ import torch
 from torch import nn
 
 from multigpu.core.keys import unwrap
+from multigpu.errors import ConfigError
 from multigpu.runtime.committed_steps import committed_steps, set_committed_steps
 from multigpu.runtime.data import EpochLoader, known_len
 from multigpu.session.coordination import seed_rank_streams
-from multigpu.session.lr_schedulers import load_scheduler_states, scheduler_states
+from multigpu.session.lr_schedulers import check_scheduler_states, load_scheduler_states, scheduler_states
+from multigpu.session.peer_state import PEER, check_model, check_optimizer, check_precision, list_of
 from multigpu.strategies import Precision
 
 
@@ -91,9 +94,7 @@ class LiveState:
 
     def state_dict(self) -> dict[str, Any]:
         """What a healthy group sends (called on torchft's quorum thread)."""
-        model = (
-            {} if self.model is None else {k: v.detach().clone() for k, v in unwrap(self.model).state_dict().items()}
-        )
+        model = {} if self.model is None else {k: _cloned(v) for k, v in unwrap(self.model).state_dict().items()}
         optimizers = [_cloned(opt.state_dict()) for opt in self.optimizers]
         schedulers = [scheduler_states(opt) for opt in self.optimizers]
         precision = {} if self.precision is None else _cloned(self.precision.state_dict())
@@ -112,10 +113,16 @@ class LiveState:
         before its first batch. The step then commits the other groups' gradients onto the received
         weights, so the loaders go on after the sender's window, and the random state is not applied:
         every group of the quorum reseeds after such a step (:func:`reseed_after_heal`).
+
+        Raises:
+            CheckpointError: the state is not one :meth:`state_dict` of this script sends (:meth:`check`); nothing
+                of it was applied.
         """
-        if self.model is not None and state.get("model"):
+        self.check(state)
+        if self.model is not None and state["model"]:
             unwrap(self.model).load_state_dict(state["model"])
-        set_committed_steps(int(state.get("global_step", 0)))
+        if "global_step" in state:  # a sender that had not begun a step yet sends no position: none to take up
+            set_committed_steps(state["global_step"])
         if self.precision is not None and state.get("precision"):
             self.precision.load_state_dict(state["precision"])
         for loader, position in zip(self.loaders, state.get("loaders_after" if inside_step else "loaders", [])):
@@ -130,6 +137,33 @@ class LiveState:
         self._pending_schedulers = list(state.get("schedulers", []))
         for index, optimizer in enumerate(self.optimizers):
             self._apply_pending(index, optimizer)
+
+    def check(self, state: Any) -> None:
+        """Refuse (a CheckpointError naming the entry) a received state unlike what this group holds.
+
+        It came from another process: each part is held against this group's own (the weights' names, shapes and
+        dtypes, the optimizers' parameter groups and buffers, the schedulers' and the gradient scale's entries, the
+        loaders' data, the random generators' forms) before any of it is applied (:mod:`multigpu.session.peer_state`).
+        """
+        sent = {"model", "optimizers", "schedulers", "precision"}
+        marked = {"global_step", "loaders", "loaders_after", "rng"}  # absent all together: the sender had not marked
+        if not isinstance(state, Mapping) or set(state) not in (sent, sent | marked):
+            PEER.fail("its entries", sorted(state) if isinstance(state, Mapping) else state, f"{sorted(sent | marked)}")
+        if self.model is not None and state["model"]:
+            check_model(unwrap(self.model).state_dict(), state["model"])
+        elif not isinstance(state["model"], Mapping):
+            PEER.fail("'model'", state["model"], "a mapping of weights")
+        if self.precision is not None and state["precision"]:
+            check_precision(self.precision, state["precision"])
+        if "global_step" in state:
+            _check_marked(self, state)
+        for optimizer, sent_state in zip(self.optimizers, list_of(state["optimizers"], "'optimizers'")):
+            if not isinstance(sent_state, dict):
+                PEER.fail("'optimizers'[...]", sent_state, "an optimizer's state_dict")
+            check_optimizer(PEER, sent_state, optimizer)
+        for index, sent_schedulers in enumerate(list_of(state["schedulers"], "'schedulers'")):
+            known = self.optimizers[index] if index < len(self.optimizers) else None  # else the entries' form only
+            check_scheduler_states(known, sent_schedulers, index)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Remember ``optimizer`` (sent to restarted groups); apply a received state that waited for it.
@@ -146,9 +180,39 @@ class LiveState:
     def _apply_pending(self, index: int, optimizer: torch.optim.Optimizer) -> None:
         """Give the ``index``-th optimizer, and its schedulers, the states received for them (if any)."""
         if self._pending_optimizers is not None and index < len(self._pending_optimizers):
+            check_optimizer(PEER, self._pending_optimizers[index], optimizer)
+            if index < len(self._pending_schedulers):
+                check_scheduler_states(optimizer, self._pending_schedulers[index], index)
             optimizer.load_state_dict(self._pending_optimizers[index])
             if index < len(self._pending_schedulers):
                 load_scheduler_states(optimizer, self._pending_schedulers[index], index)
+
+
+def _check_marked(live: LiveState, state: Mapping[str, Any]) -> None:
+    """Refuse a step count, loader positions or random states that this group's own cannot take."""
+    step = state["global_step"]
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
+        PEER.fail("'global_step'", step, "a step count (an int >= 0)")
+    for name in ("loaders", "loaders_after"):
+        for index, (loader, position) in enumerate(zip(live.loaders, list_of(state[name], repr(name)))):
+            if loader is not None and position is not None:
+                try:
+                    loader.check_state_dict(position)
+                except ConfigError as error:
+                    PEER.fail(f"{name!r}[{index}]", position, f"a position this loader takes ({error})")
+    rng = state["rng"]
+    if not isinstance(rng, Mapping) or set(rng) != {"torch", "python", "numpy"}:
+        PEER.fail("'rng'", rng, "torch's, Python's and numpy's random states")
+    scratch: dict[str, Callable[[Any], Any]] = {
+        "torch": torch.Generator().set_state,
+        "python": random.Random().setstate,
+        "numpy": np.random.RandomState().set_state,
+    }
+    for name, set_state in scratch.items():
+        try:
+            set_state(rng[name])  # a generator of its own: this process's are set only when every part passed
+        except Exception:  # whatever the generator says, it did not take the state
+            PEER.fail(f"'rng'[{name!r}]", rng[name], f"a state of {name}'s generator")
 
 
 def _rewound(loader: EpochLoader[Any], batches: int) -> dict[str, Any]:

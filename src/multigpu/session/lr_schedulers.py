@@ -20,10 +20,13 @@ from __future__ import annotations
 import copy
 import gc
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from multigpu.session.peer_state import PEER, check_like, list_of
 
 _SCHEDULERS = (LRScheduler, ReduceLROnPlateau)  # ReduceLROnPlateau was not an LRScheduler before torch 2.2
 
@@ -31,10 +34,13 @@ _SCHEDULERS = (LRScheduler, ReduceLROnPlateau)  # ReduceLROnPlateau was not an L
 def find_schedulers(optimizer: torch.optim.Optimizer) -> list[Any]:
     """The schedulers that step ``optimizer`` and are not a member of another's chain, ordered by class name.
 
-    Since Python 3.11 an instance's attributes live inline until its ``__dict__`` is first read (a
+    A scheduler the script no longer holds is collected first: held in a reference cycle, it would be found and
+    sent too (its state matched to a live scheduler of its class on the healed side). Since Python 3.11 an
+    instance's attributes live inline until its ``__dict__`` is first read (a
     scheduler's ``state_dict`` reads it): the object that refers to the optimizer is then the scheduler
     itself, or else its ``__dict__``, whose owner one more search finds.
     """
+    gc.collect()  # a scheduler the script dropped may live on in a reference cycle until the collector runs
     found: list[Any] = []
     dicts: list[dict[str, Any]] = []
     for referrer in gc.get_referrers(optimizer):
@@ -56,6 +62,31 @@ def scheduler_states(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{"kind": _kind(s), "state": copy.deepcopy(s.state_dict())} for s in find_schedulers(optimizer)]
 
 
+def check_scheduler_states(optimizer: torch.optim.Optimizer | None, states: Any, index: int) -> None:
+    """Refuse (a CheckpointError naming the entry) sent states that :func:`load_scheduler_states` cannot apply whole.
+
+    Each entry is a class name and a state; each state is held against the state of the scheduler it goes to here
+    as a checkpoint's is (:func:`multigpu.checkpoint.validate.check_like`: only its entries, numbers where it has
+    numbers, lists of its lengths, so one base rate per parameter group).
+    ``optimizer``: None when the Session has not seen it yet (only the entries' form is checked).
+    """
+    where = f"'schedulers'[{index}]"
+    entries = list_of(states, where)
+    for number, sent in enumerate(entries):
+        if not (
+            isinstance(sent, Mapping) and isinstance(sent.get("kind"), str) and isinstance(sent.get("state"), dict)
+        ):
+            PEER.fail(f"{where}[{number}]", sent, "a scheduler's 'kind' (text) and 'state' (a dict)")
+    if optimizer is None:
+        return
+    unmatched = find_schedulers(optimizer)
+    for number, sent in enumerate(entries):
+        match = next((s for s in unmatched if _kind(s) == sent["kind"]), None)
+        if match is not None:
+            unmatched.remove(match)
+            check_like(PEER, sent["state"], match.state_dict(), f"{where}[{number}]['state']")
+
+
 def load_scheduler_states(optimizer: torch.optim.Optimizer, states: list[dict[str, Any]], index: int) -> None:
     """Give ``optimizer``'s schedulers the states a healthy group sent (:func:`scheduler_states`).
 
@@ -64,6 +95,7 @@ def load_scheduler_states(optimizer: torch.optim.Optimizer, states: list[dict[st
     warning: that group's learning rates may then differ from the others'. ``index``: the optimizer's
     (in the order the Session first saw them), which the warnings name.
     """
+    check_scheduler_states(optimizer, states, index)
     here = find_schedulers(optimizer)
     kinds = [_kind(s) for s in here]
     for kind in set(kinds):

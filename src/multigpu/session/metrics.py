@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import re
 import reprlib
 import uuid
 import warnings
@@ -41,10 +42,13 @@ from multigpu.errors import CheckpointError, ConfigError
 from multigpu.runtime.run_identity import IDENTITY_KEY
 from multigpu.session.trackers import TRACKERS, RunInfo, Tracker, default_trackers
 from multigpu.session.trackers.csv_file import CSV_NAME
+from multigpu.session.trackers.own_files import NotOwnFile, check_own_file, read_json
 
 __all__ = ["CSV_NAME", "RUN_RECORD", "MetricsLog", "run_id_of"]
 
 RUN_RECORD = "multigpu-run.json"  # in the run folder of a launch: the run's identity, which a restart continues
+_RECORD_WHAT = "the run record multigpu writes"
+_RUN_ID = re.compile(r"[0-9a-f]{32}")  # what run_id_of and uuid4().hex make
 _TOKEN_IDS = uuid.UUID("5f0c7d1e-3b59-4e43-9a57-3c2b8f9e6a10")  # the namespace of ids made from run tokens
 
 
@@ -145,8 +149,9 @@ class MetricsLog:
         if (
             not isinstance(saved, Mapping)
             or not all(isinstance(saved.get(k), str) for k in fields)
+            or not _RUN_ID.fullmatch(saved["run_id"])  # it reaches MLflow's search filter, W&B's and trackio's names
             or not isinstance(saved.get("trackers"), Mapping)
-            or not all(isinstance(k, str) and isinstance(v, Mapping) for k, v in saved["trackers"].items())
+            or not all(_tracker_state(k, v) for k, v in saved["trackers"].items())
         ):
             raise CheckpointError(
                 f"{str(file)!r}: entry 'extra'[{IDENTITY_KEY!r}] is {reprlib.repr(saved)}; expected the run_id, "
@@ -206,6 +211,13 @@ class MetricsLog:
 
     def _trackers(self, first_step: int | None = None) -> list[Tracker]:
         if self._open is None:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+            except OSError as error:  # a file there, or above it
+                raise ConfigError(
+                    f"the run folder {str(self.folder)!r} cannot be made ({error.strerror or error}); pass "
+                    "Session(run_dir=...) a folder, or a path where one can be made"
+                ) from None
             if self._resumed_step is None and self._token is not None:  # no checkpoint resumed: a restart?
                 self._continue_recorded(first_step)
             self._open = []
@@ -237,14 +249,15 @@ class MetricsLog:
             ConfigError: the record is not one :meth:`_write_record` wrote (named, with the fix).
         """
         path = self.folder / RUN_RECORD
-        if not path.is_file():
-            return
         try:
-            record = json.loads(path.read_text(encoding="utf-8"))
+            if not check_own_file(path, _RECORD_WHAT):
+                return
+            record = read_json(path, _RECORD_WHAT)
             MetricsLog.check_identity(record, path)
-        except (ValueError, CheckpointError):
+        except (NotOwnFile, CheckpointError) as error:
+            found = error.why if isinstance(error, NotOwnFile) else reprlib.repr(record)
             raise ConfigError(
-                f"{str(path)!r} is not the run record multigpu writes ({reprlib.repr(path.read_bytes())}); "
+                f"{str(path)!r} is not the run record multigpu writes ({found}); "
                 "delete it: the trackers then find the run by its id where they can, else start new runs"
             ) from None
         if record.get("token") == self._token:  # its runs: the token's, or those a checkpoint of it resumed
@@ -255,8 +268,19 @@ class MetricsLog:
     def _write_record(self) -> None:
         """The run's identity in its folder, whole or not at all (a new file renamed over the old one)."""
         self.folder.mkdir(parents=True, exist_ok=True)
+        check_own_file(self.folder / RUN_RECORD, _RECORD_WHAT)  # a folder there would fail the rename untyped
         record = {**(self.identity() or {}), "token": self._token}
         write_replacing(self.folder / RUN_RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def _tracker_state(name: Any, state: Any) -> bool:
+    """Whether ``state`` is one a tracker's :meth:`~multigpu.session.trackers.Tracker.state` returns: names -> text
+    (or None, where a library leaves a field unset)."""
+    return (
+        isinstance(name, str)
+        and isinstance(state, Mapping)
+        and all(isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in state.items())
+    )
 
 
 def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from multigpu.errors import ConfigError
 from multigpu.session.trackers.base import RunInfo, Tracker
 
 
@@ -33,8 +34,17 @@ class AimTracker(Tracker):
         options = {"experiment": "multigpu", **run.options}
         options["repo"] = options.get("repo") or resumed.get("repo")
         if resumed.get("hash"):
+            from aim.sdk.errors import MissingRunError
+
             options.pop("experiment")  # the run keeps the experiment it was created in
-            return cls(Run(run_hash=resumed["hash"], **options))
+            try:
+                return cls(Run(run_hash=resumed["hash"], **options))
+            except MissingRunError:  # the checkpoint came from another machine, or the repository was removed
+                raise ConfigError(
+                    f"the resumed run's Aim run {resumed['hash']} is not in the repository {options['repo']!r}; pass "
+                    "the repository that holds it (tracker_options={'aim': {'repo': ...}}), or drop 'aim' from "
+                    "Session(trackers=...) for this run"
+                ) from None
         opened = Run(**options)
         opened.name = run.name
         opened["multigpu_run_id"] = run.run_id

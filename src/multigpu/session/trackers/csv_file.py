@@ -18,13 +18,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from multigpu.core.run_files import write_replacing
-from multigpu.errors import ConfigError
+from multigpu.core.run_files import open_appending, write_replacing
 from multigpu.session.trackers.base import RunInfo, Tracker
+from multigpu.session.trackers.own_files import check_own_file, read_json, refusal
 
 CSV_NAME = "metrics.csv"
 HPARAMS_NAME = "hparams.json"
 _HEADER = ["step", "metric", "value", "time"]
+_WHAT = "the metrics.csv the csv tracker writes"
+_HPARAMS_WHAT = "the JSON object of hyperparameters this run's csv tracker writes"
 
 
 class CsvTracker(Tracker):
@@ -41,11 +43,16 @@ class CsvTracker(Tracker):
     def open(cls, run: RunInfo) -> CsvTracker:
         run.folder.mkdir(parents=True, exist_ok=True)
         path = run.folder / CSV_NAME
-        if path.is_file() and path.stat().st_size and (run.resumed_step is not None or _cut_short(path)):
-            _rewrite(path, run.resumed_step)
-        fresh = not path.exists() or path.stat().st_size == 0
-        file = path.open("a", newline="", encoding="utf-8")
-        if fresh:
+        if check_own_file(path, _WHAT) and path.stat().st_size:
+            _check_header(path)
+            if run.resumed_step is not None or _cut_short(path):
+                _rewrite(path, run.resumed_step)
+        try:
+            fd = open_appending(path)  # never through a link, never blocking on a pipe put there since
+        except OSError as error:
+            raise refusal(path, _WHAT, f"not writable ({error})") from None
+        file = os.fdopen(fd, "a", newline="", encoding="utf-8")
+        if os.fstat(fd).st_size == 0:
             csv.writer(file).writerow(_HEADER)
         return cls(run.folder, file)
 
@@ -57,7 +64,7 @@ class CsvTracker(Tracker):
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
         path = self.folder / HPARAMS_NAME
-        kept = _read_hparams(path)
+        kept = _read_hparams(path) if check_own_file(path, _HPARAMS_WHAT) else {}
         write_replacing(path, json.dumps({**kept, **hparams}, indent=1, sort_keys=True) + "\n")  # whole or not at all
 
     def close(self, *, failed: bool = False) -> None:
@@ -65,21 +72,40 @@ class CsvTracker(Tracker):
 
 
 def _cut_short(path: Path) -> bool:
-    """Whether the file's last row lacks its newline: a process killed while writing it (the next would join it)."""
+    """Whether the file's last row was cut short by a process killed while writing it (the next would join it): it
+    lacks its newline, or ends inside a quoted field (a metric's name may hold a newline; quotes come in pairs)."""
+    quotes, last = 0, b""
     with path.open("rb") as file:
-        file.seek(-1, os.SEEK_END)
-        return file.read(1) != b"\n"
+        while chunk := file.read(1 << 20):  # a long run's file, a piece at a time
+            quotes, last = quotes + chunk.count(b'"'), chunk[-1:]
+    return last != b"\n" or quotes % 2 == 1
+
+
+def _check_header(path: Path) -> None:
+    """Refuse a CSV another program wrote (its rows are neither appended to nor rewritten): not this header."""
+    ours = ",".join(_HEADER).encode()
+    with path.open("rb") as file:
+        line = file.readline(len(ours) + 2)
+    if line.rstrip(b"\r\n") != ours and not (ours.startswith(line) and not line.endswith(b"\n")):  # a header cut short
+        raise refusal(path, _WHAT, f"a CSV of another header ({line[:80]!r})")
 
 
 def _rewrite(path: Path, step: int | None) -> None:
     """Rewrite ``path`` without the rows of steps after ``step`` (None: keep every step) and without a last row a
     kill cut short: a new file renamed over the old one."""
     cut = _cut_short(path)
-    with path.open(newline="", encoding="utf-8") as file:
-        rows = list(csv.reader(file))
+    limit = csv.field_size_limit()  # a metric's name may be longer than csv's default (128 Ki characters)
+    try:
+        csv.field_size_limit(max(limit, path.stat().st_size))
+        with path.open(newline="", encoding="utf-8") as file:
+            rows = list(csv.reader(file))
+    except (UnicodeDecodeError, csv.Error) as error:
+        raise refusal(path, _WHAT, f"a file it cannot have written ({error})") from None
+    finally:
+        csv.field_size_limit(limit)
     if cut:
         rows = rows[:-1]
-    kept = [row for row in rows[1:] if row and row[0].isdigit() and (step is None or int(row[0]) <= step)]
+    kept = [row for row in rows[1:] if row and _kept(_step(row[0]), step)]
     if not cut and len(kept) == len(rows) - 1:
         return
     text = io.StringIO(newline="")
@@ -87,21 +113,21 @@ def _rewrite(path: Path, step: int | None) -> None:
     write_replacing(path, text.getvalue())
 
 
+def _kept(row_step: int | None, step: int | None) -> bool:
+    return row_step is not None and (step is None or row_step <= step)
+
+
+def _step(text: str) -> int | None:
+    return int(text) if text.isascii() and text.isdigit() else None  # '²' is a digit to str.isdigit, not to int
+
+
 def _read_hparams(path: Path) -> dict[str, Any]:
-    """The hyperparameters logged so far (none when the file is missing).
+    """The hyperparameters logged so far in the regular file ``path``.
 
     Raises:
         ConfigError: the file is not a JSON object (not one this tracker wrote), naming it and the fix.
     """
-    if not path.is_file():
-        return {}
-    try:
-        kept = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        kept = error
+    kept = read_json(path, _HPARAMS_WHAT)
     if not isinstance(kept, dict):
-        raise ConfigError(
-            f"{path} is not the JSON object of hyperparameters this run's csv tracker writes ({kept!r:.80}); "
-            "move it away or delete it, or log to another run folder (Session(run_dir=...))"
-        )
+        raise refusal(path, _HPARAMS_WHAT, f"a JSON {type(kept).__name__}")
     return kept

@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from multigpu.errors import ConfigError
 from multigpu.session.trackers.base import RunInfo, Tracker
 
 _RUN_TAG = "multigpu.run_id"
@@ -40,6 +41,7 @@ class MlflowTracker(Tracker):
         uri = options.pop("tracking_uri", None) or resumed.get("tracking_uri")
         client = MlflowClient(tracking_uri=uri)
         if resumed.get("run_id"):
+            _check_found(client, resumed["run_id"])
             client.update_run(resumed["run_id"], status="RUNNING")  # it may have ended FINISHED or KILLED
             return cls(client, resumed["run_id"])
         name = options.pop("experiment", "multigpu")
@@ -70,3 +72,23 @@ class MlflowTracker(Tracker):
 
     def close(self, *, failed: bool = False) -> None:
         self._client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def _check_found(client: Any, run_id: str) -> None:
+    """Refuse a saved run the store does not hold (the checkpoint came from another machine, the store was removed).
+
+    Raises:
+        ConfigError: naming the run, the store and the fix.
+    """
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_run(run_id)
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        raise ConfigError(
+            f"the resumed run's MLflow run {run_id} is not in the tracking store {client.tracking_uri!r}; pass the "
+            "store that holds it (tracker_options={'mlflow': {'tracking_uri': ...}}), or drop 'mlflow' from "
+            "Session(trackers=...) for this run"
+        ) from None

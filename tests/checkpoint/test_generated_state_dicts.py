@@ -1,0 +1,144 @@
+"""Generated state dicts read back through every reader, bit for bit: ``multigpu.save``/``load`` in both formats,
+``multigpu ckpt convert`` and ``inspect``, and a ``Checkpointer``'s save and resume (blocking and async).
+
+The states are drawn by hypothesis: every dtype multigpu loads (bfloat16, float16, int8, bool, complex among them),
+0-d and empty tensors, transposed and strided views (one element with a stride of 2 among them), one tensor under
+two names, keys of any characters but the module path's dot. The oracle is the tensors themselves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import multigpu
+from multigpu.checkpoint import Checkpointer
+from multigpu.cli.main import main
+from multigpu.errors import CheckpointError, ConfigError
+
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int64,
+]
+DTYPES += [torch.bool, torch.complex64]
+NAMES = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="."), min_size=1, max_size=6)
+SPECS = st.dictionaries(
+    NAMES,
+    st.tuples(
+        st.sampled_from(DTYPES), st.lists(st.integers(0, 3), max_size=3), st.sampled_from(["plain", "t", "step"])
+    ),
+    min_size=1,
+    max_size=4,
+)
+FUZZ = settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def _tensor(dtype: torch.dtype, shape: list[int], layout: str) -> torch.Tensor:
+    count = 1
+    for size in shape:
+        count *= size
+    values = torch.arange(1, 2 * count + 1) % 7 - 3
+    if layout == "step":  # every other element of a longer tensor
+        return (
+            values[::2].to(dtype)[:count].reshape(shape)
+            if dtype is not torch.bool
+            else values[::2][:count].reshape(shape) > 0
+        )
+    tensor = values[:count].reshape(shape)
+    tensor = tensor > 0 if dtype is torch.bool else tensor.to(dtype)
+    return tensor.transpose(0, 1) if layout == "t" and len(shape) >= 2 else tensor
+
+
+def _state(specs: dict[str, tuple[torch.dtype, list[int], str]], tie: bool) -> dict[str, torch.Tensor]:
+    state = {name: _tensor(*spec) for name, spec in specs.items()}
+    if tie:
+        first = next(iter(state))
+        state[first + "-tied"] = state[first]
+    return state
+
+
+def _holder(state: dict[str, torch.Tensor]) -> nn.Module:
+    module = nn.Module()
+    for name, tensor in state.items():
+        module.register_buffer(name, torch.zeros(tensor.shape, dtype=tensor.dtype))
+    return module
+
+
+def _same(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    loaded = module.state_dict()
+    assert set(loaded) == set(state)
+    for name, tensor in state.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+
+
+@FUZZ
+@given(specs=SPECS, tie=st.booleans(), suffix=st.sampled_from([".safetensors", ".pt"]))
+def test_save_then_load_and_convert_give_the_same_tensors(
+    specs: dict[str, tuple[torch.dtype, list[int], str]], tie: bool, suffix: str, tmp_path_factory: object
+) -> None:
+    folder = tmp_path_factory.mktemp("w")  # type: ignore[attr-defined]
+    state = _state(specs, tie)
+    path = multigpu.save(state, folder / f"w{suffix}")
+    _same(multigpu.load(_holder(state), path), state)
+    other = folder / ("w.pt" if suffix == ".safetensors" else "w.safetensors")
+    assert main(["ckpt", "convert", str(path), str(other)]) == 0
+    _same(multigpu.load(_holder(state), other), state)
+    assert main(["ckpt", "inspect", str(other), "--max-keys", "0"]) == 0
+
+
+@FUZZ
+@given(specs=SPECS, tie=st.booleans(), async_save=st.booleans())
+def test_a_checkpointer_resumes_the_same_tensors(
+    specs: dict[str, tuple[torch.dtype, list[int], str]], tie: bool, async_save: bool, tmp_path_factory: object
+) -> None:
+    folder = tmp_path_factory.mktemp("c")  # type: ignore[attr-defined]
+    state = _state(specs, tie)
+    saved = nn.Module()
+    for name, tensor in state.items():  # the views themselves, as a model may hold them
+        saved.register_buffer(name, tensor)
+    with Checkpointer(folder=folder, async_save=async_save) as checkpointer:
+        checkpointer.save(step=3, model=saved)
+    resumed = _holder(state)
+    assert Checkpointer(folder=folder).resume(model=resumed).step == 3
+    _same(resumed, state)
+    _same(multigpu.load(_holder(state), folder / "step-00000003"), state)
+    assert main(["ckpt", "inspect", str(folder)]) == 0
+
+
+def test_a_tensor_without_data_in_extra_is_refused_at_save(tmp_path: Path) -> None:
+    # saved, it came back as a meta tensor from every resume: nothing of it was in the file
+    with pytest.raises(ConfigError, match=r"extra\['t'\] is .*on meta"):
+        Checkpointer(folder=tmp_path).save(step=1, model=nn.Linear(2, 2), extra={"t": torch.empty(2, device="meta")})
+    assert not any(tmp_path.iterdir())
+
+
+class _WithExtraState(nn.Linear):
+    def get_extra_state(self) -> dict[str, int]:
+        return {"calls": 3}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        pass
+
+
+def test_a_modules_extra_state_is_refused_naming_it_in_every_writer(tmp_path: Path) -> None:
+    says = r"'_extra_state', a dict \(a module's get_extra_state\?\), not a tensor.*extra="
+    for name in ("w.safetensors", "w.pt"):
+        with pytest.raises(ConfigError, match=says):
+            multigpu.save(_WithExtraState(2, 2), tmp_path / name)
+    with pytest.raises(ConfigError, match=says):
+        Checkpointer(folder=tmp_path / "c").save(step=1, model=_WithExtraState(2, 2))
+    with pytest.raises(CheckpointError, match=says):
+        with Checkpointer(folder=tmp_path / "a", async_save=True) as checkpointer:
+            checkpointer.save(step=1, model=_WithExtraState(2, 2))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == []
