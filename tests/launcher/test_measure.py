@@ -138,3 +138,17 @@ def test_a_factory_run_warms_up_for_half_a_second_within_ten_steps() -> None:
     assert _more_warmup(0.010) == MAX_WARMUP_STEPS - WARMUP_STEPS  # 50 steps of 10 ms: capped
     assert _more_warmup(0.100) == 5 - WARMUP_STEPS
     assert _more_warmup(1.0) == 0  # two steps already span it
+
+
+def test_a_script_run_warms_up_as_long_as_a_factory_run_before_its_timed_steps() -> None:
+    from multigpu.launcher._measure_worker import MAX_WARMUP_STEPS, MeasureDone, _ScriptProbe
+
+    written: dict = {}
+    probe = _ScriptProbe({"deadline": time.time() + 60, "max_steps": 3}, written.update)
+    calls = 0
+    with pytest.raises(MeasureDone):
+        for _ in range(100):  # optimizer steps microseconds apart: warming to 0.5 s takes the most steps
+            calls += 1
+            probe.on_step(None, None, None)  # type: ignore[arg-type]
+    # the first step (no start), MAX_WARMUP_STEPS warm ones, then 3 timed
+    assert calls == 1 + MAX_WARMUP_STEPS + 3 and len(written["step_s"]) == len(written["samples"]) == 3

@@ -6,8 +6,9 @@ The spec names either a model factory or a Session script:
 
 - **factory**: the worker builds ``Session(strategy=...)``, the model, the optimizer and a batch of
   random inputs of the per-sample shape, then runs ``zero_grad, forward, stand-in loss, backward,
-  step`` through the Session: two warm-up steps, then as many timed steps as fit before the spec's
-  deadline (``max_steps`` at most), every rank the same count; then one more step under the
+  step`` through the Session: warm-up steps for at least :data:`WARMUP_S` (2 to
+  :data:`MAX_WARMUP_STEPS`, a script's too), then as many timed steps as fit before the spec's
+  deadline (``max_steps`` at most), every rank the same counts; then one more step under the
   allocation tracker (:func:`multigpu.profiling.memory.track_memory`) for the peak memory per device.
 - **script**: the user's script runs as ``__main__``; a global optimizer-step hook (torch's
   ``register_optimizer_step_post_hook``) times the interval between optimizer steps, and global
@@ -45,7 +46,7 @@ from multigpu.runtime import peers, world
 from multigpu.runtime.collectives import reduce_value
 
 WARMUP_STEPS = 2
-# A factory's run warms up for at least this long (at most MAX_WARMUP_STEPS steps, the same count on every
+# A run warms up for at least this long (at most MAX_WARMUP_STEPS steps, the same count on every
 # rank): on the 2 development cores dp's first steps after two warm-ups read 220, 131, 68, 52 ms against 20-25
 # later (new threads' allocator arenas, lazily built state), which a quantile of 20 steps does not shed.
 WARMUP_S = 0.5
@@ -207,6 +208,7 @@ class _ScriptProbe:
         self.depth = 0  # module calls in progress (replica threads of dp run inside the outer one)
         self.lock = threading.Lock()
         self.target: int | None = None
+        self.warm = WARMUP_STEPS  # steps whose intervals are not timed (one more: the first has no start)
         self.done = False
         self.accelerator = _accelerator()
         self.handles = [
@@ -234,7 +236,8 @@ class _ScriptProbe:
         self.pending = 0
         if len(self.stamps) == WARMUP_STEPS + 1:  # the interval after the first step: one warm step
             warm = self.stamps[-1] - self.stamps[-2]
-            self.target = WARMUP_STEPS + 1 + _timed_steps(warm, self.spec["deadline"], self.spec["max_steps"])
+            self.warm = WARMUP_STEPS + _more_warmup(warm)
+            self.target = self.warm + 1 + _timed_steps(warm, self.spec["deadline"], self.spec["max_steps"])
         if self.target is not None and len(self.stamps) >= self.target:
             self.finish()
             raise MeasureDone
@@ -245,11 +248,11 @@ class _ScriptProbe:
         self.done = True
         for handle in self.handles:
             handle.remove()
-        stamps = self.stamps[WARMUP_STEPS:]
+        stamps = self.stamps[self.warm :]
         self.write(
             {
                 "step_s": [b - a for a, b in itertools.pairwise(stamps)],
-                "samples": self.samples[WARMUP_STEPS + 1 :],
+                "samples": self.samples[self.warm + 1 :],
             }
         )
 
