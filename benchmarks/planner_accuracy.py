@@ -10,7 +10,8 @@ that calibration and then times each in its own processes. By default every case
 same constants as measured (no case's feedback reaches another's prediction: the accuracy of the
 calibration alone); ``--with-feedback`` lets each case's measurement feed the constants the next
 case predicts from (the user's path). Prints a table of predicted / measured - 1 per strategy (with
-the load average over each case's run) and exits 1 when any is beyond ``--tolerance`` (or a run failed). Not niced: it is a timing benchmark;
+the load average over each case's run, and the timed steps behind each measurement: ``--measure``
+keeps the 25th percentile of up to 40) and exits 1 when any is beyond ``--tolerance`` (or a run failed). Not niced: it is a timing benchmark;
 the load average before and after is printed (rerun when ``uptime`` shows other work).
 """
 
@@ -136,6 +137,7 @@ def main() -> int:
                         "devices": row["devices"],
                         "predicted_ms": row["predicted_step_ms"],
                         "measured_ms": row["step_ms"],
+                        "steps": row["steps"],
                         "error": error,
                         "ok": ok,
                         "status": row["status"],
@@ -145,14 +147,14 @@ def main() -> int:
                     }
                 )
     head = f"{'model':8s} {'batch':>5s} {'strategy':8s} {'N':>2s} {'pred ms':>8s} {'meas ms':>8s} {'error':>7s}"
-    print(f"\n{head} {'load':>5s}")
+    print(f"\n{head} {'load':>5s} {'steps':>5s}")
     for r in rows:
         pred = f"{r['predicted_ms']:.1f}" if r["predicted_ms"] else "-"
         meas = f"{r['measured_ms']:.1f}" if r["measured_ms"] else "-"
         err = f"{r['error']:+.0%}" if r["error"] is not None else "-"
         print(
             f"{r['model']:8s} {r['batch']:5d} {r['strategy']:8s} {r['devices']:2d} {pred:>8s} {meas:>8s} {err:>7s}"
-            f" {r['load']:5.1f}"
+            f" {r['load']:5.1f} {r['steps'] or '-':>5}"
             f"{'' if r['ok'] else '  <- beyond ' + format(args.tolerance, '.0%')}"
             f"{'' if r['status'] == 'ok' else ' (' + r['status'] + ')'}"
         )

@@ -116,3 +116,39 @@ def test_a_ddp_worker_that_ignores_sigterm_is_ended_with_its_run(killed_runs: di
     assert run.result.status == "timed out"
     assert run.started, "the worker never started within the budget: nothing was checked"
     assert run.state in ("gone", "Z"), f"the ddp worker outlived its run (state {run.state})"
+
+
+def test_the_step_is_the_low_quantile_of_the_slowest_ranks_steps_not_their_median() -> None:
+    from multigpu.launcher.measure import MeasureRun, _combine
+
+    # a burst of other work slows the last four steps of both ranks; rank 1's first step is slower
+    steps = [0.010, 0.011, 0.012, 0.013, 0.050, 0.060, 0.070, 0.080]
+    ranks = [
+        {"step_s": steps, "samples": [4] * 8, "peak_bytes": [1]},
+        {"step_s": [0.020, *steps[1:]], "samples": [4] * 8, "peak_bytes": [1]},
+    ]
+    measured = _combine(MeasureRun(strategy="ddp", devices=2, global_batch=8), 1.0, ranks)
+    # per step the slower rank: 0.020, 0.011, 0.012, 0.013, 0.050, ...: the 25th percentile of 8 is the second
+    assert measured.step_s == 0.012 and measured.steps == 8  # the median would read the burst: 0.035
+
+
+def test_a_factory_run_warms_up_for_half_a_second_within_ten_steps() -> None:
+    from multigpu.launcher._measure_worker import MAX_WARMUP_STEPS, WARMUP_STEPS, _more_warmup
+
+    assert _more_warmup(0.010) == MAX_WARMUP_STEPS - WARMUP_STEPS  # 50 steps of 10 ms: capped
+    assert _more_warmup(0.100) == 5 - WARMUP_STEPS
+    assert _more_warmup(1.0) == 0  # two steps already span it
+
+
+def test_a_script_run_warms_up_as_long_as_a_factory_run_before_its_timed_steps() -> None:
+    from multigpu.launcher._measure_worker import MAX_WARMUP_STEPS, MeasureDone, _ScriptProbe
+
+    written: dict = {}
+    probe = _ScriptProbe({"deadline": time.time() + 60, "max_steps": 3}, written.update)
+    calls = 0
+    with pytest.raises(MeasureDone):
+        for _ in range(100):  # optimizer steps microseconds apart: warming to 0.5 s takes the most steps
+            calls += 1
+            probe.on_step(None, None, None)  # type: ignore[arg-type]
+    # the first step (no start), MAX_WARMUP_STEPS warm ones, then 3 timed
+    assert calls == 1 + MAX_WARMUP_STEPS + 3 and len(written["step_s"]) == len(written["samples"]) == 3

@@ -273,6 +273,11 @@ def test_the_probe_measures_gloo_and_the_host_in_two_processes() -> None:
     assert 1e7 < constants.allreduce_busbw < 1e12 and 1e7 < constants.gather_busbw < 1e12
     assert 0 <= constants.allreduce_latency_s < 0.1 and 0 <= constants.gather_latency_s < 0.1
     assert 0 < constants.host.fsdp_group_s < 0.1 and constants.host.op_s > 0
+    # FSDP2's work per group is read where it shards over two processes: a one-process group shards and
+    # copies nothing, and read half of it on the 2 development cores
+    from multigpu.planning.calibrate import fsdp_group_s
+
+    assert constants.host.fsdp_group_s > 1.3 * fsdp_group_s(groups=8, repeats=9)
     assert sys.platform != "linux" or constants.fresh_copy_bandwidth < 10 * constants.memory_bandwidth
     # fsdp's processes map each large buffer anew: a page fault per page at least (glibc)
     assert sys.platform != "linux" or constants.fresh_byte_s * 4096 > 1e-8

@@ -6,8 +6,9 @@ The spec names either a model factory or a Session script:
 
 - **factory**: the worker builds ``Session(strategy=...)``, the model, the optimizer and a batch of
   random inputs of the per-sample shape, then runs ``zero_grad, forward, stand-in loss, backward,
-  step`` through the Session: two warm-up steps, then as many timed steps as fit before the spec's
-  deadline (``max_steps`` at most), every rank the same count; then one more step under the
+  step`` through the Session: warm-up steps for at least :data:`WARMUP_S` (2 to
+  :data:`MAX_WARMUP_STEPS`, a script's too), then as many timed steps as fit before the spec's
+  deadline (``max_steps`` at most), every rank the same counts; then one more step under the
   allocation tracker (:func:`multigpu.profiling.memory.track_memory`) for the peak memory per device.
 - **script**: the user's script runs as ``__main__``; a global optimizer-step hook (torch's
   ``register_optimizer_step_post_hook``) times the interval between optimizer steps, and global
@@ -25,6 +26,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import math
 import os
 import resource
 import sys
@@ -44,6 +46,11 @@ from multigpu.runtime import peers, world
 from multigpu.runtime.collectives import reduce_value
 
 WARMUP_STEPS = 2
+# A run warms up for at least this long (at most MAX_WARMUP_STEPS steps, the same count on every
+# rank): on the 2 development cores dp's first steps after two warm-ups read 220, 131, 68, 52 ms against 20-25
+# later (new threads' allocator arenas, lazily built state), which a quantile of 20 steps does not shed.
+WARMUP_S = 0.5
+MAX_WARMUP_STEPS = 10
 _RESERVE_STEPS = 2  # of the warm-up step time left before the deadline: the memory step and the teardown
 
 
@@ -91,6 +98,15 @@ def _timed_steps(warmup_s: float, deadline: float, max_steps: int) -> int:
     if world.in_process_group():  # every rank must run the same number of collectives
         steps = int(reduce_value(float(steps), "min").item())
     return steps
+
+
+def _more_warmup(warmup_s: float) -> int:
+    """Warm-up steps after the first :data:`WARMUP_STEPS` so that warming spans :data:`WARMUP_S` at their
+    pace (:data:`MAX_WARMUP_STEPS` in all at most); the most any rank asks, on every rank."""
+    extra = max(0, min(MAX_WARMUP_STEPS, math.ceil(WARMUP_S / max(warmup_s, 1e-6))) - WARMUP_STEPS)
+    if world.in_process_group():  # every rank must run the same number of collectives
+        extra = int(reduce_value(float(extra), "max").item())
+    return extra
 
 
 def _synchronize(device: torch.device) -> None:
@@ -169,6 +185,9 @@ def run_factory(spec: dict[str, Any]) -> dict[str, Any]:
             step()
         _synchronize(session.device)
         warmup_s = (time.perf_counter() - start) / WARMUP_STEPS
+        for _ in range(_more_warmup(warmup_s)):
+            step()
+        _synchronize(session.device)
         times = []
         for _ in range(_timed_steps(warmup_s, spec["deadline"], spec["max_steps"])):
             t0 = time.perf_counter()
@@ -189,6 +208,7 @@ class _ScriptProbe:
         self.depth = 0  # module calls in progress (replica threads of dp run inside the outer one)
         self.lock = threading.Lock()
         self.target: int | None = None
+        self.warm = WARMUP_STEPS  # steps whose intervals are not timed (one more: the first has no start)
         self.done = False
         self.accelerator = _accelerator()
         self.handles = [
@@ -216,7 +236,8 @@ class _ScriptProbe:
         self.pending = 0
         if len(self.stamps) == WARMUP_STEPS + 1:  # the interval after the first step: one warm step
             warm = self.stamps[-1] - self.stamps[-2]
-            self.target = WARMUP_STEPS + 1 + _timed_steps(warm, self.spec["deadline"], self.spec["max_steps"])
+            self.warm = WARMUP_STEPS + _more_warmup(warm)
+            self.target = self.warm + 1 + _timed_steps(warm, self.spec["deadline"], self.spec["max_steps"])
         if self.target is not None and len(self.stamps) >= self.target:
             self.finish()
             raise MeasureDone
@@ -227,11 +248,11 @@ class _ScriptProbe:
         self.done = True
         for handle in self.handles:
             handle.remove()
-        stamps = self.stamps[WARMUP_STEPS:]
+        stamps = self.stamps[self.warm :]
         self.write(
             {
                 "step_s": [b - a for a, b in itertools.pairwise(stamps)],
-                "samples": self.samples[WARMUP_STEPS + 1 :],
+                "samples": self.samples[self.warm + 1 :],
             }
         )
 

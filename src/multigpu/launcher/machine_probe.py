@@ -6,7 +6,8 @@ In this process: the host costs, memory bandwidth and a thread handoff
 ddp's environment times the all-reduce, one with fsdp's (on a CPU, its malloc settings: every large
 buffer mapped anew) times the all-gather, the reduce-scatter, a copy into fresh memory, a large
 allocation (a fresh buffer filled against a warm one, at two sizes: per allocation and per byte) and
-FSDP2's work per group. Each collective is timed at two sizes: the small one gives the latency per call,
+FSDP2's work per group (a step of tiny groups sharded over the two, less the same step unsharded, by
+the thread's CPU time; the plan charges the collectives' latency apart). Each collective is timed at two sizes: the small one gives the latency per call,
 the difference the bus bandwidth (nccl-tests' definition). The slower rank's figure is kept. A few
 seconds in all; :func:`multigpu.planning.machine.save` caches the result.
 """
@@ -91,6 +92,14 @@ def _fresh_costs(figures: dict[str, float]) -> tuple[float, float]:
     return max(0.0, small - worker.FRESH_SMALL * per_byte), per_byte
 
 
+def _fsdp_group_s(figures: dict[str, float]) -> float:
+    """FSDP2's seconds per group and step: the sharded step of the worker's tiny blocks over the unsharded
+    one (the thread's CPU time: the collectives' waits are not in it, the plan charges their latency
+    apart: :func:`multigpu.planning.costs.fsdp_collectives`), over its groups (the root's too)."""
+    extra = figures["fsdp_step_sharded_s"] - figures["fsdp_step_plain_s"]
+    return max(0.0, extra) / (worker.FSDP_GROUPS + 1)
+
+
 def probe_machine(*, timeout_s: float = 120.0) -> MachineConstants:
     """This machine's constants, measured now (a few seconds)."""
     from multigpu.devices import get_device_type
@@ -110,7 +119,7 @@ def probe_machine(*, timeout_s: float = 120.0) -> MachineConstants:
     fresh_alloc_s, fresh_byte_s = _fresh_costs(sharded)
     return MachineConstants(
         key=machine_key(),
-        host=replace(host, fsdp_group_s=sharded["fsdp_group_s"]),
+        host=replace(host, fsdp_group_s=_fsdp_group_s(sharded)),
         memory_bandwidth=memory_bandwidth(),
         thread_overhead_s=thread_handoff_s(),
         allreduce_latency_s=allreduce[0],

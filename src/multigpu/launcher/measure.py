@@ -42,10 +42,14 @@ from multigpu.launcher.config import LaunchConfig
 from multigpu.launcher.environment import inherited, worker_env
 from multigpu.launcher.process_groups import end_sessions, exit_status
 from multigpu.planning.measured import Measurement
+from multigpu.planning.timing import low_quantile
 from multigpu.runtime import peers
 from multigpu.strategies import get_strategy
 
-MAX_STEPS = 20  # timed steps at most per strategy: a median of 20 is steady enough
+MAX_STEPS = 40  # timed steps at most per strategy
+# The step reported: the low quantile (multigpu.planning.timing.QUANTILE, the 25th percentile) of the timed
+# steps, as the planner's probes keep theirs: other processes only add time to a step, and on the 2
+# development cores the median of 20 moved 20-50% between quiet runs an hour apart.
 _TIMING_SHARE = 0.8  # of a run's share of the budget, spent before its worker stops timing
 _KILL_GRACE_S = 5.0
 _LOG_BYTES = 1 << 20  # of a run's output: the end, where the error is
@@ -106,7 +110,7 @@ def measure(
     """Run each strategy in its own process(es), one after another, within ``budget_s`` seconds in all.
 
     Returns:
-        One :class:`Measurement` per run, in order: ``ok`` with the median step, or failed / out of
+        One :class:`Measurement` per run, in order: ``ok`` with the 25th-percentile step, or failed / out of
         memory / timed out with the reason.
 
     Raises:
@@ -278,7 +282,7 @@ def _combine(run: MeasureRun, wall: float, ranks: list[dict[str, Any]]) -> Measu
         strategy=run.strategy,
         devices=run.devices,
         wall_s=wall,
-        step_s=statistics.median(per_step),
+        step_s=low_quantile(per_step),
         samples_per_step=int(statistics.median(samples)) or None,
         steps=steps,
         peak_bytes=peaks,

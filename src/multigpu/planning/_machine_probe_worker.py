@@ -8,8 +8,11 @@ one intra-op thread (as each of ddp's and fsdp's processes on a 2-core CPU), and
 - ``sharded`` (started with fsdp's malloc settings): an all-gather and a reduce-scatter into
   fresh buffers, small and large (as FSDP2 allocates them every step), a copy into a fresh buffer,
   a fresh buffer filled against a warm one of the same size at two sizes above the mmap threshold
-  (what each large allocation of a step costs there: the mapping, and a page fault per page), and,
-  before the group exists, FSDP2's own work per group (:func:`calibrate.fsdp_group_s`).
+  (what each large allocation of a step costs there: the mapping, and a page fault per page), and
+  FSDP2's work per group inside the group (``fsdp_step_*``: a training step of :data:`FSDP_GROUPS`
+  tiny Linear blocks, each its own group sharded over both processes, and of the same stack
+  unsharded; the calling thread's CPU time: FSDP2's own work, while the waits on the other process
+  are the collectives' latency, which the plan charges per collective).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.distributed as dist
 SMALL, LARGE = 64 << 10, 4 << 20  # bytes of the whole array: the latency, and the bandwidth
 # bytes of a fresh buffer: both above fsdp's mmap threshold (128 KiB), spanning a step's activations
 FRESH_SMALL, FRESH_LARGE = 256 << 10, 4 << 20
+FSDP_GROUPS = 8  # tiny blocks of the in-group fsdp step (each gathered twice and reduce-scattered once a step)
 
 
 def _collectives(kind: str) -> dict[str, float]:
@@ -52,6 +56,7 @@ def _collectives(kind: str) -> dict[str, float]:
         out[f"gather_{label}_s"] = waits(lambda: all_gather(torch.empty(n), shard))  # noqa: B023
         out[f"scatter_{label}_s"] = waits(lambda: reduce_scatter(torch.empty(n // world), full))  # noqa: B023
     if kind == "sharded":
+        out.update(_fsdp_steps(own))
         src = torch.ones(LARGE // 4)
         out["fresh_copy_s"] = own(lambda: torch.empty_like(src).copy_(src))
         for label, nbytes in (("small", FRESH_SMALL), ("large", FRESH_LARGE)):
@@ -61,14 +66,43 @@ def _collectives(kind: str) -> dict[str, float]:
     return out
 
 
+def _fsdp_steps(own: Callable[[Callable[[], object]], float]) -> dict[str, float]:
+    """Seconds of a training step (zero_grad, forward, backward, SGD with momentum) of :data:`FSDP_GROUPS`
+    Linear(4, 4) blocks, each fully sharded over the group's processes (the root too), and unsharded:
+    FSDP2's work per group as a real fsdp step pays it (the thread's CPU time: gloo's threads run the
+    collectives, whose waits the plan charges as their latency). The one-process figure
+    (:func:`multigpu.planning.calibrate.fsdp_group_s`) reads about half of it on the 2 development
+    cores (0.87 against 1.65 ms per group at load 7): without a peer FSDP2 shards and copies nothing."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x = torch.ones(2, 4)
+
+    def step(sharded: bool) -> Callable[[], None]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(FSDP_GROUPS)])
+        if sharded:
+            for block in model:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def run() -> None:
+            opt.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+            opt.step()
+
+        return run
+
+    return {"fsdp_step_plain_s": own(step(False)), "fsdp_step_sharded_s": own(step(True))}
+
+
 def main(argv: list[str]) -> None:
     rank, port, kind, out = int(argv[0]), int(argv[1]), argv[2], Path(argv[3])
     torch.set_num_threads(1)
     result: dict[str, float] = {}
-    if kind == "sharded":
-        from multigpu.planning.calibrate import fsdp_group_s
-
-        result["fsdp_group_s"] = fsdp_group_s(groups=8, repeats=9)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

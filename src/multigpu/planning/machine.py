@@ -65,7 +65,7 @@ LOADED = 0.5
 # 1.5-2.1 the calibrated plans came within 31% (docs/planning.md); loaded machines measured 2-40x the quiet step.
 STEP_BOUND = 2.0
 FED_BACK = ("compute_scale", "thread_overhead_s", "allreduce_busbw", "fsdp_group_s")
-_VERSION = 2  # of the file's layout; another version is measured again (2: large allocations' costs)
+_VERSION = 3  # of the file's layout; another version is measured again (3: FSDP2's work per group in a 2-process group)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,9 +42,9 @@ class Measurement:
         devices: devices (dp replicas, or processes) it ran on.
         status: one of :data:`STATUSES`.
         reason: for a row that is not ``ok``, what happened (the error's last line, or the limit).
-        step_s: median seconds per optimizer step (the slowest rank's, step by step).
+        step_s: seconds per optimizer step: the 25th percentile of the timed steps (each the slowest rank's).
         samples_per_step: samples of one step over all processes (None: not known).
-        steps: timed steps behind the median.
+        steps: timed steps behind the quantile.
         peak_bytes: peak bytes per device (one entry per device, or one per process).
         memory_source: where ``peak_bytes`` comes from ("allocation tracker", "CUDA allocator", ...).
         wall_s: seconds the process ran, start-up included.
@@ -169,7 +169,7 @@ def measured_rows(checked: Sequence[Checked]) -> tuple[list[str], list[list[str]
 def print_measured(console: Console, checked: Sequence[Checked], rec: Recommendation, budget_s: float) -> None:
     """The measured table, the failures with their reasons, and the recommendation from measurement."""
     console.print(
-        f"Measured on this machine (median step of each strategy's own process, budget {budget_s:.0f} s; "
+        f"Measured on this machine (25th-percentile step of each strategy's own process, budget {budget_s:.0f} s; "
         "error: predicted / measured - 1; peak of the fullest device, dp: primary|other)",
         soft_wrap=True,
     )
