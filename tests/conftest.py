@@ -147,6 +147,15 @@ def one_rank_group() -> Iterator[None]:
         world.teardown_process_group()
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection built (torch, every test module, the items: some 300k objects) leaves the cyclic
+    collector's sight for the rest of the session: each full collection walked all of it, a few dozen per
+    file of in-process tests, a quarter of their time here (tests/parallel + tests/core: 28 collections,
+    5.8 s of 21.8 s). Objects a test creates are collected as before; none of them is frozen."""
+    gc.collect()  # import garbage goes first, not into the permanent generation
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if hasattr(config, "workerinput"):  # a pytest-xdist worker
         _processes_first(items)

@@ -26,7 +26,11 @@ def test_sessions_one_after_the_other_each_join_and_close_their_group(tmp_path: 
     )
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
-        results = torch.load(tmp_path / f"rank{rank}.pt")
+        saved = torch.load(tmp_path / f"rank{rank}.pt")
+        assert saved["frozen"] > 10_000  # the entry froze torch's modules before the script (launcher/_entry.py)
+        results = saved["sessions"]
         assert [r["strategy"] for r in results] == SESSIONS
         assert all(r["ranks"] == [1, 1] for r in results)
         assert all(r["weights"] == 4 for r in results)  # two Linear layers' weights and biases
+        # the model the script dropped in a cycle is collected by the close, frozen objects or not
+        assert [r["collected"] for r in results] == [True] * len(SESSIONS)
