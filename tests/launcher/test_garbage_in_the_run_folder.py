@@ -175,7 +175,8 @@ def test_a_measurement_report_of_another_shape_fails_the_run(tmp_path: Path, rep
 def test_a_sound_measurement_report_is_combined(tmp_path: Path) -> None:
     (tmp_path / "rank0.json").write_text(json.dumps(_REPORT))
     found = measure._outcome(measure.MeasureRun(strategy="single", devices=1), 1.0, 0, tmp_path)
-    assert found.status == "ok" and found.step_s == pytest.approx(0.2), found
+    # the step reported is the low quantile of the timed steps (multigpu.planning.timing), not their median (0.2)
+    assert found.status == "ok" and found.step_s == pytest.approx(0.1), found
 
 
 @pytest.mark.parametrize("kind", [*KINDS, "strings", "short"])
