@@ -278,3 +278,12 @@ def test_a_group_with_nothing_to_gather_does_not_wait_for_reduce_scatters_queued
     r = collective_s("reduce-scatter", 200 * 4, 4, 1e9)
     forward_exposed = collective_s("all-gather", 600 * 4, 4, 1e9)  # the root's, before anything computes
     assert exposed_fsdp_s(w, gpu, 4, 1.0, 3 * r)[1] == pytest.approx(forward_exposed + 3.0 * r)
+
+
+def test_the_probes_tiny_fsdp_step_leaves_the_callers_random_streams_alone() -> None:
+    from multigpu.planning.fsdp_probe_step import tiny_fsdp_step
+
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    tiny_fsdp_step(3, None)()  # built from its own seed (every process of a group alike) and run once
+    assert torch.equal(torch.random.get_rng_state(), before)  # calibrate runs in the user's process

@@ -73,30 +73,15 @@ def _fsdp_steps(own: Callable[[Callable[[], object]], float]) -> dict[str, float
     collectives, whose waits the plan charges as their latency). The one-process figure
     (:func:`multigpu.planning.calibrate.fsdp_group_s`) reads about half of it on the 2 development
     cores (0.87 against 1.65 ms per group at load 7): without a peer FSDP2 shards and copies nothing."""
-    from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    from multigpu.planning.fsdp_probe_step import tiny_fsdp_step
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    x = torch.ones(2, 4)
-
-    def step(sharded: bool) -> Callable[[], None]:
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(FSDP_GROUPS)])
-        if sharded:
-            for block in model:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-        def run() -> None:
-            opt.zero_grad(set_to_none=True)
-            model(x).sum().backward()
-            opt.step()
-
-        return run
-
-    return {"fsdp_step_plain_s": own(step(False)), "fsdp_step_sharded_s": own(step(True))}
+    return {
+        "fsdp_step_plain_s": own(tiny_fsdp_step(FSDP_GROUPS, None)),
+        "fsdp_step_sharded_s": own(tiny_fsdp_step(FSDP_GROUPS, mesh)),
+    }
 
 
 def main(argv: list[str]) -> None:

@@ -143,32 +143,16 @@ def _fsdp_group_s(groups: int, repeats: int) -> float | None:
     """Seconds of FSDP2's own work per group and step; None where a process group already exists."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    from multigpu.planning.fsdp_probe_step import tiny_fsdp_step
 
     if not dist.is_available() or dist.is_initialized():
         return None
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        plain = nn.Sequential(*[nn.Linear(4, 4) for _ in range(groups)])
-        sharded = nn.Sequential(*[nn.Linear(4, 4) for _ in range(groups)])
-        for block in sharded:
-            fully_shard(block, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
-        x = torch.ones(2, 4)
-
-        def step(model: nn.Module) -> Callable[[], None]:
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-            def run() -> None:
-                opt.zero_grad(set_to_none=True)
-                model(x).sum().backward()
-                opt.step()
-
-            return run
-
         # one process, no collective to wait on: the thread's CPU time
-        extra = _cpu_s(step(sharded), repeats) - _cpu_s(step(plain), repeats)
+        extra = _cpu_s(tiny_fsdp_step(groups, mesh), repeats) - _cpu_s(tiny_fsdp_step(groups, None), repeats)
         return max(0.0, extra) / (groups + 1)  # the root is a group too
     finally:
         dist.destroy_process_group()
