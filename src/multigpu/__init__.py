@@ -114,22 +114,15 @@ __all__ = [
 def _import_on_first_use(name: str) -> Any:
     """Import a public name on first use (PEP 562) and keep it, so the next access is a plain lookup."""
     if name == "__version__":
-        value: Any = _installed_version()
+        from multigpu.core.version import installed_version
+
+        value: Any = installed_version()
     elif name in _SOURCES:
         value = getattr(importlib.import_module(_SOURCES[name]), name)
     else:
         raise AttributeError(f"module 'multigpu' has no attribute {name!r}")
     globals()[name] = value
     return value
-
-
-def _installed_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version  # ~0.1 s to import: only when asked
-
-    try:
-        return version("multigpu")
-    except PackageNotFoundError:  # imported from a source tree that was never installed
-        return "unknown (not installed; pip install -e .)"
 
 
 def __dir__() -> list[str]:

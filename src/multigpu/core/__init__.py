@@ -12,6 +12,7 @@ that sit under it.
 - :mod:`~multigpu.core.keys`: state-dict key prefixes (``module.``, ``_orig_mod.``), unwrapping, and
   DataParallel's state-dict hooks;
 - :mod:`~multigpu.core.script`: run a Python file as ``__main__``;
+- :mod:`~multigpu.core.version`: multigpu's installed version;
 - :mod:`~multigpu.core.limits`: the forms and bounds of numbers users type (seconds, node counts),
   torch-free so the CLI's flags and the configs check alike.
 

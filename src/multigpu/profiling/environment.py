@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-import multigpu
 from multigpu.core.units import format_bytes
+from multigpu.core.version import installed_version
 from multigpu.devices import device_type_names, get_device_type
 from multigpu.runtime.world import scheduler_report
 
@@ -82,7 +82,7 @@ def _accelerators() -> list[str]:
 
 def _versions() -> dict[str, str]:
     rows = {
-        "multigpu": multigpu.__version__,
+        "multigpu": installed_version(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "torch": torch.__version__,
