@@ -69,4 +69,6 @@ def test_fsdps_processes_fault_their_steps_large_buffers_anew_and_a_plain_proces
     assert runs["fsdp"]["count"] == runs["plain"]["count"] > 10  # the census does not depend on malloc
     # every page of the counted buffers faults again each step (huge pages, where granted, fault fewer)
     assert runs["fsdp"]["faults_per_step"] > 0.5 * pages
-    assert runs["fsdp"]["faults_per_step"] > 3 * runs["plain"]["faults_per_step"]
+    # glibc's own trimming makes a plain step fault from a few hundred to ~3.9 thousand pages of these ~11
+    # thousand, by where the heap's top lies: fsdp's settings add at least half the buffers' pages on top
+    assert runs["fsdp"]["faults_per_step"] - runs["plain"]["faults_per_step"] > 0.5 * pages
