@@ -282,6 +282,12 @@ def test_the_probe_measures_gloo_and_the_host_in_two_processes() -> None:
     # fsdp's processes map each large buffer anew: a page fault per page at least (glibc)
     assert sys.platform != "linux" or constants.fresh_byte_s * 4096 > 1e-8
     assert 0 <= constants.fresh_alloc_s < 0.01
+    # the engines' own cost per step, timed through them (planning/step_floors.py): DDP's beyond its
+    # all-reduce, DataParallel's hand-off per replica and phase beyond a bare pool thread's
+    from multigpu.planning.calibrate import thread_handoff_s
+
+    assert 0 < constants.ddp_step_s < 0.1
+    assert constants.thread_overhead_s > 2 * thread_handoff_s()
 
 
 def test_a_cache_folder_that_cannot_be_written_still_plans_and_reports_the_feedback(

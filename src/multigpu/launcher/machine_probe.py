@@ -103,7 +103,8 @@ def _fsdp_group_s(figures: dict[str, float]) -> float:
 def probe_machine(*, timeout_s: float = 120.0) -> MachineConstants:
     """This machine's constants, measured now (a few seconds)."""
     from multigpu.devices import get_device_type
-    from multigpu.planning.calibrate import measure_host_costs, memory_bandwidth, thread_handoff_s
+    from multigpu.planning.calibrate import measure_host_costs, memory_bandwidth
+    from multigpu.planning.step_floors import dp_handoff_s
     from multigpu.strategies import get_strategy
 
     host = measure_host_costs(replicate="multigpu", fsdp_groups=0)
@@ -121,7 +122,7 @@ def probe_machine(*, timeout_s: float = 120.0) -> MachineConstants:
         key=machine_key(),
         host=replace(host, fsdp_group_s=_fsdp_group_s(sharded)),
         memory_bandwidth=memory_bandwidth(),
-        thread_overhead_s=thread_handoff_s(),
+        thread_overhead_s=dp_handoff_s(),
         allreduce_latency_s=allreduce[0],
         allreduce_busbw=allreduce[1],
         gather_latency_s=gather[0],
@@ -129,5 +130,6 @@ def probe_machine(*, timeout_s: float = 120.0) -> MachineConstants:
         fresh_copy_bandwidth=2 * worker.LARGE / sharded["fresh_copy_s"],
         fresh_alloc_s=fresh_alloc_s,
         fresh_byte_s=fresh_byte_s,
+        ddp_step_s=plain["ddp_step_s"],
         source="measured here by multigpu advise (two gloo processes of one thread each)",
     )

@@ -4,7 +4,8 @@
 one intra-op thread (as each of ddp's and fsdp's processes on a 2-core CPU), and writes ``OUT``
 (JSON) with seconds per call, each the low quantile of :mod:`multigpu.planning.timing`:
 
-- ``allreduce``: ``all_reduce`` of a small and a large array (what ddp's buckets do);
+- ``allreduce``: ``all_reduce`` of a small and a large array (what ddp's buckets do), and what DDP adds
+  to a step beyond its all-reduce (:func:`multigpu.planning.step_floors.ddp_step_s`);
 - ``sharded`` (started with fsdp's malloc settings): an all-gather and a reduce-scatter into
   fresh buffers, small and large (as FSDP2 allocates them every step), a copy into a fresh buffer,
   a fresh buffer filled against a warm one of the same size at two sizes above the mmap threshold
@@ -55,6 +56,10 @@ def _collectives(kind: str) -> dict[str, float]:
         full = torch.ones(n)
         out[f"gather_{label}_s"] = waits(lambda: all_gather(torch.empty(n), shard))  # noqa: B023
         out[f"scatter_{label}_s"] = waits(lambda: reduce_scatter(torch.empty(n // world), full))  # noqa: B023
+    if kind == "allreduce":
+        from multigpu.planning.step_floors import ddp_step_s
+
+        out["ddp_step_s"] = ddp_step_s(lambda nbytes: waits(lambda: dist.all_reduce(torch.ones(max(1, nbytes // 4)))))
     if kind == "sharded":
         out.update(_fsdp_steps(own))
         src = torch.ones(LARGE // 4)

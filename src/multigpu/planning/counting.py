@@ -325,6 +325,7 @@ def measure_workload(
         input_bytes_per_sample=counted.input_bytes / batch,
         output_bytes_per_sample=counted.output_bytes / batch,
         activation_bytes_per_sample=counted.saved_bytes / batch,
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         optimizer=optimizer,
         optimizer_s=optimizer_s,
         counts=counted.counts,
