@@ -12,8 +12,8 @@ one intra-op thread (as each of ddp's and fsdp's processes on a 2-core CPU), and
   (what each large allocation of a step costs there: the mapping, and a page fault per page), and
   FSDP2's work per group inside the group (``fsdp_step_*``: a training step of :data:`FSDP_GROUPS`
   tiny Linear blocks, each its own group sharded over both processes, and of the same stack
-  unsharded; the calling thread's CPU time: FSDP2's own work, while the waits on the other process
-  are the collectives' latency, which the plan charges per collective).
+  unsharded; the calling thread's CPU time: FSDP2's own work; and the wall times of the two in
+  alternation: the waits at each collective too).
 """
 
 from __future__ import annotations
@@ -82,10 +82,16 @@ def _fsdp_steps(own: Callable[[Callable[[], object]], float]) -> dict[str, float
 
     from multigpu.planning.fsdp_probe_step import tiny_fsdp_step
 
+    from multigpu.planning.step_floors import paired_s
+
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plain, sharded = tiny_fsdp_step(FSDP_GROUPS, None), tiny_fsdp_step(FSDP_GROUPS, mesh)
+    plain_wall, sharded_wall = paired_s(plain, sharded)  # with the waits at every collective
     return {
-        "fsdp_step_plain_s": own(tiny_fsdp_step(FSDP_GROUPS, None)),
-        "fsdp_step_sharded_s": own(tiny_fsdp_step(FSDP_GROUPS, mesh)),
+        "fsdp_step_plain_s": own(plain),
+        "fsdp_step_sharded_s": own(sharded),
+        "fsdp_step_plain_wall_s": plain_wall,
+        "fsdp_step_sharded_wall_s": sharded_wall,
     }
 
 
