@@ -81,7 +81,6 @@ def _fsdp_steps(own: Callable[[Callable[[], object]], float]) -> dict[str, float
     from torch.distributed.device_mesh import init_device_mesh
 
     from multigpu.planning.fsdp_probe_step import tiny_fsdp_step
-
     from multigpu.planning.step_floors import paired_s
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
