@@ -39,12 +39,11 @@ from multigpu.planning.costs import host_step_s
 from multigpu.planning.counting import LossFn, build_optimizer, default_loss, device_seconds, measure_workload
 from multigpu.planning.hardware import Platform
 from multigpu.planning.machine import MachineConstants
-from multigpu.planning.timing import CPU_CLOCK, low_quantile, quantile_s
+from multigpu.planning.timing import CPU_CLOCK, RATIO_QUANTILE, low_quantile, quantile_s
 from multigpu.planning.workload import Workload
 
 ROUNDS = 15  # rounds of the replica probe (alone, all at once, the whole batch), each kind kept at QUANTILE
 COUNT_BATCH = 8  # samples of the counting step (host counts, bytes per sample)
-RATIO_QUANTILE = 0.5  # of the rounds' contention and speed-up (ratios within a round: the median, unbiased)
 MAX_PROBE_S = 0.25  # a timed call longer than this is timed at a smaller batch and scaled
 
 
@@ -76,7 +75,7 @@ def replica_rates(
       time is the step's quiet duration however loaded the machine; with ``replica_threads`` > 1 the
       other threads' work is not in it, and the wall time's quantile is taken);
     - contention and speed-up: ratios of wall times taken in the same round, the median of the rounds
-      (:data:`RATIO_QUANTILE`). A load that lasts a round slows both of its timings, so the ratio
+      (:data:`~multigpu.planning.timing.RATIO_QUANTILE`). A load that lasts a round slows both of its timings, so the ratio
       cancels it; a quantile away from the median would not read a loaded machine better, it would
       bias the quiet machine's ratio by the rounds' spread (the 25th percentile of the contention and
       the 75th of the speed-up, kept before, predicted every strategy low: -3% to -38% on a quiet
