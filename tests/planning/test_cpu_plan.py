@@ -155,3 +155,25 @@ def test_the_probe_times_the_whole_batch_in_each_round_beside_the_replicas() -> 
     assert [len(v) for v in (timed.solo, timed.together, timed.solo_cpu, timed.together_cpu, timed.whole)] == [3] * 5
     # a replica's thread cannot spend more CPU time than the wall time its call took (one intra-op thread here)
     assert all(0 < cpu <= wall * 1.05 + 1e-4 for cpu, wall in zip(timed.solo_cpu, timed.solo))
+
+
+def test_the_optimizer_is_timed_as_a_step_runs_it_each_time_after_a_backward() -> None:
+    from torch import nn
+
+    from multigpu.planning.counting import build_optimizer
+    from multigpu.planning.cpu_plan import optimizer_step_s
+
+    model = nn.Linear(8, 2)
+    opt = build_optimizer("sgd-momentum", model)
+    x = torch.randn(4, 8)
+    seen: list[bool] = []
+
+    def backward() -> None:
+        seen.append(model.weight.grad is None)  # the last step's zero_grad(set_to_none=True) ran
+        model(x).square().mean().backward()
+
+    ticks = iter([0.0, 100.0, 100.0, 101.0, 101.0, 103.0, 103.0, 106.0, 106.0, 110.0, 110.0, 115.0])
+    # one warm-up step (100 s: the state's first) and five timed ones of 1..5 s: the 25th percentile is 2
+    assert optimizer_step_s(opt, backward, repeats=5, clock=lambda: next(ticks)) == 2.0
+    assert seen == [True] * 6 and model.weight.grad is None
+    assert opt.state[model.weight]["momentum_buffer"] is not None  # it stepped
