@@ -43,10 +43,12 @@ from multigpu.planning.machine import MachineConstants
 from multigpu.planning.timing import CPU_CLOCK, RATIO_QUANTILE, low_quantile
 from multigpu.planning.workload import Workload
 
-ROUNDS = 15  # rounds of the replica probe (alone, all at once, the whole batch), each kind kept at QUANTILE
+ROUNDS = (
+    15  # rounds of the replica probe (alone, all at once, the whole batch): times at QUANTILE, ratios at their median
+)
 COUNT_BATCH = 8  # samples of the counting step (host counts, bytes per sample)
-MAX_PROBE_S = 0.25
-OPTIMIZER_REPEATS = 7  # optimizer steps timed, each after an untimed backward of one replica's batch  # a timed call longer than this is timed at a smaller batch and scaled
+MAX_PROBE_S = 0.25  # a timed call longer than this is timed at a smaller batch and scaled
+OPTIMIZER_REPEATS = 7  # optimizer steps timed, each after an untimed backward of one replica's batch
 
 
 @dataclass(frozen=True)
