@@ -160,8 +160,7 @@ def test_the_probe_times_the_whole_batch_in_each_round_beside_the_replicas() -> 
 def test_the_optimizer_is_timed_as_a_step_runs_it_each_time_after_a_backward() -> None:
     from torch import nn
 
-    from multigpu.planning.counting import build_optimizer
-    from multigpu.planning.cpu_plan import optimizer_step_s
+    from multigpu.planning.counting import build_optimizer, optimizer_step_s
 
     model = nn.Linear(8, 2)
     opt = build_optimizer("sgd-momentum", model)

@@ -37,7 +37,14 @@ from multigpu.devices.cpu import SHARDED_MMAP_THRESHOLD
 from multigpu.planning.allocations import large_allocations
 from multigpu.planning.calibrate import ProbeRounds, ReplicaProbe, device_contention
 from multigpu.planning.costs import host_step_s
-from multigpu.planning.counting import LossFn, build_optimizer, default_loss, device_seconds, measure_workload
+from multigpu.planning.counting import (
+    LossFn,
+    build_optimizer,
+    default_loss,
+    device_seconds,
+    measure_workload,
+    optimizer_step_s,
+)
 from multigpu.planning.hardware import Platform
 from multigpu.planning.machine import MachineConstants
 from multigpu.planning.timing import CPU_CLOCK, RATIO_QUANTILE, low_quantile
@@ -48,7 +55,6 @@ ROUNDS = (
 )
 COUNT_BATCH = 8  # samples of the counting step (host counts, bytes per sample)
 MAX_PROBE_S = 0.25  # a timed call longer than this is timed at a smaller batch and scaled
-OPTIMIZER_REPEATS = 7  # optimizer steps timed, each after an untimed backward of one replica's batch
 
 
 @dataclass(frozen=True)
@@ -103,32 +109,6 @@ def replica_rates(
     ]
     speedup = low_quantile(speedups, RATIO_QUANTILE) if speedups else 1.0
     return ReplicaRates(per_sample, max(1.0, contention), max(1.0, speedup))
-
-
-def optimizer_step_s(
-    opt: torch.optim.Optimizer,
-    backward: Callable[[], None],
-    *,
-    repeats: int = OPTIMIZER_REPEATS,
-    clock: Callable[[], float] = CPU_CLOCK,
-) -> float:
-    """Seconds of ``opt.step()`` and ``zero_grad(set_to_none=True)`` as a training step runs them: each right
-    after a ``backward()`` (untimed), on fresh gradients and the caches as backward left them; the
-    :data:`~multigpu.planning.timing.QUANTILE` of ``repeats`` after one warm-up (the state's first step).
-
-    The same step repeated on one set of gradients reads less: 0.9-1.0 against 1.6 ms for the
-    benchmark's MLP at 64 samples, 0.11-0.17 against 0.58-0.64 ms for its CNN at 16, on one thread of
-    the 2 development cores at load 9 (the gradients are new memory each step, and backward has
-    evicted the weights and the optimizer's state).
-    """
-    times = []
-    for _ in range(repeats + 1):
-        backward()
-        start = clock()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(clock() - start)
-    return low_quantile(times[1:])
 
 
 def _threads(cores: int, replicas: int) -> int:
