@@ -75,6 +75,17 @@ def calibrate(cache: Path) -> float:
     return time.perf_counter() - start
 
 
+def _constants_line(cache: Path) -> str:
+    """The calibrated per-step terms a reader compares between runs (docs/planning.md), from the cache file."""
+    (path,) = cache.glob("planner-machine-*.json")
+    c = json.loads(path.read_text())
+    return (
+        f"  dp hand-off {c['thread_overhead_s'] * 1e3:.2f} ms, ddp step {c['ddp_step_s'] * 1e3:.2f} ms, "
+        f"fsdp per group {c['host']['fsdp_group_s'] * 1e3:.2f} ms, all-reduce {c['allreduce_latency_s'] * 1e3:.2f} ms "
+        f"+ {c['allreduce_busbw'] / 1e9:.2f} GB/s, gather {c['gather_latency_s'] * 1e3:.2f} ms + {c['gather_busbw'] / 1e9:.2f} GB/s"
+    )
+
+
 def _pythonpath() -> str:
     return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
 
@@ -115,6 +126,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="planner-accuracy-") as folder:
         pristine = Path(folder, "calibrated")
         print(f"machine constants measured in {calibrate(pristine):.1f} s (advise's first run on a machine)")
+        print(_constants_line(pristine))
         shared = Path(folder, "shared")
         shutil.copytree(pristine, shared)
         for name, batch in cases:

@@ -197,3 +197,27 @@ def test_bad_requests_say_what_to_do() -> None:
         _work(compute_s_per_sample=0)
     with pytest.raises(ConfigError, match=r"optimizer='lion' is not one of"):
         _work(optimizer="lion")
+
+
+def test_ddp_on_a_cpu_pays_its_measured_step_floor_and_broadcasts_the_buffers_each_forward() -> None:
+    plat = Platform(
+        name="cpu",
+        memory_bytes=None,
+        memory_bandwidth=10e9,
+        link=hardware.measured_link(1e9),
+        peer_copies=False,
+        overlap=0.0,
+        cores=2,
+        synchronous=True,
+        collective_latency_s=2e-4,
+        ddp_step_s=5e-4,
+    )
+    plain = predict_step("ddp", _work(), plat, devices=2, per_device_batch=16)
+    assert plain.parts["ddp"] == 5e-4 and plain.parts["buffers"] == 0.0  # no buffers: nothing broadcast
+    bn = predict_step("ddp", _work(buffer_bytes=4e6), plat, devices=2, per_device_batch=16)
+    assert bn.parts["buffers"] == pytest.approx(2e-4 + 4e6 / 1e9)  # one coalesced broadcast: latency + S / busbw
+    assert bn.total_s - plain.total_s == pytest.approx(bn.parts["buffers"])
+    one = predict_step("ddp", _work(buffer_bytes=4e6), plat, devices=1, per_device_batch=16)
+    assert one.parts["ddp"] == one.parts["buffers"] == 0.0  # one process: no reducer, no broadcast
+    with pytest.raises(ConfigError, match=r"ddp_step_s=-1.*>= 0 seconds"):
+        replace(plat, ddp_step_s=-1.0)

@@ -102,3 +102,28 @@ def test_preset_numbers_are_the_counts_of_an_equivalent_tree(
     # 2020), the counter counts QK^T and AV apart: 7% more.
     assert counted.flops / 2 == pytest.approx(3 * spec.forward_flops, rel=0.08 if preset == "gpt2-124m" else 0.03)
     assert counted.conv_flops / counted.flops == pytest.approx(spec.conv_share, abs=0.01)
+
+
+def test_the_measured_optimizer_step_follows_a_backward_each_time_as_in_training() -> None:
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from multigpu.planning.counting import measure_workload
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    stale: list[bool] = []  # per step: whether its gradient was stepped on before
+
+    def mark(opt: torch.optim.Optimizer, *_: object) -> None:
+        grad = opt.param_groups[0]["params"][0].grad
+        stale.append(hasattr(grad, "stepped_on"))
+        grad.stepped_on = True  # type: ignore[union-attr]
+
+    hook = register_optimizer_step_pre_hook(mark)
+    try:
+        w = measure_workload(model, torch.randn(8, 16), repeats=3)
+    finally:
+        hook.remove()
+    # each step on the fresh gradients of its own backward, as a training step runs it (one set of
+    # gradients stepped on again and again reads the weights and the optimizer's state warm)
+    assert stale == [False] * 4
+    assert w.optimizer_s is not None and w.optimizer_s > 0
+    assert all(p.grad is None for p in model.parameters())

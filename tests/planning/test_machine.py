@@ -282,6 +282,12 @@ def test_the_probe_measures_gloo_and_the_host_in_two_processes() -> None:
     # fsdp's processes map each large buffer anew: a page fault per page at least (glibc)
     assert sys.platform != "linux" or constants.fresh_byte_s * 4096 > 1e-8
     assert 0 <= constants.fresh_alloc_s < 0.01
+    # the engines' own cost per step, timed through them (planning/step_floors.py): DDP's beyond its
+    # all-reduce, DataParallel's hand-off per replica and phase beyond a bare pool thread's
+    from multigpu.planning.calibrate import thread_handoff_s
+
+    assert 0 < constants.ddp_step_s < 0.1
+    assert constants.thread_overhead_s > 2 * thread_handoff_s()
 
 
 def test_a_cache_folder_that_cannot_be_written_still_plans_and_reports_the_feedback(
@@ -301,3 +307,18 @@ def test_a_cache_folder_that_cannot_be_written_still_plans_and_reports_the_feedb
     fed, where = feed_back_measured(w, plat, check(_rows(w, plat), [single]))
     assert set(fed.solved) == {"compute_scale"} and where.startswith("not written") and "MULTIGPU_CACHE_DIR" in where
     capsys.readouterr()
+
+
+def test_fsdp_work_per_group_holds_the_waits_at_its_collectives_beyond_their_latency() -> None:
+    from multigpu.launcher.machine_probe import _fsdp_group_s
+
+    figures = {
+        "fsdp_step_plain_s": 0.001,
+        "fsdp_step_sharded_s": 0.010,
+        "fsdp_step_plain_wall_s": 0.001,
+        "fsdp_step_sharded_wall_s": 0.019,
+    }
+    # 8 blocks and the root: 9 groups, 24 collectives. Wall: 18 ms less 24 x 0.25 ms of latency = 12 ms;
+    # the thread's CPU time: 9 ms. The larger, per group.
+    assert _fsdp_group_s(figures, 2.5e-4) == pytest.approx(12e-3 / 9)
+    assert _fsdp_group_s(figures, 1e-3) == pytest.approx(9e-3 / 9)  # the latency explains the waits: CPU time

@@ -1,15 +1,17 @@
 """Measure this machine's constants for a CPU plan (:class:`multigpu.planning.machine.MachineConstants`).
 
-In this process: the host costs, memory bandwidth and a thread handoff
-(:mod:`multigpu.planning.calibrate`). Then two pairs of gloo processes, one after the other, each
-:mod:`multigpu.planning._machine_probe_worker` with one intra-op thread per process: one pair with
-ddp's environment times the all-reduce, one with fsdp's (on a CPU, its malloc settings: every large
-buffer mapped anew) times the all-gather, the reduce-scatter, a copy into fresh memory, a large
-allocation (a fresh buffer filled against a warm one, at two sizes: per allocation and per byte) and
-FSDP2's work per group (a step of tiny groups sharded over the two, less the same step unsharded, by
-the thread's CPU time; the plan charges the collectives' latency apart). Each collective is timed at two sizes: the small one gives the latency per call,
-the difference the bus bandwidth (nccl-tests' definition). The slower rank's figure is kept. A few
-seconds in all; :func:`multigpu.planning.machine.save` caches the result.
+In this process: the host costs, memory bandwidth and DataParallel's hand-off per replica and phase
+(:mod:`multigpu.planning.calibrate`, :func:`multigpu.planning.step_floors.dp_handoff_s`). Then two
+pairs of gloo processes, one after the other, each :mod:`multigpu.planning._machine_probe_worker`
+with one intra-op thread per process: one pair with ddp's environment times the all-reduce and
+DDP's own cost per step, one with fsdp's (on a CPU, its malloc settings: every large buffer mapped
+anew) times the all-gather, the reduce-scatter, a copy into fresh memory, a large allocation (a
+fresh buffer filled against a warm one, at two sizes: per allocation and per byte) and FSDP2's work
+per group (a step of tiny groups sharded over the two, less the same step unsharded: by the
+thread's CPU time, and by the wall time less the latency of its collectives, which the plan charges
+apart; the larger). Each collective is timed at two sizes: the small one gives the latency per
+call, the difference the bus bandwidth (nccl-tests' definition). The slower rank's figure is kept.
+A few seconds in all; :func:`multigpu.planning.machine.save` caches the result.
 """
 
 from __future__ import annotations
@@ -92,18 +94,23 @@ def _fresh_costs(figures: dict[str, float]) -> tuple[float, float]:
     return max(0.0, small - worker.FRESH_SMALL * per_byte), per_byte
 
 
-def _fsdp_group_s(figures: dict[str, float]) -> float:
+def _fsdp_group_s(figures: dict[str, float], latency_s: float) -> float:
     """FSDP2's seconds per group and step: the sharded step of the worker's tiny blocks over the unsharded
-    one (the thread's CPU time: the collectives' waits are not in it, the plan charges their latency
-    apart: :func:`multigpu.planning.costs.fsdp_collectives`), over its groups (the root's too)."""
-    extra = figures["fsdp_step_sharded_s"] - figures["fsdp_step_plain_s"]
-    return max(0.0, extra) / (worker.FSDP_GROUPS + 1)
+    one, over its groups (the root's too). By the thread's CPU time, FSDP2's own work; by the wall
+    time, less the latency of the step's collectives (which the plan charges apart,
+    :func:`multigpu.planning.costs.fsdp_collectives`), also the waits of two processes meeting at each
+    collective while both compute, which an idle collective's latency does not hold: the larger."""
+    own = figures["fsdp_step_sharded_s"] - figures["fsdp_step_plain_s"]
+    collectives = 3 * worker.FSDP_GROUPS  # each block gathered twice and reduce-scattered once; the root is empty
+    waits = figures["fsdp_step_sharded_wall_s"] - figures["fsdp_step_plain_wall_s"] - collectives * latency_s
+    return max(0.0, own, waits) / (worker.FSDP_GROUPS + 1)
 
 
 def probe_machine(*, timeout_s: float = 120.0) -> MachineConstants:
     """This machine's constants, measured now (a few seconds)."""
     from multigpu.devices import get_device_type
-    from multigpu.planning.calibrate import measure_host_costs, memory_bandwidth, thread_handoff_s
+    from multigpu.planning.calibrate import measure_host_costs, memory_bandwidth
+    from multigpu.planning.step_floors import dp_handoff_s
     from multigpu.strategies import get_strategy
 
     host = measure_host_costs(replicate="multigpu", fsdp_groups=0)
@@ -119,9 +126,9 @@ def probe_machine(*, timeout_s: float = 120.0) -> MachineConstants:
     fresh_alloc_s, fresh_byte_s = _fresh_costs(sharded)
     return MachineConstants(
         key=machine_key(),
-        host=replace(host, fsdp_group_s=_fsdp_group_s(sharded)),
+        host=replace(host, fsdp_group_s=_fsdp_group_s(sharded, gather[0])),
         memory_bandwidth=memory_bandwidth(),
-        thread_overhead_s=thread_handoff_s(),
+        thread_overhead_s=dp_handoff_s(),
         allreduce_latency_s=allreduce[0],
         allreduce_busbw=allreduce[1],
         gather_latency_s=gather[0],
@@ -129,5 +136,6 @@ def probe_machine(*, timeout_s: float = 120.0) -> MachineConstants:
         fresh_copy_bandwidth=2 * worker.LARGE / sharded["fresh_copy_s"],
         fresh_alloc_s=fresh_alloc_s,
         fresh_byte_s=fresh_byte_s,
+        ddp_step_s=plain["ddp_step_s"],
         source="measured here by multigpu advise (two gloo processes of one thread each)",
     )

@@ -4,15 +4,16 @@
 one intra-op thread (as each of ddp's and fsdp's processes on a 2-core CPU), and writes ``OUT``
 (JSON) with seconds per call, each the low quantile of :mod:`multigpu.planning.timing`:
 
-- ``allreduce``: ``all_reduce`` of a small and a large array (what ddp's buckets do);
+- ``allreduce``: ``all_reduce`` of a small and a large array (what ddp's buckets do), and what DDP adds
+  to a step beyond its all-reduce (:func:`multigpu.planning.step_floors.ddp_step_s`);
 - ``sharded`` (started with fsdp's malloc settings): an all-gather and a reduce-scatter into
   fresh buffers, small and large (as FSDP2 allocates them every step), a copy into a fresh buffer,
   a fresh buffer filled against a warm one of the same size at two sizes above the mmap threshold
   (what each large allocation of a step costs there: the mapping, and a page fault per page), and
   FSDP2's work per group inside the group (``fsdp_step_*``: a training step of :data:`FSDP_GROUPS`
   tiny Linear blocks, each its own group sharded over both processes, and of the same stack
-  unsharded; the calling thread's CPU time: FSDP2's own work, while the waits on the other process
-  are the collectives' latency, which the plan charges per collective).
+  unsharded; the calling thread's CPU time: FSDP2's own work; and the wall times of the two in
+  alternation: the waits at each collective too).
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def _collectives(kind: str) -> dict[str, float]:
         full = torch.ones(n)
         out[f"gather_{label}_s"] = waits(lambda: all_gather(torch.empty(n), shard))  # noqa: B023
         out[f"scatter_{label}_s"] = waits(lambda: reduce_scatter(torch.empty(n // world), full))  # noqa: B023
+    if kind == "allreduce":
+        from multigpu.planning.step_floors import ddp_step_s
+
+        out["ddp_step_s"] = ddp_step_s(lambda nbytes: waits(lambda: dist.all_reduce(torch.ones(max(1, nbytes // 4)))))
     if kind == "sharded":
         out.update(_fsdp_steps(own))
         src = torch.ones(LARGE // 4)
@@ -76,11 +81,16 @@ def _fsdp_steps(own: Callable[[Callable[[], object]], float]) -> dict[str, float
     from torch.distributed.device_mesh import init_device_mesh
 
     from multigpu.planning.fsdp_probe_step import tiny_fsdp_step
+    from multigpu.planning.step_floors import paired_s
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plain, sharded = tiny_fsdp_step(FSDP_GROUPS, None), tiny_fsdp_step(FSDP_GROUPS, mesh)
+    plain_wall, sharded_wall = paired_s(plain, sharded)  # with the waits at every collective
     return {
-        "fsdp_step_plain_s": own(tiny_fsdp_step(FSDP_GROUPS, None)),
-        "fsdp_step_sharded_s": own(tiny_fsdp_step(FSDP_GROUPS, mesh)),
+        "fsdp_step_plain_s": own(plain),
+        "fsdp_step_sharded_s": own(sharded),
+        "fsdp_step_plain_wall_s": plain_wall,
+        "fsdp_step_sharded_wall_s": sharded_wall,
     }
 
 

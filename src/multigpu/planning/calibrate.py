@@ -54,7 +54,15 @@ from multigpu.errors import ConfigError
 from multigpu.parallel.replicas import build_replicas
 from multigpu.planning.counting import LossFn, OpCounter, default_loss, device_seconds
 from multigpu.planning.hardware import DEFAULT_HOST, TIME_FIELDS, HostCosts
-from multigpu.planning.timing import CPU_CLOCK, REPEATS, SHORT_REPEATS, WAIT_QUANTILE, low_quantile, quantile_s
+from multigpu.planning.timing import (
+    CPU_CLOCK,
+    RATIO_QUANTILE,
+    REPEATS,
+    SHORT_REPEATS,
+    WAIT_QUANTILE,
+    low_quantile,
+    quantile_s,
+)
 from multigpu.profiling.bandwidth import bus_factor
 
 
@@ -353,12 +361,13 @@ def replica_contention(
     """How much slower one replica's device share runs while ``replicas`` run in threads.
 
     Solo and concurrent runs alternate over ``rounds``; each round's wall times go to
-    :func:`device_contention` (a load that lasts a round slows both) and the rounds' low quantile
-    is kept (other work only raises the contention: both replicas must hold a core at once).
+    :func:`device_contention` (a load that lasts a round slows both, and the ratio cancels it) and
+    the rounds' median is kept (:data:`~multigpu.planning.timing.RATIO_QUANTILE`, as the CPU plan keeps it).
     """
     with ReplicaProbe(model, chunk, replicas=replicas, loss_fn=loss_fn) as probe:
         timed = probe.interleaved(rounds)
-    return low_quantile([device_contention(s, t, host_s) for s, t in zip(timed.solo, timed.together)])
+    contentions = [device_contention(s, t, host_s) for s, t in zip(timed.solo, timed.together)]
+    return low_quantile(contentions, RATIO_QUANTILE)
 
 
 def thread_handoff_s(repeats: int = 50) -> float:

@@ -19,6 +19,7 @@ of forward / backward:
     dp      T = h2d(B) + scatter + R(N) + broadcast(W) + max(chain(H_f, F_max), N sigma H_f)
                 + chain(H_b, K_max) + gather(+grad) + reduce(G) + opt + threads
     ddp     T = h2d(b) + chain(H_f, F) + chain(H_b, K) + exposed_allreduce(G) + bucket copies + opt
+                + t_ddp + broadcast(buffers)
     fsdp    T = h2d(b) + chain(H_f, F) + chain(H_b, K) + exposed(all-gathers, reduce-scatters)
                 + copies + A t_map + b a t_page + opt / N
 
@@ -240,6 +241,14 @@ def exposed_allreduce_s(w: Workload, plat: Platform, devices: int, backward_s: f
     return total, ideal + (1.0 - plat.overlap) * (total - ideal)
 
 
+def buffer_broadcast_s(w: Workload, plat: Platform, devices: int) -> float:
+    """DDP's broadcast of rank 0's buffers before every forward (BatchNorm's running statistics): one
+    coalesced broadcast (bus factor 1) and its latency; nothing without buffers or with one device."""
+    if devices <= 1 or not w.buffer_bytes:
+        return 0.0
+    return plat.collective_latency_s + w.buffer_bytes / plat.allreduce_busbw(devices)
+
+
 def ddp_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
     """One process per device; gradients all-reduced in buckets, overlapped with backward."""
     n, b = len(chunks), max(chunks)
@@ -252,6 +261,9 @@ def ddp_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
         "allreduce": exposed,
         # DDP copies gradients into its bucket buffers and back (no gradient_as_bucket_view).
         "buckets": 2 * w.grad_bytes / plat.memory_bandwidth if n > 1 else 0.0,
+        # DDP's reducer and hooks, and the processes meeting at the all-reduce (measured on a CPU, 0 elsewhere)
+        "ddp": plat.ddp_step_s if n > 1 else 0.0,
+        "buffers": buffer_broadcast_s(w, plat, n),
         "optimizer": _optimizer_s(w, plat),
     }
     return StepTime(DDP, n, tuple(chunks), sum(parts.values()), parts, allreduce_total_s=comm_total)

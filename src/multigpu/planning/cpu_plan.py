@@ -12,7 +12,8 @@ constants come from :mod:`multigpu.planning.machine`, cached):
 - the whole batch in one process with every core (as ``single`` runs it: ``multigpu launch``
   gives one process all the cores): its speed-up over one replica's per-sample compute
   (:attr:`Platform.single_speedup`, more threads and a larger batch);
-- the optimizer step, with one replica's threads;
+- the optimizer step (and ``zero_grad``), with one replica's threads, each right after a backward as a
+  training step runs it (:func:`optimizer_step_s`);
 - one replica's allocations of at least fsdp's mmap threshold in one step, and their bytes
   (:func:`~multigpu.planning.allocations.large_allocations`: what fsdp's processes map anew each step).
 
@@ -36,13 +37,22 @@ from multigpu.devices.cpu import SHARDED_MMAP_THRESHOLD
 from multigpu.planning.allocations import large_allocations
 from multigpu.planning.calibrate import ProbeRounds, ReplicaProbe, device_contention
 from multigpu.planning.costs import host_step_s
-from multigpu.planning.counting import LossFn, build_optimizer, default_loss, device_seconds, measure_workload
+from multigpu.planning.counting import (
+    LossFn,
+    build_optimizer,
+    default_loss,
+    device_seconds,
+    measure_workload,
+    optimizer_step_s,
+)
 from multigpu.planning.hardware import Platform
 from multigpu.planning.machine import MachineConstants
-from multigpu.planning.timing import CPU_CLOCK, QUANTILE, low_quantile, quantile_s
+from multigpu.planning.timing import CPU_CLOCK, RATIO_QUANTILE, low_quantile
 from multigpu.planning.workload import Workload
 
-ROUNDS = 15  # rounds of the replica probe (alone, all at once, the whole batch), each kind kept at QUANTILE
+ROUNDS = (
+    15  # rounds of the replica probe (alone, all at once, the whole batch): times at QUANTILE, ratios at their median
+)
 COUNT_BATCH = 8  # samples of the counting step (host counts, bytes per sample)
 MAX_PROBE_S = 0.25  # a timed call longer than this is timed at a smaller batch and scaled
 
@@ -74,28 +84,30 @@ def replica_rates(
       less the host's share ``host_s``, over its ``replica_n`` samples (one intra-op thread: its CPU
       time is the step's quiet duration however loaded the machine; with ``replica_threads`` > 1 the
       other threads' work is not in it, and the wall time's quantile is taken);
-    - contention and speed-up: ratios of wall times taken in the same round (a load that lasts a
-      round slows both). Other work only raises the contention (both replicas must hold a core at
-      once) and lowers the speed-up (two intra-op threads wait for each other at every op), so the
-      contention is the low quantile of its rounds and the speed-up the high one (``1 - QUANTILE``);
-      each at least 1: on a quiet machine replicas never run faster together than alone, and every
-      core on twice the batch never runs slower per sample than one.
+    - contention and speed-up: ratios of wall times taken in the same round, the median of the rounds
+      (:data:`~multigpu.planning.timing.RATIO_QUANTILE`). A load that lasts a round slows both of its timings, so the ratio
+      cancels it; a quantile away from the median would not read a loaded machine better, it would
+      bias the quiet machine's ratio by the rounds' spread (the 25th percentile of the contention and
+      the 75th of the speed-up, kept before, predicted every strategy low: -3% to -38% on a quiet
+      run). Each at least 1: on a quiet machine replicas never run faster together than alone, and
+      every core on twice the batch never runs slower per sample than one.
 
     Example:
         >>> r = ProbeRounds(solo=[0.010] * 4, together=[0.012, 0.030, 0.013, 0.012],
         ...                 solo_cpu=[0.010] * 4, together_cpu=[0.011] * 4, whole=[0.011, 0.040, 0.012, 0.011])
         >>> rates = replica_rates(r, host_s=0.0, replica_n=10, single_n=20)
         >>> round(rates.per_sample_s, 6), rates.contention, round(rates.single_speedup, 3)
-        (0.001, 1.2, 1.818)
+        (0.001, 1.2, 1.667)
     """
     solo = rounds.solo_cpu if replica_threads == 1 else rounds.solo
     per_sample = device_seconds(low_quantile(solo), host_s) / replica_n
-    contention = low_quantile([device_contention(s, t, host_s) for s, t in zip(rounds.solo, rounds.together)])
+    contentions = [device_contention(s, t, host_s) for s, t in zip(rounds.solo, rounds.together)]
+    contention = low_quantile(contentions, RATIO_QUANTILE)
     speedups = [
         (device_seconds(s, host_s) / replica_n) / (device_seconds(w, host_s) / single_n)
         for s, w in zip(rounds.solo, rounds.whole)
     ]
-    speedup = low_quantile(speedups, 1.0 - QUANTILE) if speedups else 1.0
+    speedup = low_quantile(speedups, RATIO_QUANTILE) if speedups else 1.0
     return ReplicaRates(per_sample, max(1.0, contention), max(1.0, speedup))
 
 
@@ -175,11 +187,9 @@ def calibrate_cpu(
 
         replica_step()  # warm: lazily built state is not the step's
         large = large_allocations(replica_step, threshold=SHARDED_MMAP_THRESHOLD)
-        opt = build_optimizer(optimizer, model)
-        model.zero_grad(set_to_none=True)
-        loss_fn(model(inputs(1))).backward()  # gradients for the optimizer to step on
         # one intra-op thread: the thread's CPU time (other processes only keep it off the core)
-        optimizer_s = quantile_s(opt.step, clock=CPU_CLOCK if replica_threads == 1 else time.perf_counter)
+        clock = CPU_CLOCK if replica_threads == 1 else time.perf_counter
+        optimizer_s = optimizer_step_s(build_optimizer(optimizer, model), replica_step, clock=clock)
         model.zero_grad(set_to_none=True)
     finally:
         torch.set_num_threads(previous)

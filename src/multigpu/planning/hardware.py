@@ -379,6 +379,9 @@ class Platform:
     # beyond reusing memory, per allocation (the mapping) and per byte (a page fault per page).
     fresh_alloc_s: float = 0.0
     fresh_byte_s: float = 0.0
+    # CPU (measured; 0 elsewhere): what DDP adds to a step beyond its all-reduces (the reducer, its
+    # hooks, two processes meeting at the all-reduce), planning.step_floors
+    ddp_step_s: float = 0.0
     # CPU: how much faster one process with every core computes the whole batch than the
     # per-sample compute (one replica's, on its share of the cores) says; 1 elsewhere.
     single_speedup: float = 1.0
@@ -392,6 +395,8 @@ class Platform:
             raise ConfigError(f"memory_bandwidth={self.memory_bandwidth} must be > 0 bytes/s")
         if self.gather_busbw is not None and self.gather_busbw <= 0:
             raise ConfigError(f"gather_busbw={self.gather_busbw} must be > 0 bytes/s (or None: the all-reduce's)")
+        if self.ddp_step_s < 0:
+            raise ConfigError(f"ddp_step_s={self.ddp_step_s} must be >= 0 seconds (0: nothing beyond the all-reduce)")
         if self.fresh_alloc_s < 0 or self.fresh_byte_s < 0:
             raise ConfigError(
                 f"fresh_alloc_s={self.fresh_alloc_s}, fresh_byte_s={self.fresh_byte_s} must be >= 0 seconds (0: free)"

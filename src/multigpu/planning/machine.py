@@ -65,7 +65,9 @@ LOADED = 0.5
 # 1.5-2.1 the calibrated plans came within 31% (docs/planning.md); loaded machines measured 2-40x the quiet step.
 STEP_BOUND = 2.0
 FED_BACK = ("compute_scale", "thread_overhead_s", "allreduce_busbw", "fsdp_group_s")
-_VERSION = 3  # of the file's layout; another version is measured again (3: FSDP2's work per group in a 2-process group)
+# of the file's layout; another version is measured again (3: FSDP2's work per group in a 2-process group;
+# 4: DDP's step floor, DataParallel's hand-off timed through the engine)
+_VERSION = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +85,7 @@ class MachineConstants:
     fresh_copy_bandwidth: float
     fresh_alloc_s: float = 0.0  # fsdp's processes: a large allocation beyond reused memory, per allocation
     fresh_byte_s: float = 0.0  # and per byte (page faults)
+    ddp_step_s: float = 0.0  # what DDP adds to a step beyond its all-reduces (planning.step_floors)
     feedback: dict[str, list[float]] = field(default_factory=dict)
     source: str = "measured here"
 
@@ -90,7 +93,7 @@ class MachineConstants:
         for name in ("memory_bandwidth", "allreduce_busbw", "gather_busbw", "fresh_copy_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"MachineConstants.{name}={getattr(self, name)} must be > 0 bytes/s")
-        for name in ("fresh_alloc_s", "fresh_byte_s"):
+        for name in ("fresh_alloc_s", "fresh_byte_s", "ddp_step_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"MachineConstants.{name}={getattr(self, name)} must be >= 0 seconds")
         unknown = set(self.feedback) - set(FED_BACK)
@@ -137,6 +140,7 @@ class MachineConstants:
             sharded_copy_bandwidth=self.fresh_copy_bandwidth,
             fresh_alloc_s=self.fresh_alloc_s,
             fresh_byte_s=self.fresh_byte_s,
+            ddp_step_s=self.ddp_step_s,
             single_speedup=single_speedup,
         )
 

@@ -30,6 +30,10 @@ from multigpu.errors import ConfigError
 
 REPEATS = 9  # timed calls per probe (after one warm-up): a second for a step of 0.1 s
 QUANTILE = 0.25  # the kept one: the third fastest of 9
+# A ratio of two timings taken in the same round (a slowdown, a speed-up) cancels a load that lasts the
+# round: the median of the rounds' ratios. Another quantile reads the quiet machine's spread as a bias
+# (the 25th percentile of the contention and the 75th of the speed-up made every plan fast).
+RATIO_QUANTILE = 0.5
 SHORT_REPEATS = 25  # timed calls of a probe kept below the scheduler's slice (the host costs, the collectives)
 # A collective between two processes waits until both hold a core, and nothing makes it faster than
 # that: the second fastest of SHORT_REPEATS. Three probes at load 11-12 read fsdp's all-gather and

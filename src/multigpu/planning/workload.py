@@ -135,6 +135,7 @@ class Workload:
     input_bytes_per_sample: float = 0.0
     output_bytes_per_sample: float = 0.0  # what DataParallel gathers on the primary
     activation_bytes_per_sample: float = 0.0  # tensors saved for backward
+    buffer_bytes: float = 0.0  # the model's buffers (BatchNorm's running statistics): DDP broadcasts them each forward
     # CPU: one replica's step's allocations at or above fsdp's mmap threshold (measured at the
     # replica's batch: the count per step, the bytes per sample); 0: not counted
     large_allocations: int = 0
