@@ -93,6 +93,10 @@ DAMAGES: dict[str, Callable[[dict[str, Any]], None]] = {
     "a gradient scale of NaN": _set(("precision", "scaler", "scale"), math.nan),
     "a negative gradient scale": _set(("precision", "scaler", "scale"), -1.0),
     "an entry it never sends": _set(("surprise",), 1),
+    # a sender with a model sends its weights: an empty mapping left this group on its own weights, the rest applied
+    "no weights at all": _set(("model",), {}),
+    "no precision state": _set(("precision",), {}),  # fp16: the group kept its own gradient scale
+    "no gradient scale": _set(("precision", "scaler"), _DROP),
 }
 
 

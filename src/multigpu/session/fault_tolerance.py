@@ -149,11 +149,11 @@ class LiveState:
         marked = {"global_step", "loaders", "loaders_after", "rng"}  # absent all together: the sender had not marked
         if not isinstance(state, Mapping) or set(state) not in (sent, sent | marked):
             PEER.fail("its entries", sorted(state) if isinstance(state, Mapping) else state, f"{sorted(sent | marked)}")
-        if self.model is not None and state["model"]:
+        if self.model is not None:  # a sender runs the same script: it has set up its model too (no weights: refused)
             check_model(unwrap(self.model).state_dict(), state["model"])
         elif not isinstance(state["model"], Mapping):
             PEER.fail("'model'", state["model"], "a mapping of weights")
-        if self.precision is not None and state["precision"]:
+        if self.precision is not None:
             check_precision(self.precision, state["precision"])
         if "global_step" in state:
             _check_marked(self, state)

@@ -68,8 +68,12 @@ def check_model(local: Mapping[str, torch.Tensor], sent: Any) -> None:
 
 
 def check_precision(precision: Any, sent: Any) -> None:
-    """The sent precision state: this precision's entries, and fp16's gradient scale finite and positive."""
-    check_like(PEER, sent, precision.state_dict(), "'precision'")
+    """The sent precision state: this precision's entries, all of them (one left out is not applied: fp16's group
+    would keep its own gradient scale), and fp16's gradient scale finite and positive."""
+    own = precision.state_dict()
+    check_like(PEER, sent, own, "'precision'")
+    if set(sent) != set(own):
+        PEER.fail("'precision'", f"the entries {sorted(map(str, sent))}", f"this precision's {sorted(map(str, own))}")
     scaler = getattr(precision, "scaler", None)
     if scaler is not None and isinstance(sent, Mapping) and "scaler" in sent:
         check_scaler(PEER, sent["scaler"], scaler)
