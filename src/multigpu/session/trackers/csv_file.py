@@ -81,29 +81,41 @@ class CsvTracker(Tracker):
 def _folder_held(folder: Path) -> Iterator[None]:
     """The kernel's ``flock`` on the run folder itself, for the block: two writers of ``hparams.json`` (two
     processes logging into one folder, or threads) update it one after the other. No lock file is left behind,
-    and the kernel drops the lock however its holder exits.
+    and the kernel drops the lock however its holder exits. Where the folder takes no flock (NFS maps it to a
+    lock a read-only descriptor cannot take) the writers take no turns, as before.
 
     Raises:
         ConfigError: another writer held it for :data:`_HOLD_S` seconds (a stopped process), naming the folder.
     """
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        fd = -1  # the write that follows says what is wrong with the folder
     try:
         deadline = time.monotonic() + _HOLD_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise ConfigError(
-                        f"another process kept {folder} locked for {_HOLD_S:g} s while this one logged its "
-                        "hyperparameters (a stopped run logging into the same folder?); give each run its own "
-                        "run_dir (Session(run_dir=...))"
-                    ) from None
-                time.sleep(0.005)
+        while fd >= 0 and not _locked(fd):
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"another process kept {folder} locked for {_HOLD_S:g} s while this one logged its "
+                    "hyperparameters (a stopped run logging into the same folder?); give each run its own "
+                    "run_dir (Session(run_dir=...))"
+                )
+            time.sleep(0.005)
         yield
     finally:
-        os.close(fd)  # releases the lock
+        if fd >= 0:
+            os.close(fd)  # releases the lock
+
+
+def _locked(fd: int) -> bool:
+    """Whether this descriptor now holds the lock: False while another holds it, True also where none can be taken."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # no flock here: go on unlocked
+        pass
+    return True
 
 
 def _cut_short(path: Path) -> bool:
