@@ -107,6 +107,30 @@ def test_sys_exit_0_is_a_clean_end_and_tensors_come_back_on_the_cpu() -> None:
     assert result["weights"].device.type == "cpu" and result["weights"].tolist() == [1.0, 1.0]
 
 
+def _raises_on_rank_1_and_cleans_up_slowly() -> None:
+    import os
+    import time
+
+    from multigpu.session import Session
+
+    try:
+        with Session(strategy="ddp", timeout_s=60) as session:
+            if session.global_rank == 1:
+                raise ValueError("rank one broke on purpose")
+            session.barrier()  # rank 0: a PeerExitedError as soon as rank 1's group closes
+    finally:
+        if os.environ["RANK"] == "1":
+            time.sleep(1.0)  # its own cleanup, after its group closed: rank 0's consequence is in first
+
+
+@pytest.mark.multiprocess
+def test_the_rank_that_raised_is_named_not_the_one_that_lost_it_first() -> None:
+    # the caller named the first record it found: rank 0's PeerExitedError, whenever the failing rank took
+    # longer than its peer to get from closing its group to the end of the function
+    with pytest.raises(LaunchError, match=r"^rank 1 of 2 raised ValueError: rank one broke on purpose"):
+        launch_function(_raises_on_rank_1_and_cleans_up_slowly, nproc_per_node=2, timeout=60)
+
+
 _ASYNC_SCRIPT = """
 import os
 import torch

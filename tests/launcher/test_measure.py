@@ -152,3 +152,24 @@ def test_a_script_run_warms_up_as_long_as_a_factory_run_before_its_timed_steps()
             probe.on_step(None, None, None)  # type: ignore[arg-type]
     # the first step (no start), MAX_WARMUP_STEPS warm ones, then 3 timed
     assert calls == 1 + MAX_WARMUP_STEPS + 3 and len(written["step_s"]) == len(written["samples"]) == 3
+
+
+def test_a_script_with_two_optimizers_is_timed_per_training_step_not_per_optimizer_step() -> None:
+    # a GAN steps its generator's and its discriminator's optimizers once each per training step: every optimizer
+    # step was taken for a training step, so half the intervals read ~0 and the low quantile reported one of them
+    import torch
+
+    from multigpu.launcher._measure_worker import MeasureDone, _ScriptProbe
+
+    generator, critic = (torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1) for _ in range(2))
+    written: dict = {}
+    probe = _ScriptProbe({"deadline": time.time() + 60, "max_steps": 3}, written.update)
+    try:
+        with pytest.raises(MeasureDone):
+            for _ in range(100):
+                time.sleep(0.01)  # the training step's work
+                generator.step()
+                critic.step()
+    finally:
+        probe.finish()  # the global hooks go, whatever happened
+    assert len(written["step_s"]) == 3 and min(written["step_s"]) >= 0.009

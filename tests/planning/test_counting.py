@@ -127,3 +127,28 @@ def test_the_measured_optimizer_step_follows_a_backward_each_time_as_in_training
     assert stale == [False] * 4
     assert w.optimizer_s is not None and w.optimizer_s > 0
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("measure", ["count_step", "measure_workload"])
+def test_counting_or_timing_a_real_model_leaves_it_and_the_random_streams_as_they_were(measure: str) -> None:
+    # both run the user's model for real when it is not on the meta device: the timed optimizer steps moved its
+    # weights, its BatchNorm's running statistics counted the probe's batches, its dropout drew from the
+    # process's stream, and the gradients it held were dropped
+    from multigpu.planning.counting import measure_workload
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    model(torch.randn(4, 8)).sum().backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [p.grad for p in model.parameters()]
+    rng = torch.get_rng_state()
+    x = torch.randn(16, 8)
+    torch.set_rng_state(rng)
+    if measure == "count_step":
+        count_step(model, x)
+    else:
+        measure_workload(model, x, repeats=2)
+    after = model.state_dict()
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert torch.equal(torch.get_rng_state(), rng)

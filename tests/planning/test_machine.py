@@ -93,6 +93,57 @@ def test_an_unreadable_or_old_cache_file_is_measured_again(tmp_path: Path, text:
     assert machine.load(tmp_path, key) is None
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("thread_overhead_s", -1.0),
+        ("allreduce_latency_s", float("nan")),
+        ("gather_latency_s", float("inf")),
+        ("memory_bandwidth", float("inf")),
+        ("gather_busbw", True),
+        ("feedback", {"compute_scale": [float("inf")]}),
+        ("feedback", {"compute_scale": [True]}),
+        ("host", {"op_s": float("nan")}),
+        ("host", {"gil_contention": float("inf")}),
+        ("host", {"backward_op_s": float("inf")}),
+    ],
+)
+def test_a_cache_file_holding_a_time_or_bandwidth_no_probe_measures_is_measured_again(
+    tmp_path: Path, field: str, value: object
+) -> None:
+    # json reads NaN and Infinity; a negative or infinite handoff, latency or bandwidth planned every strategy
+    # at nonsense (a NaN step compares false with everything, so such a plan ranked first or last at random)
+    path = machine.save(fixed(), tmp_path)
+    data = json.loads(path.read_text())
+    data[field] = {**data["host"], **value} if field == "host" else value  # type: ignore[dict-item]
+    path.write_text(json.dumps(data))
+    assert machine.load(tmp_path, data["key"]) is None
+
+
+def test_writers_of_one_cache_file_at_once_each_write_it_whole(tmp_path: Path) -> None:
+    # two advise runs in threads of one process (a notebook) shared one partial file named by pid: one renamed
+    # it away under the other, whose rename then failed (FileNotFoundError), or renamed a file half-written
+    import threading
+
+    errors: list[BaseException] = []
+
+    def write(scale: float) -> None:
+        try:
+            for _ in range(30):
+                machine.save(fixed().with_feedback({"compute_scale": scale}), tmp_path)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=write, args=(1.0 + i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert machine.load(tmp_path, fixed().key) is not None
+    assert len(list(tmp_path.iterdir())) == 1
+
+
 def test_feedback_keeps_the_last_five_and_uses_their_median() -> None:
     constants = fixed()
     for value in (9.0, 1.0, 1.1, 1.2, 0.9, 1.05):

@@ -88,6 +88,16 @@ def test_measure_workload_on_a_cuda_device() -> None:
     assert w.compute_s_per_sample > 0 and w.activation_bytes_per_sample >= 256 * 4
 
 
+@pytest.mark.cuda
+def test_measure_workload_on_a_cuda_device_leaves_the_model_and_its_random_stream_as_they_were() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5), nn.BatchNorm1d(64)).cuda()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stream = torch.cuda.get_rng_state()
+    measure_workload(model, torch.randn(32, 64, device="cuda"), repeats=2)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(torch.cuda.get_rng_state(), stream)  # the dropout drew from a forked stream
+
+
 _GATHER_BUSBW = """
 import itertools
 import sys

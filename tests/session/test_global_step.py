@@ -65,6 +65,7 @@ def test_a_restarted_group_gets_the_position_of_the_batch_the_others_train_now()
         loader = session.build_loader(dataset(), batch_size=8)  # 4 batches an epoch
         live = LiveState()
         live.add_loader(loader)
+        live.model = model  # a sender sends its weights (a state without them is refused where a model is set up)
         batches = session.batches(loader)
         for _ in range(4):  # the last batch of epoch 0 is in flight: the loader already reads epoch 1
             next(batches)

@@ -93,6 +93,10 @@ DAMAGES: dict[str, Callable[[dict[str, Any]], None]] = {
     "a gradient scale of NaN": _set(("precision", "scaler", "scale"), math.nan),
     "a negative gradient scale": _set(("precision", "scaler", "scale"), -1.0),
     "an entry it never sends": _set(("surprise",), 1),
+    # a sender with a model sends its weights: an empty mapping left this group on its own weights, the rest applied
+    "no weights at all": _set(("model",), {}),
+    "no precision state": _set(("precision",), {}),  # fp16: the group kept its own gradient scale
+    "no gradient scale": _set(("precision", "scaler"), _DROP),
 }
 
 
@@ -140,3 +144,32 @@ def test_a_modules_extra_state_travels_with_the_weights() -> None:
     sender.model.calls, receiver.model.calls = 7, 0
     receiver.load_state_dict(copy.deepcopy(sender.state_dict()))
     assert receiver.model.calls == 7 and torch.equal(receiver.model.weight, sender.model.weight)
+
+
+UNSEEN_OPTIMIZER = {
+    "not a state dict": "garbage",
+    "groups that are text": {"state": {}, "param_groups": "x"},
+    "a parameter id twice": {"state": {}, "param_groups": [{"params": [0, 0], "lr": 0.5}]},
+    "a state for no parameter": {"state": {5: {}}, "param_groups": [{"params": [0], "lr": 0.5}]},
+    "a buffer without data": {
+        "state": {0: {"momentum_buffer": torch.empty(4, 3, device="meta")}},
+        "param_groups": [{"params": [0, 1], "lr": 0.5}],
+    },
+}
+
+
+@pytest.mark.parametrize("damage", UNSEEN_OPTIMIZER)
+def test_an_optimizer_state_for_an_optimizer_not_stepped_yet_is_refused_before_any_of_it_applies(damage: str) -> None:
+    # a restarted group heals before its first step: its optimizers are not known yet, and their states wait for
+    # it; they were not looked at until that step, after the weights, step count and positions had been applied
+    state = _sent()
+    state["optimizers"][0] = UNSEEN_OPTIMIZER[damage]
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    live = LiveState()
+    live.model = model
+    set_committed_steps(0)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(CheckpointError, match=r"the state a healthy replica group sent is refused: .*'optimizers'"):
+        live.load_state_dict(state)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and committed_steps() == 0

@@ -280,3 +280,31 @@ def test_evaluate_keeps_integer_results_exact() -> None:
     with Session(strategy="single") as session:
         got = session.evaluate(lambda batch: batch[0], TensorDataset(values), batch_size=2)
     assert got.dtype == torch.int64 and torch.equal(got, values)
+
+
+@pytest.mark.parametrize("strategy", ["single", "dp", "ddp", "fsdp"])
+def test_a_closed_session_holds_none_of_the_models_optimizers_or_loaders(
+    strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+    import weakref
+
+    if strategy in ("ddp", "fsdp"):  # a group of one, in this process
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+        for key, value in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+            monkeypatch.setenv(key, value)
+    session = Session(strategy=strategy, devices="cpu:2" if strategy == "dp" else None)
+    with session:
+        given = build_model()
+        model = session.setup_model(given)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = session.build_loader(regression_data(32), batch_size=8)
+        for x, y in session.batches(loader):
+            with session.micro_step(model):
+                session.backward(F.mse_loss(model(x), y))
+            session.step(optimizer)
+    held = [weakref.ref(o) for o in (given, model, optimizer, loader)]
+    del given, model, optimizer, loader, x, y
+    gc.collect()
+    # the session object lives on in the script (a notebook's cell, a retry loop): what it trained must not
+    assert [ref() is None for ref in held] == [True] * 4

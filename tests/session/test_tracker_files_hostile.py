@@ -185,3 +185,30 @@ def test_a_kill_anywhere_in_a_write_leaves_each_step_once_after_the_next_log(
     assert rows[0] == ["step", "metric", "value", "time"] and all(len(row) == 4 for row in rows[1:])
     keys = [tuple(row[:2]) for row in rows[1:]]
     assert len(keys) == len(set(keys)) and {row[2] for row in rows[1:] if row[0] == str(3 if restart else 4)} == {"9.0"}
+
+
+def test_hparams_logged_at_once_by_many_writers_keep_every_key(tmp_path: Path) -> None:
+    # each writer reads hparams.json, adds its keys and replaces the file: without a lock held from the read to the
+    # rename, one writer's rename dropped the keys another wrote in between (two runs, or threads, in one folder)
+    import threading
+
+    from multigpu.session.trackers.base import RunInfo
+    from multigpu.session.trackers.csv_file import CsvTracker
+
+    trackers = [CsvTracker.open(RunInfo(folder=tmp_path, name="a", run_id="0" * 32)) for _ in range(4)]
+    start = threading.Barrier(len(trackers))
+
+    def write(i: int) -> None:
+        start.wait()
+        for k in range(40):
+            trackers[i].log_hparams({f"w{i}-{k}": k})
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(len(trackers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for tracker in trackers:
+        tracker.close()
+    assert len(json.loads((tmp_path / "hparams.json").read_text())) == 4 * 40
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hparams.json", "metrics.csv"]  # no partial, no lock file

@@ -56,6 +56,7 @@ FORMATS: tuple[Format, ...] = ("safetensors", "torch")
 _TORCH_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar"}
 _SUFFIX: dict[Format, str] = {"torch": ".pt", "safetensors": ".safetensors"}
 _PLAIN_DTYPES = frozenset(DTYPES.values()) | {torch.float64, torch.complex128, torch.int16}
+_SAFETENSORS_DTYPES = frozenset(DTYPES.values())  # what our reader takes of a safetensors header
 _ALIASES_KEY = "multigpu.aliases"
 # Keys under which training scripts commonly nest the model's state dict in a torch file.
 _NESTED_MODEL_KEYS = ("state_dict", "model_state_dict", "model", "module")
@@ -198,16 +199,19 @@ def write_tensors(
     checksum in its header (:mod:`safetensors_file`). torch format writes a plain state dict that
     ``torch.load`` + ``load_state_dict`` reads without multigpu.
     """
-    only_tensors(tensors)
-    if format_for(path, format) == "torch":
+    chosen = format_for(path, format)
+    only_tensors(tensors, chosen)
+    if chosen == "torch":
         plain = OrderedDict((k, v.detach().cpu()) for k, v in tensors.items())
         return atomic_write_file(path, lambda f: torch.save(plain, f))
     write_safetensors(tensors, path, metadata=metadata, stamped=True)
     return Path(path)
 
 
-def only_tensors(tensors: Mapping[str, Any]) -> None:
-    """Refuse a state to write that holds something else than tensors (a module's ``get_extra_state``).
+def only_tensors(tensors: Mapping[str, Any], format: Format) -> None:
+    """Refuse a state to write that holds something else than tensors (a module's ``get_extra_state``), or a
+    tensor of a dtype the format cannot hold or multigpu does not load back (written, it failed in safetensors'
+    writer with a KeyError, or was refused by the next load).
 
     Raises:
         ConfigError: naming the first such entry and the fix.
@@ -218,6 +222,16 @@ def only_tensors(tensors: Mapping[str, Any]) -> None:
                 f"the weights to write hold {key!r}, a {type(value).__name__} (a module's get_extra_state?), not a "
                 "tensor; a weights file holds tensors only: pass it through Checkpointer.save(extra=...), or leave "
                 "it out of the state dict (save a dict of the tensors)"
+            )
+        if value.dtype not in (_PLAIN_DTYPES if format == "torch" else _SAFETENSORS_DTYPES):
+            fix = (
+                "save in torch format (a .pt file, or format='torch'), which holds it"
+                if value.dtype in _PLAIN_DTYPES
+                else f"cast it to a dtype multigpu loads ({', '.join(sorted(str(d) for d in _PLAIN_DTYPES))})"
+            )
+            raise ConfigError(
+                f"the weights to write hold {key!r} of dtype {value.dtype}, which a {format} file "
+                f"of multigpu's cannot hold; {fix}"
             )
 
 
@@ -234,7 +248,7 @@ def write_safetensors(
     while the file is written. ``stamped``: the header also carries the checksum (a file on its own);
     a step folder's file does not (its manifest holds the checksum).
     """
-    only_tensors(tensors)
+    only_tensors(tensors, "safetensors")
     unique, aliases = _deduplicate(tensors)
     header = {str(k): str(v) for k, v in (metadata or {}).items()}
     header["format"] = "pt"

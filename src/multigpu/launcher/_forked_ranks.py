@@ -27,6 +27,7 @@ from typing import Any
 from multigpu.errors import LaunchError, LaunchTimeoutError, ResultError
 from multigpu.launcher.forked_start import apply_after_fork
 from multigpu.launcher.process_groups import end_sessions
+from multigpu.launcher.root_cause import is_consequence
 from multigpu.runtime.worker_env import WorkerEnv
 
 _GRACE_S = 5.0  # how long the other ranks get to exit after one failed (or the timeout), before SIGKILL
@@ -115,10 +116,26 @@ def _to_cpu(leaf: Any, _: str) -> Any:
     return leaf.cpu() if isinstance(leaf, torch.Tensor) else leaf
 
 
+class _Consequence(Exception):
+    """A rank's error that says another rank failed first (it lost its peer): :attr:`error` is named only when
+    no rank's own failure comes in within :data:`_GRACE_S`."""
+
+    def __init__(self, error: LaunchError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def _collect(children: list[Any], outbox: Path, deadline: float | None, timeout: float | None) -> Any:
-    """Wait for every rank; rank 0's result, or an error for the first rank that failed."""
+    """Wait for every rank; rank 0's result, or an error for the rank that failed first.
+
+    The cause, not its consequence: a rank that lost its peer (``PeerExitedError``) often records its error before
+    the rank that raised does (that one still runs its cleanup after closing its group), so a consequence is held
+    until the other ranks have ended or :data:`_GRACE_S` has passed, and a rank's own failure in that time wins.
+    """
     pending = dict(enumerate(children))
     result: Any = None
+    held: LaunchError | None = None
+    held_until = 0.0
     while pending:
         for rank, process in list(pending.items()):
             code = exit_code(process)
@@ -126,11 +143,18 @@ def _collect(children: list[Any], outbox: Path, deadline: float | None, timeout:
             if code is None and not record.exists():  # (a rank with its record in is done: what it does while
                 continue  # it exits, e.g. an atexit handler that hangs, is stopped with the rest)
             del pending[rank]
-            value = _read(record, rank, len(children), code)
+            try:
+                value = _read(record, rank, len(children), code)
+            except _Consequence as consequence:
+                if held is None:
+                    held, held_until = consequence.error, time.monotonic() + _GRACE_S
+                continue
             if rank == 0:
                 result = value
         if not pending:
             break
+        if held is not None and time.monotonic() >= held_until:
+            raise held
         if deadline is not None and time.monotonic() >= deadline:
             raise LaunchTimeoutError(
                 f"launch_function's timeout={timeout} s passed with rank(s) {sorted(pending)} of {len(children)} still "
@@ -141,6 +165,8 @@ def _collect(children: list[Any], outbox: Path, deadline: float | None, timeout:
         # too: then the next poll finds the exit
         left = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
         wait([p.sentinel for p in pending.values()], timeout=left)
+    if held is not None:
+        raise held
     return result
 
 
@@ -155,9 +181,9 @@ def _read(path: Path, rank: int, world: int, code: int | None) -> Any:
     if kind == "error":
         name, text, trace, original = fields
         error = LaunchError(f"rank {rank} of {world} raised {name}: {text}\n\n{trace}")
-        cause = _unpickle_exception(original)
-        if cause is not None:
-            raise error from cause
+        error.__cause__ = _unpickle_exception(original)
+        if is_consequence(f"{name}: {text}"):
+            raise _Consequence(error)
         raise error
     type_name, payload = fields
     if kind == "unpicklable":

@@ -11,7 +11,8 @@ The spec names either a model factory or a Session script:
   deadline (``max_steps`` at most), every rank the same counts; then one more step under the
   allocation tracker (:func:`multigpu.profiling.memory.track_memory`) for the peak memory per device.
 - **script**: the user's script runs as ``__main__``; a global optimizer-step hook (torch's
-  ``register_optimizer_step_post_hook``) times the interval between optimizer steps, and global
+  ``register_optimizer_step_post_hook``) times the interval between optimizer steps (those of the first optimizer
+  that steps: a GAN's second optimizer steps within the same training step), and global
   forward hooks count the samples of each outermost module call with gradients on; after the
   warm-up and the timed steps the hook ends the script with :class:`MeasureDone` (a
   ``SystemExit(0)``, which ``except Exception`` does not catch). Peak memory: the CUDA
@@ -197,6 +198,9 @@ def run_factory(spec: dict[str, Any]) -> dict[str, Any]:
         return {"step_s": times, "samples": [per_process] * len(times), **_memory(model, optimizer, step)}
 
 
+_NONE_YET = object()
+
+
 class _ScriptProbe:
     """Global hooks timing a script's optimizer steps and counting the samples of its outermost forwards."""
 
@@ -210,6 +214,7 @@ class _ScriptProbe:
         self.target: int | None = None
         self.warm = WARMUP_STEPS  # steps whose intervals are not timed (one more: the first has no start)
         self.done = False
+        self.clock: Any = _NONE_YET  # the optimizer whose steps are the training steps: the first one to step
         self.accelerator = _accelerator()
         self.handles = [
             register_optimizer_step_post_hook(self.on_step),
@@ -229,6 +234,10 @@ class _ScriptProbe:
             self.depth = max(0, self.depth - 1)
 
     def on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.clock is _NONE_YET:
+            self.clock = optimizer
+        if optimizer is not self.clock:  # a second optimizer of the same training step (a GAN's): not a step
+            return
         if self.accelerator is not None:
             self.accelerator.synchronize()  # the step's kernels are done: a sync point, once per step
         self.stamps.append(time.perf_counter())

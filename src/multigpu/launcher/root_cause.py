@@ -96,7 +96,7 @@ class WorkerFailure:
     @property
     def is_consequence(self) -> bool:
         """Whether it failed because another rank did (it lost a peer or timed out waiting for one)."""
-        return bool(_CONSEQUENCE.search(self.message))
+        return is_consequence(self.message)
 
     @property
     def timed_out(self) -> bool:
@@ -125,6 +125,11 @@ class WorkerFailure:
     @property
     def _tier(self) -> int:
         return 2 if self.stopped_by_launcher else int(self.is_consequence)
+
+
+def is_consequence(message: str) -> bool:
+    """Whether a rank's ``"Type: message"`` says it failed because another rank did (lost a peer, timed out)."""
+    return bool(_CONSEQUENCE.search(message))
 
 
 def from_torch(failures: Mapping[int, Any]) -> list[WorkerFailure]:

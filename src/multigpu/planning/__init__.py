@@ -2,9 +2,9 @@
 
 Modules: hardware (what a step runs on: GPU and link presets with sources, the host's costs, the
 platform), workload (what is trained: the workload and model presets), counting (one step counted
-on the meta device or timed on this CPU, fsdp's groups), calibrate (this machine measured: host
-costs, what CPU replicas share, collectives), step_floors (what an engine adds to every step, timed
-through it on a tiny model: DataParallel's hand-off, DDP's step), machine (this machine's constants for a CPU plan,
+on the meta device or timed on this CPU, fsdp's groups; left_as_found puts a real model back), calibrate
+(this machine measured: host costs, what CPU replicas share, collectives), step_floors (what an engine adds
+to every step, timed through it on a tiny model: DataParallel's hand-off, DDP's step), machine (this machine's constants for a CPU plan,
 cached, and what ``advise --measure`` feeds back), cpu_plan (a model timed as each strategy runs it
 here), timing (the low-quantile rule), costs (time per strategy, the planned rows: each names a strategy of multigpu.strategies),
 memory (bytes per device), advise (the answer: recommendation, JSON, table rows, figure),

@@ -48,6 +48,7 @@ from multigpu.devices import synchronizer
 from multigpu.errors import ConfigError
 from multigpu.planning.costs import host_step_s
 from multigpu.planning.hardware import DEFAULT_HOST, GpuSpec, HostCosts
+from multigpu.planning.left_as_found import left_as_found
 from multigpu.planning.timing import CPU_CLOCK, low_quantile, quantile_s
 from multigpu.planning.workload import FP32_UTILIZATION, StepCounts, Workload, compute_s_per_sample
 
@@ -194,7 +195,8 @@ def count_step(model: nn.Module, inputs: torch.Tensor, *, loss_fn: LossFn = defa
         raise ConfigError(f"inputs of shape {tuple(inputs.shape)} hold no batch; pass at least one sample on dim 0")
     not_activations = {_storage_key(t) for t in [*model.parameters(), *model.buffers(), inputs]}
     try:
-        seen = _run_passes(model, inputs, loss_fn)
+        with left_as_found(model, inputs.device):  # a real model runs once: its state and the streams put back
+            seen = _run_passes(model, inputs, loss_fn)
     except (NotImplementedError, RuntimeError) as exc:
         raise ConfigError(
             f"counting one step of {type(model).__name__} failed: {exc}; if an op has no meta kernel, plan "
@@ -335,7 +337,6 @@ def measure_workload(
     """
     counted = count_step(model, inputs, loss_fn=loss_fn)
     batch = counted.batch
-    opt = build_optimizer(optimizer, model)
     sync = synchronizer([inputs.device])  # waits for any accelerator (cuda, xpu, mps); no-op on the CPU
 
     def compute() -> None:
@@ -345,8 +346,10 @@ def measure_workload(
 
     one_thread = inputs.device.type == "cpu" and torch.get_num_threads() == 1
     clock = CPU_CLOCK if one_thread else time.perf_counter
-    step_s = quantile_s(compute, repeats, clock=clock)
-    optimizer_s = optimizer_step_s(opt, compute, repeats=repeats, clock=clock, sync=sync)
+    with left_as_found(model, inputs.device):  # the timed steps move the weights: the user's model is put back
+        opt = build_optimizer(optimizer, model)
+        step_s = quantile_s(compute, repeats, clock=clock)
+        optimizer_s = optimizer_step_s(opt, compute, repeats=repeats, clock=clock, sync=sync)
     return Workload(
         name=name,
         params=counted.params,

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -303,11 +304,13 @@ class HostCosts:
     source: str = "measured"
 
     def __post_init__(self) -> None:
-        for name in TIME_FIELDS:
-            if getattr(self, name) < 0:
-                raise ConfigError(f"HostCosts.{name}={getattr(self, name)} must be >= 0 seconds")
-        if self.gil_contention <= 0:
-            raise ConfigError(f"HostCosts.gil_contention={self.gil_contention} must be > 0 (1: threads serialise)")
+        for name in TIME_FIELDS:  # `not >= 0`: NaN too (a cached file may hold one: JSON reads NaN)
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ConfigError(f"HostCosts.{name}={getattr(self, name)} must be a finite number >= 0 seconds")
+        if not (self.gil_contention > 0 and math.isfinite(self.gil_contention)):
+            raise ConfigError(
+                f"HostCosts.gil_contention={self.gil_contention} must be a finite number > 0 (1: threads serialise)"
+            )
 
     def on_gpu(self, launch_s: float = GPU_LAUNCH_S) -> HostCosts:
         """The same host driving a GPU: every kernel also pays a launch."""

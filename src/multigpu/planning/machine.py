@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import socket
@@ -47,6 +48,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from multigpu.core.run_files import write_replacing
 from multigpu.errors import ConfigError
 from multigpu.planning.hardware import HostCosts, Platform, measured_link
 
@@ -90,18 +92,28 @@ class MachineConstants:
     source: str = "measured here"
 
     def __post_init__(self) -> None:
+        # finite numbers only: the cache is JSON, which reads NaN and Infinity, and a file may be edited by hand
         for name in ("memory_bandwidth", "allreduce_busbw", "gather_busbw", "fresh_copy_bandwidth"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"MachineConstants.{name}={getattr(self, name)} must be > 0 bytes/s")
-        for name in ("fresh_alloc_s", "fresh_byte_s", "ddp_step_s"):
-            if not getattr(self, name) >= 0:
-                raise ConfigError(f"MachineConstants.{name}={getattr(self, name)} must be >= 0 seconds")
+            if not (_finite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ConfigError(f"MachineConstants.{name}={getattr(self, name)} must be a finite number > 0 bytes/s")
+        for name in (
+            "thread_overhead_s",
+            "allreduce_latency_s",
+            "gather_latency_s",
+            "fresh_alloc_s",
+            "fresh_byte_s",
+            "ddp_step_s",
+        ):
+            if not (_finite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ConfigError(f"MachineConstants.{name}={getattr(self, name)} must be a finite number >= 0 seconds")
         unknown = set(self.feedback) - set(FED_BACK)
         if unknown:
             raise ConfigError(f"MachineConstants.feedback names {sorted(unknown)}; feedback is one of {FED_BACK}")
         for name, values in self.feedback.items():
-            if not isinstance(values, list) or not all(isinstance(v, (int, float)) and v >= 0 for v in values):
-                raise ConfigError(f"MachineConstants.feedback[{name!r}]={values!r} must be a list of numbers >= 0")
+            if not isinstance(values, list) or not all(_finite(v) and v >= 0 for v in values):
+                raise ConfigError(
+                    f"MachineConstants.feedback[{name!r}]={values!r} must be a list of finite numbers >= 0"
+                )
 
     def value(self, name: str) -> float:
         """A fed-back constant: the median of its solved values, else the probe's figure (1 for the scale)."""
@@ -157,6 +169,11 @@ class MachineConstants:
         return cls(**fields)
 
 
+def _finite(value: Any) -> bool:
+    """A finite int or float, not a bool (JSON's ``true`` is no bandwidth)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def machine_key() -> str:
     """Host name, CPU model and count, torch version: a new file when any changes."""
     import torch
@@ -192,9 +209,7 @@ def save(constants: MachineConstants, folder: str | Path) -> Path:
     """Write ``constants`` to their file in ``folder`` whole (a temporary file renamed over it)."""
     path = cache_path(folder, constants.key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps(constants.to_json(), indent=2) + "\n")
-    partial.replace(path)
+    write_replacing(path, json.dumps(constants.to_json(), indent=2) + "\n")  # a partial per process and thread
     return path
 
 

@@ -44,7 +44,14 @@ from multigpu.runtime.committed_steps import committed_steps, set_committed_step
 from multigpu.runtime.data import EpochLoader, known_len
 from multigpu.session.coordination import seed_rank_streams
 from multigpu.session.lr_schedulers import check_scheduler_states, load_scheduler_states, scheduler_states
-from multigpu.session.peer_state import PEER, check_model, check_optimizer, check_precision, list_of
+from multigpu.session.peer_state import (
+    PEER,
+    check_model,
+    check_optimizer,
+    check_optimizer_form,
+    check_precision,
+    list_of,
+)
 from multigpu.strategies import Precision
 
 
@@ -149,18 +156,21 @@ class LiveState:
         marked = {"global_step", "loaders", "loaders_after", "rng"}  # absent all together: the sender had not marked
         if not isinstance(state, Mapping) or set(state) not in (sent, sent | marked):
             PEER.fail("its entries", sorted(state) if isinstance(state, Mapping) else state, f"{sorted(sent | marked)}")
-        if self.model is not None and state["model"]:
+        if self.model is not None:  # a sender runs the same script: it has set up its model too (no weights: refused)
             check_model(unwrap(self.model).state_dict(), state["model"])
         elif not isinstance(state["model"], Mapping):
             PEER.fail("'model'", state["model"], "a mapping of weights")
-        if self.precision is not None and state["precision"]:
+        if self.precision is not None:
             check_precision(self.precision, state["precision"])
         if "global_step" in state:
             _check_marked(self, state)
-        for optimizer, sent_state in zip(self.optimizers, list_of(state["optimizers"], "'optimizers'")):
+        for index, sent_state in enumerate(list_of(state["optimizers"], "'optimizers'")):
+            if index >= len(self.optimizers):  # not stepped yet: its form now, the rest when the step shows it
+                check_optimizer_form(sent_state, f"'optimizers'[{index}]")
+                continue
             if not isinstance(sent_state, dict):
                 PEER.fail("'optimizers'[...]", sent_state, "an optimizer's state_dict")
-            check_optimizer(PEER, sent_state, optimizer)
+            check_optimizer(PEER, sent_state, self.optimizers[index])
         for index, sent_schedulers in enumerate(list_of(state["schedulers"], "'schedulers'")):
             known = self.optimizers[index] if index < len(self.optimizers) else None  # else the entries' form only
             check_scheduler_states(known, sent_schedulers, index)

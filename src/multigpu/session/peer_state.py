@@ -20,10 +20,10 @@ from typing import Any, NoReturn
 import torch
 
 from multigpu.checkpoint.file_kinds import entry_is
-from multigpu.checkpoint.validate import Refusal, check_like, check_optimizer, check_scaler
+from multigpu.checkpoint.validate import Refusal, check_like, check_optimizer, check_scaler, walk_plain
 from multigpu.errors import CheckpointError
 
-__all__ = ["PEER", "check_like", "check_model", "check_optimizer", "check_precision", "list_of"]
+__all__ = ["PEER", "check_like", "check_model", "check_optimizer", "check_optimizer_form", "check_precision", "list_of"]
 
 FIX = (
     "every replica group must run the same script (model, optimizers, schedulers, loaders and precision built the "
@@ -68,8 +68,37 @@ def check_model(local: Mapping[str, torch.Tensor], sent: Any) -> None:
 
 
 def check_precision(precision: Any, sent: Any) -> None:
-    """The sent precision state: this precision's entries, and fp16's gradient scale finite and positive."""
-    check_like(PEER, sent, precision.state_dict(), "'precision'")
+    """The sent precision state: this precision's entries, all of them (one left out is not applied: fp16's group
+    would keep its own gradient scale), and fp16's gradient scale finite and positive."""
+    own = precision.state_dict()
+    check_like(PEER, sent, own, "'precision'")
+    if set(sent) != set(own):
+        PEER.fail("'precision'", f"the entries {sorted(map(str, sent))}", f"this precision's {sorted(map(str, own))}")
     scaler = getattr(precision, "scaler", None)
     if scaler is not None and isinstance(sent, Mapping) and "scaler" in sent:
         check_scaler(PEER, sent["scaler"], scaler)
+
+
+def check_optimizer_form(sent: Any, where: str) -> None:
+    """The sent state of an optimizer this group has not stepped yet (a restarted group heals before its first step):
+    torch's form, each parameter id once, a state only for listed ids, plain values and tensors with data. Its
+    shapes and group options are held against the optimizer when the first step shows it (:func:`check_optimizer`).
+    """
+    if not isinstance(sent, dict) or set(sent) != {"state", "param_groups"}:
+        PEER.fail(where, sent, "an optimizer's state_dict (the keys 'state' and 'param_groups')")
+    groups, ids = sent["param_groups"], []
+    if not isinstance(groups, list):
+        PEER.fail(f"{where}['param_groups']", groups, "a list of parameter groups")
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+            PEER.fail(f"{where}['param_groups'][{i}]", group, "a dict with a 'params' list")
+        ids += group["params"]
+        walk_plain(group, f"{where}['param_groups'][{i}]", PEER.fail, device=None)
+    if not all(type(pid) is int for pid in ids) or len(set(ids)) != len(ids):
+        PEER.fail(
+            f"{where}['param_groups']", f"parameter ids {ids[:8]}", "ids (ints) that appear once across all groups"
+        )
+    state = sent["state"]
+    if not isinstance(state, dict) or not set(state) <= set(ids):
+        PEER.fail(f"{where}['state']", state, "a dict from the id of a listed parameter to its state")
+    walk_plain(state, f"{where}['state']", PEER.fail, device=None)

@@ -146,6 +146,9 @@ class Session(Toolkit, RunLog):
         if self.strategy is not None:
             self.strategy.teardown()
             self.strategy = None
+        # the model, optimizers and loaders a replica group would have sent: a Session the script keeps (a notebook,
+        # a retry loop) must not keep what it trained alive; a restart starts a new LiveState's record
+        self._live = LiveState()
 
     def __enter__(self) -> Session:
         return self.start()

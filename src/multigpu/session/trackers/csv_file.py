@@ -2,23 +2,27 @@
 
 ``time`` is seconds since the log was opened, so metrics can come and go between steps. Each row is
 flushed, so a crashed run keeps every line written so far. Hyperparameters go to
-``<run_dir>/hparams.json``. A run resumed from a checkpoint at step S first drops the rows of steps
+``<run_dir>/hparams.json``, updated under the kernel's lock on the folder (two writers at once each keep the
+other's keys). A run resumed from a checkpoint at step S first drops the rows of steps
 after S (a crash left them; the resumed run logs them again), so each step is in the file once; a row that a
 killed process left without its newline is dropped when the file is opened again (the next would join it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import fcntl
 import io
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from multigpu.core.run_files import open_appending, write_replacing
+from multigpu.errors import ConfigError
 from multigpu.session.trackers.base import RunInfo, Tracker
 from multigpu.session.trackers.own_files import check_own_file, read_json, refusal
 
@@ -27,6 +31,7 @@ HPARAMS_NAME = "hparams.json"
 _HEADER = ["step", "metric", "value", "time"]
 _WHAT = "the metrics.csv the csv tracker writes"
 _HPARAMS_WHAT = "the JSON object of hyperparameters this run's csv tracker writes"
+_HOLD_S = 30.0  # seconds another writer of hparams.json may hold the run folder's lock (it holds it for milliseconds)
 
 
 class CsvTracker(Tracker):
@@ -64,11 +69,53 @@ class CsvTracker(Tracker):
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
         path = self.folder / HPARAMS_NAME
-        kept = _read_hparams(path) if check_own_file(path, _HPARAMS_WHAT) else {}
-        write_replacing(path, json.dumps({**kept, **hparams}, indent=1, sort_keys=True) + "\n")  # whole or not at all
+        with _folder_held(self.folder):  # from the read to the rename: another writer's keys are never dropped
+            kept = _read_hparams(path) if check_own_file(path, _HPARAMS_WHAT) else {}
+            write_replacing(path, json.dumps({**kept, **hparams}, indent=1, sort_keys=True) + "\n")  # whole or none
 
     def close(self, *, failed: bool = False) -> None:
         self._file.close()
+
+
+@contextlib.contextmanager
+def _folder_held(folder: Path) -> Iterator[None]:
+    """The kernel's ``flock`` on the run folder itself, for the block: two writers of ``hparams.json`` (two
+    processes logging into one folder, or threads) update it one after the other. No lock file is left behind,
+    and the kernel drops the lock however its holder exits. Where the folder takes no flock (NFS maps it to a
+    lock a read-only descriptor cannot take) the writers take no turns, as before.
+
+    Raises:
+        ConfigError: another writer held it for :data:`_HOLD_S` seconds (a stopped process), naming the folder.
+    """
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        fd = -1  # the write that follows says what is wrong with the folder
+    try:
+        deadline = time.monotonic() + _HOLD_S
+        while fd >= 0 and not _locked(fd):
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"another process kept {folder} locked for {_HOLD_S:g} s while this one logged its "
+                    "hyperparameters (a stopped run logging into the same folder?); give each run its own "
+                    "run_dir (Session(run_dir=...))"
+                )
+            time.sleep(0.005)
+        yield
+    finally:
+        if fd >= 0:
+            os.close(fd)  # releases the lock
+
+
+def _locked(fd: int) -> bool:
+    """Whether this descriptor now holds the lock: False while another holds it, True also where none can be taken."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # no flock here: go on unlocked
+        pass
+    return True
 
 
 def _cut_short(path: Path) -> bool:

@@ -1,0 +1,45 @@
+"""A model the planner runs for real, left as it was found: its weights, buffers, gradients and the random streams.
+
+:func:`multigpu.planning.counting.count_step` runs a model that is not on the meta device once, and
+:func:`~multigpu.planning.counting.measure_workload` times its forward, backward and optimizer steps: on the
+user's own model, the steps moved its weights, BatchNorm's running statistics counted the probe's batches,
+dropout drew from the process's random stream (so the training that follows is not the one the seed gives),
+and the gradients it held were dropped. :func:`left_as_found` puts all of it back.
+
+Example:
+    >>> from torch import nn
+    >>> model = nn.Linear(2, 1)
+    >>> before = model.weight.clone()
+    >>> with left_as_found(model, torch.device("cpu")):
+    ...     _ = torch.nn.init.zeros_(model.weight.data)
+    >>> torch.equal(model.weight, before)
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+@contextlib.contextmanager
+def left_as_found(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Run the block, then restore ``model``'s parameters, buffers and gradients and the random state of the CPU
+    and of ``device`` (a copy of each tensor with data is held meanwhile: meta tensors hold none)."""
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if not t.is_meta]
+    with torch.no_grad():
+        saved = [t.detach().clone() for t in tensors]
+    grads = [(p, p.grad) for p in model.parameters()]
+    forked = [] if device.type in ("cpu", "meta") else [device.index or 0]
+    with torch.random.fork_rng(devices=forked, device_type=device.type if forked else "cuda"):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for tensor, value in zip(tensors, saved):
+                    tensor.copy_(value)
+            for param, grad in grads:
+                param.grad = grad
