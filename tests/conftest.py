@@ -59,6 +59,18 @@ def _planner_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         yield
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _earlier_files_frozen() -> None:
+    """What the files before this one left alive (the libraries they imported: transformers, mlflow, aim, some
+    100k objects) leaves the cyclic collector's sight, as collection's objects do (pytest_collection_finish)
+    and as torch's do in a launched worker (launcher/_entry.py) before its script. Every full collection, and
+    every ``gc.get_referrers`` (the scheduler lookup of a live heal, lr_schedulers.py), walked all of it
+    again: late in a pytest-xdist worker, tests/session/test_heal_*.py and test_live_state_hostile.py took
+    minutes, seconds on their own. What this file's tests create is collected and searched as before."""
+    gc.collect()  # their garbage goes first, not into the permanent generation
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
