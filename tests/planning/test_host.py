@@ -47,10 +47,16 @@ def test_gpu_costs_add_the_cited_launch() -> None:
 
 
 def test_bad_costs_are_refused() -> None:
-    with pytest.raises(ConfigError, match=r"HostCosts.op_s=-1 must be >= 0"):
-        hardware.HostCosts(
-            op_s=-1, module_call_s=0, backward_op_s=0, gil_contention=1, replicate_module_s=0, replicate_tensor_s=0
-        )
+    for op_s in (-1, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=rf"HostCosts.op_s={op_s} must be a finite number >= 0"):
+            hardware.HostCosts(
+                op_s=op_s,
+                module_call_s=0,
+                backward_op_s=0,
+                gil_contention=1,
+                replicate_module_s=0,
+                replicate_tensor_s=0,
+            )
     with pytest.raises(ConfigError, match=r"StepCounts.forward_ops=-2 must be >= 0"):
         StepCounts(forward_ops=-2)
     with pytest.raises(ConfigError, match=r"kernels \(5 forward, 0 backward\) cannot exceed"):
