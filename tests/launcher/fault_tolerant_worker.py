@@ -12,7 +12,8 @@ Each step reads ``session.should_stop``: once a SIGTERM has stopped the group, t
 Each worker appends one JSON line per ``session.step`` to ``OUT_DIR/group<g>-rank<r>.jsonl``: the group,
 the step's result, ``global_step``, the digest of the weights after the step and the weights, the loader's position, the
 first sample of the batch it trained and the dataset indices of its samples, the digest of torch's random state after
-the step, the pid, the parent's pid, the time and how many quorums the group has run. A test kills workers by pid from these lines.
+the step, the pid, the parent's pid, the time, how many quorums the group has run and whether DDP's reducer summed the step's
+buckets across groups in backward (``in_backward``; else they were summed after it). A test kills workers by pid from these lines.
 
 ``OUT_DIR/fail`` holding ``G K``: group G's step at ``global_step`` K fails once after its cross-group all-reduce
 went through on every group (its Manager records an error there), as when a peer dies inside the all-reduce
@@ -122,6 +123,7 @@ def main() -> None:
                         "pid": os.getpid(),
                         "ppid": os.getppid(),
                         "quorums": None if session._replicas is None else session._replicas.quorums,
+                        "in_backward": None if session._replicas is None else session._replicas._summing,
                         "started": started,
                         "time": time.time(),
                     }
