@@ -24,6 +24,8 @@ committed step (each record then has the learning rate and the scheduler's ``las
 iterates the loader itself (``for x, y in loader``) instead of ``session.batches(loader)``. ``OUT_DIR/interval`` holding
 ``S``: a quorum runs at least every S seconds (``multigpu.runtime.replica_groups.QUORUM_INTERVAL_S``).
 
+``OUT_DIR/find_unused``: the model is wrapped with ``DDPOptions(find_unused_parameters=True)``.
+
 ``OUT_DIR/stall`` holding ``G K S``: group G's script sleeps S seconds once, between steps, after the first step that
 made ``global_step`` K or more and after which a quorum is due (its Manager's heartbeat goes on): longer than the
 lighthouse's join timeout, the other groups go on without it and it falls behind while alive. After its next step it removes ``OUT_DIR/hold``: the others, held at SLEEP_S a
@@ -44,6 +46,7 @@ from torch import nn
 
 from multigpu.runtime import replica_groups
 from multigpu.session import Session
+from multigpu.strategies import DDPOptions
 
 
 def digest(model: nn.Module) -> str:
@@ -85,7 +88,8 @@ def main() -> None:
         torch.randn(240, 8, generator=generator), torch.randn(240, 1, generator=generator)
     )
     index = {float(v): i for i, v in enumerate(data.tensors[0][:, 0])}  # a sample's first feature names it
-    with Session(strategy="ddp") as session:
+    unused = (out / "find_unused").exists()  # DDP looks for unused parameters (its buckets are never rebuilt)
+    with Session(strategy="ddp", ddp=DDPOptions(find_unused_parameters=unused)) as session:
         model = session.setup_model(nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Linear(16, 1)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         scheduler = None

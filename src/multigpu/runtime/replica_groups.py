@@ -147,6 +147,7 @@ class ReplicaSync:
         model.register_comm_hook(None, self._sum_bucket)
         self._model = model
         self._hooked = {id(p) for p in model.parameters() if p.requires_grad}
+        self._note_layout()
 
     def _sum_bucket(self, _state, bucket):  # type: ignore[no-untyped-def]
         """(None, GradBucket) -> Future[Tensor], DDP's comm hook: ``bucket`` averaged over the groups of this step's
@@ -214,12 +215,22 @@ class ReplicaSync:
         return False
 
     def _note_layout(self) -> None:
-        """Digest the reducer's buckets once it has rebuilt them (here, after backward: DDP's logger locks the reducer
-        that calls :meth:`_sum_bucket`, so the hook cannot ask it)."""
+        """Digest the reducer's buckets once they are final (at :meth:`watch` and after backward: DDP's logger locks
+        the reducer that calls :meth:`_sum_bucket`, so the hook cannot ask it).
+
+        Final once rebuilt; or from the start where the reducer never rebuilds them (``find_unused_parameters``
+        without ``static_graph``): its first buckets follow the parameters' order, the same in every group.
+        """
         model = self._model
-        if self._layout is None and model is not None and model._has_rebuilt_buckets:
+        if self._layout is not None or model is None:
+            return
+        if model._has_rebuilt_buckets:
             layout = model._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices", "")  # each bucket's indices
-            self._layout = zlib.crc32(str(layout).encode())
+        elif model.find_unused_parameters and not model.static_graph:
+            layout = model._get_ddp_logging_data().get("bucket_sizes", "")
+        else:
+            return
+        self._layout = zlib.crc32(str(layout).encode())
 
     def _flatten(self, params: list[torch.Tensor]) -> torch.Tensor:
         """The gradients of ``params`` in one flat buffer: the last step's where it fits (a new buffer of megabytes
