@@ -12,7 +12,8 @@ Each step reads ``session.should_stop``: once a SIGTERM has stopped the group, t
 Each worker appends one JSON line per ``session.step`` to ``OUT_DIR/group<g>-rank<r>.jsonl``: the group,
 the step's result, ``global_step``, the digest of the weights after the step and the weights, the loader's position, the
 first sample of the batch it trained and the dataset indices of its samples, the digest of torch's random state after
-the step, the pid, the parent's pid, the time and how many quorums the group has run. A test kills workers by pid from these lines.
+the step, the pid, the parent's pid, the time, how many quorums the group has run and whether DDP's reducer summed the step's
+buckets across groups in backward (``in_backward``; else they were summed after it). A test kills workers by pid from these lines.
 
 ``OUT_DIR/fail`` holding ``G K``: group G's step at ``global_step`` K fails once after its cross-group all-reduce
 went through on every group (its Manager records an error there), as when a peer dies inside the all-reduce
@@ -22,6 +23,8 @@ and the ring completes on one group but not on another.
 committed step (each record then has the learning rate and the scheduler's ``last_epoch``). ``OUT_DIR/raw``: the loop
 iterates the loader itself (``for x, y in loader``) instead of ``session.batches(loader)``. ``OUT_DIR/interval`` holding
 ``S``: a quorum runs at least every S seconds (``multigpu.runtime.replica_groups.QUORUM_INTERVAL_S``).
+
+``OUT_DIR/find_unused``: the model is wrapped with ``DDPOptions(find_unused_parameters=True)``.
 
 ``OUT_DIR/stall`` holding ``G K S``: group G's script sleeps S seconds once, between steps, after the first step that
 made ``global_step`` K or more and after which a quorum is due (its Manager's heartbeat goes on): longer than the
@@ -43,6 +46,7 @@ from torch import nn
 
 from multigpu.runtime import replica_groups
 from multigpu.session import Session
+from multigpu.strategies import DDPOptions
 
 
 def digest(model: nn.Module) -> str:
@@ -84,7 +88,8 @@ def main() -> None:
         torch.randn(240, 8, generator=generator), torch.randn(240, 1, generator=generator)
     )
     index = {float(v): i for i, v in enumerate(data.tensors[0][:, 0])}  # a sample's first feature names it
-    with Session(strategy="ddp") as session:
+    unused = (out / "find_unused").exists()  # DDP looks for unused parameters (its buckets are never rebuilt)
+    with Session(strategy="ddp", ddp=DDPOptions(find_unused_parameters=unused)) as session:
         model = session.setup_model(nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Linear(16, 1)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         scheduler = None
@@ -122,6 +127,7 @@ def main() -> None:
                         "pid": os.getpid(),
                         "ppid": os.getppid(),
                         "quorums": None if session._replicas is None else session._replicas.quorums,
+                        "in_backward": None if session._replicas is None else session._replicas._summing,
                         "started": started,
                         "time": time.time(),
                     }

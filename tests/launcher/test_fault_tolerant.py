@@ -192,6 +192,7 @@ def test_a_step_that_fails_on_one_group_after_its_all_reduce_went_through_is_com
     # and group 1 would not (then receive group 0's state at the next quorum: its count would skip 4)
     (tmp_path / "fail").write_text("1 3")  # group 1's step from global_step 3 fails, on group 1 only
     (tmp_path / "interval").write_text("600")
+    (tmp_path / "find_unused").touch()  # DDP never rebuilds its buckets: they match from the first step
     launch = run_to_end(
         "--replicas", "2", "--nproc-per-node", "1", "--max-restarts", "1", WORKER, str(tmp_path), "6", timeout_s=150
     )
@@ -201,6 +202,10 @@ def test_a_step_that_fails_on_one_group_after_its_all_reduce_went_through_is_com
         assert len({r["pid"] for r in by_group[group]}) == 1  # no restart: the failure is the step's, not the group's
         assert [r["global_step"] for r in by_group[group] if not r["committed"]] == [3], (group, by_group[group])
         assert [r["global_step"] for r in by_group[group] if r["committed"]] == list(range(1, 7))
+    # every step's buckets are summed in backward: the groups' buckets (never rebuilt under find_unused_parameters)
+    # were found alike at the first quorum, and again at the failed step's new one
+    for group in (0, 1):
+        assert [r["in_backward"] for r in by_group[group]] == [True] * 7, by_group[group]
     for step in range(1, 7):
         (ours,) = [r["digest"] for r in by_group[0] if r["committed"] and r["global_step"] == step]
         (theirs,) = [r["digest"] for r in by_group[1] if r["committed"] and r["global_step"] == step]
@@ -348,6 +353,13 @@ def test_sigterm_to_one_worker_is_its_groups_loss_the_group_is_restarted_and_the
     assert all(r["schedule"] == r["global_step"] for r in committed)
     restarted = [r for r in records(tmp_path, 1) if r["pid"] != victim and r["committed"]]
     assert len({r["lr"] for r in restarted}) > 2  # the schedule moved the rate after the restart
+    # the restarted group's first two steps (its reducer's one bucket, then buckets not yet compared) are summed after
+    # backward, on both groups alike (else bucket n of one would be summed with another's bucket n); then in it again
+    first = restarted[0]["global_step"]
+    for group in (0, 1):
+        summed = {r["global_step"]: r["in_backward"] for r in records(tmp_path, group) if r["committed"]}
+        assert [summed[s] for s in range(first, first + 3)] == [False, False, True], (group, first)
+        assert summed[400] is True
 
 
 def test_groups_of_two_processes_commit_every_step_with_the_same_weights_on_all_four_ranks(tmp_path: Path) -> None:

@@ -8,15 +8,14 @@ averages the gradients across them:
 1. ``begin_step`` (at a window's first micro-step) starts the step's quorum on torchft's thread when one is
    due, so the round trip to the lighthouse overlaps the forward and backward; otherwise the step keeps
    the last quorum (:data:`QUORUM_INTERVAL_S`, :meth:`ReplicaSync.begin_step`);
-2. the gradients are summed over the groups of the quorum on its process group, in buckets (a first of
-   :data:`FIRST_BUCKET_BYTES`, then of :data:`BUCKET_BYTES`): with one process per group, each bucket
-   starts as soon as backward has produced its gradients (hooks on the parameters, :meth:`watch`), so
-   the all-reduce overlaps the rest of backward as DDP's does; with several, after backward (DDP has
-   averaged inside the group by then). ``average_gradients`` (in ``session.step``) waits for them and
-   divides by the participants. No torchft DDP wrapper: its comm hook's future fails ``assert fut._fut``
-   when a peer dies inside the step and takes the healthy group down with it
-   (https://github.com/meta-pytorch/torchft/issues/304); a failed all-reduce is recorded with the
-   Manager instead;
+2. the gradients are averaged over the groups of the quorum on its process group: with one process per
+   group, DDP's own reducer hands each bucket (its flat buffers, the gradients views of them) to a comm
+   hook of ours (:meth:`ReplicaSync.watch`) as backward makes it, so the all-reduce overlaps the rest of
+   backward and the flattening stays in C++, as plain ddp's; with several, after backward (DDP has
+   averaged inside the group by then), in ``average_gradients`` (in ``session.step``). Not torchft's DDP
+   hook: its future fails ``assert fut._fut`` when a peer dies inside the step and takes the healthy
+   group down with it (https://github.com/meta-pytorch/torchft/issues/304); ours records a failed
+   all-reduce with the Manager and completes its future with the local bucket;
 3. ``commit`` asks the group whether every rank's step went through (torchft's ``should_commit``, a
    vote inside the group; decided locally for a group of one process), then the groups of the quorum
    vote across (a MIN all-reduce): a step during which a peer group failed is committed nowhere, also
@@ -38,27 +37,36 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import AllreduceOptions, ReduceOp
+from torch.nn.parallel import DistributedDataParallel
 
 from multigpu.errors import LaunchError
 from multigpu.runtime.collectives import issuing
 
-# a bucket's all-reduce starts once backward has this many bytes of gradients ready: a small first bucket (it starts
-# early in backward), then large ones (each all-reduce has a fixed cost), as DDP's buckets
-FIRST_BUCKET_BYTES = 1 << 20
-BUCKET_BYTES = 25 << 20
 QUORUM_TIMEOUT_S = 60.0  # how long a quorum may wait for the lighthouse (a group that just restarted imports torch)
 JOIN_TIMEOUT_S = 60.0  # how long the first groups wait for all R to arrive before the run starts
 # A step runs a quorum only when one is due (:meth:`ReplicaSync.commit`): after a step that was not committed, after
 # a quorum in which a group was behind, or once this long has passed since the last one (a restarted group waits
 # at most about this long, plus a step, for the others to meet it). Well below the lighthouse's join timeout.
 QUORUM_INTERVAL_S = 0.25
+# How often a group's Manager tells the lighthouse it is alive (torchft's default: 0.1 s). Each heartbeat wakes the
+# manager server's and the lighthouse's threads: at 0.1 s that was about 1% of a fault-tolerant step's CPU time on
+# the 2-core machine. Four heartbeats fit in the lighthouse's 1 s timeout (launcher/fault_tolerant.py's LIGHTHOUSE),
+# so a live group is not dropped for one late beat, and a dead group is still dropped 1 s after its last.
+HEARTBEAT_INTERVAL_S = 0.25
+
+_SUM = AllreduceOptions()  # the gradients' all-reduce across groups (one options object: it is only read)
+_SUM.reduceOp = ReduceOp(ReduceOp.SUM)
+_MIN = AllreduceOptions()
+_MIN.reduceOp = ReduceOp(ReduceOp.MIN)
 
 
 class _NoNcclRecorderNote(logging.Filter):
@@ -115,55 +123,126 @@ class ReplicaSync:
         self.healed_in_step = False  # a group of the last step's quorum (this one or another) healed inside it
         self._joining = False  # a state received now is applied before the first batch
         self._received = False  # this group received a state inside the step in flight
-        self._watched: list[torch.Tensor] = []  # parameters whose gradients are all-reduced as backward makes them
-        self._armed = False  # this backward ends the window: its gradients are all-reduced
-        self._bucket: list[torch.Tensor] = []  # parameters whose gradient is ready, not yet in an all-reduce
-        self._bucket_bytes = 0
-        self._in_flight: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []  # (work, flat buffer, parameters)
-        self._flats: list[torch.Tensor] = []  # the step's n-th bucket's buffer, kept for the next step's n-th
+        self._hooked: set[int] | None = None  # ids of the parameters DDP's reducer sums across groups (watch)
+        self._model: DistributedDataParallel | None = None  # whose reducer hands its buckets to _sum_bucket
+        self._buckets = 0  # DDP buckets handed to _sum_bucket in this step's backward (0: the reducer did not run)
+        self._summing = False  # this step's buckets are summed as backward makes them (_layouts_agree)
+        self._layout_quorum: int | None = None  # the quorum id whose groups were found to have the same buckets
+        self._layout: int | None = None  # a digest of the reducer's buckets once rebuilt (_note_layout)
+        self._flat: torch.Tensor | None = None  # the buffer of the gradients summed after backward, kept for the next
 
-    def watch(self, params: list[torch.Tensor]) -> None:
-        """All-reduce these parameters' gradients during backward (one process per group: no DDP averaging to wait for)."""
-        if self.group_size != 1 or self._watched:
+    def watch(self, model: nn.Module) -> None:
+        """Sum each of the model's DDP buckets across the groups as backward makes it (one process per group).
+
+        With one process per group, DDP's reducer runs over a process group of one: its buckets (flat buffers the
+        gradients are views of, a small first one, then ``bucket_cap_mb``) go to :meth:`_sum_bucket` instead of
+        that group's all-reduce, in C++ as backward makes them, so the sum overlaps the rest of backward as plain
+        ddp's does. Not for a model that is not a DDP module or already has a comm hook (a ``DDPOptions.comm_hook``):
+        its gradients are summed after backward (:meth:`average_gradients`).
+        """
+        if self.group_size != 1 or self._hooked or not isinstance(model, DistributedDataParallel):
             return
-        self._watched = [p for p in params if p.requires_grad]
-        for param in self._watched:
-            param.register_post_accumulate_grad_hook(self._gradient_ready)
-
-    def arm(self) -> None:
-        """The next backward ends the accumulation window: all-reduce its gradients as they come."""
-        self._armed = bool(self._watched)
-
-    def _gradient_ready(self, param: torch.Tensor) -> None:
-        if not self._armed or param.grad is None:
+        if model._comm_hooks:  # the script's compression hook: the reducer has one already
             return
-        self._bucket.append(param)
-        self._bucket_bytes += param.grad.numel() * param.grad.element_size()
-        if self._bucket_bytes >= (BUCKET_BYTES if self._in_flight else FIRST_BUCKET_BYTES):
-            self._send_bucket()
+        model.register_comm_hook(None, self._sum_bucket)
+        self._model = model
+        self._hooked = {id(p) for p in model.parameters() if p.requires_grad}
+        self._note_layout()
 
-    def _send_bucket(self) -> None:
-        params, self._bucket, self._bucket_bytes = self._bucket, [], 0
-        if not params:
+    def _sum_bucket(self, _state, bucket):  # type: ignore[no-untyped-def]
+        """(None, GradBucket) -> Future[Tensor], DDP's comm hook: ``bucket`` averaged over the groups of this step's
+        quorum, in a future that never fails. No annotations: DDP's ``_check_comm_hook`` compares them with the
+        classes themselves, and this module's postponed annotations are strings.
+
+        The gradients are divided by the participants first (as DDP divides by its world size), then summed. A
+        failed sum is recorded with the Manager (:meth:`commit` then says False) and the future completes with the
+        bucket as it is: the reducer, and the backward that waits for it, go on as in any step, and the step is
+        committed nowhere. torchft's own DDP hook fails its future there instead, which takes the healthy group
+        down with it (``assert fut._fut``, https://github.com/meta-pytorch/torchft/issues/304). In a step where the
+        groups' buckets may not match (:meth:`_layouts_agree`) the buckets are left alone and
+        :meth:`average_gradients` sums every gradient after backward instead.
+        """
+        flat = bucket.buffer()
+        if not self._buckets:  # the step's first bucket
+            self.begin_step()
+            self._summing = self._layouts_agree()
+        self._buckets += 1
+        work = self._start_sum(flat, divide=True) if self._summing else None
+        if work is None:
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(flat)
+            return done
+        manager = self._manager
+
+        def settle(future: torch.futures.Future[Any]) -> torch.Tensor:  # on gloo's thread, once the sum ended
+            try:
+                future.value()
+            except Exception as error:  # a peer group died inside it, or it timed out
+                manager.report_error(error)
+            return flat
+
+        return work.get_future().then(settle)
+
+    def _layouts_agree(self) -> bool:
+        """Whether every group of this step's quorum has the same DDP buckets (which parameters, in which order), so
+        that bucket n of one group is summed with bucket n of the others.
+
+        A reducer's first backward puts every gradient in one bucket; the second forward rebuilds the buckets in the
+        order the first backward produced the gradients. So a restarted group's first step has other buckets than
+        the groups that trained on, and nothing says two groups' orders match. Once per process group (each quorum
+        that changed, and the step after while a group has not rebuilt), the groups compare their layouts in one
+        all-reduce of three numbers; on a difference the step is summed after backward (:meth:`average_gradients`).
+        """
+        manager = self._manager
+        self._wait_quorum()
+        if manager.errored() is not None:
+            return False
+        quorum = manager._quorum_id
+        if quorum == self._layout_quorum:
+            return True
+        mark = -1 if self._layout is None else self._layout
+        check = torch.tensor([mark, -mark, int(mark >= 0)], dtype=torch.int64)
+        try:
+            if not manager._pg.allreduce([check], _MIN).wait(timedelta(seconds=self.timeout_s)):
+                raise TimeoutError(f"comparing the replica groups' gradient buckets took over {self.timeout_s:g} s")
+        except Exception as error:  # a peer group died inside it: the step is committed nowhere
+            manager.report_error(error)
+            return False
+        low, negated_high, all_rebuilt = check.tolist()
+        if all_rebuilt == 1 and low == -negated_high:
+            self._layout_quorum = quorum
+            return True
+        return False
+
+    def _note_layout(self) -> None:
+        """Digest the reducer's buckets once they are final (at :meth:`watch` and after backward: DDP's logger locks
+        the reducer that calls :meth:`_sum_bucket`, so the hook cannot ask it).
+
+        Final once rebuilt; or from the start where the reducer never rebuilds them (``find_unused_parameters``
+        without ``static_graph``): its first buckets follow the parameters' order, the same in every group.
+        """
+        model = self._model
+        if self._layout is not None or model is None:
             return
-        flat = self._flatten(params)
-        self.begin_step()
-        self._in_flight.append((self._start_sum(flat), flat, params))
+        if model._has_rebuilt_buckets:
+            layout = model._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices", "")  # each bucket's indices
+        elif model.find_unused_parameters and not model.static_graph:
+            layout = model._get_ddp_logging_data().get("bucket_sizes", "")
+        else:
+            return
+        self._layout = zlib.crc32(str(layout).encode())
 
     def _flatten(self, params: list[torch.Tensor]) -> torch.Tensor:
-        """The gradients of ``params`` in one flat buffer: the one this bucket had at the last step where it fits
-        (a new buffer of megabytes costs a page fault per 4 KiB at its first write, each step: DDP keeps its
-        buckets' too)."""
+        """The gradients of ``params`` in one flat buffer: the last step's where it fits (a new buffer of megabytes
+        costs a page fault per 4 KiB at its first write, each step: DDP keeps its buckets' too)."""
         grads = [p.grad.reshape(-1) for p in params]  # type: ignore[union-attr]
-        index, numel = len(self._in_flight), sum(g.numel() for g in grads)
-        kept = self._flats[index] if index < len(self._flats) else None
+        kept, numel = self._flat, sum(g.numel() for g in grads)
         if kept is None or kept.numel() != numel or any(g.dtype != kept.dtype for g in grads):
-            kept = torch.cat(grads)
-            self._flats[index:] = [kept]
-            return kept
+            self._flat = torch.cat(grads)
+            return self._flat
         return torch.cat(grads, out=kept)
 
-    def _start_sum(self, flat: torch.Tensor) -> Any:
+    def _start_sum(self, flat: torch.Tensor, *, divide: bool = False) -> Any:
         """Start summing ``flat`` over the groups of the quorum; its work, or None once this step has failed.
 
         What torchft's ``Manager.allreduce`` does, less its per-call futures (a continuation that divides, an error
@@ -171,7 +250,7 @@ class ReplicaSync:
         fault-tolerant step's cost over ddp's. The group's process group already times out (the Manager's timeout), a
         failure is recorded by the Manager as its own are (``report_error``: :meth:`commit` then says False), and a
         group healing inside this step contributes zeros, as torchft's does. The division by the participants is
-        folded into the copy back (:meth:`average_gradients`).
+        folded into the copy back (:meth:`average_gradients`), or done here first (``divide``: DDP's buckets).
         """
         manager = self._manager
         self._wait_quorum()  # this step's process group is configured (or its configuration failed: recorded)
@@ -179,10 +258,10 @@ class ReplicaSync:
             return None
         if not manager.is_participating():
             flat.zero_()
-        options = AllreduceOptions()
-        options.reduceOp = ReduceOp(ReduceOp.SUM)
+        elif divide and self._participants > 1:
+            flat.div_(self._participants)
         try:
-            return manager._pg.allreduce([flat], options)
+            return manager._pg.allreduce([flat], _SUM)
         except Exception as error:  # the group's link failed as the all-reduce started
             manager.report_error(error)
             return None
@@ -229,6 +308,7 @@ class ReplicaSync:
 
     def close(self) -> None:
         """Stop this group's Manager (its heartbeat ends: the lighthouse drops the group)."""
+        self._model = None
         if self._manager is not None:
             self._manager.shutdown(wait=False)
             self._manager = None
@@ -265,33 +345,30 @@ class ReplicaSync:
         return self._participants
 
     def average_gradients(self, params: list[torch.Tensor]) -> None:
-        """Average the ``.grad`` of ``params`` over the groups of this step's quorum (flat all-reduces by bucket).
+        """Average the ``.grad`` of ``params`` over the groups of this step's quorum.
 
-        A peer group that fails during it leaves the gradients undefined and the step uncommitted
-        (:meth:`commit` says False); nothing is raised here.
+        Those DDP's reducer summed in backward (:meth:`watch`) are done; the rest (every one with several processes
+        per group, or when the reducer did not run) in one flat all-reduce now. A peer group that fails during it
+        leaves the gradients undefined and the step uncommitted (:meth:`commit` says False); nothing is raised here.
         """
         self.begin_step()
-        if self._armed:  # the buckets went out during backward: the last one now, then wait for all
-            self._armed = False
-            self._send_bucket()
-            sent = {id(p) for _, _, bucket in self._in_flight for p in bucket}
-            params = [p for p in params if p.grad is not None and id(p) not in sent]  # made outside backward
-        rest = [p for p in params if p.grad is not None]
-        if rest:
-            flat = self._flatten(rest)
-            self._in_flight.append((self._start_sum(flat), flat, rest))
-        in_flight, self._in_flight = self._in_flight, []
+        self._note_layout()
+        summed, self._buckets = self._buckets > 0 and self._summing and self._hooked is not None, 0
+        rest = [p for p in params if p.grad is not None and not (summed and id(p) in self._hooked)]  # type: ignore[operator]
+        if not rest:
+            return
+        flat = self._flatten(rest)
+        work = self._start_sum(flat)
         participants = max(1, self._wait_quorum())
-        for work, flat, bucket in in_flight:
-            if not self._finished(work):  # a failed all-reduce is recorded (commit says False), not raised
-                self._flats = []  # one that failed may still write into its buffer: the next step takes new ones
-                continue
-            offset = 0
-            for param in bucket:
-                grad = param.grad
-                assert grad is not None
-                torch.div(flat[offset : offset + grad.numel()].view_as(grad), participants, out=grad)
-                offset += grad.numel()
+        if not self._finished(work):  # a failed all-reduce is recorded (commit says False), not raised
+            self._flat = None  # one that failed may still write into its buffer: the next step takes a new one
+            return
+        offset = 0
+        for param in rest:
+            grad = param.grad
+            assert grad is not None
+            torch.div(flat[offset : offset + grad.numel()].view_as(grad), participants, out=grad)
+            offset += grad.numel()
 
     def _finished(self, work: Any) -> bool:
         """Wait for an all-reduce of :meth:`_start_sum`; False (recorded by the Manager) where it failed."""
@@ -434,4 +511,5 @@ class ReplicaSync:
             lighthouse_addr=self.lighthouse,
             replica_id=f"multigpu_group_{self.group}",
             init_sync=False,  # every group builds the model from the same seed
+            heartbeat_interval=timedelta(seconds=HEARTBEAT_INTERVAL_S),
         )

@@ -294,8 +294,8 @@ class Session(Toolkit, RunLog):
         if self.config.activation_checkpointing is not None:  # before DDP/FSDP wrap the blocks, before compile
             model = apply_activation_checkpointing(model, self.config.activation_checkpointing)  # type: ignore[arg-type]
         wrapped = strategy.wrap_model(model)
-        if self._replicas is not None:  # one process per group: the cross-group all-reduce overlaps backward
-            self._replicas.watch(list(wrapped.parameters()))
+        if self._replicas is not None:  # one process per group: DDP's buckets are summed across groups in backward
+            self._replicas.watch(wrapped)
         shard = self._data_shard()  # under --fault-tolerant: every group's ranks, one stream each
         if self.config.seed_per_rank and shard.world_size > 1 and not self._rank_streams:
             # the model is built (identical on every rank); from here each rank draws its own masks
@@ -508,8 +508,6 @@ class Session(Toolkit, RunLog):
         # DDP all-reduces the gradients inside backward: a rank that stopped turns into an
         # explained CollectiveTimeoutError / PeerExitedError instead of a bare backend error.
         syncs = self.should_step and world.in_process_group()  # DDP all-reduces in this backward
-        if self._replicas is not None and self.should_step:
-            self._replicas.arm()  # and the replica groups' all-reduce starts in it
         with collectives.issuing("backward (gradient all-reduce)") if syncs else _no_collective():
             if not torch.is_autocast_enabled(self.device.type):
                 scaled.backward()
