@@ -30,8 +30,13 @@ def test_bad_specs_and_budgets_are_refused_by_name(tmp_path: Path) -> None:
         MeasureSpec()
     with pytest.raises(ConfigError, match=r"--script 'nope\.py' does not exist"):
         MeasureSpec(script="nope.py")
-    with pytest.raises(ConfigError, match="--budget 0 must be > 0"):
-        measure([MeasureRun(strategy="single", devices=1)], MeasureSpec(factory="m:f", input_shape=[4]), budget_s=0)
+    for budget in (0, -1, float("inf"), float("nan"), 10 * 86400, "60", True):  # inf crashed the worker
+        with pytest.raises(
+            ConfigError, match=r"budget_s \(advise --budget\)=.*seconds > 0 and at most 86400|not a number"
+        ):
+            measure(
+                [MeasureRun(strategy="single", devices=1)], MeasureSpec(factory="m:f", input_shape=[4]), budget_s=budget
+            )  # type: ignore[arg-type]
 
 
 # The two runs below each last their whole budget (killed at its end), and the budget must outlast the

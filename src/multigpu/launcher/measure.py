@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from multigpu.core.limits import DAY_S, check_seconds
 from multigpu.core.run_files import UnreadableFile, entries, read_bytes, read_json, read_tail
 from multigpu.errors import ConfigError
 from multigpu.launcher import _measure_worker
@@ -116,8 +117,7 @@ def measure(
     Raises:
         ConfigError: a budget that is not a positive number of seconds.
     """
-    if not budget_s > 0:
-        raise ConfigError(f"--budget {budget_s} must be > 0 seconds")
+    budget_s = check_seconds(budget_s, "budget_s (advise --budget)", maximum_s=DAY_S)
     end = time.monotonic() + budget_s
     results = []
     for i, run in enumerate(runs):
