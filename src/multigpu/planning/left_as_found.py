@@ -24,6 +24,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from multigpu.devices import get_device_type
+
 
 @contextlib.contextmanager
 def left_as_found(model: nn.Module, device: torch.device) -> Iterator[None]:
@@ -33,8 +35,10 @@ def left_as_found(model: nn.Module, device: torch.device) -> Iterator[None]:
     with torch.no_grad():
         saved = [t.detach().clone() for t in tensors]
     grads = [(p, p.grad) for p in model.parameters()]
-    forked = [] if device.type in ("cpu", "meta") else [device.index or 0]
-    with torch.random.fork_rng(devices=forked, device_type=device.type if forked else "cuda"):
+    # the device type's object owns its generators (the CPU's and meta's: none of their own)
+    accelerator = None if device.type in ("cpu", "meta") else get_device_type(device)
+    generators = accelerator.get_rng_state_all() if accelerator is not None else None
+    with torch.random.fork_rng(devices=[]):  # the CPU's stream
         try:
             yield
         finally:
@@ -43,3 +47,5 @@ def left_as_found(model: nn.Module, device: torch.device) -> Iterator[None]:
                     tensor.copy_(value)
             for param, grad in grads:
                 param.grad = grad
+            if accelerator is not None and generators is not None:
+                accelerator.set_rng_state_all(generators)
