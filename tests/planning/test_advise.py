@@ -10,22 +10,13 @@ from multigpu.planning.advise import Row, evaluate, recommend, to_json
 from multigpu.planning.costs import StepTime
 from multigpu.planning.hardware import Platform, gpu_platform
 from multigpu.planning.workload import Workload
+from tests.planning._platforms import two_core_cpu
 
 A100 = gpu_platform(hardware.gpu("a100-80gb"), hardware.link("nvlink-a100"))
 
 
 def _cpu(contention: float) -> Platform:
-    return Platform(
-        name="cpu",
-        memory_bytes=None,
-        memory_bandwidth=10e9,
-        link=hardware.measured_link(0.5e9),
-        peer_copies=False,
-        overlap=0.0,
-        cores=2,
-        contention=contention,
-        synchronous=True,
-    )
+    return two_core_cpu(link=hardware.measured_link(0.5e9), contention=contention, synchronous=True)
 
 
 def test_a_strategy_slower_than_one_device_is_never_recommended() -> None:

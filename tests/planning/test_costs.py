@@ -9,6 +9,7 @@ from multigpu.planning import costs, hardware, workload
 from multigpu.planning.costs import collective_s, predict_step
 from multigpu.planning.hardware import HostCosts, Platform, gpu_platform
 from multigpu.planning.workload import StepCounts, Workload
+from tests.planning._platforms import two_core_cpu
 
 
 def _plat(link: str = "nvlink-v100", overlap: float = 0.5) -> Platform:
@@ -140,16 +141,7 @@ def test_loss_on_replicas_halves_the_gather() -> None:
 
 
 def test_cpu_replicas_copy_nothing_and_slow_each_other() -> None:
-    plat = Platform(
-        name="cpu",
-        memory_bytes=None,
-        memory_bandwidth=10e9,
-        link=hardware.measured_link(1e9),
-        peer_copies=False,
-        overlap=0.0,
-        cores=2,
-        contention=1.2,
-    )
+    plat = two_core_cpu(contention=1.2)
     dp = predict_step("dp", _work(), plat, devices=2, per_device_batch=16)
     assert dp.parts["broadcast"] == dp.parts["gather"] == dp.parts["scatter"] == 0.0
     assert dp.parts["forward"] + dp.parts["backward"] == pytest.approx(16 * 2e-3 * 1.2)
@@ -200,18 +192,7 @@ def test_bad_requests_say_what_to_do() -> None:
 
 
 def test_ddp_on_a_cpu_pays_its_measured_step_floor_and_broadcasts_the_buffers_each_forward() -> None:
-    plat = Platform(
-        name="cpu",
-        memory_bytes=None,
-        memory_bandwidth=10e9,
-        link=hardware.measured_link(1e9),
-        peer_copies=False,
-        overlap=0.0,
-        cores=2,
-        synchronous=True,
-        collective_latency_s=2e-4,
-        ddp_step_s=5e-4,
-    )
+    plat = two_core_cpu(synchronous=True, collective_latency_s=2e-4, ddp_step_s=5e-4)
     plain = predict_step("ddp", _work(), plat, devices=2, per_device_batch=16)
     assert plain.parts["ddp"] == 5e-4 and plain.parts["buffers"] == 0.0  # no buffers: nothing broadcast
     bn = predict_step("ddp", _work(buffer_bytes=4e6), plat, devices=2, per_device_batch=16)

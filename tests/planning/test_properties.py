@@ -14,6 +14,7 @@ from multigpu.planning.costs import device_memory, predict_step
 from multigpu.planning.hardware import DEFAULT_HOST, Platform, gpu_platform
 from multigpu.planning.memory import balanced_chunks
 from multigpu.planning.workload import StepCounts, Workload
+from tests.planning._platforms import two_core_cpu
 
 workloads = st.builds(
     lambda params, c, act, out, ops, mods: Workload(
@@ -49,18 +50,7 @@ platforms = st.one_of(
         ]
     ),
     st.builds(
-        lambda contention: Platform(
-            name="cpu",
-            memory_bytes=None,
-            memory_bandwidth=10e9,
-            link=hardware.measured_link(1e9),
-            peer_copies=False,
-            overlap=0.0,
-            cores=2,
-            contention=contention,
-            synchronous=True,
-            host=DEFAULT_HOST,
-        ),
+        lambda contention: two_core_cpu(contention=contention, synchronous=True, host=DEFAULT_HOST),
         st.floats(1.0, 3.0),
     ),
 )
