@@ -136,11 +136,15 @@ def test_counting_or_timing_a_real_model_leaves_it_and_the_random_streams_as_the
     # process's stream, and the gradients it held were dropped
     from multigpu.planning.counting import measure_workload
 
+    # (and the probe's first backward added into the gradients held, in place: the same tensors, other values)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
     model(torch.randn(4, 8)).sum().backward()
+    model[2].eval()  # one module in eval mode, the rest training
     before = {k: v.clone() for k, v in model.state_dict().items()}
     grads = [p.grad for p in model.parameters()]
+    grad_values = [g.clone() for g in grads]
+    modes = [m.training for m in model.modules()]
     rng = torch.get_rng_state()
     x = torch.randn(16, 8)
     torch.set_rng_state(rng)
@@ -151,4 +155,6 @@ def test_counting_or_timing_a_real_model_leaves_it_and_the_random_streams_as_the
     after = model.state_dict()
     assert [k for k in before if not torch.equal(before[k], after[k])] == []
     assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert all(torch.equal(g, v) for g, v in zip(grads, grad_values))
+    assert [m.training for m in model.modules()] == modes
     assert torch.equal(torch.get_rng_state(), rng)

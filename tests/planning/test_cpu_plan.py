@@ -176,3 +176,24 @@ def test_the_optimizer_is_timed_as_a_step_runs_it_each_time_after_a_backward() -
     assert optimizer_step_s(opt, backward, repeats=5, clock=lambda: next(ticks)) == 2.0
     assert seen == [True] * 6 and model.weight.grad is None
     assert opt.state[model.weight]["momentum_buffer"] is not None  # it stepped
+
+
+def test_the_calibration_leaves_the_users_model_and_the_random_stream_as_it_found_them() -> None:
+    # calibrate_cpu times the optimizer on the model it is given (the weights moved), runs the whole batch and
+    # one replica's on it (BatchNorm's statistics counted them, dropout drew), and left its gradients None
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 4)
+    )
+    model[3].weight.requires_grad_(False)  # a frozen parameter stays frozen
+    model(torch.randn(4, 32)).sum().backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [(p.grad, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
+    rng = torch.get_rng_state()
+    calibrate_cpu(model, lambda n: torch.randn(n, 32), CpuBatches(8, 4, 2), fixed(), cores=2)
+    after = model.state_dict()
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+    for p, (grad, value) in zip(model.parameters(), grads):
+        assert p.grad is grad and (grad is None or torch.equal(grad, value))
+    assert not model[3].weight.requires_grad and model.training
+    assert torch.equal(torch.get_rng_state(), rng)

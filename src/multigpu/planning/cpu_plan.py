@@ -46,6 +46,7 @@ from multigpu.planning.counting import (
     optimizer_step_s,
 )
 from multigpu.planning.hardware import Platform
+from multigpu.planning.left_as_found import left_as_found
 from multigpu.planning.machine import MachineConstants
 from multigpu.planning.timing import CPU_CLOCK, RATIO_QUANTILE, low_quantile
 from multigpu.planning.workload import Workload
@@ -137,9 +138,30 @@ def calibrate_cpu(
     loss_fn: LossFn = default_loss,
     cores: int | None = None,
 ) -> tuple[Workload, Platform]:
-    """The workload of ``model`` and this CPU as its platform (``inputs(n)``: a batch of ``n`` samples)."""
+    """The workload of ``model`` and this CPU as its platform (``inputs(n)``: a batch of ``n`` samples).
+
+    ``model`` is left as it was found (:func:`~multigpu.planning.left_as_found.left_as_found`): the timed
+    optimizer steps move its weights, the probe's batches run through its BatchNorm and dropout, and its
+    gradients are set to None between steps; the CPU's random stream (``inputs`` may draw from it) too.
+    """
     cores = cores or os.cpu_count() or 1
     previous = torch.get_num_threads()
+    # the user's model is put back: weights, buffers, gradients, modes and the random stream
+    with left_as_found(model, torch.device("cpu")):
+        return _calibrated(model, inputs, batches, constants, optimizer, name, loss_fn, cores, previous)
+
+
+def _calibrated(
+    model: nn.Module,
+    inputs: Callable[[int], torch.Tensor],
+    batches: CpuBatches,
+    constants: MachineConstants,
+    optimizer: str,
+    name: str,
+    loss_fn: LossFn,
+    cores: int,
+    previous: int,
+) -> tuple[Workload, Platform]:
     try:
         torch.set_num_threads(_threads(cores, batches.replicas))
         counted = measure_workload(
