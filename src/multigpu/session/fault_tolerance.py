@@ -11,7 +11,8 @@ does not read a checkpoint: at its first quorum a healthy group sends it this st
 - ``global_step``, the steps committed in this run;
 - each session loader's position (:meth:`multigpu.runtime.data.EpochLoader.state_dict`), rewound by
   the batches of the window in flight, so that the restarted group's next batch is the one the others
-  train now; and the position after that window, for a group that heals inside the step;
+  train now; and the position after that window, for a group that heals inside the step (a position for
+  a loader this group builds after the heal waits for it: :meth:`LiveState.add_loader` applies it);
 - the random state: torch's CPU generator, Python's and numpy's;
 - the precision's state (fp16's gradient scale: a group at another scale would all-reduce gradients
   scaled otherwise than the others', and skip other steps).
@@ -68,9 +69,27 @@ class LiveState:
         self._marked: dict[str, Any] = {}
         self._pending_optimizers: list[dict[str, Any]] | None = None  # received before the optimizer was seen
         self._pending_schedulers: list[list[dict[str, Any]]] = []  # each optimizer's schedulers' (the same)
+        # positions received for loaders not built yet, by their index (and the entry's name, for a refusal)
+        self._pending_positions: dict[int, tuple[str, Any]] = {}
 
     def add_loader(self, loader: EpochLoader[Any]) -> None:
-        """Send and restore ``loader``'s position (a loader the Session built; the n-th of each group match)."""
+        """Send and restore ``loader``'s position (a loader the Session built; the n-th of each group match).
+
+        A position a heal received for the n-th loader before this group built it is applied here (the
+        script builds it where the sender's did, before iterating it).
+
+        Raises:
+            CheckpointError: that position does not fit ``loader`` (another dataset or batch); nothing applied.
+        """
+        index = len(self._loaders)
+        waiting = self._pending_positions.pop(index, None)
+        if waiting is not None:
+            name, position = waiting
+            try:
+                loader.check_state_dict(position)
+            except ConfigError as error:
+                PEER.fail(f"{name!r}[{index}]", position, f"a position this loader takes ({error})")
+            loader.load_state_dict(position)
         self._loaders.append(weakref.ref(loader))
 
     @property
@@ -132,9 +151,13 @@ class LiveState:
             set_committed_steps(state["global_step"])
         if self.precision is not None and state.get("precision"):
             self.precision.load_state_dict(state["precision"])
-        for loader, position in zip(self.loaders, state.get("loaders_after" if inside_step else "loaders", [])):
-            if loader is not None and position is not None:
-                loader.load_state_dict(position)
+        name = "loaders_after" if inside_step else "loaders"
+        loaders, self._pending_positions = self.loaders, {}  # a later heal's positions replace those still waiting
+        for index, position in enumerate(state.get(name, [])):
+            if index >= len(loaders) and position is not None:  # a loader this group builds later: it waits
+                self._pending_positions[index] = (name, position)
+            elif index < len(loaders) and loaders[index] is not None and position is not None:
+                loaders[index].load_state_dict(position)  # type: ignore[union-attr]
         rng = None if inside_step else state.get("rng")
         if rng:
             torch.set_rng_state(rng["torch"])
@@ -203,13 +226,20 @@ def _check_marked(live: LiveState, state: Mapping[str, Any]) -> None:
     step = state["global_step"]
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
         PEER.fail("'global_step'", step, "a step count (an int >= 0)")
+    loaders = live.loaders
     for name in ("loaders", "loaders_after"):
-        for index, (loader, position) in enumerate(zip(live.loaders, list_of(state[name], repr(name)))):
-            if loader is not None and position is not None:
-                try:
+        for index, position in enumerate(list_of(state[name], repr(name))):
+            if position is None:
+                continue
+            if index >= len(loaders):  # a loader not built yet: its form now, the rest when it is built
+                _check_position_form(position, f"{name!r}[{index}]")
+                continue
+            loader = loaders[index]
+            try:
+                if loader is not None:
                     loader.check_state_dict(position)
-                except ConfigError as error:
-                    PEER.fail(f"{name!r}[{index}]", position, f"a position this loader takes ({error})")
+            except ConfigError as error:
+                PEER.fail(f"{name!r}[{index}]", position, f"a position this loader takes ({error})")
     rng = state["rng"]
     if not isinstance(rng, Mapping) or set(rng) != {"torch", "python", "numpy"}:
         PEER.fail("'rng'", rng, "torch's, Python's and numpy's random states")
@@ -223,6 +253,15 @@ def _check_marked(live: LiveState, state: Mapping[str, Any]) -> None:
             set_state(rng[name])  # a generator of its own: this process's are set only when every part passed
         except Exception:  # whatever the generator says, it did not take the state
             PEER.fail(f"'rng'[{name!r}]", rng[name], f"a state of {name}'s generator")
+
+
+def _check_position_form(position: Any, entry: str) -> None:
+    """Refuse what no loader's :meth:`~multigpu.runtime.data.EpochLoader.state_dict` returns."""
+    fields = [position.get(k) for k in ("epoch", "batch")] if isinstance(position, Mapping) else [None]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 for v in fields):
+        PEER.fail(entry, position, "a loader's position (ints 'epoch' and 'batch' >= 0)")
+    if not isinstance(position.get("data", {}), (Mapping, type(None))):
+        PEER.fail(entry, position, "a loader's position (its 'data' a mapping)")
 
 
 def _rewound(loader: EpochLoader[Any], batches: int) -> dict[str, Any]:
