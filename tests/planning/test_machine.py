@@ -373,3 +373,39 @@ def test_fsdp_work_per_group_holds_the_waits_at_its_collectives_beyond_their_lat
     # the thread's CPU time: 9 ms. The larger, per group.
     assert _fsdp_group_s(figures, 2.5e-4) == pytest.approx(12e-3 / 9)
     assert _fsdp_group_s(figures, 1e-3) == pytest.approx(9e-3 / 9)  # the latency explains the waits: CPU time
+
+
+def test_feedbacks_written_at_once_each_land_in_the_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # two `advise --measure` runs (or threads) feeding back at once: each read the cache, appended its value and
+    # renamed its copy over the file, so one rename between another's read and rename dropped that one's value
+    import threading
+
+    from multigpu.cli._advise_calibrate import feed_back_measured
+
+    monkeypatch.setenv("MULTIGPU_CACHE_DIR", str(tmp_path))
+    w = _workload()
+    plat = fixed().platform(cores=2, contention=1.0, single_speedup=1.0)
+    predicted = _predicted(fixed(), w)["single"]
+    writers, rounds = 4, 5
+    for _ in range(rounds):
+        machine.save(fixed(), tmp_path)
+        start, errors = threading.Barrier(writers), list[BaseException]()
+
+        def feed(i: int, start: threading.Barrier, errors: list[BaseException]) -> None:
+            single = Measurement(strategy="single", devices=1, step_s=predicted * (1.0 + 0.05 * i))
+            checked = check(_rows(w, plat), [single])
+            start.wait()
+            try:
+                feed_back_measured(w, plat, checked)
+            except BaseException as error:
+                errors.append(error)
+
+        threads = [threading.Thread(target=feed, args=(i, start, errors)) for i in range(writers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+        landed = machine.load(tmp_path, fixed().key)
+        assert landed is not None and len(landed.feedback["compute_scale"]) == writers
+    assert sorted(p.name for p in tmp_path.iterdir()) == [machine.cache_path(tmp_path, fixed().key).name]

@@ -69,14 +69,22 @@ def feed_back_measured(
     """Solve the measured strategies' constants into this machine's cache, unless refused (``load``: the
     runnable processes per core besides the runs', :func:`multigpu.planning.machine.load_besides`);
     (what was solved and refused, the file written, or why none was: the measurement is reported either way)."""
+    from multigpu.errors import ConfigError
     from multigpu.planning import machine
     from multigpu.runtime.world import cache_dir
 
-    constants = machine_constants()
-    fed = machine.feed_back(constants, w, plat, checked, load=load)
-    if not fed.solved:
-        return fed, "not written: nothing to feed back"
+    constants = machine_constants()  # measured first where none are cached (seconds: before the turn)
+    fed = machine.FedBack({}, {})
+
+    def solve(latest: MachineConstants) -> dict[str, float]:
+        nonlocal fed  # solved from the cache as the feedback before this one left it
+        fed = machine.feed_back(latest, w, plat, checked, load=load)
+        return fed.solved
+
     try:
-        return fed, str(machine.save(constants.with_feedback(fed.solved), cache_dir()))
+        _, written = machine.record_feedback(cache_dir(), constants, solve)
     except OSError as exc:
         return fed, f"not written: {exc}; set MULTIGPU_CACHE_DIR to a writable folder"
+    except ConfigError as exc:
+        return fed, f"not written: {exc}"
+    return fed, "not written: nothing to feed back" if written is None else str(written)

@@ -37,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -48,12 +49,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from multigpu.core.folder_turns import taking_turns
 from multigpu.core.run_files import write_replacing
 from multigpu.errors import ConfigError
 from multigpu.planning.hardware import HostCosts, Platform, measured_link
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from multigpu.planning.costs import StepTime
     from multigpu.planning.measured import Checked
@@ -70,6 +72,7 @@ FED_BACK = ("compute_scale", "thread_overhead_s", "allreduce_busbw", "fsdp_group
 # of the file's layout; another version is measured again (3: FSDP2's work per group in a 2-process group;
 # 4: DDP's step floor, DataParallel's hand-off timed through the engine)
 _VERSION = 4
+_TURN_S = 30.0  # seconds another feedback may hold the cache folder (it holds it for milliseconds)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,6 +214,32 @@ def save(constants: MachineConstants, folder: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_replacing(path, json.dumps(constants.to_json(), indent=2) + "\n")  # a partial per process and thread
     return path
+
+
+def record_feedback(
+    folder: str | Path, constants: MachineConstants, solve: Callable[[MachineConstants], Mapping[str, float]]
+) -> tuple[dict[str, float], Path | None]:
+    """Append what ``solve`` finds from the cached constants to their histories, one writer at a time.
+
+    Two ``advise --measure`` runs feeding back at once each read the file, appended and renamed their copy over
+    it, so one's value was lost; here each takes its turn on the folder's flock (:mod:`multigpu.core.folder_turns`)
+    from the read to the rename, and solves from the file as the writer before it left it (``constants`` where
+    there is none). Returns what was solved and the file written (None: nothing solved, nothing written).
+
+    Raises:
+        OSError: the folder cannot be written. ConfigError: another writer held it :data:`_TURN_S` seconds.
+    """
+    path = cache_path(folder, constants.key)
+    with contextlib.suppress(OSError):  # save says what is wrong with the folder, once solved
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def held_too_long(message: str) -> ConfigError:
+        return ConfigError(f"{message} while this advise fed back its measurement; run advise --measure again")
+
+    with taking_turns(path.parent, hold_s=_TURN_S, held_too_long=held_too_long):
+        latest = load(folder, constants.key) or constants
+        solved = dict(solve(latest))
+        return solved, save(latest.with_feedback(solved), folder) if solved else None
 
 
 def _measured_s(checked: Sequence[Checked], strategy: str) -> tuple[float, StepTime] | None:

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import fcntl
 import io
 import json
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from multigpu.core.folder_turns import taking_turns
 from multigpu.core.run_files import open_appending, write_replacing
 from multigpu.errors import ConfigError
 from multigpu.session.trackers.base import RunInfo, Tracker
@@ -77,45 +77,21 @@ class CsvTracker(Tracker):
         self._file.close()
 
 
-@contextlib.contextmanager
-def _folder_held(folder: Path) -> Iterator[None]:
-    """The kernel's ``flock`` on the run folder itself, for the block: two writers of ``hparams.json`` (two
-    processes logging into one folder, or threads) update it one after the other. No lock file is left behind,
-    and the kernel drops the lock however its holder exits. Where the folder takes no flock (NFS maps it to a
-    lock a read-only descriptor cannot take) the writers take no turns, as before.
+def _folder_held(folder: Path) -> contextlib.AbstractContextManager[None]:
+    """Two writers of ``hparams.json`` (two processes logging into one folder, or threads) update it one after the
+    other (:mod:`multigpu.core.folder_turns`).
 
     Raises:
         ConfigError: another writer held it for :data:`_HOLD_S` seconds (a stopped process), naming the folder.
     """
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        fd = -1  # the write that follows says what is wrong with the folder
-    try:
-        deadline = time.monotonic() + _HOLD_S
-        while fd >= 0 and not _locked(fd):
-            if time.monotonic() > deadline:
-                raise ConfigError(
-                    f"another process kept {folder} locked for {_HOLD_S:g} s while this one logged its "
-                    "hyperparameters (a stopped run logging into the same folder?); give each run its own "
-                    "run_dir (Session(run_dir=...))"
-                )
-            time.sleep(0.005)
-        yield
-    finally:
-        if fd >= 0:
-            os.close(fd)  # releases the lock
 
+    def held_too_long(message: str) -> ConfigError:
+        return ConfigError(
+            f"{message} while this one logged its hyperparameters (a stopped run logging into the same folder?); "
+            "give each run its own run_dir (Session(run_dir=...))"
+        )
 
-def _locked(fd: int) -> bool:
-    """Whether this descriptor now holds the lock: False while another holds it, True also where none can be taken."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError:  # no flock here: go on unlocked
-        pass
-    return True
+    return taking_turns(folder, hold_s=_HOLD_S, held_too_long=held_too_long)
 
 
 def _cut_short(path: Path) -> bool:

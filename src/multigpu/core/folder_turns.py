@@ -1,0 +1,60 @@
+"""Writers of one folder's read-modify-write file taking turns on the kernel's ``flock`` on the folder itself.
+
+Two writers that each read a file, add theirs and rename their copy over it lose one's update when a rename
+falls between the other's read and rename. Holding the folder's flock from the read to the rename makes them
+take turns: ``hparams.json`` in a run folder (:mod:`multigpu.session.trackers.csv_file`), the planner's machine
+cache (:func:`multigpu.planning.machine.record_feedback`). No lock file is left behind, and the kernel drops the
+lock however its holder exits (a SIGKILL included). Where the folder takes no flock (NFS maps it to a POSIX
+lock that a read-only descriptor cannot take exclusively) or cannot be opened, the block runs without turns
+(the write that follows says what is wrong with the folder).
+
+Example:
+    >>> import tempfile
+    >>> with taking_turns(Path(tempfile.mkdtemp()), hold_s=1.0, held_too_long=TimeoutError):
+    ...     pass
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+_POLL_S = 0.005  # between tries: a turn lasts milliseconds
+
+
+@contextlib.contextmanager
+def taking_turns(folder: Path, *, hold_s: float, held_too_long: Callable[[str], BaseException]) -> Iterator[None]:
+    """Hold ``folder``'s flock for the block, waiting up to ``hold_s`` seconds for another holder.
+
+    Raises:
+        What ``held_too_long(message)`` returns: another holder kept it ``hold_s`` seconds (a stopped process).
+    """
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        fd = -1  # the write that follows says what is wrong with the folder
+    try:
+        deadline = time.monotonic() + hold_s
+        while fd >= 0 and not _locked(fd):
+            if time.monotonic() > deadline:
+                raise held_too_long(f"another process kept {folder} locked for {hold_s:g} s")
+            time.sleep(_POLL_S)
+        yield
+    finally:
+        if fd >= 0:
+            os.close(fd)  # releases the lock
+
+
+def _locked(fd: int) -> bool:
+    """Whether this descriptor now holds the lock: False while another holds it, True also where none can be taken."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # no flock here: go on unlocked
+        pass
+    return True
