@@ -212,3 +212,17 @@ def test_hparams_logged_at_once_by_many_writers_keep_every_key(tmp_path: Path) -
         tracker.close()
     assert len(json.loads((tmp_path / "hparams.json").read_text())) == 4 * 40
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hparams.json", "metrics.csv"]  # no partial, no lock file
+
+
+def test_an_int_hyperparameter_no_tracker_can_write_as_text_is_refused_at_the_call(tmp_path: Path) -> None:
+    # 10**5000 passed the check (an int) and was kept for the trackers; json cannot write an int of more than
+    # sys.get_int_max_str_digits() digits, so the first log opened the trackers and raised ValueError, and so did
+    # every log after it: the run logged nothing more
+    with Session(strategy="single", trackers=("csv",), run_dir=tmp_path) as session:
+        with pytest.raises(
+            ConfigError, match=r"hyperparameter 'seed' is an int of more than \d+ digits; log it as a str"
+        ):
+            session.log_hparams({"seed": 10**5000})
+        session.log_hparams({"lr": 0.1})
+        session.log({"v": 1.0}, 1)
+    assert json.loads((tmp_path / "hparams.json").read_text()) == {"lr": 0.1}

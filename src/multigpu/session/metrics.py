@@ -29,6 +29,7 @@ import json
 import numbers
 import re
 import reprlib
+import sys
 import uuid
 import warnings
 from collections.abc import Mapping, Sequence
@@ -314,6 +315,13 @@ def _hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"hyperparameter name {name!r} must be a string, e.g. 'lr'")
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             value = int(value)
+            try:
+                str(value)  # what a tracker's JSON or text writes: refused past sys.get_int_max_str_digits()
+            except ValueError:
+                raise ConfigError(
+                    f"hyperparameter {name!r} is an int of more than {sys.get_int_max_str_digits()} digits; "
+                    "log it as a str (no tracker can write it as a number)"
+                ) from None
         elif isinstance(value, numbers.Real) and not isinstance(value, bool):
             value = float(value)
         elif not isinstance(value, (str, bool)) and value is not None:
