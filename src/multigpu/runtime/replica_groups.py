@@ -130,6 +130,10 @@ class ReplicaSync:
         self._layout_quorum: int | None = None  # the quorum id whose groups were found to have the same buckets
         self._layout: int | None = None  # a digest of the reducer's buckets once rebuilt (_note_layout)
         self._flat: torch.Tensor | None = None  # the buffer of the gradients summed after backward, kept for the next
+        # DDP looks for unused parameters: a parameter may have a gradient in some groups of a step only (a branch
+        # taken by some groups' batches), and DDP, whose world is this group, leaves it None where it was unused
+        self._may_lack = False
+        self._slots: list[tuple[list[torch.Tensor], torch.Tensor]] = []  # this step's summed buckets (params, buffer)
 
     def watch(self, model: nn.Module) -> None:
         """Sum each of the model's DDP buckets across the groups as backward makes it (one process per group).
@@ -140,6 +144,8 @@ class ReplicaSync:
         ddp's does. Not for a model that is not a DDP module or already has a comm hook (a ``DDPOptions.comm_hook``):
         its gradients are summed after backward (:meth:`average_gradients`).
         """
+        if isinstance(model, DistributedDataParallel):
+            self._may_lack = self._may_lack or bool(model.find_unused_parameters)
         if self.group_size != 1 or self._hooked or not isinstance(model, DistributedDataParallel):
             return
         if model._comm_hooks:  # the script's compression hook: the reducer has one already
@@ -168,6 +174,8 @@ class ReplicaSync:
             self._summing = self._layouts_agree()
         self._buckets += 1
         work = self._start_sum(flat, divide=True) if self._summing else None
+        if work is not None and self._may_lack:  # a parameter unused here may take its sum from this buffer
+            self._slots.append((bucket.parameters(), flat))
         if work is None:
             done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             done.set_result(flat)
@@ -354,6 +362,10 @@ class ReplicaSync:
         self.begin_step()
         self._note_layout()
         summed, self._buckets = self._buckets > 0 and self._summing and self._hooked is not None, 0
+        slots, self._slots = self._slots, []
+        if self._may_lack:
+            self._average_where_used(params, summed, slots)
+            return
         rest = [p for p in params if p.grad is not None and not (summed and id(p) in self._hooked)]  # type: ignore[operator]
         if not rest:
             return
@@ -369,6 +381,46 @@ class ReplicaSync:
             assert grad is not None
             torch.div(flat[offset : offset + grad.numel()].view_as(grad), participants, out=grad)
             offset += grad.numel()
+
+    def _average_where_used(
+        self, params: list[torch.Tensor], summed: bool, slots: list[tuple[list[torch.Tensor], torch.Tensor]]
+    ) -> None:
+        """:meth:`average_gradients` where a parameter may have a gradient in some groups only (``_may_lack``).
+
+        One all-reduce holds the gradients not summed in backward (zeros where this group has none, as DDP counts
+        a rank's unused parameter) and, per trainable parameter, whether this group has its gradient. A parameter
+        with one in any group gets the average in every group (one this group lacks, summed in backward, is read
+        from its bucket); one no group has keeps None, as one device leaves it.
+        """
+        trained = [p for p in params if p.requires_grad]
+        in_backward = {id(p) for p in trained if summed and id(p) in self._hooked}  # type: ignore[operator]
+        rest = [p for p in trained if id(p) not in in_backward]
+        if not trained:
+            return
+        dtype = next((p.grad.dtype for p in trained if p.grad is not None), trained[0].dtype)
+        parts = [
+            p.grad.reshape(-1).to(dtype) if p.grad is not None else p.new_zeros(p.numel(), dtype=dtype) for p in rest
+        ]
+        used = torch.tensor([float(p.grad is not None) for p in trained], dtype=dtype)
+        flat = torch.cat([*parts, used])
+        work = self._start_sum(flat)
+        participants = max(1, self._wait_quorum())
+        if not self._finished(work):  # a failed all-reduce is recorded (commit says False), not raised
+            return
+        anywhere = {id(p) for p, n in zip(trained, flat[flat.numel() - len(trained) :].tolist()) if n > 0}
+        offset = 0
+        for param in rest:
+            size, offset = param.numel(), offset + param.numel()
+            if id(param) in anywhere:
+                mean = flat[offset - size : offset].view_as(param) / participants
+                param.grad = mean.to(param.dtype) if param.grad is None else param.grad.copy_(mean)
+        lacking = {id(p): p for p in trained if id(p) in in_backward and id(p) in anywhere and p.grad is None}
+        for bucket_params, buffer in slots:  # summed (and divided) in backward: the bucket holds the average
+            start = 0
+            for param in bucket_params:
+                if id(param) in lacking:
+                    param.grad = buffer[start : start + param.numel()].view_as(param).clone()
+                start += param.numel()
 
     def _finished(self, work: Any) -> bool:
         """Wait for an all-reduce of :meth:`_start_sum`; False (recorded by the Manager) where it failed."""

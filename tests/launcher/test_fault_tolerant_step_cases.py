@@ -1,0 +1,57 @@
+"""The fault-tolerant step's sums through DDP's buckets and after backward, against plain ddp over as many processes.
+
+The oracle is one ddp run of the same script over every group's processes (itself held to one device by
+tests/session/test_ddp_equivalence.py): the weights of every group after each step are its ranks', for a
+parameter that has a gradient in one group only (a branch taken by one group's batches: DDP, whose world is
+the group, left it None on the other, which never moved it), odd batches with a short last one, gradient
+accumulation, a frozen parameter and ``zero_grad(set_to_none=False)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.launching import launch_workers, multigpu_launch
+
+pytestmark = pytest.mark.multiprocess
+
+WORKER = "tests/launcher/ft_step_cases_worker.py"
+STEPS = "6"
+
+
+def _weights(out: Path, processes: int) -> list[list[list[float]]]:
+    return [
+        [json.loads(line)["weights"] for line in (out / f"replica{i}.jsonl").read_text().splitlines()]
+        for i in range(processes)
+    ]
+
+
+def _compare(tmp_path: Path, case: str, per_group: int) -> None:
+    oracle, groups = tmp_path / "ddp", tmp_path / "groups"
+    oracle.mkdir()
+    groups.mkdir()
+    launch_workers(WORKER, str(oracle), case, STEPS, nproc=2 * per_group, timeout_s=120)
+    done = multigpu_launch(
+        "--strategy", "ddp", "--fault-tolerant", "--replicas", "2", "--nproc-per-node", str(per_group),
+        WORKER, str(groups), case, STEPS, timeout_s=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    want, got = _weights(oracle, 2 * per_group), _weights(groups, 2 * per_group)
+    for process, (theirs, ours) in enumerate(zip(want, got)):
+        assert len(ours) == len(theirs), process
+        for step, (a, b) in enumerate(zip(theirs, ours)):
+            assert max(abs(x - y) for x, y in zip(a, b)) < 1e-6, (process, step)
+
+
+@pytest.mark.parametrize("case", ["unused,odd,accumulate", "odd,accumulate,frozen,keep_grads"])
+def test_every_group_holds_plain_ddps_weights_after_each_step(tmp_path: Path, case: str) -> None:
+    _compare(tmp_path, case, per_group=1)
+
+
+@pytest.mark.skipif(not os.environ.get("MULTIGPU_LONG"), reason="six processes, ~15 s: runs with MULTIGPU_LONG=1")
+def test_a_parameter_with_a_gradient_in_one_group_of_two_processes_only(tmp_path: Path) -> None:
+    _compare(tmp_path, "unused", per_group=2)  # summed after backward (DDP sums inside each group first)
