@@ -30,7 +30,8 @@ def test_bad_specs_and_budgets_are_refused_by_name(tmp_path: Path) -> None:
         MeasureSpec()
     with pytest.raises(ConfigError, match=r"--script 'nope\.py' does not exist"):
         MeasureSpec(script="nope.py")
-    for budget in (0, -1, float("inf"), float("nan"), 10 * 86400, "60", True):  # inf crashed the worker
+    # inf crashed the worker; 10**400 raised OverflowError converting it to a float
+    for budget in (0, -1, float("inf"), float("nan"), 10 * 86400, "60", True, 10**400, -(10**400)):
         with pytest.raises(
             ConfigError, match=r"budget_s \(advise --budget\)=.*seconds > 0 and at most 86400|not a number"
         ):

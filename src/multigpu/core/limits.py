@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 from multigpu.errors import ConfigError
 
@@ -30,12 +31,26 @@ def check_seconds(value: object, name: str, *, maximum_s: float) -> float:
         raise ConfigError(
             f"{name}={value!r} is not a number of seconds; pass one > 0 and at most {seconds_bound(maximum_s)}"
         )
-    seconds = float(value)
+    seconds = to_float(value)
     if not math.isfinite(seconds) or not 0 < seconds <= maximum_s:
         raise ConfigError(
             f"{name}={value!r}: pass a finite number of seconds > 0 and at most {seconds_bound(maximum_s)}, e.g. 60"
         )
     return seconds
+
+
+def to_float(value: Any) -> float:
+    """``float(value)``, with an int past the largest float (10**400) as the infinity of its sign instead of
+    Python's OverflowError (a bound check then refuses it as not finite).
+
+    Example:
+        >>> to_float(10**400), to_float(2)
+        (inf, 2.0)
+    """
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def seconds_bound(maximum_s: float) -> str:

@@ -39,6 +39,7 @@ import multiprocessing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from multigpu.core.limits import to_float
 from multigpu.core.lookup import lookup
 from multigpu.devices import device_type_names, get_device_type
 from multigpu.errors import ConfigError, LaunchError
@@ -188,7 +189,12 @@ def _check_env(env: Mapping[str, str] | None) -> dict[str, str]:
 def _check_timeout(timeout: float | None) -> None:
     if timeout is None:
         return
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(to_float(timeout))
+        or timeout <= 0
+    ):
         raise ConfigError(
             f"timeout={timeout!r}: pass the seconds the call may take, a finite number > 0 (e.g. timeout=3600), "
             "or None for no limit"

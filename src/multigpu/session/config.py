@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from multigpu.core.limits import to_float
 from multigpu.core.lookup import lookup
 from multigpu.devices import DeviceSpec
 from multigpu.errors import ConfigError
@@ -161,4 +162,4 @@ def _is_int(value: object) -> bool:
 def _is_positive_seconds(value: object) -> bool:
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         return False
-    return math.isfinite(float(value)) and float(value) > 0
+    return math.isfinite(to_float(value)) and to_float(value) > 0

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from multigpu.core.limits import to_float
 from multigpu.core.run_files import write_replacing
 from multigpu.errors import CheckpointError, ConfigError
 from multigpu.runtime.run_identity import IDENTITY_KEY
@@ -300,7 +301,7 @@ def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
                 f"metric {name!r} is a {type(value).__name__}, not one number; log a float or a one-element tensor "
                 "(e.g. loss.detach(), or session.reduce(loss) for the mean over processes)"
             )
-        values[name] = float(value)
+        values[name] = to_float(value)  # an int past the largest float: its infinity
     return values
 
 

@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from multigpu.core.keys import unwrap
+from multigpu.core.limits import to_float
 from multigpu.core.structure import map_leaves
 from multigpu.errors import ConfigError
 from multigpu.runtime import collectives, data, exchange, failure_records, loaders, preemption, tracking, world
@@ -700,7 +701,9 @@ def _nothing() -> None:
 
 
 def _is_positive(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(to_float(value)) and value > 0
+    )
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
