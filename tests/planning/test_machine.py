@@ -86,11 +86,26 @@ def test_constants_round_trip_through_their_file_and_another_machine_reads_none(
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # written whole: no temporary left
 
 
-@pytest.mark.parametrize("text", ["{", "[]", '{"version": 0}', '{"version": 1, "key": "k"}'])
+@pytest.mark.parametrize("text", ["{", "[]", '{"version": 0}', '{"version": 1, "key": "k"}', "[" * 100_000])
 def test_an_unreadable_or_old_cache_file_is_measured_again(tmp_path: Path, text: str) -> None:
-    key = fixed().key
+    key = fixed().key  # JSON nested past the parser's recursion raised RecursionError out of advise
     machine.cache_path(tmp_path, key).write_text(text)
     assert machine.load(tmp_path, key) is None
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", ["a named pipe", "a folder", "a file too large"])
+def test_something_else_at_the_cache_files_name_is_measured_again_in_bounded_time(tmp_path: Path, kind: str) -> None:
+    import os
+
+    path = machine.cache_path(tmp_path, fixed().key)  # a named pipe there: advise waited for a writer forever
+    if kind == "a named pipe":
+        os.mkfifo(path)
+    elif kind == "a folder":
+        path.mkdir()
+    else:
+        path.write_bytes(b" " * (machine.CACHE_LIMIT + 1))
+    assert machine.load(tmp_path, fixed().key) is None
 
 
 @pytest.mark.parametrize(
@@ -103,6 +118,10 @@ def test_an_unreadable_or_old_cache_file_is_measured_again(tmp_path: Path, text:
         ("gather_busbw", True),
         ("feedback", {"compute_scale": [float("inf")]}),
         ("feedback", {"compute_scale": [True]}),
+        ("feedback", {"compute_scale": [10**400]}),  # OverflowError out of advise
+        ("feedback", ["compute_scale"]),  # AttributeError out of advise
+        ("feedback", "compute_scale"),
+        ("source", ["measured"]),
         ("host", {"op_s": float("nan")}),
         ("host", {"gil_contention": float("inf")}),
         ("host", {"backward_op_s": float("inf")}),

@@ -50,7 +50,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from multigpu.core.folder_turns import taking_turns
-from multigpu.core.run_files import write_replacing
+from multigpu.core.limits import to_float
+from multigpu.core.run_files import read_json, write_replacing
 from multigpu.errors import ConfigError
 from multigpu.planning.hardware import HostCosts, Platform, measured_link
 
@@ -72,6 +73,7 @@ FED_BACK = ("compute_scale", "thread_overhead_s", "allreduce_busbw", "fsdp_group
 # of the file's layout; another version is measured again (3: FSDP2's work per group in a 2-process group;
 # 4: DDP's step floor, DataParallel's hand-off timed through the engine)
 _VERSION = 4
+CACHE_LIMIT = 1 << 20  # bytes: a cache file is a few kilobytes; anything larger is not one of ours
 _TURN_S = 30.0  # seconds another feedback may hold the cache folder (it holds it for milliseconds)
 
 
@@ -109,6 +111,11 @@ class MachineConstants:
         ):
             if not (_finite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ConfigError(f"MachineConstants.{name}={getattr(self, name)} must be a finite number >= 0 seconds")
+        if not isinstance(self.feedback, dict) or not isinstance(self.source, str) or not isinstance(self.key, str):
+            raise ConfigError(
+                f"MachineConstants: feedback={self.feedback!r:.60} must be a dict of histories, source and key "
+                "strings; measure again (advise --recalibrate)"
+            )
         unknown = set(self.feedback) - set(FED_BACK)
         if unknown:
             raise ConfigError(f"MachineConstants.feedback names {sorted(unknown)}; feedback is one of {FED_BACK}")
@@ -174,7 +181,7 @@ class MachineConstants:
 
 def _finite(value: Any) -> bool:
     """A finite int or float, not a bool (JSON's ``true`` is no bandwidth)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(to_float(value))
 
 
 def machine_key() -> str:
@@ -199,11 +206,12 @@ def cache_path(folder: str | Path, key: str) -> Path:
 
 
 def load(folder: str | Path, key: str) -> MachineConstants | None:
-    """The cached constants of ``key``, or None (none yet, unreadable, another layout or machine)."""
+    """The cached constants of ``key``, or None (none yet, unreadable, another layout or machine; something else
+    than a regular file of at most :data:`CACHE_LIMIT` bytes at its name, a named pipe included: never waited on)."""
     path = cache_path(folder, key)
     try:
-        constants = MachineConstants.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError, KeyError, ConfigError):
+        constants = MachineConstants.from_json(read_json(path, limit=CACHE_LIMIT))
+    except (OSError, ValueError, TypeError, KeyError, ConfigError):  # UnreadableFile is a ValueError
         return None
     return constants if constants.key == key else None
 
