@@ -10,6 +10,8 @@ CASE (comma-separated flags):
 - ``keep_grads``: ``zero_grad(set_to_none=False)`` between steps;
 - ``accumulate``: 3 micro-steps a step;
 - ``frozen``: the first layer's weight does not require a gradient;
+- ``fp16_hook``: the script's own DDP comm hook (``DDPOptions(comm_hook="fp16")``);
+- ``small``: DDP buckets of about 100 bytes (one per parameter or two);
 - ``odd``: a global batch of 10 (5 a replica) and a dataset of 53 samples (a short last batch).
 
 Writes ``OUT_DIR/replica<i>.jsonl`` (``i``: the process among every group's): one line per ``session.step``: committed, global_step, the weights.
@@ -47,7 +49,10 @@ def main() -> None:
     n = 53 if "odd" in case else 96
     data = torch.utils.data.TensorDataset(torch.randn(n, 8), torch.randn(n, 1))
     accumulate = 3 if "accumulate" in case else 1
-    ddp = DDPOptions(find_unused_parameters="unused" in case)
+    hook = "fp16" if "fp16_hook" in case else None
+    ddp = DDPOptions(
+        find_unused_parameters="unused" in case, comm_hook=hook, bucket_cap_mb=1e-4 if "small" in case else 25.0
+    )
     with Session(strategy="ddp", ddp=ddp, accumulate=accumulate) as session:
         torch.manual_seed(1)
         net = TwoBranches()
