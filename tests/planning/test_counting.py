@@ -158,3 +158,46 @@ def test_counting_or_timing_a_real_model_leaves_it_and_the_random_streams_as_the
     assert all(torch.equal(g, v) for g, v in zip(grads, grad_values))
     assert [m.training for m in model.modules()] == modes
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+class _DrawsFromPythonAndNumpy(nn.Module):
+    """Stochastic depth drawn from Python's and numpy's streams, as some models' forwards do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        keep = random.random() < 0.9 and np.random.rand() < 0.9
+        return self.layer(x) if keep else self.layer(x) * 0.5
+
+
+@pytest.mark.parametrize("measure", ["count_step", "measure_workload", "calibrate_cpu"])
+def test_the_probe_leaves_pythons_and_numpys_random_streams_as_they_were(measure: str) -> None:
+    # left_as_found put back torch's streams only: a model drawing from Python's or numpy's (stochastic depth,
+    # augmentation inside the model) trained on another stream than its seed gives after advise timed it
+    import random
+
+    import numpy as np
+
+    from multigpu.planning.counting import measure_workload
+    from multigpu.planning.cpu_plan import CpuBatches, calibrate_cpu
+    from tests.planning.machine_constants import fixed
+
+    model, x = _DrawsFromPythonAndNumpy(), torch.randn(4, 8)
+    random.seed(1)
+    np.random.seed(1)
+    python, numpy_state = random.getstate(), np.random.get_state()
+    if measure == "count_step":
+        count_step(model, x)
+    elif measure == "measure_workload":
+        measure_workload(model, x, repeats=2)
+    else:
+        calibrate_cpu(model, lambda n: torch.randn(n, 8), CpuBatches(4, 2, 2), fixed(), cores=2)
+    assert random.getstate() == python
+    after = np.random.get_state()
+    assert after[0] == numpy_state[0] and np.array_equal(after[1], numpy_state[1]) and after[2:] == numpy_state[2:]
