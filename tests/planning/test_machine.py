@@ -428,3 +428,32 @@ def test_feedbacks_written_at_once_each_land_in_the_history(tmp_path: Path, monk
         landed = machine.load(tmp_path, fixed().key)
         assert landed is not None and len(landed.feedback["compute_scale"]) == writers
     assert sorted(p.name for p in tmp_path.iterdir()) == [machine.cache_path(tmp_path, fixed().key).name]
+
+
+def test_a_recalibration_saved_while_a_feedback_is_written_is_not_overwritten_by_it(tmp_path: Path) -> None:
+    # advise --recalibrate saved its fresh constants between a feedback's read and its rename, which then wrote
+    # the old constants (with its value) back over them: the recalibration was lost
+    import threading
+
+    machine.save(fixed(), tmp_path)
+    inside, errors = threading.Event(), list[BaseException]()
+
+    def solve(latest: machine.MachineConstants) -> dict[str, float]:
+        inside.set()
+        time.sleep(0.5)  # the recalibration's save comes now
+        return {"compute_scale": 1.5}
+
+    def feed() -> None:
+        try:
+            machine.record_feedback(tmp_path, fixed(), solve)
+        except BaseException as error:
+            errors.append(error)
+
+    feeding = threading.Thread(target=feed)
+    feeding.start()
+    assert inside.wait(10)
+    machine.save(fixed(source="recalibrated"), tmp_path)  # waits for the feedback's turn to end
+    feeding.join()
+    assert errors == []
+    landed = machine.load(tmp_path, fixed().key)
+    assert landed is not None and landed.source == "recalibrated" and landed.feedback == {}

@@ -217,11 +217,26 @@ def load(folder: str | Path, key: str) -> MachineConstants | None:
 
 
 def save(constants: MachineConstants, folder: str | Path) -> Path:
-    """Write ``constants`` to their file in ``folder`` whole (a temporary file renamed over it)."""
+    """Write ``constants`` to their file in ``folder`` whole (a temporary file renamed over it), in its turn: a
+    feedback being written (:func:`record_feedback`) ends first, so it cannot write its older copy over these."""
     path = cache_path(folder, constants.key)
     path.parent.mkdir(parents=True, exist_ok=True)
+    with _turn(path.parent, "saved the machine's constants"):
+        return _write(constants, path)
+
+
+def _write(constants: MachineConstants, path: Path) -> Path:
     write_replacing(path, json.dumps(constants.to_json(), indent=2) + "\n")  # a partial per process and thread
     return path
+
+
+def _turn(folder: Path, doing: str) -> contextlib.AbstractContextManager[None]:
+    """This writer's turn on the cache folder's flock (:mod:`multigpu.core.folder_turns`)."""
+
+    def held_too_long(message: str) -> ConfigError:
+        return ConfigError(f"{message} while this advise {doing}; run it again")
+
+    return taking_turns(folder, hold_s=_TURN_S, held_too_long=held_too_long)
 
 
 def record_feedback(
@@ -241,13 +256,10 @@ def record_feedback(
     with contextlib.suppress(OSError):  # save says what is wrong with the folder, once solved
         path.parent.mkdir(parents=True, exist_ok=True)
 
-    def held_too_long(message: str) -> ConfigError:
-        return ConfigError(f"{message} while this advise fed back its measurement; run advise --measure again")
-
-    with taking_turns(path.parent, hold_s=_TURN_S, held_too_long=held_too_long):
+    with _turn(path.parent, "fed back its measurement"):
         latest = load(folder, constants.key) or constants
         solved = dict(solve(latest))
-        return solved, save(latest.with_feedback(solved), folder) if solved else None
+        return solved, _write(latest.with_feedback(solved), path) if solved else None
 
 
 def _measured_s(checked: Sequence[Checked], strategy: str) -> tuple[float, StepTime] | None:
