@@ -46,3 +46,35 @@ def test_the_measurement_times_a_matmul() -> None:
     seconds = Timer("torch.mm(a, a)", globals={"a": a, "torch": torch}).blocked_autorange(min_run_time=0.2).median
     ratio = measure_matmul_flops(get_device_type("cpu"), CPU, torch.float32) / (2 * 1024**3 / seconds)
     assert 0.3 < ratio < 10  # fastest of five against a median: above 1 on a loaded machine
+
+
+def test_measurements_written_at_once_each_land_in_the_cache(tmp_path: Path) -> None:
+    # each writer read the cache, measured (a tenth of a second and more) and renamed its copy with its own key
+    # over the file: a measurement another process or thread wrote meanwhile was dropped (measured again later)
+    import threading
+
+    cache, dtypes = tmp_path / "peak-flops.json", [torch.float32, torch.float64, torch.bfloat16]
+    start, errors = threading.Barrier(len(dtypes)), list[BaseException]()
+
+    def measure(dtype: torch.dtype) -> None:
+        start.wait()
+        try:
+            get_device_type("cpu").peak_flops(CPU, dtype, cache)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=measure, args=(d,)) for d in dtypes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(json.loads(cache.read_text())) == len(dtypes)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["peak-flops.json"]
+
+
+def test_a_cache_holding_an_int_past_the_largest_float_is_measured_over(tmp_path: Path) -> None:
+    cache = tmp_path / "peak-flops.json"  # float() of it raised OverflowError out of the throughput report
+    get_device_type("cpu").peak_flops(CPU, torch.float32, cache)
+    (key,) = json.loads(cache.read_text())
+    cache.write_text(json.dumps({key: 10**400}))
+    assert 1e8 < get_device_type("cpu").peak_flops(CPU, torch.float32, cache) < 1e14

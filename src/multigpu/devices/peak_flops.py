@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import platform
 import time
 from pathlib import Path
@@ -30,6 +31,8 @@ from typing import Protocol
 
 import torch
 
+from multigpu.core.folder_turns import taking_turns
+from multigpu.core.limits import to_float
 from multigpu.core.run_files import UnreadableFile, read_json, write_replacing
 
 
@@ -55,6 +58,7 @@ DATASHEET: tuple[tuple[str, dict[torch.dtype, float]], ...] = (
 _CACHE_BYTES = 1 << 16  # a cache file larger than this is not ours
 _SIZE = 1024  # matmul side: 2 GFLOP a product, ~20 ms on two CPU cores, microseconds on a GPU
 _REPEATS = 5
+_TURN_S = 30.0  # seconds another writer may hold the cache folder (it holds it for milliseconds)
 
 
 def datasheet_flops(name: str, dtype: torch.dtype) -> float | None:
@@ -101,7 +105,10 @@ def peak_flops(kind: DeviceType, device: torch.device, dtype: torch.dtype, cache
     if cache is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            write_replacing(cache, json.dumps({**known, key: measured}, indent=1))
+            # one writer at a time, each adding its key to the file as the last left it (another process or thread
+            # may have measured another dtype meanwhile): TimeoutError, an OSError, after a stopped writer's 30 s
+            with taking_turns(cache.parent, hold_s=_TURN_S, held_too_long=TimeoutError):
+                write_replacing(cache, json.dumps({**_read(cache), key: measured}, indent=1))
         except OSError:
             pass  # a read-only home: measured again next run, nothing else lost
     return measured
@@ -119,5 +126,5 @@ def _read(cache: Path | None) -> dict[str, float]:
     return {
         k: float(v)
         for k, v in data.items()
-        if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+        if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(to_float(v))
     }
