@@ -3,7 +3,8 @@
 Two writers that each read a file, add theirs and rename their copy over it lose one's update when a rename
 falls between the other's read and rename. Holding the folder's flock from the read to the rename makes them
 take turns: ``hparams.json`` in a run folder (:mod:`multigpu.session.trackers.csv_file`), the planner's machine
-cache (:func:`multigpu.planning.machine.record_feedback`). No lock file is left behind, and the kernel drops the
+cache (:func:`multigpu.planning.machine.record_feedback`), the peak FLOP/s cache
+(:mod:`multigpu.devices.peak_flops`). No lock file is left behind, and the kernel drops the
 lock however its holder exits (a SIGKILL included). Where the folder takes no flock (NFS maps it to a POSIX
 lock that a read-only descriptor cannot take exclusively) or cannot be opened, the block runs without turns
 (the write that follows says what is wrong with the folder).
