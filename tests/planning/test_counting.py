@@ -201,3 +201,10 @@ def test_the_probe_leaves_pythons_and_numpys_random_streams_as_they_were(measure
     assert random.getstate() == python
     after = np.random.get_state()
     assert after[0] == numpy_state[0] and np.array_equal(after[1], numpy_state[1]) and after[2:] == numpy_state[2:]
+
+
+def test_a_model_with_nothing_to_train_is_refused_naming_it() -> None:
+    # every parameter frozen: the backward failed and the refusal spoke of meta kernels
+    model = nn.Linear(4, 2).requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"Linear has no parameter that requires a gradient.*unfreeze"):
+        count_step(model, torch.randn(3, 4))

@@ -193,6 +193,11 @@ def count_step(model: nn.Module, inputs: torch.Tensor, *, loss_fn: LossFn = defa
     """
     if inputs.dim() == 0 or inputs.shape[0] == 0:
         raise ConfigError(f"inputs of shape {tuple(inputs.shape)} hold no batch; pass at least one sample on dim 0")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(
+            f"{type(model).__name__} has no parameter that requires a gradient, so a training step has nothing to "
+            "compute or update; unfreeze the parameters to train (requires_grad_(True)) before planning"
+        )
     not_activations = {_storage_key(t) for t in [*model.parameters(), *model.buffers(), inputs]}
     try:
         with left_as_found(model, inputs.device):  # a real model runs once: its state and the streams put back
