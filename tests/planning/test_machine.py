@@ -457,3 +457,11 @@ def test_a_recalibration_saved_while_a_feedback_is_written_is_not_overwritten_by
     assert errors == []
     landed = machine.load(tmp_path, fixed().key)
     assert landed is not None and landed.source == "recalibrated" and landed.feedback == {}
+
+
+def test_a_partial_a_killed_writer_left_beside_the_cache_is_removed_by_the_next_save(tmp_path: Path) -> None:
+    path = machine.cache_path(tmp_path, fixed().key)
+    stale = path.with_name(f"{path.name}.999999.1.tmp")  # killed between its write and its rename
+    stale.write_text("{")
+    machine.save(fixed(), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]

@@ -226,3 +226,20 @@ def test_an_int_hyperparameter_no_tracker_can_write_as_text_is_refused_at_the_ca
         session.log_hparams({"lr": 0.1})
         session.log({"v": 1.0}, 1)
     assert json.loads((tmp_path / "hparams.json").read_text()) == {"lr": 0.1}
+
+
+def test_a_partial_left_by_a_writer_killed_while_holding_its_turn_is_removed_by_the_next(tmp_path: Path) -> None:
+    # a writer SIGKILLed between writing its partial and renaming it over hparams.json left the partial in the
+    # run folder for good; the next writer, holding the folder's turn, knows no other writer is inside one
+    from multigpu.session.trackers.base import RunInfo
+    from multigpu.session.trackers.csv_file import CsvTracker
+
+    stale = tmp_path / "hparams.json.999999.1.tmp"
+    stale.write_text('{"half": ')
+    other = tmp_path / "hparams.json.notes.tmp"  # not a partial's name: the user's, kept
+    other.write_text("mine")
+    tracker = CsvTracker.open(RunInfo(folder=tmp_path, name="a", run_id="0" * 32))
+    tracker.log_hparams({"lr": 0.1})
+    tracker.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hparams.json", "hparams.json.notes.tmp", "metrics.csv"]
+    assert json.loads((tmp_path / "hparams.json").read_text()) == {"lr": 0.1}

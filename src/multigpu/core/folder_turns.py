@@ -11,8 +11,9 @@ lock that a read-only descriptor cannot take exclusively) or cannot be opened, t
 
 Example:
     >>> import tempfile
-    >>> with taking_turns(Path(tempfile.mkdtemp()), hold_s=1.0, held_too_long=TimeoutError):
-    ...     pass
+    >>> with taking_turns(Path(tempfile.mkdtemp()), hold_s=1.0, held_too_long=TimeoutError) as held:
+    ...     held
+    True
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ _POLL_S = 0.005  # between tries: a turn lasts milliseconds
 
 
 @contextlib.contextmanager
-def taking_turns(folder: Path, *, hold_s: float, held_too_long: Callable[[str], BaseException]) -> Iterator[None]:
-    """Hold ``folder``'s flock for the block, waiting up to ``hold_s`` seconds for another holder.
+def taking_turns(folder: Path, *, hold_s: float, held_too_long: Callable[[str], BaseException]) -> Iterator[bool]:
+    """Hold ``folder``'s flock for the block, waiting up to ``hold_s`` seconds for another holder; yields whether
+    it is held (False where the folder takes no flock or cannot be opened): then no other writer is inside its
+    turn, so a partial file a writer left is one killed inside its turn (:func:`multigpu.core.run_files.remove_partials`).
 
     Raises:
         What ``held_too_long(message)`` returns: another holder kept it ``hold_s`` seconds (a stopped process).
@@ -40,22 +43,24 @@ def taking_turns(folder: Path, *, hold_s: float, held_too_long: Callable[[str], 
         fd = -1  # the write that follows says what is wrong with the folder
     try:
         deadline = time.monotonic() + hold_s
-        while fd >= 0 and not _locked(fd):
+        held = _tried(fd) if fd >= 0 else None
+        while held is False:
             if time.monotonic() > deadline:
                 raise held_too_long(f"another process kept {folder} locked for {hold_s:g} s")
             time.sleep(_POLL_S)
-        yield
+            held = _tried(fd)
+        yield bool(held)
     finally:
         if fd >= 0:
             os.close(fd)  # releases the lock
 
 
-def _locked(fd: int) -> bool:
-    """Whether this descriptor now holds the lock: False while another holds it, True also where none can be taken."""
+def _tried(fd: int) -> bool | None:
+    """Take the lock: True, held now; False, another holds it; None, no flock here (go on unlocked)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
-    except OSError:  # no flock here: go on unlocked
-        pass
+    except OSError:
+        return None
     return True

@@ -18,9 +18,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import re
 import stat
 import threading
 from pathlib import Path
@@ -164,6 +166,19 @@ def write_replacing(path: str | os.PathLike[str], text: str) -> None:
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+
+
+def remove_partials(path: str | os.PathLike[str]) -> None:
+    """Remove the partial files :func:`write_replacing` left beside ``path`` (a writer killed between its write
+    and its rename). Only for a caller that knows no writer of ``path`` is inside a write now (it holds the
+    writers' turn: :mod:`multigpu.core.folder_turns`); other names, and anything but a regular file, are left."""
+    target = Path(path)
+    pattern = re.compile(re.escape(target.name) + r"\.\d+\.\d+\.tmp")
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(target.parent):
+            if pattern.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
 
 
 def open_appending(path: str | os.PathLike[str]) -> int:

@@ -33,7 +33,7 @@ import torch
 
 from multigpu.core.folder_turns import taking_turns
 from multigpu.core.limits import to_float
-from multigpu.core.run_files import UnreadableFile, read_json, write_replacing
+from multigpu.core.run_files import UnreadableFile, read_json, remove_partials, write_replacing
 
 
 class DeviceType(Protocol):
@@ -107,7 +107,9 @@ def peak_flops(kind: DeviceType, device: torch.device, dtype: torch.dtype, cache
             cache.parent.mkdir(parents=True, exist_ok=True)
             # one writer at a time, each adding its key to the file as the last left it (another process or thread
             # may have measured another dtype meanwhile): TimeoutError, an OSError, after a stopped writer's 30 s
-            with taking_turns(cache.parent, hold_s=_TURN_S, held_too_long=TimeoutError):
+            with taking_turns(cache.parent, hold_s=_TURN_S, held_too_long=TimeoutError) as held:
+                if held:  # no writer is inside its turn: a partial here is one a killed writer left
+                    remove_partials(cache)
                 write_replacing(cache, json.dumps({**_read(cache), key: measured}, indent=1))
         except OSError:
             pass  # a read-only home: measured again next run, nothing else lost

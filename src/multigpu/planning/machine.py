@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from multigpu.core.folder_turns import taking_turns
 from multigpu.core.limits import to_float
-from multigpu.core.run_files import read_json, write_replacing
+from multigpu.core.run_files import read_json, remove_partials, write_replacing
 from multigpu.errors import ConfigError
 from multigpu.planning.hardware import HostCosts, Platform, measured_link
 
@@ -221,16 +221,18 @@ def save(constants: MachineConstants, folder: str | Path) -> Path:
     feedback being written (:func:`record_feedback`) ends first, so it cannot write its older copy over these."""
     path = cache_path(folder, constants.key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _turn(path.parent, "saved the machine's constants"):
-        return _write(constants, path)
+    with _turn(path.parent, "saved the machine's constants") as held:
+        return _write(constants, path, held)
 
 
-def _write(constants: MachineConstants, path: Path) -> Path:
+def _write(constants: MachineConstants, path: Path, held: bool) -> Path:
+    if held:  # no writer is inside its turn: a partial here is one a killed writer left
+        remove_partials(path)
     write_replacing(path, json.dumps(constants.to_json(), indent=2) + "\n")  # a partial per process and thread
     return path
 
 
-def _turn(folder: Path, doing: str) -> contextlib.AbstractContextManager[None]:
+def _turn(folder: Path, doing: str) -> contextlib.AbstractContextManager[bool]:
     """This writer's turn on the cache folder's flock (:mod:`multigpu.core.folder_turns`)."""
 
     def held_too_long(message: str) -> ConfigError:
@@ -256,10 +258,10 @@ def record_feedback(
     with contextlib.suppress(OSError):  # save says what is wrong with the folder, once solved
         path.parent.mkdir(parents=True, exist_ok=True)
 
-    with _turn(path.parent, "fed back its measurement"):
+    with _turn(path.parent, "fed back its measurement") as held:
         latest = load(folder, constants.key) or constants
         solved = dict(solve(latest))
-        return solved, _write(latest.with_feedback(solved), path) if solved else None
+        return solved, _write(latest.with_feedback(solved), path, held) if solved else None
 
 
 def _measured_s(checked: Sequence[Checked], strategy: str) -> tuple[float, StepTime] | None:

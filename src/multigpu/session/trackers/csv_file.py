@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from multigpu.core.folder_turns import taking_turns
-from multigpu.core.run_files import open_appending, write_replacing
+from multigpu.core.run_files import open_appending, remove_partials, write_replacing
 from multigpu.errors import ConfigError
 from multigpu.session.trackers.base import RunInfo, Tracker
 from multigpu.session.trackers.own_files import check_own_file, read_json, refusal
@@ -69,7 +69,9 @@ class CsvTracker(Tracker):
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
         path = self.folder / HPARAMS_NAME
-        with _folder_held(self.folder):  # from the read to the rename: another writer's keys are never dropped
+        with _folder_held(self.folder) as held:  # from the read to the rename: another writer's keys are never dropped
+            if held:  # no writer is inside its turn: a partial here is a killed one's
+                remove_partials(path)
             kept = _read_hparams(path) if check_own_file(path, _HPARAMS_WHAT) else {}
             write_replacing(path, json.dumps({**kept, **hparams}, indent=1, sort_keys=True) + "\n")  # whole or none
 
@@ -77,7 +79,7 @@ class CsvTracker(Tracker):
         self._file.close()
 
 
-def _folder_held(folder: Path) -> contextlib.AbstractContextManager[None]:
+def _folder_held(folder: Path) -> contextlib.AbstractContextManager[bool]:
     """Two writers of ``hparams.json`` (two processes logging into one folder, or threads) update it one after the
     other (:mod:`multigpu.core.folder_turns`).
 
