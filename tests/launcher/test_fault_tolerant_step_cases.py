@@ -53,7 +53,9 @@ def test_every_group_holds_plain_ddps_weights_after_each_step(tmp_path: Path) ->
     _compare(tmp_path, "unused,odd,accumulate,small", per_group=1)  # summed in backward over many buckets
 
 
-@pytest.mark.skipif(not os.environ.get("MULTIGPU_LONG"), reason="three pairs of launches (110 s at a load of 5): MULTIGPU_LONG=1")
+@pytest.mark.skipif(
+    not os.environ.get("MULTIGPU_LONG"), reason="three pairs of launches (110 s at a load of 5): MULTIGPU_LONG=1"
+)
 def test_a_comm_hook_of_the_scripts_a_frozen_parameter_and_groups_of_two_processes(tmp_path: Path) -> None:
     # the script's own comm hook (fp16 inside the group): summed after backward; fp16's rounding apart from ddp's
     _compare(tmp_path / "hook", "fp16_hook,unused,frozen,keep_grads", per_group=1, tolerance=1e-3)
