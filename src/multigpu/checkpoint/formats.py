@@ -150,7 +150,9 @@ def read_structure(
 def tensors_of(obj: Any, path: str | os.PathLike[str], *, device: str = "cpu") -> OrderedDict[str, torch.Tensor]:
     """The flat key -> tensor mapping inside an object loaded from a torch file."""
     for _ in range(_MAX_NESTING):
-        if isinstance(obj, Mapping) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        if isinstance(obj, Mapping) and not obj:  # a model without parameters or buffers (nn.ReLU()) saves {}
+            return OrderedDict()
+        if isinstance(obj, Mapping) and all(isinstance(v, torch.Tensor) for v in obj.values()):
             for key, value in obj.items():
                 if not isinstance(key, str):
                     raise CheckpointError(f"{str(path)!r} has a tensor under the key {key!r}; keys must be strings.")
@@ -222,6 +224,14 @@ def only_tensors(tensors: Mapping[str, Any], format: Format) -> None:
                 f"the weights to write hold {key!r}, a {type(value).__name__} (a module's get_extra_state?), not a "
                 "tensor; a weights file holds tensors only: pass it through Checkpointer.save(extra=...), or leave "
                 "it out of the state dict (save a dict of the tensors)"
+            )
+        if value.layout != torch.strided or value.is_quantized or value.is_nested or value.device.type == "meta":
+            kind = "meta" if value.device.type == "meta" else "quantized" if value.is_quantized else value.layout
+            raise ConfigError(
+                f"the weights to write hold {key!r}, a {kind} tensor; a weights file holds dense tensors with data "
+                "(the only kind multigpu loads back): save its .to_dense() (sparse), .dequantize() (quantized) or "
+                "unbind() (nested), and give a meta tensor its data first (model.to_empty(device='cpu'), then load "
+                "or initialise the weights)"
             )
         if value.dtype not in (_PLAIN_DTYPES if format == "torch" else _SAFETENSORS_DTYPES):
             fix = (
@@ -380,6 +390,8 @@ def _deduplicate(
     storages: set[int] = set()
     for key, tensor in tensors.items():
         tensor = tensor.detach().cpu()
+        if tensor.is_conj() or tensor.is_neg():  # a lazy conj()/neg view: the values it shows, materialised
+            tensor = tensor.resolve_conj().resolve_neg()
         ident = _view_of(tensor)
         if tensor.numel() and ident in seen:
             aliases[key] = seen[ident]

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from multigpu.errors import CheckpointError
+from multigpu.errors import CheckpointError, ConfigError
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _SHOWN = 6  # keys listed in a message: colliding ones, or each kind of mismatch
@@ -188,6 +188,12 @@ def clean_state_dict(state_dict: Mapping[str, V]) -> OrderedDict[str, V]:
         >>> list(clean_state_dict({"module.weight": 1, "head.weight": 2}))
         ['module.weight', 'head.weight']
     """
+    for key in state_dict:
+        if not isinstance(key, str):
+            raise ConfigError(
+                f"the state dict has an entry under the key {key!r} of type {type(key).__name__}; a state dict's keys "
+                "are strings (a module's names): use str(key) or the parameter's name"
+            )
     prefix = common_wrapper_prefix(state_dict)
     return OrderedDict((k[len(prefix) :], v) for k, v in state_dict.items())
 
