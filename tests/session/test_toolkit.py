@@ -84,7 +84,9 @@ def test_gather_for_metrics_rules_give_the_one_device_rows(
     for batches in zip(*[iter(loader) for loader in loaders]):  # the ranks' batch k, as gathered
         position.next_batch()  # as session.batches does before each batch
         rows = position.arrange([b[0] for b in batches])
+        items = position.arrange_items([b[0].tolist() for b in batches])  # per-sample objects (strings), alike
         got.append(rows[: position.keep(len(rows))])
+        assert items[: position.keep(len(items))] == got[-1].tolist()
     order = torch.randperm(n, generator=torch.Generator().manual_seed(9)) if shuffle else torch.arange(n)
     assert torch.equal(torch.cat(got), torch.cat(list(DataLoader(order, batch_size=global_batch, drop_last=drop_last))))
 

@@ -19,8 +19,10 @@ written once:
 
 from __future__ import annotations
 
+import copy
 import hashlib
-from collections.abc import Iterator
+import pickle
+from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager, nullcontext
 from typing import Any, cast
 
@@ -29,6 +31,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
+from multigpu.core.structure import iter_tensors
 from multigpu.errors import CollectiveTimeoutError, ConfigError, PeerExitedError
 from multigpu.runtime import world
 from multigpu.runtime.collectives import reduce_value
@@ -134,26 +137,74 @@ class MetricsPosition:
         self.batch_rows = 0
 
     def gather(self, obj: Any) -> Any:
-        """``obj``'s tensors from every rank, in one-device order, less the repeats past the epoch's end.
+        """``obj``'s tensors and lists of samples from every rank, in one-device order, less the repeats
+        past the epoch's end.
+
+        A plain list or tuple that holds no tensor (generated strings, sample ids), passed as ``obj``, as a
+        value of a mapping or an item of a list or tuple passed, holds one item per sample: it travels
+        pickled, in the same all-gathers as the tensors, and comes back arranged and cut as their rows.
 
         Raises:
             CollectiveMismatchError: on every rank, the ranks' structures, dtypes or trailing shapes differ.
         """
-        flat, pieces = gather_pieces(obj, "gather_for_metrics")
-        rows = max([sum(len(p) for p in got) for got in pieces if got is not None], default=0)
+        lifted, packed = _lift_sample_lists(obj)
+        flat, pieces = gather_pieces(lifted, "gather_for_metrics")
+        unpacked = {
+            i: [pickle.loads(piece.numpy().tobytes()) for piece in got]
+            for i, (leaf, got) in enumerate(zip(flat.leaves, pieces))
+            if got is not None and id(leaf) in packed
+        }
+        counts = [sum(len(p) for p in got) for i, got in enumerate(pieces) if got is not None and i not in unpacked]
+        rows = max(counts + [sum(len(items) for items in lists) for lists in unpacked.values()], default=0)
         keep = self.keep(rows)
-        return flat.rebuild(
-            [leaf if got is None else self.arrange(got)[:keep] for leaf, got in zip(flat.leaves, pieces)]
-        )
+        leaves = []
+        for i, (leaf, got) in enumerate(zip(flat.leaves, pieces)):
+            if i in unpacked:
+                leaves.append(packed[id(leaf)](self.arrange_items(unpacked[i])[:keep]))
+            else:
+                leaves.append(leaf if got is None else self.arrange(got)[:keep])
+        return flat.rebuild(leaves)
 
     def arrange(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """Every rank's rows of one batch in the one-device order (strided positions), or in rank order."""
         return interleave(pieces) if self.strided else torch.cat(pieces)
 
+    def arrange_items(self, lists: list[list[Any]]) -> list[Any]:
+        """:meth:`arrange` for every rank's list of per-sample items."""
+        if not self.strided:
+            return [item for items in lists for item in items]
+        longest = max((len(items) for items in lists), default=0)
+        return [items[i] for i in range(longest) for items in lists if i < len(items)]
+
     def keep(self, rows: int) -> int:
         """How many of the current batch's gathered ``rows`` are real samples (the rest repeat the epoch's first)."""
         self.batch_rows = max(self.batch_rows, rows)
         return rows if self.total is None else max(0, min(rows, self.total - self.seen))
+
+
+def _lift_sample_lists(obj: Any) -> tuple[Any, dict[int, type]]:
+    """``obj`` with each plain list or tuple of per-sample items (one that holds no tensor) replaced by a
+    uint8 tensor of its pickle: ``obj`` itself, a mapping's value, or an item of a list or tuple; and the
+    type each such tensor (by ``id``) stands for."""
+    packed: dict[int, type] = {}
+
+    def lift(value: Any) -> Any:
+        if type(value) not in (list, tuple) or any(True for _ in iter_tensors(value)):
+            return value
+        tensor = torch.frombuffer(bytearray(pickle.dumps(list(value))), dtype=torch.uint8)
+        packed[id(tensor)] = type(value)
+        return tensor
+
+    if type(obj) in (list, tuple) and any(True for _ in iter_tensors(obj)):
+        return type(obj)(lift(item) for item in obj), packed
+    if isinstance(obj, MutableMapping):
+        if not any(type(v) in (list, tuple) for v in obj.values()):
+            return obj, packed  # nothing to lift: the mapping as it is (its own type kept)
+        lifted = copy.copy(obj)
+        for key, value in obj.items():
+            lifted[key] = lift(value)
+        return lifted, packed
+    return lift(obj), packed
 
 
 def _epoch_samples(loader: EpochLoader[Any]) -> int | None:
