@@ -9,6 +9,7 @@ module path's dot, and no tensor at all (a model without parameters). The oracle
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,20 @@ def test_what_no_weights_file_holds_is_refused_at_save_naming_it(
     with pytest.raises(ConfigError, match=says):
         multigpu.save(state, tmp_path / name)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_safetensors_file_gets_the_mode_every_other_file_gets(tmp_path: Path, umask: int) -> None:
+    # safetensors 0.8 renames a 0600 temporary into place: teammates (or a serving container's user) could
+    # not read the weights beside a readable state.pt (https://github.com/safetensors/safetensors/issues/782)
+    previous = os.umask(umask)
+    try:
+        (tmp_path / "plain.json").write_text("{}")
+        multigpu.save(nn.Linear(2, 2), tmp_path / "w.safetensors")
+        Checkpointer(folder=tmp_path / "c").save(step=1, model=nn.Linear(2, 2))
+    finally:
+        os.umask(previous)
+    mode = (tmp_path / "plain.json").stat().st_mode & 0o777
+    assert mode == 0o666 & ~umask
+    written = [tmp_path / "w.safetensors", tmp_path / "c" / "step-00000001" / "model.safetensors"]
+    assert [oct(p.stat().st_mode & 0o777) for p in written] == [oct(mode)] * 2

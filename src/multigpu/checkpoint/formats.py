@@ -277,11 +277,16 @@ def _save_safetensors(
     tensors: dict[str, torch.Tensor], path: Path, header: dict[str, str], stamped: bool
 ) -> FileRecord:
     try:
+        mode = _open_mode(path)
         # The tensors' CRC-32s are computed while the writer (which releases the GIL) writes them.
         with ThreadPoolExecutor(THREADS) as pool:
             pending = {key: submit_crcs(pool, tensor) for key, tensor in tensors.items()}
             safetensors.torch.save_file(tensors, str(path), header)
             crcs = tensor_crcs(pending)
+        # safetensors >= 0.8 writes through a temporary file of mode 0600 that it renames into place, so the
+        # file was readable by its owner alone, unlike every other file of a checkpoint
+        # (https://github.com/safetensors/safetensors/issues/782): the mode open() gives, as for those
+        os.chmod(path, mode)
         if stamped:
             stamp(path, crcs)
     except safetensors.SafetensorError as exc:
@@ -303,6 +308,13 @@ def _save_safetensors(
         lengths = [min(PIECE, entry.nbytes - at) for at in range(0, max(entry.nbytes, 1), PIECE)]
         pieces += zip(crcs[entry.key], lengths)
     return FileRecord(nbytes=written.file_size, crc32=combine(pieces))
+
+
+def _open_mode(path: Path) -> int:
+    """The permission bits ``open(path, "wb")`` gives a new file here (0666 less the umask), found by creating
+    ``path`` so (the umask cannot be read without changing it for every thread)."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666))
+    return os.stat(path).st_mode & 0o777
 
 
 def checked_safetensors_header(path: str | os.PathLike[str], f: BinaryIO | None = None) -> Header:
