@@ -223,6 +223,8 @@ def test_half_of_torchs_world_that_says_one_process_or_that_a_scheduler_complete
     # an sbatch script that exports WORLD_SIZE for its srun tasks: SLURM's variables say each task's rank
     env = read_launch_env({**_SLURM, "WORLD_SIZE": "4"})
     assert env is not None and (env.scheduler, env.global_rank, env.world_size) == ("slurm", 3, 4)
+    # the one process of 'multigpu launch --strategy single|dp', which inherited a WORLD_SIZE its launcher ignores
+    assert read_launch_env({"WORLD_SIZE": "2", "MULTIGPU_STRATEGY": "single"}) is None
 
 
 def test_the_mpi_launcher_refuses_a_rank_outside_its_launchers_or_node() -> None:

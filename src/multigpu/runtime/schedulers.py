@@ -222,7 +222,8 @@ def detect_worker(env: Mapping[str, str], *, launched_alone: bool = False) -> Sc
     for scheduler in SCHEDULERS:
         if (scheduler.describes_a_launched_process or not launched_alone) and scheduler.detects(env):
             return scheduler.worker(env)
-    _refuse_half_a_torch_world(env)
+    if not launched_alone:  # the one process multigpu launch started: its launcher made it one, whatever it inherited
+        _refuse_half_a_torch_world(env)
     return None
 
 
