@@ -7,6 +7,7 @@ hypothesis-drawn sizes) against plain torch, and one process's answers and error
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 from pathlib import Path
@@ -59,6 +60,9 @@ def test_split_between_processes_gives_contiguous_shares_like_tensor_split(world
     assert shares == chunks
     tensors = [split_between_processes(torch.arange(n), world, r) for r in range(world)]
     assert torch.equal(torch.cat(tensors), torch.arange(n))
+    # any other sequence comes back as a list of its items (a range's padded share raised TypeError, a deque's any)
+    for sequence in (range(n), collections.deque(items)):
+        assert [split_between_processes(sequence, world, r, apply_padding=padding) for r in range(world)] == chunks
 
 
 @settings(max_examples=_EXAMPLES, derandomize=True, deadline=None)
