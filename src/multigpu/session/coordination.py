@@ -22,10 +22,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import pickle
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join
@@ -140,9 +142,9 @@ class MetricsPosition:
         """``obj``'s tensors and lists of samples from every rank, in one-device order, less the repeats
         past the epoch's end.
 
-        A plain list or tuple that holds no tensor (generated strings, sample ids), passed as ``obj``, as a
-        value of a mapping or an item of a list or tuple passed, holds one item per sample: it travels
-        pickled, in the same all-gathers as the tensors, and comes back arranged and cut as their rows.
+        A plain list or tuple that holds no tensor (generated strings, sample ids), or a numpy array, passed as
+        ``obj``, as a value of a mapping or an item of a list or tuple passed, holds one item (row) per sample:
+        it travels pickled, in the same all-gathers as the tensors, and comes back arranged and cut as their rows.
 
         Raises:
             CollectiveMismatchError: on every rank, the ranks' structures, dtypes or trailing shapes differ.
@@ -182,29 +184,37 @@ class MetricsPosition:
         return rows if self.total is None else max(0, min(rows, self.total - self.seen))
 
 
-def _lift_sample_lists(obj: Any) -> tuple[Any, dict[int, type]]:
-    """``obj`` with each plain list or tuple of per-sample items (one that holds no tensor) replaced by a
-    uint8 tensor of its pickle: ``obj`` itself, a mapping's value, or an item of a list or tuple; and the
-    type each such tensor (by ``id``) stands for."""
-    packed: dict[int, type] = {}
+def _lift_sample_lists(obj: Any) -> tuple[Any, dict[int, Callable[[list[Any]], Any]]]:
+    """``obj`` with each plain list or tuple of per-sample items (one that holds no tensor), and each numpy
+    array of rows, replaced by a uint8 tensor of its pickle: ``obj`` itself, a mapping's value, or an item of a
+    list or tuple; and, by the tensor's ``id``, what builds the gathered items back into their kind."""
+    packed: dict[int, Callable[[list[Any]], Any]] = {}
 
     def lift(value: Any) -> Any:
-        if type(value) not in (list, tuple) or any(True for _ in iter_tensors(value)):
+        if isinstance(value, np.ndarray) and value.ndim:
+            build: Callable[[list[Any]], Any] = partial(_rows_to_array, empty=value[:0])
+        elif type(value) in (list, tuple) and not any(True for _ in iter_tensors(value)):
+            build = type(value)
+        else:
             return value
         tensor = torch.frombuffer(bytearray(pickle.dumps(list(value))), dtype=torch.uint8)
-        packed[id(tensor)] = type(value)
+        packed[id(tensor)] = build
         return tensor
 
     if type(obj) in (list, tuple) and any(True for _ in iter_tensors(obj)):
         return type(obj)(lift(item) for item in obj), packed
     if isinstance(obj, MutableMapping):
-        if not any(type(v) in (list, tuple) for v in obj.values()):
+        if not any(type(v) in (list, tuple) or isinstance(v, np.ndarray) for v in obj.values()):
             return obj, packed  # nothing to lift: the mapping as it is (its own type kept)
         lifted = copy.copy(obj)
         for key, value in obj.items():
             lifted[key] = lift(value)
         return lifted, packed
     return lift(obj), packed
+
+
+def _rows_to_array(rows: list[Any], *, empty: np.ndarray) -> np.ndarray:
+    return np.stack(rows) if rows else empty
 
 
 def _epoch_samples(loader: EpochLoader[Any]) -> int | None:
