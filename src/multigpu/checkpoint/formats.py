@@ -285,8 +285,10 @@ def _save_safetensors(
             crcs = tensor_crcs(pending)
         # safetensors >= 0.8 writes through a temporary file of mode 0600 that it renames into place, so the
         # file was readable by its owner alone, unlike every other file of a checkpoint
-        # (https://github.com/safetensors/safetensors/issues/782): the mode open() gives, as for those
-        os.chmod(path, mode)
+        # (https://github.com/safetensors/safetensors/issues/782): the mode open() gives, as for those; a file
+        # system without modes (a CIFS mount) keeps what it has rather than failing the save
+        with contextlib.suppress(OSError):
+            os.chmod(path, mode)
         if stamped:
             stamp(path, crcs)
     except safetensors.SafetensorError as exc:
