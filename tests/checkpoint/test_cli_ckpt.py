@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.formats import detect_format, read_tensors
 from multigpu.checkpoint.torch_file import load_torch_file
 from multigpu.cli.main import main
-from multigpu.errors import CheckpointError
+from multigpu.errors import CheckpointError, ConfigError
 
 
 def _dp_file(tmp_path: Path) -> tuple[Path, nn.Module]:
@@ -67,6 +68,25 @@ def test_convert_strips_an_extra_prefix(tmp_path: Path) -> None:
         == 0
     )
     assert list(read_tensors(tmp_path / "b.pt")[0]) == ["fc.weight"]
+
+
+def test_a_prefix_is_a_module_path_in_convert_and_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 'model' wrote keys '.weight'/'.bias'; load(strip="model.") stripped the letters 'm', 'o', ... one by one;
+    # strip=(None,) or 5 raised TypeError
+    source = ckpt.save({"model.weight": torch.ones(2, 2), "model.bias": torch.ones(2)}, tmp_path / "a.safetensors")
+    assert main(["ckpt", "convert", str(source), str(tmp_path / "b.pt"), "--strip-prefix", "model"]) == 0
+    assert sorted(read_tensors(tmp_path / "b.pt")[0]) == ["bias", "weight"]
+    for strip in ("model.", "model", ["model"], ("model.",)):
+        ckpt.load(nn.Linear(2, 2), source, strip=strip)
+    for strip, named in (((None,), "None"), (5, "5"), (("",), "''"), (".", "'.'")):
+        with pytest.raises(ConfigError, match=rf"strip holds {re.escape(named)}; .* e\.g\. strip=\('model\.',\)"):
+            ckpt.load(nn.Linear(2, 2), source, strip=strip)  # type: ignore[arg-type]
+    capsys.readouterr()
+    assert main(["ckpt", "convert", str(source), str(tmp_path / "c.pt"), "--strip-prefix", ""]) == 1
+    assert "--strip-prefix holds ''; give key prefixes as strings naming a module path, e.g. --strip-prefix model." in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "c.pt").exists()
 
 
 class _Evil:

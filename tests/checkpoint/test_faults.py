@@ -18,6 +18,7 @@ from torch import nn
 
 import multigpu.checkpoint as ckpt
 from multigpu.checkpoint.atomic import LOCK_NAME, is_temporary
+from multigpu.cli.main import main
 from multigpu.errors import CheckpointError
 from tests.launching import start_python
 
@@ -193,3 +194,17 @@ def test_saving_onto_a_folder_is_named_with_the_fix(tmp_path: Path, name: str) -
     with pytest.raises(CheckpointError, match=rf"{name}': it is an existing folder\. Give the path of a file"):
         ckpt.save(nn.Linear(2, 2), tmp_path / name)
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted([name, "keep.txt"])  # no temporary left
+
+
+@pytest.mark.parametrize("path", [".", "", "/", "..", "sub/.."])
+def test_saving_onto_a_path_that_names_a_folder_is_named_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    # '.' and '/' raised pathlib's ValueError ("has an empty name"); '..' wrote a temporary, then failed with EBUSY
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=r"it names a folder, not a file\. Give the path of a file"):
+        ckpt.save(nn.Linear(2, 2), path)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["sub"]
+    weights = ckpt.save(nn.Linear(2, 2), tmp_path / "sub" / "w.safetensors")
+    assert main(["ckpt", "convert", str(weights), path or "."]) != 0  # the CLI: its one-line error, no traceback

@@ -2,12 +2,14 @@
 ``multigpu ckpt convert`` and ``inspect``, and a ``Checkpointer``'s save and resume (blocking and async).
 
 The states are drawn by hypothesis: every dtype multigpu loads (bfloat16, float16, int8, bool, complex among them),
-0-d and empty tensors, transposed and strided views (one element with a stride of 2 among them), one tensor under
-two names, keys of any characters but the module path's dot. The oracle is the tensors themselves.
+0-d and empty tensors, transposed and strided views (one element with a stride of 2 among them), lazy conj() and
+negative views (the values shown are not the memory's), one tensor under two names, keys of any characters but the
+module path's dot, and no tensor at all (a model without parameters). The oracle is the tensors themselves.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -36,10 +38,11 @@ NAMES = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters
 SPECS = st.dictionaries(
     NAMES,
     st.tuples(
-        st.sampled_from(DTYPES), st.lists(st.integers(0, 3), max_size=3), st.sampled_from(["plain", "t", "step"])
+        st.sampled_from(DTYPES),
+        st.lists(st.integers(0, 3), max_size=3),
+        st.sampled_from(["plain", "t", "step", "lazy"]),
     ),
-    min_size=1,
-    max_size=4,
+    max_size=4,  # none: a model without parameters or buffers (nn.ReLU()) saves an empty state dict
 )
 FUZZ = settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -57,12 +60,18 @@ def _tensor(dtype: torch.dtype, shape: list[int], layout: str) -> torch.Tensor:
         )
     tensor = values[:count].reshape(shape)
     tensor = tensor > 0 if dtype is torch.bool else tensor.to(dtype)
+    if layout == "lazy" and dtype.is_complex:  # conj() is a lazy view: the values shown differ from the memory
+        return tensor.conj()
+    if layout == "lazy" and dtype in (torch.float32, torch.float64):  # and its imaginary part, a negative view
+        negative = torch.complex(-tensor, -tensor).conj().imag
+        assert negative.is_neg() and torch.equal(negative, tensor)
+        return negative
     return tensor.transpose(0, 1) if layout == "t" and len(shape) >= 2 else tensor
 
 
 def _state(specs: dict[str, tuple[torch.dtype, list[int], str]], tie: bool) -> dict[str, torch.Tensor]:
     state = {name: _tensor(*spec) for name, spec in specs.items()}
-    if tie:
+    if tie and state:
         first = next(iter(state))
         state[first + "-tied"] = state[first]
     return state
@@ -167,3 +176,48 @@ def test_a_dtype_the_format_cannot_hold_is_refused_at_save_naming_it(tmp_path: P
         with pytest.raises(ConfigError, match=says):
             multigpu.save(state, tmp_path / name)
     assert [p.name for p in tmp_path.rglob("*") if p.is_file() and p.name != ".multigpu.lock"] == []
+
+
+@pytest.mark.parametrize("name", ["w.safetensors", "w.pt"])
+def test_a_model_without_weights_reads_back_through_every_reader(tmp_path: Path, name: str) -> None:
+    # the torch file of nn.ReLU() was written, then refused by load, inspect and convert ("no flat mapping")
+    path = multigpu.save(nn.ReLU(), tmp_path / name)
+    multigpu.load(nn.ReLU(), path)
+    assert main(["ckpt", "inspect", str(path)]) == 0
+    assert main(["ckpt", "convert", str(path), str(tmp_path / "other.pt")]) == 0
+    multigpu.load(nn.ReLU(), tmp_path / "other.pt")
+
+
+@pytest.mark.parametrize("name", ["w.safetensors", "w.pt"])
+@pytest.mark.parametrize(
+    ("state", "says"),
+    [  # safetensors' writer raised NotImplementedError, or the torch file was written and then refused by load
+        ({"w": torch.eye(2).to_sparse()}, r"'w', a torch.sparse_coo tensor; .*\.to_dense\(\)"),
+        ({"w": torch.empty(2, device="meta")}, r"'w', a meta tensor; .*to_empty"),
+        ({1: torch.ones(2)}, r"the key 1 of type int; a state dict's keys are strings"),  # a TypeError
+    ],
+    ids=["sparse", "meta", "int key"],
+)
+def test_what_no_weights_file_holds_is_refused_at_save_naming_it(
+    tmp_path: Path, name: str, state: dict, says: str
+) -> None:
+    with pytest.raises(ConfigError, match=says):
+        multigpu.save(state, tmp_path / name)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_safetensors_file_gets_the_mode_every_other_file_gets(tmp_path: Path, umask: int) -> None:
+    # safetensors 0.8 renames a 0600 temporary into place: teammates (or a serving container's user) could
+    # not read the weights beside a readable state.pt (https://github.com/safetensors/safetensors/issues/782)
+    previous = os.umask(umask)
+    try:
+        (tmp_path / "plain.json").write_text("{}")
+        multigpu.save(nn.Linear(2, 2), tmp_path / "w.safetensors")
+        Checkpointer(folder=tmp_path / "c").save(step=1, model=nn.Linear(2, 2))
+    finally:
+        os.umask(previous)
+    mode = (tmp_path / "plain.json").stat().st_mode & 0o777
+    assert mode == 0o666 & ~umask
+    written = [tmp_path / "w.safetensors", tmp_path / "c" / "step-00000001" / "model.safetensors"]
+    assert [oct(p.stat().st_mode & 0o777) for p in written] == [oct(mode)] * 2

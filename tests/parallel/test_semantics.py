@@ -125,8 +125,17 @@ def test_disagreeing_batch_sizes_are_named() -> None:
         def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             return a
 
-    with pytest.raises(ScatterError, match=r"input\[0\]\[0\] has 4, input\[0\]\[1\] has 3 \(shape \(3, 2\)\)"):
+    with pytest.raises(
+        ScatterError,
+        match=r"input\[0\]\[0\] has 4, input\[0\]\[1\] has 3 \(shape \(3, 2\)\); pass tensors of one batch",
+    ):
         multigpu.DataParallel(Two(), devices="cpu:2")(torch.randn(4, 2), torch.randn(3, 2))
+    # position_ids of shape (1, T), as a transformer broadcasts them: the advice was a tensor with "fewer dims than
+    # dim", which at dim=0 only a 0-dim tensor has
+    with pytest.raises(
+        ScatterError, match=r"has 1 \(shape \(1, 6\)\); expand the one of size 1 to the batch \(x\.expand\(4, "
+    ):
+        multigpu.DataParallel(Two(), devices="cpu:2")(torch.randn(4, 6), torch.arange(6).unsqueeze(0))
 
 
 def test_module_off_the_primary_device_is_named() -> None:

@@ -200,10 +200,31 @@ def test_pet_variables_that_can() -> None:
         ({**_TORCHRUN, "RANK": "4"}, r"RANK=4 must lie in \[0, WORLD_SIZE=4\)"),
         ({**_POD, "PET_NODE_RANK": "0"}, r"RANK=1 must equal PET_NODE_RANK=0.*PyTorchJob's spec"),
         ({**_POD, "PET_NNODES": "3"}, r"WORLD_SIZE=2 must equal PET_NNODES=3"),
+        # half of torch's world: run alone, each such process would be the main one (same checkpoint, same logs)
+        ({"RANK": "1"}, r"RANK='1' is set but WORLD_SIZE is not: .*set WORLD_SIZE as well.*or unset RANK"),
+        ({"WORLD_SIZE": "4", "LOCAL_RANK": "1"}, r"WORLD_SIZE='4' is set but RANK is not: .*set RANK as well"),
+        # several nodes with no master: each node's ranks would wait for rank 0 on their own loopback
+        (
+            {k: v for k, v in _TORCHRUN.items() if k != "MASTER_ADDR"},
+            r"WORLD_SIZE=4 processes with LOCAL_WORLD_SIZE=2 on this node run on several nodes, but MASTER_ADDR "
+            r"is not set.*set MASTER_ADDR",
+        ),
     ],
 )
 def test_variables_that_contradict_each_other_are_refused_at_once(env: dict[str, str], pattern: str) -> None:
     _refused_quickly(read_launch_env, env, pattern)
+
+
+def test_half_of_torchs_world_that_says_one_process_or_that_a_scheduler_completes_is_no_error() -> None:
+    assert read_launch_env({"RANK": "0"}) is None
+    assert read_launch_env({"WORLD_SIZE": "1"}) is None
+    one_node = {k: v for k, v in _TORCHRUN.items() if k not in ("MASTER_ADDR", "LOCAL_WORLD_SIZE")}
+    assert read_launch_env(one_node).master_addr == "127.0.0.1"  # every rank on this node: loopback serves
+    # an sbatch script that exports WORLD_SIZE for its srun tasks: SLURM's variables say each task's rank
+    env = read_launch_env({**_SLURM, "WORLD_SIZE": "4"})
+    assert env is not None and (env.scheduler, env.global_rank, env.world_size) == ("slurm", 3, 4)
+    # the one process of 'multigpu launch --strategy single|dp', which inherited a WORLD_SIZE its launcher ignores
+    assert read_launch_env({"WORLD_SIZE": "2", "MULTIGPU_STRATEGY": "single"}) is None
 
 
 def test_the_mpi_launcher_refuses_a_rank_outside_its_launchers_or_node() -> None:

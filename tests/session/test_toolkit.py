@@ -7,6 +7,7 @@ hypothesis-drawn sizes) against plain torch, and one process's answers and error
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 from pathlib import Path
@@ -59,6 +60,9 @@ def test_split_between_processes_gives_contiguous_shares_like_tensor_split(world
     assert shares == chunks
     tensors = [split_between_processes(torch.arange(n), world, r) for r in range(world)]
     assert torch.equal(torch.cat(tensors), torch.arange(n))
+    # any other sequence comes back as a list of its items (a range's padded share raised TypeError, a deque's any)
+    for sequence in (range(n), collections.deque(items)):
+        assert [split_between_processes(sequence, world, r, apply_padding=padding) for r in range(world)] == chunks
 
 
 @settings(max_examples=_EXAMPLES, derandomize=True, deadline=None)
@@ -84,7 +88,9 @@ def test_gather_for_metrics_rules_give_the_one_device_rows(
     for batches in zip(*[iter(loader) for loader in loaders]):  # the ranks' batch k, as gathered
         position.next_batch()  # as session.batches does before each batch
         rows = position.arrange([b[0] for b in batches])
+        items = position.arrange_items([b[0].tolist() for b in batches])  # per-sample objects (strings), alike
         got.append(rows[: position.keep(len(rows))])
+        assert items[: position.keep(len(items))] == got[-1].tolist()
     order = torch.randperm(n, generator=torch.Generator().manual_seed(9)) if shuffle else torch.arange(n)
     assert torch.equal(torch.cat(got), torch.cat(list(DataLoader(order, batch_size=global_batch, drop_last=drop_last))))
 

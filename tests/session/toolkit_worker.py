@@ -145,13 +145,20 @@ def check_gather_for_metrics(session: Session) -> None:
         loader = session.setup_dataloader(
             DataLoader(dataset, batch_size=global_batch, shuffle=shuffle, drop_last=drop_last)
         )
-        got = [session.gather_for_metrics({"id": i, "twice": t}) for i, t in session.batches(loader)]
+        got, texts = [], []
+        for i, t in session.batches(loader):  # generated strings: one per sample, in a list (or a tuple) of their own
+            texts_of_rank = [f"s{v}" for v in i.tolist()]
+            got.append(session.gather_for_metrics({"id": i, "twice": t, "text": texts_of_rank, "np": i.numpy() * 3}))
+            texts += session.gather_for_metrics(tuple(f"s{v}" for v in i.tolist()))
         ids = torch.cat([g["id"] for g in got])
         twice = torch.cat([g["twice"] for g in got])
+        text = [s for g in got for s in g["text"]]
         # plain torch on one device: the same DataLoader settings and the same epoch-0 permutation
         order = torch.randperm(n, generator=torch.Generator().manual_seed(0)) if shuffle else torch.arange(n)
         one_device = torch.cat([b for b in DataLoader(order, batch_size=global_batch, drop_last=drop_last)])
         ok = torch.equal(ids, one_device) and torch.equal(twice, one_device * 2)
+        ok = ok and text == texts == [f"s{v}" for v in one_device.tolist()]  # were this rank's own strings
+        ok = ok and np.array_equal(np.concatenate([g["np"] for g in got]), one_device.numpy() * 3)  # and arrays
         agree(ok, f"gather_for_metrics(n={n}, batch={global_batch}, shuffle={shuffle}, drop_last={drop_last})", session)
 
     check()

@@ -106,7 +106,9 @@ def test_build_reads_the_launch_and_the_devices(monkeypatch: pytest.MonkeyPatch)
     assert DataParallelStrategy.build().replicas_per_process == 2  # no GPU here: two CPU replicas
     monkeypatch.setenv("MULTIGPU_DEVICES", "cpu:3")  # multigpu launch --strategy dp --devices cpu:3
     assert DataParallelStrategy.build().replicas_per_process == 3
-    for key, value in {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+    # torchrun's variables on the second of two nodes (MASTER_ADDR too: without it the nodes could not meet)
+    launched = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node0"}
+    for key, value in launched.items():
         monkeypatch.setenv(key, value)
     built = FSDPStrategy.build(devices="cpu:2", precision="bf16", options=FSDPOptions(max_share=0.5))
     assert (built.env.global_rank, built.local_rank, built.device) == (1, 1, torch.device("cpu"))

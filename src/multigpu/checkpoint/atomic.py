@@ -141,6 +141,11 @@ def atomic_write_file(final: str | os.PathLike[str], write: Callable[[BinaryIO],
 def atomic_write_path(final: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
     """Like :func:`atomic_write_file` for writers that want a path (``write(temporary_path)``)."""
     final = Path(final)
+    if final.name in ("", ".."):  # '.', '/', '..': a folder by name (a ValueError from with_name, or EBUSY)
+        raise CheckpointError(
+            f"could not write checkpoint {str(final)!r}: it names a folder, not a file. Give the path of a file "
+            f"(e.g. {str(final / 'weights.safetensors')!r}). Nothing was changed."
+        )
     with explain_os_errors(final):
         remove_stale_temporaries(final.parent, name=final.name)  # left by a killed save of this file
         tmp = temporary_name(final)

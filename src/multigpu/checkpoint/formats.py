@@ -150,7 +150,9 @@ def read_structure(
 def tensors_of(obj: Any, path: str | os.PathLike[str], *, device: str = "cpu") -> OrderedDict[str, torch.Tensor]:
     """The flat key -> tensor mapping inside an object loaded from a torch file."""
     for _ in range(_MAX_NESTING):
-        if isinstance(obj, Mapping) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        if isinstance(obj, Mapping) and not obj:  # a model without parameters or buffers (nn.ReLU()) saves {}
+            return OrderedDict()
+        if isinstance(obj, Mapping) and all(isinstance(v, torch.Tensor) for v in obj.values()):
             for key, value in obj.items():
                 if not isinstance(key, str):
                     raise CheckpointError(f"{str(path)!r} has a tensor under the key {key!r}; keys must be strings.")
@@ -223,6 +225,14 @@ def only_tensors(tensors: Mapping[str, Any], format: Format) -> None:
                 "tensor; a weights file holds tensors only: pass it through Checkpointer.save(extra=...), or leave "
                 "it out of the state dict (save a dict of the tensors)"
             )
+        if value.layout != torch.strided or value.is_quantized or value.is_nested or value.device.type == "meta":
+            kind = "meta" if value.device.type == "meta" else "quantized" if value.is_quantized else value.layout
+            raise ConfigError(
+                f"the weights to write hold {key!r}, a {kind} tensor; a weights file holds dense tensors with data "
+                "(the only kind multigpu loads back): save its .to_dense() (sparse), .dequantize() (quantized) or "
+                "unbind() (nested), and give a meta tensor its data first (model.to_empty(device='cpu'), then load "
+                "or initialise the weights)"
+            )
         if value.dtype not in (_PLAIN_DTYPES if format == "torch" else _SAFETENSORS_DTYPES):
             fix = (
                 "save in torch format (a .pt file, or format='torch'), which holds it"
@@ -267,11 +277,18 @@ def _save_safetensors(
     tensors: dict[str, torch.Tensor], path: Path, header: dict[str, str], stamped: bool
 ) -> FileRecord:
     try:
+        mode = _open_mode(path)
         # The tensors' CRC-32s are computed while the writer (which releases the GIL) writes them.
         with ThreadPoolExecutor(THREADS) as pool:
             pending = {key: submit_crcs(pool, tensor) for key, tensor in tensors.items()}
             safetensors.torch.save_file(tensors, str(path), header)
             crcs = tensor_crcs(pending)
+        # safetensors >= 0.8 writes through a temporary file of mode 0600 that it renames into place, so the
+        # file was readable by its owner alone, unlike every other file of a checkpoint
+        # (https://github.com/safetensors/safetensors/issues/782): the mode open() gives, as for those; a file
+        # system without modes (a CIFS mount) keeps what it has rather than failing the save
+        with contextlib.suppress(OSError):
+            os.chmod(path, mode)
         if stamped:
             stamp(path, crcs)
     except safetensors.SafetensorError as exc:
@@ -293,6 +310,13 @@ def _save_safetensors(
         lengths = [min(PIECE, entry.nbytes - at) for at in range(0, max(entry.nbytes, 1), PIECE)]
         pieces += zip(crcs[entry.key], lengths)
     return FileRecord(nbytes=written.file_size, crc32=combine(pieces))
+
+
+def _open_mode(path: Path) -> int:
+    """The permission bits ``open(path, "wb")`` gives a new file here (0666 less the umask), found by creating
+    ``path`` so (the umask cannot be read without changing it for every thread)."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666))
+    return os.stat(path).st_mode & 0o777
 
 
 def checked_safetensors_header(path: str | os.PathLike[str], f: BinaryIO | None = None) -> Header:
@@ -380,6 +404,8 @@ def _deduplicate(
     storages: set[int] = set()
     for key, tensor in tensors.items():
         tensor = tensor.detach().cpu()
+        if tensor.is_conj() or tensor.is_neg():  # a lazy conj()/neg view: the values it shows, materialised
+            tensor = tensor.resolve_conj().resolve_neg()
         ident = _view_of(tensor)
         if tensor.numel() and ident in seen:
             aliases[key] = seen[ident]

@@ -102,7 +102,7 @@ def load(
     path: str | os.PathLike[str],
     *,
     strict: bool = True,
-    strip: Sequence[str] = (),
+    strip: str | Sequence[str] = (),
     allow_unsafe_pickle: bool = False,
 ) -> nn.Module:
     """Load weights from ``path`` into ``model`` (wrapped or not); keys may carry wrapper prefixes.
@@ -112,7 +112,8 @@ def load(
         path: a safetensors or torch file (format detected from its bytes), or a Checkpointer's step
             folder: its ``model.safetensors``, or, sharded (under fsdp), its whole weights.
         strict: raise when keys or shapes differ; with ``False`` load the keys that match.
-        strip: extra key prefixes to remove (e.g. ``("model.",)`` for a Lightning checkpoint).
+        strip: extra key prefixes to remove (e.g. ``("model.",)`` for a Lightning checkpoint): module paths,
+            ``"model"`` meaning ``model.``; one string is one prefix.
         allow_unsafe_pickle: allow torch files that need arbitrary unpickling. Only for files
             you trust.
 

@@ -133,9 +133,10 @@ def _convert(console: Console, args: argparse.Namespace) -> None:
 
     from multigpu.checkpoint.formats import write_tensors
     from multigpu.checkpoint.weights import read_weights, weights_file
-    from multigpu.core.keys import clean_state_dict, collision_message, find_collisions
+    from multigpu.core.keys import clean_state_dict, collision_message, find_collisions, key_prefixes
     from multigpu.errors import CheckpointError
 
+    prefixes = key_prefixes(args.strip_prefix, "--strip-prefix")  # 'model' removes 'model.', not 'model'
     source = weights_file(args.input)
     tensors, metadata = read_weights(
         source, allow_unsafe_pickle=args.allow_unsafe_pickle, max_expansion=args.max_expansion
@@ -147,7 +148,7 @@ def _convert(console: Console, args: argparse.Namespace) -> None:
             raise CheckpointError(
                 collision_message(repr(str(source)), collisions) + " To write the keys unchanged, pass --keep-prefixes."
             )
-    new_keys = [next((k[len(p) :] for p in args.strip_prefix if k.startswith(p)), k) for k in tensors]
+    new_keys = [next((k[len(p) :] for p in prefixes if k.startswith(p)), k) for k in tensors]
     counts = Counter(new_keys)
     if len(counts) < len(new_keys):
         merged = sorted(new for new, n in counts.items() if n > 1)[:6]

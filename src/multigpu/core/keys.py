@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from multigpu.errors import CheckpointError
+from multigpu.errors import CheckpointError, ConfigError
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _SHOWN = 6  # keys listed in a message: colliding ones, or each kind of mismatch
@@ -188,6 +188,12 @@ def clean_state_dict(state_dict: Mapping[str, V]) -> OrderedDict[str, V]:
         >>> list(clean_state_dict({"module.weight": 1, "head.weight": 2}))
         ['module.weight', 'head.weight']
     """
+    for key in state_dict:
+        if not isinstance(key, str):
+            raise ConfigError(
+                f"the state dict has an entry under the key {key!r} of type {type(key).__name__}; a state dict's keys "
+                "are strings (a module's names): use str(key) or the parameter's name"
+            )
     prefix = common_wrapper_prefix(state_dict)
     return OrderedDict((k[len(prefix) :], v) for k, v in state_dict.items())
 
@@ -275,7 +281,7 @@ def plan_load(
     tensors: Mapping[str, torch.Tensor],
     *,
     strict: bool = True,
-    strip: Sequence[str] = (),
+    strip: str | Sequence[str] = (),
     source: str = "the state dict",
 ) -> dict[str, torch.Tensor]:
     """The tensors to load into the bare model, by its keys; checks everything, changes nothing.
@@ -359,11 +365,38 @@ def _common_extra_prefix(longer: list[str], shorter: list[str]) -> str:
     return prefix if len(stripped & set(shorter)) >= max(1, len(shorter) // 2) else ""
 
 
+def key_prefixes(strip: str | Sequence[str], what: str = "strip") -> tuple[str, ...]:
+    """The module-path prefixes ``strip`` names, each ending in ``.``: ``"model"`` removes ``model.``
+    (never the ``model`` of ``modelx.weight``), and one string is one prefix (not its characters).
+
+    Raises:
+        ConfigError: an entry that is not a non-empty string (naming it).
+
+    Example:
+        >>> key_prefixes("model"), key_prefixes(["a.", "b"])
+        (('model.',), ('a.', 'b.'))
+    """
+    entries: list[object]
+    try:
+        entries = [strip] if isinstance(strip, str) else list(strip)
+    except TypeError:  # not iterable (strip=5): named below
+        entries = [strip]
+    example = f"{what} model." if what.startswith("--") else f"{what}=('model.',)"
+    for prefix in entries:
+        if not isinstance(prefix, str) or not prefix.strip("."):
+            raise ConfigError(
+                f"{what} holds {prefix!r}; give key prefixes as strings naming a module path, e.g. {example} "
+                "to read 'model.weight' as 'weight'"
+            )
+    return tuple(p if p.endswith(".") else p + "." for p in entries if isinstance(p, str))
+
+
 def _strip_extra(
-    tensors: Mapping[str, torch.Tensor], strip: Sequence[str], source: str
+    tensors: Mapping[str, torch.Tensor], strip: str | Sequence[str], source: str
 ) -> OrderedDict[str, torch.Tensor]:
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     origins: dict[str, list[str]] = {}
+    strip = key_prefixes(strip)
     for original, value in tensors.items():
         key = original
         for prefix in strip:

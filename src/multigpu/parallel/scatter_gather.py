@@ -54,8 +54,7 @@ def batch_size(inputs: Flat, dim: int) -> int | None:
         elif size != found[0]:
             raise ScatterError(
                 f"inputs disagree on the batch size along dim {dim}: input{inputs.path(found[1])} has {found[0]}, "
-                f"input{inputs.path(index)} has {size} (shape {tuple(leaf.shape)}); pass tensors of the same batch "
-                "size, or give the shared tensor fewer dims than `dim` so every replica gets all of it"
+                f"input{inputs.path(index)} has {size} (shape {tuple(leaf.shape)}); {_same_batch_fix(found[0], size)}"
             )
     if found is None:
         return None
@@ -65,6 +64,20 @@ def batch_size(inputs: Flat, dim: int) -> int | None:
             "before calling the model, e.g. DataLoader(..., drop_last=True)"
         )
     return found[0]
+
+
+def _same_batch_fix(first: int, other: int) -> str:
+    """The fix for two batch sizes that disagree: a size-1 tensor meant to broadcast (``position_ids`` of shape
+    ``(1, T)``) is expanded to the batch; a tensor every replica needs whole has no batch dimension at all."""
+    if 1 in (first, other):
+        return (
+            f"expand the one of size 1 to the batch (x.expand({max(first, other)}, ...), a view) so each replica "
+            "gets its rows, or pass tensors of one batch size"
+        )
+    return (
+        "pass tensors of one batch size; a tensor every replica needs whole must not have the batch dimension "
+        "(with dim=0: a 0-dim tensor; else fewer dimensions than dim) or can be a buffer of the module"
+    )
 
 
 def even_chunk_sizes(batch: int, replicas: int) -> list[int]:

@@ -269,7 +269,8 @@ def share_bounds(count: int, world: int, rank: int) -> tuple[int, int]:
 def split_between_processes(items: Any, world: int, rank: int, *, apply_padding: bool = False) -> Any:
     """Rank ``rank``'s contiguous share of ``items`` (a list, tuple, tensor, or a dict of such, split alike).
 
-    Shares differ by at most one item (the first ranks take the extra ones). With
+    Shares differ by at most one item (the first ranks take the extra ones); a list, tuple or tensor comes
+    back in kind, any other sequence (a range, a deque) as a list. With
     ``apply_padding`` every share has the size of the largest, the short ones repeating the last
     item (drop the repeats after gathering). Communicates nothing.
 
@@ -289,12 +290,15 @@ def split_between_processes(items: Any, world: int, rank: int, *, apply_padding:
             )
         shares = {k: split_between_processes(v, world, rank, apply_padding=apply_padding) for k, v in items.items()}
         return _same_mapping(items, shares)
-    start, end = share_bounds(_length(items), world, rank)
+    count = _length(items)
+    if not torch.is_tensor(items) and type(items) not in (list, tuple):
+        items = list(items)  # a range, a deque: their items, as a list (a range's share cannot be padded in kind)
+    start, end = share_bounds(count, world, rank)
     share = items[start:end]
     if apply_padding:
-        longest = share_bounds(_length(items), world, 0)[1]
+        longest = share_bounds(count, world, 0)[1]
         missing = longest - (end - start)
-        if missing and _length(items):
+        if missing and count:
             last = items[-1:]
             if torch.is_tensor(share):
                 share = torch.cat([share, *([last] * missing)])

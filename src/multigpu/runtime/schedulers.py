@@ -222,7 +222,23 @@ def detect_worker(env: Mapping[str, str], *, launched_alone: bool = False) -> Sc
     for scheduler in SCHEDULERS:
         if (scheduler.describes_a_launched_process or not launched_alone) and scheduler.detects(env):
             return scheduler.worker(env)
+    if not launched_alone:  # the one process multigpu launch started: its launcher made it one, whatever it inherited
+        _refuse_half_a_torch_world(env)
     return None
+
+
+def _refuse_half_a_torch_world(env: Mapping[str, str]) -> None:
+    """``RANK`` without ``WORLD_SIZE`` (or the reverse) that says this process is one of several, where no
+    scheduler's variables say the rest: run alone, every such process would be the main one (writing the
+    same checkpoints and logs), so it is refused by name. ``RANK=0`` or ``WORLD_SIZE=1`` alone says nothing."""
+    for name, other, alone in (("RANK", "WORLD_SIZE", "0"), ("WORLD_SIZE", "RANK", "1")):
+        value = env.get(name)
+        if value and not env.get(other) and value.lstrip("0") != alone.lstrip("0"):
+            raise LaunchError(
+                f"{shown(name, value)} is set but {other} is not: this process would run alone, as the main "
+                f"process, beside the others it names; set {other} as well (a launcher sets both on every "
+                f"process: 'multigpu launch --strategy ddp --nproc-per-node 2 script.py' or torchrun), or unset {name}"
+            )
 
 
 def launcher_defaults(env: Mapping[str, str]) -> tuple[str | None, dict[str, str]]:
@@ -304,6 +320,13 @@ def torchrun_worker(env: Mapping[str, str]) -> SchedulerWorld:
             raise LaunchError(
                 f"LOCAL_RANK={local_rank} and LOCAL_WORLD_SIZE={local_world} do not fit WORLD_SIZE={world} "
                 f"(0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= WORLD_SIZE); {_LAUNCH_FIX}"
+            )
+        if local_world < world and "MASTER_ADDR" not in env:  # torch's env:// has no default host
+            raise LaunchError(
+                f"WORLD_SIZE={world} processes with LOCAL_WORLD_SIZE={local_world} on this node run on several "
+                "nodes, but MASTER_ADDR is not set: the ranks of other nodes would wait for rank 0 on their own "
+                "loopback; set MASTER_ADDR (rank 0's host) and MASTER_PORT alike on every process (torchrun and "
+                "multigpu launch do)"
             )
     return SchedulerWorld(
         scheduler=PYTORCHJOB if pod else TORCHRUN,

@@ -19,16 +19,21 @@ written once:
 
 from __future__ import annotations
 
+import copy
 import hashlib
-from collections.abc import Iterator
+import pickle
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
+from multigpu.core.structure import iter_tensors
 from multigpu.errors import CollectiveTimeoutError, ConfigError, PeerExitedError
 from multigpu.runtime import world
 from multigpu.runtime.collectives import reduce_value
@@ -134,26 +139,82 @@ class MetricsPosition:
         self.batch_rows = 0
 
     def gather(self, obj: Any) -> Any:
-        """``obj``'s tensors from every rank, in one-device order, less the repeats past the epoch's end.
+        """``obj``'s tensors and lists of samples from every rank, in one-device order, less the repeats
+        past the epoch's end.
+
+        A plain list or tuple that holds no tensor (generated strings, sample ids), or a numpy array, passed as
+        ``obj``, as a value of a mapping or an item of a list or tuple passed, holds one item (row) per sample:
+        it travels pickled, in the same all-gathers as the tensors, and comes back arranged and cut as their rows.
 
         Raises:
             CollectiveMismatchError: on every rank, the ranks' structures, dtypes or trailing shapes differ.
         """
-        flat, pieces = gather_pieces(obj, "gather_for_metrics")
-        rows = max([sum(len(p) for p in got) for got in pieces if got is not None], default=0)
+        lifted, packed = _lift_sample_lists(obj)
+        flat, pieces = gather_pieces(lifted, "gather_for_metrics")
+        unpacked = {
+            i: [pickle.loads(piece.numpy().tobytes()) for piece in got]
+            for i, (leaf, got) in enumerate(zip(flat.leaves, pieces))
+            if got is not None and id(leaf) in packed
+        }
+        counts = [sum(len(p) for p in got) for i, got in enumerate(pieces) if got is not None and i not in unpacked]
+        rows = max(counts + [sum(len(items) for items in lists) for lists in unpacked.values()], default=0)
         keep = self.keep(rows)
-        return flat.rebuild(
-            [leaf if got is None else self.arrange(got)[:keep] for leaf, got in zip(flat.leaves, pieces)]
-        )
+        leaves = []
+        for i, (leaf, got) in enumerate(zip(flat.leaves, pieces)):
+            if i in unpacked:
+                leaves.append(packed[id(leaf)](self.arrange_items(unpacked[i])[:keep]))
+            else:
+                leaves.append(leaf if got is None else self.arrange(got)[:keep])
+        return flat.rebuild(leaves)
 
     def arrange(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """Every rank's rows of one batch in the one-device order (strided positions), or in rank order."""
         return interleave(pieces) if self.strided else torch.cat(pieces)
 
+    def arrange_items(self, lists: list[list[Any]]) -> list[Any]:
+        """:meth:`arrange` for every rank's list of per-sample items."""
+        if not self.strided:
+            return [item for items in lists for item in items]
+        longest = max((len(items) for items in lists), default=0)
+        return [items[i] for i in range(longest) for items in lists if i < len(items)]
+
     def keep(self, rows: int) -> int:
         """How many of the current batch's gathered ``rows`` are real samples (the rest repeat the epoch's first)."""
         self.batch_rows = max(self.batch_rows, rows)
         return rows if self.total is None else max(0, min(rows, self.total - self.seen))
+
+
+def _lift_sample_lists(obj: Any) -> tuple[Any, dict[int, Callable[[list[Any]], Any]]]:
+    """``obj`` with each plain list or tuple of per-sample items (one that holds no tensor), and each numpy
+    array of rows, replaced by a uint8 tensor of its pickle: ``obj`` itself, a mapping's value, or an item of a
+    list or tuple; and, by the tensor's ``id``, what builds the gathered items back into their kind."""
+    packed: dict[int, Callable[[list[Any]], Any]] = {}
+
+    def lift(value: Any) -> Any:
+        if isinstance(value, np.ndarray) and value.ndim:
+            build: Callable[[list[Any]], Any] = partial(_rows_to_array, empty=value[:0])
+        elif type(value) in (list, tuple) and not any(True for _ in iter_tensors(value)):
+            build = type(value)
+        else:
+            return value
+        tensor = torch.frombuffer(bytearray(pickle.dumps(list(value))), dtype=torch.uint8)
+        packed[id(tensor)] = build
+        return tensor
+
+    if type(obj) in (list, tuple) and any(True for _ in iter_tensors(obj)):
+        return type(obj)(lift(item) for item in obj), packed
+    if isinstance(obj, MutableMapping):
+        if not any(type(v) in (list, tuple) or isinstance(v, np.ndarray) for v in obj.values()):
+            return obj, packed  # nothing to lift: the mapping as it is (its own type kept)
+        lifted = copy.copy(obj)
+        for key, value in obj.items():
+            lifted[key] = lift(value)
+        return lifted, packed
+    return lift(obj), packed
+
+
+def _rows_to_array(rows: list[Any], *, empty: np.ndarray) -> np.ndarray:
+    return np.stack(rows) if rows else empty
 
 
 def _epoch_samples(loader: EpochLoader[Any]) -> int | None:

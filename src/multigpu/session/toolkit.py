@@ -132,7 +132,9 @@ class Toolkit:
         (built with ``shuffle=False`` for an evaluation), the rows of all ranks come back in the
         loader's one-device order (dataset order without shuffle), and the rows that the sharding
         repeated to fill the last global batch (``drop_last=False``) are dropped: over an epoch
-        exactly ``len(dataset)`` rows. Over any other iterable it is :meth:`gather`. Every rank must call it.
+        exactly ``len(dataset)`` rows. A plain list or tuple without tensors (generated strings) or a numpy array, as ``obj``
+        or as a value or item of it, holds one item per sample and is gathered, ordered and cut alike.
+        Over any other iterable it is :meth:`gather` (such lists concatenated in rank order). Every rank must call it.
         """
         position = self._position or MetricsPosition(None)
         with explain_collective_failures("gather_for_metrics"):
