@@ -136,6 +136,7 @@ def main() -> int:
             start, load = time.perf_counter(), os.getloadavg()[0]
             result = advise_measure(name, batch, cache, args.budget)
             wall, load = time.perf_counter() - start, (load + os.getloadavg()[0]) / 2
+            parts = {(r["strategy"], r["devices"]): r["parts_ms"] for r in result["rows"]}
             for row in result["measured"]["rows"]:
                 error = row["step_error"]
                 ok = error is not None and abs(error) <= args.tolerance
@@ -156,6 +157,11 @@ def main() -> int:
                         "reason": row["reason"],
                         "advise_wall_s": wall,
                         "load": load,
+                        "predicted_parts_ms": parts.get((row["strategy"], row["devices"]), {}),
+                        "calibrated": {
+                            k: result["inputs"].get(k)
+                            for k in ("compute_ms_per_sample", "contention", "single_speedup")
+                        },
                     }
                 )
     head = f"{'model':8s} {'batch':>5s} {'strategy':8s} {'N':>2s} {'pred ms':>8s} {'meas ms':>8s} {'error':>7s}"
