@@ -84,6 +84,7 @@ def test_json_has_exactly_the_documented_schema() -> None:
             "devices",
             "batch_per_device",
             "step_ms",
+            "parts_ms",
             "samples_per_s",
             "scaling",
             "peak_bytes",
@@ -91,6 +92,7 @@ def test_json_has_exactly_the_documented_schema() -> None:
         }
         assert row["strategy"] in {"single", "dp", "dp-balanced", "ddp", "fsdp"}
         assert len(row["batch_per_device"]) == len(row["peak_bytes"]) == row["devices"]
+        assert sum(row["parts_ms"].values()) == pytest.approx(row["step_ms"])  # the parts are the whole step
     assert [(r["strategy"], r["devices"]) for r in plan["rows"]] == [
         ("single", 1),
         ("dp", 2),

@@ -105,6 +105,7 @@ def test_json_plan_uses_the_session_vocabulary(tmp_path: Path, capsys: pytest.Ca
         "devices",
         "batch_per_device",
         "step_ms",
+        "parts_ms",
         "samples_per_s",
         "scaling",
         "peak_bytes",

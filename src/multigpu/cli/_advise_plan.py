@@ -193,6 +193,8 @@ def plan_inputs(w: Workload, plat: Platform, rows: list[Row], batches: dict[str,
         "fsdp_groups": list(w.fsdp.resolved(w.params)),
         "fsdp_reshard_after_forward": w.fsdp.reshard_after_forward,
         "platform": plat.name,
+        "contention": plat.contention,  # a replica's slowdown beside the others (a CPU's, measured)
+        "single_speedup": plat.single_speedup,  # the whole batch on every core over one replica, per sample
         "memory_bytes_per_device": plat.memory_bytes,
         "devices": sorted({r.devices for r in rows}),
         **batches,

@@ -3,19 +3,21 @@
 In this process: the host costs, memory bandwidth and DataParallel's hand-off per replica and phase
 (:mod:`multigpu.planning.calibrate`, :func:`multigpu.planning.step_floors.dp_handoff_s`). Then two
 pairs of gloo processes, one after the other, each :mod:`multigpu.planning._machine_probe_worker`
-with one intra-op thread per process: one pair with ddp's environment times the all-reduce and
+with one intra-op thread per process, each bound to its share of the cores as the launcher binds them: one pair with ddp's environment times the all-reduce and
 DDP's own cost per step, one with fsdp's (on a CPU, its malloc settings: every large buffer mapped
 anew) times the all-gather, the reduce-scatter, a copy into fresh memory, a large allocation (a
 fresh buffer filled against a warm one, at two sizes: per allocation and per byte) and FSDP2's work
 per group (a step of tiny groups sharded over the two, less the same step unsharded: by the
 thread's CPU time, and by the wall time less the latency of its collectives, which the plan charges
-apart; the larger). Each collective is timed at two sizes: the small one gives the latency per
-call, the difference the bus bandwidth (nccl-tests' definition). The slower rank's figure is kept.
+apart; the larger). Each collective is timed at two sizes, in sequences of several calls as a
+step issues them: the small one gives the latency per call, the difference the bus bandwidth
+(nccl-tests' definition). The slower rank's figure is kept.
 A few seconds in all; :func:`multigpu.planning.machine.save` caches the result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -26,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from multigpu.errors import LaunchError
+from multigpu.launcher.affinity import core_share
 from multigpu.planning import _machine_probe_worker as worker
 from multigpu.planning.machine import MachineConstants, machine_key
 from multigpu.profiling.bandwidth import bus_factor
@@ -38,6 +41,19 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _bind(pid: int, rank: int) -> None:
+    """Bind probe process ``rank`` of 2 to its share of the cores, as ``multigpu launch`` binds ddp's and fsdp's
+    workers on a CPU (:mod:`multigpu.launcher.affinity`): unbound, the two processes and their gloo threads
+    meet on every core, and their collectives take longer than the launched runs' do. Set right after the
+    start, before the worker has a thread of its own (the threads it starts inherit it)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    share = core_share(os.sched_getaffinity(0), rank, 2)
+    if share is not None:
+        with contextlib.suppress(OSError):  # gone already: its own error is reported
+            os.sched_setaffinity(pid, share)
 
 
 def _pair(kind: str, extra_env: dict[str, str], timeout_s: float) -> dict[str, float]:
@@ -56,6 +72,8 @@ def _pair(kind: str, extra_env: dict[str, str], timeout_s: float) -> dict[str, f
             )
             for r in range(2)
         ]
+        for rank, proc in enumerate(procs):
+            _bind(proc.pid, rank)
         errors = []
         try:
             for proc in procs:

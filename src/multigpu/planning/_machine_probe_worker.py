@@ -2,7 +2,8 @@
 
 ``python _machine_probe_worker.py RANK PORT KIND OUT``: joins a 2-process gloo group on 127.0.0.1,
 one intra-op thread (as each of ddp's and fsdp's processes on a 2-core CPU), and writes ``OUT``
-(JSON) with seconds per call, each the low quantile of :mod:`multigpu.planning.timing`:
+(JSON) with seconds per call, each the low quantile of :mod:`multigpu.planning.timing` (a collective's: of
+sequences of :data:`SEQUENCE` calls, per call):
 
 - ``allreduce``: ``all_reduce`` of a small and a large array (what ddp's buckets do), and what DDP adds
   to a step beyond its all-reduce (:func:`multigpu.planning.step_floors.ddp_step_s`);
@@ -27,17 +28,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from multigpu.strategies.fsdp import release_mesh_groups
+
 SMALL, LARGE = 64 << 10, 4 << 20  # bytes of the whole array: the latency, and the bandwidth
 # bytes of a fresh buffer: both above fsdp's mmap threshold (128 KiB), spanning a step's activations
 FRESH_SMALL, FRESH_LARGE = 256 << 10, 4 << 20
+# Collectives are timed in sequences of this many, as a step issues them (a ddp step its buckets, an fsdp step
+# three per group), and the sequences' 25th percentile kept, the quantile --measure keeps of whole steps. On the
+# 2 development cores one all-reduce of 64 KiB between two bound processes took 0.22 ms at its 8th percentile
+# (what each call was timed at before) but 0.37 at its median and 1.8 on average (a tail of waits for a
+# woken process); a sequence of 8 read 1.0 ms per call at its 25th percentile, and ddp's steps pay that.
+SEQUENCE = 8
+SEQUENCES = 15  # timed sequences per collective and size
 FSDP_GROUPS = 8  # tiny blocks of the in-group fsdp step (each gathered twice and reduce-scattered once a step)
 
 
 def _collectives(kind: str) -> dict[str, float]:
-    from multigpu.planning.timing import CPU_CLOCK, SHORT_REPEATS, WAIT_QUANTILE, quantile_s
+    from multigpu.planning.timing import CPU_CLOCK, quantile_s
 
-    def waits(fn: Callable[[], object]) -> float:  # a collective waits on the other process: wall time, more repeats
-        return quantile_s(fn, SHORT_REPEATS, q=WAIT_QUANTILE)
+    def waits(fn: Callable[[], object]) -> float:
+        """Seconds per call of a collective (it waits on the other process: wall time), timed in sequences."""
+        return quantile_s(lambda: [fn() for _ in range(SEQUENCE)], SEQUENCES) / SEQUENCE
 
     def own(fn: Callable[[], object]) -> float:  # this thread alone (copies, page faults): its CPU time
         return quantile_s(fn, clock=CPU_CLOCK)
@@ -110,6 +121,9 @@ def main(argv: list[str]) -> None:
         result.update(_collectives(kind))
         dist.barrier()
     finally:
+        # the sharded probe's device mesh keeps the group's threads alive past its destruction, and one of
+        # them aborted the process at exit now and then ("terminate called without an active exception")
+        release_mesh_groups()
         dist.destroy_process_group()
     out.write_text(json.dumps(result))
 

@@ -206,6 +206,7 @@ def to_json(rows: Sequence[Row], rec: Recommendation, inputs: dict[str, Any]) ->
                 "devices": r.devices,
                 "batch_per_device": list(r.step.chunks),
                 "step_ms": r.step.total_s * 1e3,
+                "parts_ms": {name: seconds * 1e3 for name, seconds in r.step.parts.items()},
                 "samples_per_s": r.step.throughput,
                 "scaling": r.efficiency,
                 "peak_bytes": [int(m) for m in r.memory],

@@ -71,8 +71,9 @@ LOADED = 0.5
 STEP_BOUND = 2.0
 FED_BACK = ("compute_scale", "thread_overhead_s", "allreduce_busbw", "fsdp_group_s")
 # of the file's layout; another version is measured again (3: FSDP2's work per group in a 2-process group;
-# 4: DDP's step floor, DataParallel's hand-off timed through the engine)
-_VERSION = 4
+# 4: DDP's step floor, DataParallel's hand-off timed through the engine; 5: collectives timed in sequences
+# between bound processes)
+_VERSION = 5
 CACHE_LIMIT = 1 << 20  # bytes: a cache file is a few kilobytes; anything larger is not one of ours
 _TURN_S = 30.0  # seconds another feedback may hold the cache folder (it holds it for milliseconds)
 

@@ -102,8 +102,13 @@ def ddp_step_s(allreduce_s: Callable[[int], float], repeats: int = REPEATS) -> f
     must call it (it runs collectives); the figure of the slower rank is the step's."""
     from torch.nn.parallel import DistributedDataParallel
 
+    from multigpu.strategies.ddp import drop_reducer
+
     model = tiny_model()
     wrapped = DistributedDataParallel(tiny_model())
-    plain_s, ddp_s = paired_s(_training_step(model), _training_step(wrapped), repeats)
+    try:
+        plain_s, ddp_s = paired_s(_training_step(model), _training_step(wrapped), repeats)
+    finally:  # a reducer alive when its group is destroyed aborts the process at exit, now and then
+        drop_reducer(wrapped)
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
     return max(0.0, ddp_s - plain_s - allreduce_s(grads))

@@ -215,7 +215,7 @@ class DDPStrategy(ProcessPerDeviceStrategy):
         # there, a rank raising in launch_function closed its group so fast that its peer's consequence
         # was named as the cause (test_a_function_from_stdin_twice_then_an_error_and_no_process_left).
         for ref in self._wrapped:
-            _drop_reducer(ref())
+            drop_reducer(ref())
         self._wrapped.clear()
         gc.collect()
 
@@ -231,7 +231,7 @@ class DDPStrategy(ProcessPerDeviceStrategy):
         return nullcontext()
 
 
-def _drop_reducer(model: DistributedDataParallel | None) -> None:
+def drop_reducer(model: DistributedDataParallel | None) -> None:
     """Let go of ``model``'s reducer (and the logger that holds it too); None: the model was collected."""
     if model is not None and hasattr(model, "reducer"):
         del model.reducer
