@@ -39,7 +39,10 @@ FRESH_SMALL, FRESH_LARGE = 256 << 10, 4 << 20
 # (what each call was timed at before) but 0.37 at its median and 1.8 on average (a tail of waits for a
 # woken process); a sequence of 8 read 1.0 ms per call at its 25th percentile, and ddp's steps pay that.
 SEQUENCE = 8
-SEQUENCES = 15  # timed sequences per collective and size
+# timed sequences per collective and size: with 15, three probes a minute apart on the idle development cores read
+# the all-reduce's latency at 0.91-1.47 ms and the gathers' at 0.72-0.90; with 40, 0.87-0.99 and 0.93-0.97
+# (about 3 s more), and one probe's constants serve every plan of the machine
+SEQUENCES = 40
 FSDP_GROUPS = 8  # tiny blocks of the in-group fsdp step (each gathered twice and reduce-scattered once a step)
 
 
