@@ -3,9 +3,9 @@
 In this process: the host costs, memory bandwidth and DataParallel's hand-off per replica and phase
 (:mod:`multigpu.planning.calibrate`, :func:`multigpu.planning.step_floors.dp_handoff_s`). Then two
 pairs of gloo processes, one after the other, each :mod:`multigpu.planning._machine_probe_worker`
-with one intra-op thread per process, each bound to its share of the cores as the launcher binds them: one pair with ddp's environment times the all-reduce and
-DDP's own cost per step, one with fsdp's (on a CPU, its malloc settings: every large buffer mapped
-anew) times the all-gather, the reduce-scatter, a copy into fresh memory, a large allocation (a
+with one intra-op thread per process, bound to its share of the cores as the launcher binds its
+workers: one pair with ddp's environment times the all-reduce and DDP's own cost per step, one
+with fsdp's (on a CPU, its malloc settings: every large buffer mapped anew) times the all-gather, the reduce-scatter, a copy into fresh memory, a large allocation (a
 fresh buffer filled against a warm one, at two sizes: per allocation and per byte) and FSDP2's work
 per group (a step of tiny groups sharded over the two, less the same step unsharded: by the
 thread's CPU time, and by the wall time less the latency of its collectives, which the plan charges
