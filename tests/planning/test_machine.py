@@ -352,6 +352,8 @@ def test_the_probe_measures_gloo_and_the_host_in_two_processes() -> None:
     assert sys.platform != "linux" or constants.fresh_copy_bandwidth < 10 * constants.memory_bandwidth
     # fsdp's processes map each large buffer anew: a page fault per page at least (glibc)
     assert sys.platform != "linux" or constants.fresh_byte_s * 4096 > 1e-8
+    assert 0 <= constants.fresh_huge_byte_s <= constants.fresh_byte_s  # a huge page faults once per 2 MiB
+
     assert 0 <= constants.fresh_alloc_s < 0.01
     # the engines' own cost per step, timed through them (planning/step_floors.py): DDP's beyond its
     # all-reduce, DataParallel's hand-off per replica and phase beyond a bare pool thread's
@@ -360,6 +362,25 @@ def test_the_probe_measures_gloo_and_the_host_in_two_processes() -> None:
     # (its all-reduce is timed in sequences, which hold the waits of two processes meeting: 0 on the development cores)
     assert 0 <= constants.ddp_step_s < 0.1
     assert constants.thread_overhead_s > 2 * thread_handoff_s()
+
+
+def test_fresh_memory_costs_come_apart_from_the_probes_three_sizes() -> None:
+    """The two sizes under 2 MiB give the mapping and the 4 KiB pages' rate; the large one, less its first
+    2 MiB at that rate, the huge pages' rate (never above the small pages')."""
+    from multigpu.launcher.machine_probe import _fresh_costs
+    from multigpu.planning import _machine_probe_worker as worker
+    from multigpu.planning.costs import SMALL_PAGE_BYTES
+
+    alloc, per_byte, on_huge = 20e-6, 0.4e-9, 0.05e-9
+    sizes = {"small": worker.FRESH_SMALL, "mid": worker.FRESH_MID}
+    figures = {f"warm_fill_{label}_s": 1e-3 for label in ("small", "mid", "large")}
+    figures |= {f"fresh_fill_{label}_s": 1e-3 + alloc + n * per_byte for label, n in sizes.items()}
+    figures["fresh_fill_large_s"] = (
+        1e-3 + alloc + SMALL_PAGE_BYTES * per_byte + (worker.FRESH_LARGE - SMALL_PAGE_BYTES) * on_huge
+    )
+    assert _fresh_costs(figures) == pytest.approx((alloc, per_byte, on_huge))
+    figures["fresh_fill_large_s"] = 1.0  # a large buffer slower per byte than the small ones: capped at their rate
+    assert _fresh_costs(figures)[2] == pytest.approx(per_byte)
 
 
 @pytest.mark.multiprocess

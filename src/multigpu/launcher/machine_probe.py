@@ -6,7 +6,7 @@ pairs of gloo processes, one after the other, each :mod:`multigpu.planning._mach
 with one intra-op thread per process, bound to its share of the cores as the launcher binds its
 workers: one pair with ddp's environment times the all-reduce and DDP's own cost per step, one
 with fsdp's (on a CPU, its malloc settings: every large buffer mapped anew) times the all-gather, the reduce-scatter, a copy into fresh memory, a large allocation (a
-fresh buffer filled against a warm one, at two sizes: per allocation and per byte) and FSDP2's work
+fresh buffer filled against a warm one, at three sizes: per allocation, per byte on 4 KiB pages and on huge ones) and FSDP2's work
 per group (a step of tiny groups sharded over the two, less the same step unsharded: by the
 thread's CPU time, and by the wall time less the latency of its collectives, which the plan charges
 apart; the larger). Each collective is timed at two sizes, in sequences of several calls as a
@@ -30,6 +30,7 @@ from pathlib import Path
 from multigpu.errors import LaunchError
 from multigpu.launcher.affinity import core_share
 from multigpu.planning import _machine_probe_worker as worker
+from multigpu.planning.costs import SMALL_PAGE_BYTES
 from multigpu.planning.machine import MachineConstants, machine_key
 from multigpu.profiling.bandwidth import bus_factor
 from multigpu.runtime.worker_env import WorkerEnv
@@ -104,12 +105,21 @@ def _latency_and_busbw(kind: str, small_s: float, large_s: float) -> tuple[float
     return max(0.0, small_s - worker.SMALL * factor / busbw), busbw
 
 
-def _fresh_costs(figures: dict[str, float]) -> tuple[float, float]:
-    """(seconds per allocation, seconds per byte) a fresh buffer costs beyond a warm one, from the two sizes."""
-    small = max(0.0, figures["fresh_fill_small_s"] - figures["warm_fill_small_s"])
-    large = max(0.0, figures["fresh_fill_large_s"] - figures["warm_fill_large_s"])
-    per_byte = max(0.0, large - small) / (worker.FRESH_LARGE - worker.FRESH_SMALL)
-    return max(0.0, small - worker.FRESH_SMALL * per_byte), per_byte
+def _fresh_costs(figures: dict[str, float]) -> tuple[float, float, float]:
+    """(seconds per allocation, per byte on 4 KiB pages, per byte on huge pages) a fresh buffer costs beyond a
+    warm one: the two sizes under 2 MiB give the first two, the large one the third for its bytes past the
+    first :data:`~multigpu.planning.costs.SMALL_PAGE_BYTES` (a mapping at a 4 KiB boundary holds no huge page
+    until the first 2 MiB boundary, and none after the last: about 2 MiB of small pages in all)."""
+    fresh = {
+        label: max(0.0, figures[f"fresh_fill_{label}_s"] - figures[f"warm_fill_{label}_s"])
+        for label in ("small", "mid", "large")
+    }
+    per_byte = max(0.0, fresh["mid"] - fresh["small"]) / (worker.FRESH_MID - worker.FRESH_SMALL)
+    per_alloc = max(0.0, fresh["small"] - worker.FRESH_SMALL * per_byte)
+    on_huge = max(0.0, fresh["large"] - per_alloc - SMALL_PAGE_BYTES * per_byte) / (
+        worker.FRESH_LARGE - SMALL_PAGE_BYTES
+    )
+    return per_alloc, per_byte, min(on_huge, per_byte)
 
 
 def _fsdp_group_s(figures: dict[str, float], latency_s: float) -> float:
@@ -141,7 +151,7 @@ def probe_machine(*, timeout_s: float = 120.0) -> MachineConstants:
         (sharded["gather_small_s"] + sharded["scatter_small_s"]) / 2,
         (sharded["gather_large_s"] + sharded["scatter_large_s"]) / 2,
     )
-    fresh_alloc_s, fresh_byte_s = _fresh_costs(sharded)
+    fresh_alloc_s, fresh_byte_s, fresh_huge_byte_s = _fresh_costs(sharded)
     return MachineConstants(
         key=machine_key(),
         host=replace(host, fsdp_group_s=_fsdp_group_s(sharded, gather[0])),
@@ -154,6 +164,7 @@ def probe_machine(*, timeout_s: float = 120.0) -> MachineConstants:
         fresh_copy_bandwidth=2 * worker.LARGE / sharded["fresh_copy_s"],
         fresh_alloc_s=fresh_alloc_s,
         fresh_byte_s=fresh_byte_s,
+        fresh_huge_byte_s=fresh_huge_byte_s,
         ddp_step_s=plain["ddp_step_s"],
         source="measured here by multigpu advise (two gloo processes of one thread each)",
     )

@@ -9,8 +9,9 @@ sequences of :data:`SEQUENCE` calls, per call):
   to a step beyond its all-reduce (:func:`multigpu.planning.step_floors.ddp_step_s`);
 - ``sharded`` (started with fsdp's malloc settings): an all-gather and a reduce-scatter into
   fresh buffers, small and large (as FSDP2 allocates them every step), a copy into a fresh buffer,
-  a fresh buffer filled against a warm one of the same size at two sizes above the mmap threshold
-  (what each large allocation of a step costs there: the mapping, and a page fault per page), and
+  a fresh buffer filled against a warm one of the same size at three sizes above the mmap threshold
+  (what each large allocation of a step costs there: the mapping, a page fault per 4 KiB page, and
+  less per byte on the huge pages a buffer past 2 MiB gets), and
   FSDP2's work per group inside the group (``fsdp_step_*``: a training step of :data:`FSDP_GROUPS`
   tiny Linear blocks, each its own group sharded over both processes, and of the same stack
   unsharded; the calling thread's CPU time: FSDP2's own work; and the wall times of the two in
@@ -31,8 +32,10 @@ import torch.distributed as dist
 from multigpu.strategies.fsdp import release_mesh_groups
 
 SMALL, LARGE = 64 << 10, 4 << 20  # bytes of the whole array: the latency, and the bandwidth
-# bytes of a fresh buffer: both above fsdp's mmap threshold (128 KiB), spanning a step's activations
-FRESH_SMALL, FRESH_LARGE = 256 << 10, 4 << 20
+# bytes of a fresh buffer, all above fsdp's mmap threshold (128 KiB): two that hold no huge page (under 2 MiB: the
+# rate of a 4 KiB page, 1.4-1.6 us each here) and one whose bytes past its first 2 MiB or so sit on huge pages
+# (glibc.malloc.hugetlb=1 advises them; 0.5 us per 4 KiB of an 8 MiB buffer)
+FRESH_SMALL, FRESH_MID, FRESH_LARGE = 256 << 10, 1536 << 10, 8 << 20
 # Collectives are timed in sequences of this many, as a step issues them (a ddp step its buckets, an fsdp step
 # three per group), and the sequences' 25th percentile kept, the quantile --measure keeps of whole steps. On the
 # 2 development cores one all-reduce of 64 KiB between two bound processes took 0.22 ms at its 8th percentile
@@ -78,7 +81,7 @@ def _collectives(kind: str) -> dict[str, float]:
         out.update(_fsdp_steps(own))
         src = torch.ones(LARGE // 4)
         out["fresh_copy_s"] = own(lambda: torch.empty_like(src).copy_(src))
-        for label, nbytes in (("small", FRESH_SMALL), ("large", FRESH_LARGE)):
+        for label, nbytes in (("small", FRESH_SMALL), ("mid", FRESH_MID), ("large", FRESH_LARGE)):
             warm = torch.empty(nbytes // 4)
             out[f"fresh_fill_{label}_s"] = own(lambda: torch.empty(nbytes // 4).fill_(1.0))  # noqa: B023
             out[f"warm_fill_{label}_s"] = own(lambda: warm.fill_(1.0))  # noqa: B023

@@ -393,9 +393,34 @@ def fsdp_step(w: Workload, plat: Platform, chunks: Sequence[int]) -> StepTime:
     return StepTime(FSDP, n, tuple(chunks), sum(parts.values()), parts, allreduce_total_s=comm_total)
 
 
+SMALL_PAGE_BYTES = 2 << 20  # of a fresh allocation on 4 KiB pages: the rest sits on huge pages (see fresh_memory_s)
+
+
 def fresh_memory_s(w: Workload, plat: Platform, samples: int) -> float:
-    """Seconds one replica of ``samples`` spends mapping its step's large allocations anew (fsdp on a CPU)."""
-    return w.large_allocations * plat.fresh_alloc_s + samples * w.large_allocation_bytes_per_sample * plat.fresh_byte_s
+    """Seconds one replica of ``samples`` spends mapping its step's large allocations anew (fsdp on a CPU).
+
+    Each allocation pays the mapping, a page fault per 4 KiB page of its first :data:`SMALL_PAGE_BYTES`
+    and the huge pages' rate for the rest: a mapping starts at a 4 KiB boundary, and the pages from there to
+    the first 2 MiB boundary, and after the last one, cannot be huge (about 2 MiB in all). The allocations
+    are taken at their mean size (the workload counts them and their bytes).
+
+    Example:
+        >>> from multigpu.planning.hardware import Platform, measured_link
+        >>> plat = Platform(name="cpu", memory_bytes=None, memory_bandwidth=1e10, link=measured_link(1e9),
+        ...                 fresh_byte_s=1e-9, fresh_huge_byte_s=0.25e-9)
+        >>> w = Workload(name="net", params=1, compute_s_per_sample=1e-3, large_allocations=2,
+        ...              large_allocation_bytes_per_sample=4 << 20)
+        >>> round(fresh_memory_s(w, plat, 1) * 1e3, 3)  # two of 2 MiB: each on 4 KiB pages
+        4.194
+        >>> round(fresh_memory_s(w, plat, 4) * 1e3, 3)  # two of 8 MiB: 2 MiB at 1 ns a byte, 6 at 0.25
+        7.34
+    """
+    if not w.large_allocations:
+        return 0.0
+    each = samples * w.large_allocation_bytes_per_sample / w.large_allocations
+    on_small = min(each, SMALL_PAGE_BYTES)
+    huge = plat.fresh_byte_s if plat.fresh_huge_byte_s is None else plat.fresh_huge_byte_s
+    return w.large_allocations * (plat.fresh_alloc_s + on_small * plat.fresh_byte_s + (each - on_small) * huge)
 
 
 @dataclass(frozen=True)

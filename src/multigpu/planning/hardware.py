@@ -379,9 +379,11 @@ class Platform:
     gather_latency_s: float = 0.0
     sharded_copy_bandwidth: float | None = None
     # CPU, fsdp's processes (0 elsewhere): what one allocation at or above their mmap threshold costs
-    # beyond reusing memory, per allocation (the mapping) and per byte (a page fault per page).
+    # beyond reusing memory, per allocation (the mapping) and per byte: on 4 KiB pages (a page fault per
+    # page) and, for a buffer's bytes past its first 2 MiB or so, on huge pages (None: at the 4 KiB rate).
     fresh_alloc_s: float = 0.0
     fresh_byte_s: float = 0.0
+    fresh_huge_byte_s: float | None = None
     # CPU (measured; 0 elsewhere): what DDP adds to a step beyond its all-reduces (the reducer, its
     # hooks, two processes meeting at the all-reduce), planning.step_floors
     ddp_step_s: float = 0.0
@@ -400,9 +402,10 @@ class Platform:
             raise ConfigError(f"gather_busbw={self.gather_busbw} must be > 0 bytes/s (or None: the all-reduce's)")
         if self.ddp_step_s < 0:
             raise ConfigError(f"ddp_step_s={self.ddp_step_s} must be >= 0 seconds (0: nothing beyond the all-reduce)")
-        if self.fresh_alloc_s < 0 or self.fresh_byte_s < 0:
+        if self.fresh_alloc_s < 0 or self.fresh_byte_s < 0 or (self.fresh_huge_byte_s or 0.0) < 0:
             raise ConfigError(
-                f"fresh_alloc_s={self.fresh_alloc_s}, fresh_byte_s={self.fresh_byte_s} must be >= 0 seconds (0: free)"
+                f"fresh_alloc_s={self.fresh_alloc_s}, fresh_byte_s={self.fresh_byte_s}, fresh_huge_byte_s="
+                f"{self.fresh_huge_byte_s} must be >= 0 seconds (0: free; fresh_huge_byte_s None: fresh_byte_s)"
             )
         if self.single_speedup <= 0:
             raise ConfigError(f"single_speedup={self.single_speedup} must be > 0 (1: no faster alone)")

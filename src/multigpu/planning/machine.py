@@ -72,8 +72,8 @@ STEP_BOUND = 2.0
 FED_BACK = ("compute_scale", "thread_overhead_s", "allreduce_busbw", "fsdp_group_s")
 # of the file's layout; another version is measured again (3: FSDP2's work per group in a 2-process group;
 # 4: DDP's step floor, DataParallel's hand-off timed through the engine; 5: collectives timed in sequences
-# between bound processes)
-_VERSION = 5
+# between bound processes; 6: fresh memory on 4 KiB pages and on huge pages apart)
+_VERSION = 6
 CACHE_LIMIT = 1 << 20  # bytes: a cache file is a few kilobytes; anything larger is not one of ours
 _TURN_S = 30.0  # seconds another feedback may hold the cache folder (it holds it for milliseconds)
 
@@ -92,7 +92,8 @@ class MachineConstants:
     gather_busbw: float
     fresh_copy_bandwidth: float
     fresh_alloc_s: float = 0.0  # fsdp's processes: a large allocation beyond reused memory, per allocation
-    fresh_byte_s: float = 0.0  # and per byte (page faults)
+    fresh_byte_s: float = 0.0  # and per byte (page faults), on 4 KiB pages
+    fresh_huge_byte_s: float = 0.0  # per byte on huge pages (a buffer's bytes past its first 2 MiB or so)
     ddp_step_s: float = 0.0  # what DDP adds to a step beyond its all-reduces (planning.step_floors)
     feedback: dict[str, list[float]] = field(default_factory=dict)
     source: str = "measured here"
@@ -108,6 +109,7 @@ class MachineConstants:
             "gather_latency_s",
             "fresh_alloc_s",
             "fresh_byte_s",
+            "fresh_huge_byte_s",
             "ddp_step_s",
         ):
             if not (_finite(getattr(self, name)) and getattr(self, name) >= 0):
@@ -163,6 +165,7 @@ class MachineConstants:
             sharded_copy_bandwidth=self.fresh_copy_bandwidth,
             fresh_alloc_s=self.fresh_alloc_s,
             fresh_byte_s=self.fresh_byte_s,
+            fresh_huge_byte_s=self.fresh_huge_byte_s,
             ddp_step_s=self.ddp_step_s,
             single_speedup=single_speedup,
         )
